@@ -1,0 +1,162 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/dlock/dlock/lock"
+	"github.com/dlock/dlock/refcount"
+	"github.com/dlock/dlock/server"
+)
+
+// serveConfig is everything `dlock serve` can be told.
+type serveConfig struct {
+	listen   string
+	lock     lock.Config
+	refcount string
+	dataDir  string
+	logLevel slog.Level
+	// ready, when set, receives the bound address once the server accepts.
+	ready func(net.Addr)
+}
+
+func defaultDataDir() string {
+	if os.Geteuid() == 0 {
+		return "/var/lib/dlock"
+	}
+	if d := os.Getenv("XDG_STATE_HOME"); d != "" {
+		return filepath.Join(d, "dlock")
+	}
+	if h, err := os.UserHomeDir(); err == nil {
+		return filepath.Join(h, ".local", "state", "dlock")
+	}
+	return "dlock-state"
+}
+
+// parseServe reads flags, with DLOCK_… environment variables as fallback
+// (a flag on the command line wins).
+func parseServe(args []string, getenv func(string) string, stderr io.Writer) (serveConfig, error) {
+	c := serveConfig{lock: lock.DefaultConfig()}
+	fs := flag.NewFlagSet("dlock serve", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&c.listen, "listen", "127.0.0.1:7380", "address to listen on")
+	fs.IntVar(&c.lock.Shards, "shards", c.lock.Shards, "number of lock-manager shards")
+	fs.BoolVar(&c.lock.AllowMultiNodeDownload, "allow-multi-node-download", c.lock.AllowMultiNodeDownload, "queue nodes that ask for a held lock (false: refuse them with 409 lock_held)")
+	fs.BoolVar(&c.lock.UpdateRequiresNoRef, "update-requires-no-ref", false, "refuse updates of referenced resources (refcount=server)")
+	fs.StringVar(&c.refcount, "refcount", "off", "reference counting: off or server")
+	fs.DurationVar(&c.lock.CompletedRetention, "completed-retention", c.lock.CompletedRetention, "how long completion records are kept")
+	fs.DurationVar(&c.lock.SessionGrace, "session-grace", c.lock.SessionGrace, "how long a session outlives its last event stream")
+	fs.DurationVar(&c.lock.LockTTL, "lock-ttl", c.lock.LockTTL, "life of a ttl-leased hold or queue entry after its last renewal")
+	fs.DurationVar(&c.lock.ClaimTimeout, "claim-timeout", c.lock.ClaimTimeout, "time a hand-off grant waits for the new holder's /lock (0: off)")
+	fs.DurationVar(&c.lock.MaxHold, "max-hold", 0, "longest any grant may be held (0: unlimited)")
+	fs.IntVar(&c.lock.CompletedMax, "completed-max", c.lock.CompletedMax, "most completion records kept")
+	fs.StringVar(&c.dataDir, "data-dir", defaultDataDir(), "directory of durable state (refcount=server)")
+	fs.TextVar(&c.logLevel, "log-level", slog.LevelInfo, "log level: debug, info, warn or error")
+	if err := fs.Parse(args); err != nil {
+		return c, err
+	}
+	if fs.NArg() > 0 {
+		return c, fmt.Errorf("serve takes no arguments, got %q", fs.Args())
+	}
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	var errs []error
+	fs.VisitAll(func(f *flag.Flag) {
+		env := "DLOCK_" + strings.ToUpper(strings.ReplaceAll(f.Name, "-", "_"))
+		if set[f.Name] {
+			return
+		}
+		if v := getenv(env); v != "" {
+			if err := fs.Set(f.Name, v); err != nil {
+				errs = append(errs, fmt.Errorf("%s=%q: %v", env, v, err))
+			}
+		}
+	})
+	if err := errors.Join(errs...); err != nil {
+		return c, err
+	}
+	if c.refcount != "off" && c.refcount != "server" {
+		return c, fmt.Errorf("--refcount must be off or server, not %q", c.refcount)
+	}
+	if c.lock.UpdateRequiresNoRef && c.refcount != "server" {
+		return c, errors.New("--update-requires-no-ref needs --refcount=server")
+	}
+	if err := c.lock.Validate(); err != nil {
+		return c, err
+	}
+	if _, _, err := net.SplitHostPort(c.listen); err != nil {
+		return c, fmt.Errorf("--listen %q: %v", c.listen, err)
+	}
+	return c, nil
+}
+
+func serve(ctx context.Context, args []string, stderr io.Writer) error {
+	c, err := parseServe(args, os.Getenv, stderr)
+	if err != nil {
+		return err
+	}
+	return runServer(ctx, c, stderr)
+}
+
+func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {
+	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: c.logLevel}))
+	c.lock.Logger = log
+	if c.refcount == "server" {
+		path := filepath.Join(c.dataDir, "refcount.db")
+		store, err := refcount.OpenBolt(path)
+		if err != nil {
+			return err
+		}
+		defer store.Close()
+		c.lock.RefStore = store
+	}
+	m, err := lock.New(ctx, c.lock)
+	if err != nil {
+		return err
+	}
+	defer m.Close()
+	srv := server.New(m, server.Options{Logger: log})
+	ping := min(15*time.Second, c.lock.LockTTL/4)
+	ln, err := server.Listen(ctx, c.listen, ping)
+	if err != nil {
+		return err
+	}
+	hs := &http.Server{
+		Handler:           srv,
+		ReadHeaderTimeout: 10 * time.Second,
+		IdleTimeout:       2 * time.Minute,
+		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
+	}
+	log.Info("dlock serving", "addr", ln.Addr().String(), "epoch", m.Epoch(), "shards", c.lock.Shards,
+		"refcount", c.refcount, "multi_node_download", c.lock.AllowMultiNodeDownload)
+	if c.ready != nil {
+		c.ready(ln.Addr())
+	}
+	errc := make(chan error, 1)
+	go func() { errc <- hs.Serve(ln) }()
+	select {
+	case err := <-errc:
+		return err
+	case <-ctx.Done():
+	}
+	log.Info("shutting down: closing event streams, finishing requests")
+	srv.Drain()
+	sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := hs.Shutdown(sctx); err != nil {
+		return fmt.Errorf("shutdown: %w", err)
+	}
+	<-errc
+	log.Info("stopped")
+	return nil
+}

@@ -1,0 +1,400 @@
+// Package wire is dlock's HTTP wire format (SPEC §3): request and response
+// bodies, the parsing and validation of requests, event encoding, and the one
+// table that maps errors to status codes and codes back to errors, shared by
+// the server and the client so an error crosses the wire errors.Is-able.
+package wire
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/dlock/dlock/lock"
+)
+
+// EpochHeader carries the server's epoch on every response.
+const EpochHeader = "Dlock-Epoch"
+
+// MaxBody is the largest request body accepted.
+const MaxBody = 64 << 10
+
+// LockRequest is the body of POST /lock.
+type LockRequest struct {
+	Type       string `json:"type"`
+	ResourceID string `json:"resource_id"`
+	NodeID     string `json:"node_id"`
+	Lease      string `json:"lease,omitempty"`
+	SkipRecent bool   `json:"skip_recent,omitempty"`
+}
+
+// LockResponse is the 200 answer of POST /lock.
+type LockResponse struct {
+	Acquired bool   `json:"acquired"`
+	Queued   bool   `json:"queued"`
+	Skip     bool   `json:"skip"`
+	Token    uint64 `json:"token"`
+	Holder   string `json:"holder"`
+	Position int    `json:"position"`
+}
+
+// UnlockRequest is the body of POST /unlock. Success absent means
+// success = (Error == "").
+type UnlockRequest struct {
+	Type       string `json:"type"`
+	ResourceID string `json:"resource_id"`
+	NodeID     string `json:"node_id"`
+	Success    *bool  `json:"success,omitempty"`
+	Error      string `json:"error,omitempty"`
+	Token      uint64 `json:"token,omitempty"`
+}
+
+// UnlockResponse is the 200 answer of POST /unlock.
+type UnlockResponse struct {
+	Released   bool   `json:"released"`
+	NextHolder string `json:"next_holder"`
+	Replayed   bool   `json:"replayed,omitempty"`
+}
+
+// KeyRequest is the body of POST /cancel.
+type KeyRequest struct {
+	Type       string `json:"type"`
+	ResourceID string `json:"resource_id"`
+	NodeID     string `json:"node_id"`
+}
+
+// CancelResponse is the 200 answer of POST /cancel.
+type CancelResponse struct {
+	Dequeued bool `json:"dequeued"`
+	Released bool `json:"released"`
+}
+
+// Completion is a retained completion record.
+type Completion struct {
+	NodeID      string    `json:"node_id"`
+	Token       uint64    `json:"token"`
+	Success     bool      `json:"success"`
+	Error       string    `json:"error"`
+	CompletedAt time.Time `json:"completed_at"`
+}
+
+// StatusResponse is the answer of GET /status.
+type StatusResponse struct {
+	Type          string      `json:"type"`
+	ResourceID    string      `json:"resource_id"`
+	State         string      `json:"state"`
+	Holder        string      `json:"holder"`
+	Token         uint64      `json:"token"`
+	AcquiredAt    string      `json:"acquired_at"`
+	QueueLength   int         `json:"queue_length"`
+	Position      int         `json:"position"`
+	LastCompleted *Completion `json:"last_completed"`
+}
+
+// RefRequest is the body of POST /refcount/add and /refcount/release.
+type RefRequest struct {
+	ResourceID string `json:"resource_id,omitempty"`
+	NodeID     string `json:"node_id"`
+}
+
+// RefCountResponse is a resource's references.
+type RefCountResponse struct {
+	ResourceID string   `json:"resource_id"`
+	Count      int      `json:"count"`
+	Nodes      []string `json:"nodes"`
+}
+
+// ReleaseNodeResponse answers a release of every reference of a node.
+type ReleaseNodeResponse struct {
+	NodeID   string `json:"node_id"`
+	Released int    `json:"released"`
+}
+
+// Event is the data of an SSE event, as a client decodes it.
+type Event struct {
+	Event       string    `json:"event"`
+	Type        string    `json:"type,omitempty"`
+	ResourceID  string    `json:"resource_id,omitempty"`
+	NodeID      string    `json:"node_id"`
+	Epoch       string    `json:"epoch,omitempty"`
+	Token       uint64    `json:"token,omitempty"`
+	Success     bool      `json:"success,omitempty"`
+	Error       string    `json:"error,omitempty"`
+	CompletedAt time.Time `json:"completed_at,omitzero"`
+	NextHolder  string    `json:"next_holder,omitempty"`
+}
+
+// Status converts a lock.Status to its wire form.
+func Status(st lock.Status) StatusResponse {
+	r := StatusResponse{
+		Type:        st.Key.Type.String(),
+		ResourceID:  st.Key.Resource,
+		State:       "free",
+		Token:       st.Token,
+		QueueLength: st.QueueLength,
+		Position:    st.Position,
+	}
+	if st.Held {
+		r.State, r.Holder, r.AcquiredAt = "held", st.Holder, st.AcquiredAt.UTC().Format(time.RFC3339Nano)
+	}
+	if c := st.LastCompleted; c != nil {
+		r.LastCompleted = &Completion{NodeID: c.Node, Token: c.Token, Success: c.Success, Error: c.Error, CompletedAt: c.CompletedAt.UTC()}
+	}
+	return r
+}
+
+// decode reads one JSON object into v. Unknown fields are ignored: the
+// seeds' clients send fields of their own.
+func decode(data []byte, v any) error {
+	if len(bytes.TrimSpace(data)) == 0 {
+		return fmt.Errorf("%w: request body is empty", lock.ErrInvalid)
+	}
+	dec := json.NewDecoder(bytes.NewReader(data))
+	if err := dec.Decode(v); err != nil {
+		var te *json.UnmarshalTypeError
+		if errors.As(err, &te) && te.Field != "" {
+			return fmt.Errorf("%w: field %s must be a JSON %s", lock.ErrInvalid, te.Field, te.Type)
+		}
+		return fmt.Errorf("%w: malformed JSON: %s", lock.ErrInvalid, sanitize(err.Error()))
+	}
+	if _, err := dec.Token(); err != io.EOF {
+		return fmt.Errorf("%w: trailing data after the JSON object", lock.ErrInvalid)
+	}
+	return nil
+}
+
+// sanitize keeps a JSON error's text from reading like a network error to
+// the seeds' client, which retries any message that mentions "EOF".
+func sanitize(s string) string {
+	if s == "unexpected EOF" {
+		return "the JSON ends early"
+	}
+	return s
+}
+
+// ParseLock decodes and validates a /lock body.
+func ParseLock(data []byte) (lock.LockRequest, error) {
+	var w LockRequest
+	if err := decode(data, &w); err != nil {
+		return lock.LockRequest{}, err
+	}
+	t, err := lock.ParseType(w.Type)
+	if err != nil {
+		return lock.LockRequest{}, err
+	}
+	lease, err := lock.ParseLease(w.Lease)
+	if err != nil {
+		return lock.LockRequest{}, err
+	}
+	r := lock.LockRequest{Type: t, Resource: w.ResourceID, Node: w.NodeID, Lease: lease, SkipRecent: w.SkipRecent}
+	return r, r.Validate()
+}
+
+// ParseUnlock decodes and validates an /unlock body.
+func ParseUnlock(data []byte) (lock.UnlockRequest, error) {
+	var w UnlockRequest
+	if err := decode(data, &w); err != nil {
+		return lock.UnlockRequest{}, err
+	}
+	t, err := lock.ParseType(w.Type)
+	if err != nil {
+		return lock.UnlockRequest{}, err
+	}
+	success := w.Error == ""
+	if w.Success != nil {
+		success = *w.Success
+	}
+	r := lock.UnlockRequest{Type: t, Resource: w.ResourceID, Node: w.NodeID, Success: success, Error: w.Error, Token: w.Token}
+	return r, r.Validate()
+}
+
+// ParseKey decodes and validates a /cancel body.
+func ParseKey(data []byte) (lock.Key, string, error) {
+	var w KeyRequest
+	if err := decode(data, &w); err != nil {
+		return lock.Key{}, "", err
+	}
+	t, err := lock.ParseType(w.Type)
+	if err != nil {
+		return lock.Key{}, "", err
+	}
+	if err := lock.ValidateResource(w.ResourceID); err != nil {
+		return lock.Key{}, "", err
+	}
+	return lock.Key{Type: t, Resource: w.ResourceID}, w.NodeID, lock.ValidateNode(w.NodeID)
+}
+
+// ParseRef decodes and validates a /refcount/add or /refcount/release body.
+// With allowNoResource, an absent resource_id is accepted (release-all).
+func ParseRef(data []byte, allowNoResource bool) (RefRequest, error) {
+	var w RefRequest
+	if err := decode(data, &w); err != nil {
+		return w, err
+	}
+	if err := lock.ValidateNode(w.NodeID); err != nil {
+		return w, err
+	}
+	if w.ResourceID == "" && allowNoResource {
+		return w, nil
+	}
+	return w, lock.ValidateResource(w.ResourceID)
+}
+
+// AppendEventData appends the JSON data of ev (SPEC §3).
+func AppendEventData(b []byte, ev *lock.Event) []byte {
+	b = append(b, `{"event":`...)
+	b = strconv.AppendQuote(b, ev.Name)
+	b = append(b, `,"type":"`...)
+	b = append(b, ev.Key.Type.String()...)
+	b = append(b, `","resource_id":`...)
+	b = appendString(b, ev.Key.Resource)
+	b = append(b, `,"node_id":`...)
+	b = appendString(b, ev.Node)
+	if ev.Name == lock.EventLockAssigned {
+		b = append(b, `,"token":`...)
+		b = strconv.AppendUint(b, ev.Token, 10)
+		return append(b, '}')
+	}
+	b = append(b, `,"success":`...)
+	b = strconv.AppendBool(b, ev.Success)
+	b = append(b, `,"error":`...)
+	b = appendString(b, ev.Error)
+	b = append(b, `,"completed_at":"`...)
+	b = ev.CompletedAt.UTC().AppendFormat(b, time.RFC3339Nano)
+	b = append(b, `","next_holder":`...)
+	b = appendString(b, ev.NextHolder)
+	return append(b, '}')
+}
+
+// AppendSubscribed appends the data of the subscribed event: exactly
+// node_id and epoch besides the name, never type or resource_id.
+func AppendSubscribed(b []byte, node, epoch string) []byte {
+	b = append(b, `{"event":"subscribed","node_id":`...)
+	b = appendString(b, node)
+	b = append(b, `,"epoch":`...)
+	b = appendString(b, epoch)
+	return append(b, '}')
+}
+
+// appendString appends s as a JSON string. Identifiers have no control
+// characters, but error texts might.
+func appendString(b []byte, s string) []byte {
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c < 0x20 || c == '"' || c == '\\' || c >= 0x80 {
+			enc, _ := json.Marshal(s)
+			return append(b, enc...)
+		}
+	}
+	b = append(b, '"')
+	b = append(b, s...)
+	return append(b, '"')
+}
+
+// Error is every error body: error and message carry the same text (the
+// seeds' client reads message).
+type Error struct {
+	Error   string `json:"error"`
+	Code    string `json:"code"`
+	Message string `json:"message"`
+	Holder  string `json:"holder,omitempty"`
+}
+
+// Error codes.
+const (
+	CodeInvalid          = "invalid_request"
+	CodeTooLarge         = "too_large"
+	CodeMethodNotAllowed = "method_not_allowed"
+	CodeNotFound         = "not_found"
+	CodeLockHeld         = "lock_held"
+	CodeNotHolder        = "not_holder"
+	CodeStaleToken       = "stale_token"
+	CodeInUse            = "in_use"
+	CodeDeleting         = "deleting"
+	CodeUpdating         = "updating"
+	CodeUnavailable      = "unavailable"
+	CodeInternal         = "internal"
+)
+
+// ErrNotFound is an unknown path, or a refcount endpoint with refcount off.
+var ErrNotFound = errors.New("not found")
+
+// ErrTooLarge is a request body over MaxBody.
+var ErrTooLarge = errors.New("request body is larger than 64 KiB")
+
+// ErrMethodNotAllowed is a known path with the wrong method.
+var ErrMethodNotAllowed = errors.New("method not allowed")
+
+// ErrUnavailable is a server that is shutting down.
+var ErrUnavailable = errors.New("server is shutting down")
+
+var codes = []struct {
+	err    error
+	code   string
+	status int
+}{
+	{lock.ErrInvalid, CodeInvalid, http.StatusBadRequest},
+	{ErrTooLarge, CodeTooLarge, http.StatusRequestEntityTooLarge},
+	{ErrMethodNotAllowed, CodeMethodNotAllowed, http.StatusMethodNotAllowed},
+	{ErrNotFound, CodeNotFound, http.StatusNotFound},
+	{lock.ErrRefCountOff, CodeNotFound, http.StatusNotFound},
+	{lock.ErrLockHeld, CodeLockHeld, http.StatusConflict},
+	{lock.ErrNotHolder, CodeNotHolder, http.StatusForbidden},
+	{lock.ErrStaleToken, CodeStaleToken, http.StatusConflict},
+	{lock.ErrInUse, CodeInUse, http.StatusConflict},
+	{lock.ErrDeleting, CodeDeleting, http.StatusConflict},
+	{lock.ErrUpdating, CodeUpdating, http.StatusConflict},
+	{lock.ErrClosed, CodeUnavailable, http.StatusServiceUnavailable},
+	{ErrUnavailable, CodeUnavailable, http.StatusServiceUnavailable},
+}
+
+// ErrorBody maps err to its status code and body.
+func ErrorBody(err error) (int, Error) {
+	body := Error{Error: err.Error(), Message: err.Error(), Code: CodeInternal}
+	if he, ok := errors.AsType[*lock.HeldError](err); ok {
+		body.Holder = he.Holder
+	}
+	for _, c := range codes {
+		if errors.Is(err, c.err) {
+			body.Code = c.code
+			return c.status, body
+		}
+	}
+	return http.StatusInternalServerError, body
+}
+
+// ErrorFor turns an error body back into an error that matches the sentinel
+// of its code with errors.Is and carries the server's message.
+func ErrorFor(status int, body Error) error {
+	msg := body.Message
+	if msg == "" {
+		msg = body.Error
+	}
+	if body.Code == CodeLockHeld && body.Holder != "" {
+		return fmt.Errorf("dlock: %w", &lock.HeldError{Holder: body.Holder})
+	}
+	for _, c := range codes {
+		if c.code == body.Code {
+			return &RemoteError{Status: status, Code: body.Code, Message: msg, err: c.err}
+		}
+	}
+	return &RemoteError{Status: status, Code: body.Code, Message: msg}
+}
+
+// RemoteError is an error answered by a dlock server.
+type RemoteError struct {
+	Status  int
+	Code    string
+	Message string
+	err     error
+}
+
+func (e *RemoteError) Error() string {
+	return fmt.Sprintf("dlock: %s (%d %s)", e.Message, e.Status, e.Code)
+}
+
+// Unwrap returns the sentinel of the error's code.
+func (e *RemoteError) Unwrap() error { return e.err }

@@ -1,0 +1,94 @@
+package lock
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+)
+
+// Config configures a Manager. Start from DefaultConfig.
+type Config struct {
+	// Shards is the number of shards keys are spread over.
+	Shards int
+	// AllowMultiNodeDownload queues a node that asks for a held key; when
+	// false such a request is refused with ErrLockHeld.
+	AllowMultiNodeDownload bool
+	// UpdateRequiresNoRef refuses updates while a resource is referenced
+	// (server-side reference counting only).
+	UpdateRequiresNoRef bool
+	// CompletedRetention is how long a completion record is kept.
+	CompletedRetention time.Duration
+	// CompletedMax bounds the number of completion records kept in all.
+	CompletedMax int
+	// SessionGrace is how long a session outlives its last event stream.
+	SessionGrace time.Duration
+	// LockTTL is the life of a ttl-leased hold or queue entry after its
+	// grant or last renewal.
+	LockTTL time.Duration
+	// ClaimTimeout is how long a hand-off grant waits for the new holder's
+	// confirming TryLock; 0 turns the check off.
+	ClaimTimeout time.Duration
+	// MaxHold bounds how long any grant may be held; 0 means unlimited.
+	MaxHold time.Duration
+	// StreamBuffer is the number of undelivered events a stream may have
+	// before it is closed as too slow.
+	StreamBuffer int
+	// SessionLog is the number of recent events a session keeps so that a
+	// reconnecting stream can replay what it missed.
+	SessionLog int
+	// RefStore, when not nil, turns on server-side reference counting and
+	// makes references durable in it.
+	RefStore RefStore
+	// Logger receives one line per grant and hand-off (debug), expiry and
+	// session loss (info). Nil discards.
+	Logger *slog.Logger
+}
+
+// DefaultConfig returns the defaults of SPEC §4.
+func DefaultConfig() Config {
+	return Config{
+		Shards:                 32,
+		AllowMultiNodeDownload: true,
+		CompletedRetention:     5 * time.Minute,
+		CompletedMax:           100000,
+		SessionGrace:           5 * time.Second,
+		LockTTL:                60 * time.Second,
+		ClaimTimeout:           30 * time.Second,
+		StreamBuffer:           1024,
+		SessionLog:             4096,
+	}
+}
+
+// Validate reports the first setting that cannot work.
+func (c Config) Validate() error {
+	var errs []error
+	if c.Shards < 1 || c.Shards > 1<<16 {
+		errs = append(errs, fmt.Errorf("shards must be between 1 and 65536, not %d", c.Shards))
+	}
+	if c.CompletedRetention < 0 {
+		errs = append(errs, fmt.Errorf("completed retention must not be negative, not %v", c.CompletedRetention))
+	}
+	if c.CompletedMax < 0 {
+		errs = append(errs, fmt.Errorf("completed max must not be negative, not %d", c.CompletedMax))
+	}
+	if c.SessionGrace <= 0 {
+		errs = append(errs, fmt.Errorf("session grace must be positive, not %v", c.SessionGrace))
+	}
+	if c.LockTTL <= 0 {
+		errs = append(errs, fmt.Errorf("lock ttl must be positive, not %v", c.LockTTL))
+	}
+	if c.ClaimTimeout < 0 {
+		errs = append(errs, fmt.Errorf("claim timeout must not be negative, not %v", c.ClaimTimeout))
+	}
+	if c.MaxHold < 0 {
+		errs = append(errs, fmt.Errorf("max hold must not be negative, not %v", c.MaxHold))
+	}
+	if c.StreamBuffer < 1 {
+		errs = append(errs, fmt.Errorf("stream buffer must be at least 1, not %d", c.StreamBuffer))
+	}
+	if c.SessionLog < 1 {
+		errs = append(errs, fmt.Errorf("session log must be at least 1, not %d", c.SessionLog))
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,373 @@
+package lock
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"hash/fnv"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Manager is the sharded in-memory lock manager. It is safe for concurrent use.
+type Manager struct {
+	cfg       Config
+	log       *slog.Logger
+	epoch     string
+	shards    []*shard
+	recordCap int // completion records kept per shard
+
+	sess sessionTable
+	obs  observerTable
+	seq  atomic.Uint64 // event ids, shared by every stream
+
+	refVersion atomic.Uint64 // last version given to a reference change
+
+	sessionsLost atomic.Uint64
+	slowStreams  atomic.Uint64
+
+	// closeMu is held for reading by every timer callback, so that Close,
+	// holding it for writing, knows no callback is running after it.
+	closeMu sync.RWMutex
+	closed  atomic.Bool
+}
+
+// New returns a Manager. With cfg.RefStore set it loads the stored references.
+func New(ctx context.Context, cfg Config) (*Manager, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("lock: %w", err)
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	m := &Manager{
+		cfg:    cfg,
+		log:    log,
+		epoch:  hex.EncodeToString(b[:]),
+		shards: make([]*shard, cfg.Shards),
+	}
+	m.sess.m = make(map[string]*session)
+	m.obs.m = make(map[Key][]*Stream)
+	if cfg.CompletedRetention > 0 && cfg.CompletedMax > 0 {
+		m.recordCap = max(1, cfg.CompletedMax/cfg.Shards)
+	}
+	for i := range m.shards {
+		m.shards[i] = &shard{m: m, keys: make(map[Key]*keyState)}
+		if cfg.RefStore != nil {
+			m.shards[i].refs = make(map[string]*refState)
+		}
+	}
+	if cfg.RefStore != nil {
+		if err := m.loadRefs(ctx); err != nil {
+			return nil, err
+		}
+	}
+	return m, nil
+}
+
+// Epoch is a random id chosen when the manager was created: a client that
+// sees it change knows that every hold, queue entry and session is gone.
+func (m *Manager) Epoch() string { return m.epoch }
+
+// Config returns the configuration the manager runs with.
+func (m *Manager) Config() Config { return m.cfg }
+
+// RefCounting reports whether server-side reference counting is on.
+func (m *Manager) RefCounting() bool { return m.cfg.RefStore != nil }
+
+// Close stops every timer and closes every stream. Calls after Close return
+// ErrClosed. It does not close the RefStore.
+func (m *Manager) Close() error {
+	m.closeMu.Lock()
+	already := m.closed.Swap(true)
+	m.closeMu.Unlock()
+	if already {
+		return nil
+	}
+	for _, s := range m.shards {
+		s.mu.Lock()
+		if s.timer != nil {
+			s.timer.Stop()
+		}
+		s.mu.Unlock()
+	}
+	m.sess.mu.Lock()
+	var streams []*Stream
+	for _, s := range m.sess.m {
+		s.mu.Lock()
+		if s.grace != nil {
+			s.grace.Stop()
+		}
+		streams = append(streams, s.streams...)
+		s.mu.Unlock()
+	}
+	m.sess.mu.Unlock()
+	m.obs.mu.RLock()
+	for _, l := range m.obs.m {
+		streams = append(streams, l...)
+	}
+	m.obs.mu.RUnlock()
+	for _, st := range streams {
+		st.Close()
+	}
+	return nil
+}
+
+func (m *Manager) shardFor(resource string) *shard {
+	if len(m.shards) == 1 {
+		return m.shards[0]
+	}
+	return m.shards[ShardIndex(resource, len(m.shards))]
+}
+
+// ShardIndex is FNV-1a-32 of the resource modulo n (SPEC §1).
+func ShardIndex(resource string, n int) int {
+	h := fnv.New32a()
+	_, _ = h.Write([]byte(resource))
+	return int(h.Sum32() % uint32(n))
+}
+
+// TryLock grants, queues or refuses a lock request (SPEC §2). It blocks only
+// to make a reference change durable, never to wait for the lock.
+func (m *Manager) TryLock(ctx context.Context, req LockRequest) (LockResult, error) {
+	if err := req.Validate(); err != nil {
+		return LockResult{}, err
+	}
+	if m.closed.Load() {
+		return LockResult{}, ErrClosed
+	}
+	s := m.shardFor(req.Resource)
+	k := req.Key()
+	s.mu.Lock()
+	t := s.begin()
+	ks := s.keys[k]
+	if ks != nil {
+		if h := ks.holder; h != nil && h.node == req.Node {
+			// A retry whose answer was lost, a renewal, or the confirmation
+			// of a hand-off grant.
+			s.renew(&t, h, req.Lease)
+			h.claimAt = time.Time{}
+			s.reschedule(h)
+			res := LockResult{Acquired: true, Token: h.token, Holder: h.node}
+			s.commit(ctx, t)
+			return res, nil
+		}
+		if e := ks.queued[req.Node]; e != nil {
+			s.renew(&t, e, req.Lease)
+			s.reschedule(e)
+			res := LockResult{Queued: true, Holder: ks.holder.node, Position: ks.position(e)}
+			s.commit(ctx, t)
+			return res, nil
+		}
+	}
+	if s.refs != nil {
+		if err := s.refConflict(k); err != nil {
+			s.mu.Unlock()
+			return LockResult{}, err
+		}
+	}
+	if req.SkipRecent && k.Type != Update && ks != nil && ks.holder == nil && ks.recentSuccess(t.now, m.cfg.CompletedRetention) {
+		res := LockResult{Skip: true}
+		s.mu.Unlock()
+		return res, nil
+	}
+	if ks != nil && ks.holder != nil && !m.cfg.AllowMultiNodeDownload {
+		holder := ks.holder.node
+		s.mu.Unlock()
+		return LockResult{}, &HeldError{Holder: holder}
+	}
+	if ks == nil {
+		ks = &keyState{key: k}
+		s.keys[k] = ks
+	}
+	e := &entry{node: req.Node, ks: ks, hidx: -1}
+	m.attach(e, req.Lease)
+	var res LockResult
+	if ks.holder == nil {
+		s.grant(&t, ks, e, false)
+		res = LockResult{Acquired: true, Token: e.token, Holder: e.node}
+	} else {
+		s.enqueue(&t, ks, e)
+		res = LockResult{Queued: true, Holder: ks.holder.node, Position: len(ks.queue)}
+	}
+	s.commit(ctx, t)
+	return res, nil
+}
+
+// Unlock ends a hold (SPEC §2): success of a pull or delete clears the queue
+// and tells every waiter the work is done; anything else hands the lock to
+// the queue head.
+func (m *Manager) Unlock(ctx context.Context, req UnlockRequest) (UnlockResult, error) {
+	if err := req.Validate(); err != nil {
+		return UnlockResult{}, err
+	}
+	if m.closed.Load() {
+		return UnlockResult{}, ErrClosed
+	}
+	s := m.shardFor(req.Resource)
+	s.mu.Lock()
+	t := s.begin()
+	ks := s.keys[req.Key()]
+	if ks == nil || ks.holder == nil || ks.holder.node != req.Node {
+		if ks != nil && ks.replays(req, t.now, m.cfg.CompletedRetention) {
+			res := UnlockResult{NextHolder: ks.rec.next, Replayed: true}
+			s.mu.Unlock()
+			return res, nil
+		}
+		s.mu.Unlock()
+		return UnlockResult{}, ErrNotHolder
+	}
+	if req.Token != 0 && req.Token != ks.holder.token {
+		s.mu.Unlock()
+		return UnlockResult{}, fmt.Errorf("%w: sent %d, current grant is %d", ErrStaleToken, req.Token, ks.holder.token)
+	}
+	next := s.release(&t, ks, req.Success, req.Error, true)
+	err := s.commit(ctx, t)
+	return UnlockResult{NextHolder: next}, err
+}
+
+// Cancel removes node from the key's queue, or, if node holds the key,
+// releases it as a failure with error "cancelled".
+func (m *Manager) Cancel(ctx context.Context, t Type, resource, node string) (CancelResult, error) {
+	if err := validateKey(t, resource, node); err != nil {
+		return CancelResult{}, err
+	}
+	if m.closed.Load() {
+		return CancelResult{}, ErrClosed
+	}
+	s := m.shardFor(resource)
+	s.mu.Lock()
+	tx := s.begin()
+	ks := s.keys[Key{t, resource}]
+	var res CancelResult
+	switch {
+	case ks == nil:
+	case ks.holder != nil && ks.holder.node == node:
+		s.release(&tx, ks, false, "cancelled", false)
+		res.Released = true
+	case ks.queued[node] != nil:
+		s.dequeue(ks, ks.queued[node])
+		res.Dequeued = true
+	}
+	err := s.commit(ctx, tx)
+	return res, err
+}
+
+// Status describes a key. A non-empty node renews that node's ttl lease on
+// the key, as a /lock would, and gets its queue position.
+func (m *Manager) Status(t Type, resource, node string) (Status, error) {
+	if err := validateKey(t, resource, "-"); err != nil {
+		return Status{}, err
+	}
+	if node != "" {
+		if err := ValidateNode(node); err != nil {
+			return Status{}, err
+		}
+	}
+	k := Key{t, resource}
+	s := m.shardFor(resource)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	st := Status{Key: k}
+	ks := s.keys[k]
+	if ks == nil {
+		return st, nil
+	}
+	now := time.Now()
+	st.Token = ks.lastToken
+	st.QueueLength = len(ks.queue)
+	if h := ks.holder; h != nil {
+		st.Held, st.Holder, st.AcquiredAt = true, h.node, h.grantedAt
+		if node == h.node && h.lease == LeaseTTL {
+			h.ttlAt = now.Add(m.cfg.LockTTL)
+			s.reschedule(h)
+		}
+	}
+	if e := ks.queued[node]; e != nil {
+		st.Position = ks.position(e)
+		if e.lease == LeaseTTL {
+			e.ttlAt = now.Add(m.cfg.LockTTL)
+			s.reschedule(e)
+		}
+	}
+	if ks.hasRec && ks.rec.retained(now, m.cfg.CompletedRetention) {
+		c := ks.rec.Completion
+		st.LastCompleted = &c
+	}
+	return st, nil
+}
+
+// Stats is a snapshot of the manager's gauges and counters.
+type Stats struct {
+	Keys         int    // keys with a holder, a queue or a completion record
+	Held         int    // keys with a holder
+	Queued       int    // queue entries
+	Sessions     int    // open sessions, streaming or in grace
+	Grants       uint64 // grants, direct and by hand-off
+	Handoffs     uint64 // grants by hand-off
+	Expiries     uint64 // holds and queue entries ended by a lease
+	SessionsLost uint64 // sessions ended by their grace running out
+	SlowStreams  uint64 // streams closed for not keeping up
+}
+
+// Stats returns current gauges and counters.
+func (m *Manager) Stats() Stats {
+	var st Stats
+	for _, s := range m.shards {
+		s.mu.Lock()
+		st.Keys += len(s.keys)
+		st.Held += s.held
+		st.Queued += s.queued
+		st.Grants += s.grants
+		st.Handoffs += s.handoffs
+		st.Expiries += s.expiries
+		s.mu.Unlock()
+	}
+	st.Sessions = int(m.sess.n.Load())
+	st.SessionsLost = m.sessionsLost.Load()
+	st.SlowStreams = m.slowStreams.Load()
+	return st
+}
+
+// attach resolves e's lease and, for a session lease, records e's key in the
+// node's session so that the session's end can find it. Called under the
+// shard mutex (lock order: shard, session table, session).
+func (m *Manager) attach(e *entry, want Lease) {
+	if want == LeaseTTL || (want == LeaseAuto && m.sess.n.Load() == 0) {
+		e.lease = LeaseTTL
+		return
+	}
+	m.sess.mu.Lock()
+	s := m.sess.m[e.node]
+	if s == nil {
+		if want == LeaseAuto {
+			m.sess.mu.Unlock()
+			e.lease = LeaseTTL
+			return
+		}
+		// A session lease asked for without a stream starts the session in
+		// grace: a stream must open before it runs out.
+		s = m.newSessionLocked(e.node)
+		s.startGrace(m)
+	}
+	s.mu.Lock()
+	s.keys[e.ks.key] = struct{}{}
+	s.mu.Unlock()
+	m.sess.mu.Unlock()
+	e.lease, e.sess = LeaseSession, s
+}
+
+func (m *Manager) detach(e *entry) {
+	if s := e.sess; s != nil {
+		s.mu.Lock()
+		delete(s.keys, e.ks.key)
+		s.mu.Unlock()
+		e.sess = nil
+	}
+}

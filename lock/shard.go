@@ -1,0 +1,474 @@
+package lock
+
+import (
+	"context"
+	"log/slog"
+	"sync"
+	"time"
+)
+
+// shard owns the keys of the resources that hash to it. Every field below mu
+// is guarded by mu.
+type shard struct {
+	m *Manager
+
+	mu      sync.Mutex
+	keys    map[Key]*keyState
+	leases  deadlineHeap
+	timer   *time.Timer
+	timerAt time.Time // when timer fires; zero when it is idle
+	records recordQueue
+	refs    map[string]*refState // nil when reference counting is off
+
+	held, queued               int
+	grants, handoffs, expiries uint64
+
+	out outbox
+}
+
+// keyState is one key's holder, queue and retained completion record.
+type keyState struct {
+	key       Key
+	holder    *entry
+	queue     []*entry
+	queued    map[string]*entry // node → its queue entry; nil while the queue is empty
+	lastToken uint64
+	hasRec    bool
+	rec       record
+}
+
+// record is a completion record and what the server needs to replay an
+// unlock whose answer was lost.
+type record struct {
+	Completion
+	viaUnlock bool   // written by the holder's own /unlock
+	next      string // the next_holder that unlock answered
+}
+
+func (r *record) retained(now time.Time, retention time.Duration) bool {
+	return now.Sub(r.CompletedAt) < retention
+}
+
+func (ks *keyState) recentSuccess(now time.Time, retention time.Duration) bool {
+	return ks.hasRec && ks.rec.Success && ks.rec.retained(now, retention)
+}
+
+// replays reports whether req repeats the unlock that wrote the retained record.
+func (ks *keyState) replays(req UnlockRequest, now time.Time, retention time.Duration) bool {
+	r := &ks.rec
+	return ks.hasRec && r.viaUnlock && r.Node == req.Node && r.Success == req.Success &&
+		(req.Token == 0 || req.Token == r.Token) && r.retained(now, retention)
+}
+
+func (ks *keyState) position(e *entry) int {
+	for i, q := range ks.queue {
+		if q == e {
+			return i + 1
+		}
+	}
+	return 0
+}
+
+// entry is a holder or a queue entry: a queue entry becomes the holder on a
+// hand-off, keeping its lease.
+type entry struct {
+	node      string
+	ks        *keyState
+	lease     Lease    // LeaseSession or LeaseTTL once attached
+	sess      *session // the session that keeps a LeaseSession entry alive
+	token     uint64
+	grantedAt time.Time
+	ttlAt     time.Time // ttl lease deadline; zero for a session lease
+	claimAt   time.Time // hand-off must be confirmed by then; zero once confirmed
+	maxAt     time.Time // max_hold deadline; zero when unlimited
+	at        time.Time // earliest of the above: the entry's place in the heap
+	hidx      int       // index in the shard's heap, -1 when not in it
+}
+
+// txn collects what a transition must do after the shard mutex is released:
+// make reference changes durable, deliver events, write log lines.
+type txn struct {
+	now    time.Time
+	notify bool // someone may listen: build events
+	items  []item
+	saves  []refSave
+	logs   []logLine
+}
+
+type logLine struct {
+	level slog.Level
+	msg   string
+	key   Key
+	node  string
+	token uint64
+	why   string
+}
+
+func (s *shard) begin() txn {
+	m := s.m
+	return txn{now: time.Now(), notify: m.sess.n.Load() > 0 || m.obs.n.Load() > 0}
+}
+
+// commit releases the shard mutex, then makes the transition's reference
+// changes durable, then lets its events go out, in that order (SPEC §5).
+func (s *shard) commit(ctx context.Context, t txn) error {
+	var b *batch
+	if len(t.items) > 0 {
+		b = &batch{items: t.items, ready: len(t.saves) == 0}
+		s.out.push(b)
+	}
+	s.mu.Unlock()
+	var err error
+	if len(t.saves) > 0 {
+		err = s.m.persist(context.WithoutCancel(ctx), t.saves)
+		if b != nil {
+			s.out.markReady(b)
+		}
+	}
+	if b != nil {
+		s.out.drain(s.m.deliver)
+	}
+	for _, l := range t.logs {
+		s.m.log.Log(ctx, l.level, l.msg, "key", l.key.String(), "node", l.node, "token", l.token, "reason", l.why)
+	}
+	return err
+}
+
+func (s *shard) logf(t *txn, level slog.Level, msg string, k Key, node string, token uint64, why string) {
+	if s.m.log.Enabled(context.Background(), level) {
+		t.logs = append(t.logs, logLine{level, msg, k, node, token, why})
+	}
+}
+
+// grant makes e the holder of ks with a new fencing token.
+func (s *shard) grant(t *txn, ks *keyState, e *entry, handoff bool) {
+	cfg := &s.m.cfg
+	token := max(ks.lastToken+1, uint64(t.now.UnixMicro()))
+	ks.lastToken = token
+	ks.holder = e
+	e.token = token
+	e.grantedAt = t.now
+	e.claimAt, e.maxAt = time.Time{}, time.Time{}
+	if handoff && cfg.ClaimTimeout > 0 {
+		e.claimAt = t.now.Add(cfg.ClaimTimeout)
+	}
+	if cfg.MaxHold > 0 {
+		e.maxAt = t.now.Add(cfg.MaxHold)
+	}
+	if e.lease == LeaseTTL {
+		e.ttlAt = t.now.Add(cfg.LockTTL)
+	}
+	s.reschedule(e)
+	s.held++
+	s.grants++
+	msg := "grant"
+	if handoff {
+		s.handoffs++
+		msg = "hand-off"
+	}
+	if t.notify {
+		t.items = append(t.items, item{
+			ev:        &Event{Name: EventLockAssigned, Key: ks.key, Node: e.node, Token: token},
+			to:        []string{e.node},
+			observers: true,
+		})
+	}
+	s.logf(t, slog.LevelDebug, msg, ks.key, e.node, token, "")
+}
+
+func (s *shard) enqueue(t *txn, ks *keyState, e *entry) {
+	if e.lease == LeaseTTL {
+		e.ttlAt = t.now.Add(s.m.cfg.LockTTL)
+	}
+	ks.queue = append(ks.queue, e)
+	if ks.queued == nil {
+		ks.queued = make(map[string]*entry)
+	}
+	ks.queued[e.node] = e
+	s.queued++
+	s.reschedule(e)
+}
+
+// dequeue removes a waiter from anywhere in the queue.
+func (s *shard) dequeue(ks *keyState, e *entry) {
+	if i := ks.position(e) - 1; i >= 0 {
+		copy(ks.queue[i:], ks.queue[i+1:])
+		ks.queue[len(ks.queue)-1] = nil
+		ks.queue = ks.queue[:len(ks.queue)-1]
+	}
+	s.forget(ks, e)
+}
+
+// forget drops a waiter that is no longer in ks.queue.
+func (s *shard) forget(ks *keyState, e *entry) {
+	delete(ks.queued, e.node)
+	if len(ks.queue) == 0 {
+		ks.queue, ks.queued = nil, nil
+	}
+	s.queued--
+	s.leases.remove(e)
+	s.m.detach(e)
+	s.maybeDrop(ks)
+}
+
+// renew refreshes an entry's lease on a repeated /lock, switching its kind
+// when the request names one.
+func (s *shard) renew(t *txn, e *entry, want Lease) {
+	if want != LeaseAuto && want != e.lease {
+		s.m.detach(e)
+		s.m.attach(e, want)
+	}
+	if e.lease == LeaseTTL {
+		e.ttlAt = t.now.Add(s.m.cfg.LockTTL)
+	} else {
+		e.ttlAt = time.Time{}
+	}
+}
+
+// reschedule puts e in the heap at its earliest deadline and arms the timer
+// if that deadline comes before the timer fires.
+func (s *shard) reschedule(e *entry) {
+	at := e.ttlAt
+	for _, d := range [...]time.Time{e.claimAt, e.maxAt} {
+		if !d.IsZero() && (at.IsZero() || d.Before(at)) {
+			at = d
+		}
+	}
+	s.leases.set(e, at)
+	if !at.IsZero() && (s.timerAt.IsZero() || at.Before(s.timerAt)) {
+		s.arm(at)
+	}
+}
+
+func (s *shard) arm(at time.Time) {
+	s.timerAt = at
+	d := time.Until(at)
+	if s.timer == nil {
+		s.timer = time.AfterFunc(d, s.expire)
+		return
+	}
+	s.timer.Reset(d)
+}
+
+// release ends ks's hold. Success of a pull or delete clears the queue and
+// tells each waiter; anything else hands the key to the next eligible waiter.
+// It returns the node the key went to, "" if it became free.
+func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUnlock bool) string {
+	h := ks.holder
+	ks.holder = nil
+	s.held--
+	s.leases.remove(h)
+	s.m.detach(h)
+	k := ks.key
+	next := ""
+	var done *Event
+	if t.notify {
+		done = &Event{Name: EventOperationCompleted, Key: k, Node: h.node, Success: success, Error: errMsg, CompletedAt: t.now}
+	}
+	if success && k.Type != Update {
+		waiters := ks.queue
+		ks.queue, ks.queued = nil, nil
+		var to []string
+		if t.notify {
+			to = make([]string, 0, len(waiters))
+		}
+		for _, w := range waiters {
+			s.queued--
+			s.leases.remove(w)
+			s.m.detach(w)
+			if t.notify {
+				to = append(to, w.node)
+			}
+		}
+		if s.refs != nil {
+			s.refsCompleted(t, h, waiters)
+		}
+		// The opposite operation must never be skipped as "just done".
+		if k.Type == Delete {
+			s.eraseRecord(Key{Pull, k.Resource})
+			s.eraseRecord(Key{Update, k.Resource})
+		} else {
+			s.eraseRecord(Key{Delete, k.Resource})
+		}
+		if done != nil {
+			t.items = append(t.items, item{ev: done, to: to, observers: true})
+		}
+	} else {
+		next = s.promote(t, ks)
+		if done != nil {
+			done.NextHolder = next
+			t.items = append(t.items, item{ev: done, observers: true})
+		}
+	}
+	s.record(ks, record{
+		Completion: Completion{Node: h.node, Token: h.token, Success: success, Error: errMsg, CompletedAt: t.now},
+		viaUnlock:  viaUnlock,
+		next:       next,
+	})
+	s.maybeDrop(ks)
+	return next
+}
+
+// promote grants ks to the first waiter that may have it. With server-side
+// reference counting a delete or update waiter is checked again: one refused
+// now leaves the queue and is told why.
+func (s *shard) promote(t *txn, ks *keyState) string {
+	for len(ks.queue) > 0 {
+		e := ks.queue[0]
+		ks.queue[0] = nil
+		ks.queue = ks.queue[1:]
+		if s.refs != nil && ks.key.Type != Pull {
+			if err := s.refConflict(ks.key); err != nil {
+				s.forget(ks, e)
+				if t.notify {
+					t.items = append(t.items, item{
+						ev: &Event{Name: EventOperationCompleted, Key: ks.key, Node: e.node, Error: "in_use", CompletedAt: t.now},
+						to: []string{e.node},
+					})
+				}
+				continue
+			}
+		}
+		delete(ks.queued, e.node)
+		if len(ks.queue) == 0 {
+			ks.queue, ks.queued = nil, nil
+		}
+		s.queued--
+		s.grant(t, ks, e, true)
+		return e.node
+	}
+	return ""
+}
+
+// expire is the shard timer's callback: it ends every lease whose deadline
+// has passed and re-arms the timer for the next one.
+func (s *shard) expire() {
+	m := s.m
+	m.closeMu.RLock()
+	defer m.closeMu.RUnlock()
+	if m.closed.Load() {
+		return
+	}
+	s.mu.Lock()
+	t := s.begin()
+	s.timerAt = time.Time{}
+	for len(s.leases) > 0 && !s.leases[0].at.After(t.now) {
+		e := s.leases[0]
+		s.leases.remove(e)
+		ks := e.ks
+		s.expiries++
+		if ks.holder != e {
+			s.logf(&t, slog.LevelInfo, "queue entry expired", ks.key, e.node, 0, "lock expired")
+			s.dequeue(ks, e)
+			continue
+		}
+		why := "lock expired"
+		switch {
+		case !e.maxAt.IsZero() && !e.maxAt.After(t.now):
+			why = "max hold exceeded"
+		case !e.claimAt.IsZero() && !e.claimAt.After(t.now):
+			why = "not claimed"
+		}
+		s.logf(&t, slog.LevelInfo, "hold expired", ks.key, e.node, e.token, why)
+		s.release(&t, ks, false, why, false)
+	}
+	if len(s.leases) > 0 {
+		s.arm(s.leases[0].at)
+	}
+	_ = s.commit(context.Background(), t)
+}
+
+// dropSession ends what a lost session held or waited for on one key.
+func (s *shard) dropSession(k Key, sess *session) {
+	s.mu.Lock()
+	t := s.begin()
+	if ks := s.keys[k]; ks != nil {
+		for i := 0; i < len(ks.queue); {
+			if e := ks.queue[i]; e.sess == sess {
+				s.dequeue(ks, e)
+				continue
+			}
+			i++
+		}
+		if h := ks.holder; h != nil && h.sess == sess {
+			s.logf(&t, slog.LevelInfo, "session lost", k, h.node, h.token, "session lost")
+			s.release(&t, ks, false, "session lost", false)
+		}
+	}
+	_ = s.commit(context.Background(), t)
+}
+
+// record retains ks's completion record, dropping the shard's oldest records
+// beyond its share of CompletedMax and those past CompletedRetention.
+func (s *shard) record(ks *keyState, r record) {
+	cfg := &s.m.cfg
+	if s.m.recordCap == 0 {
+		ks.hasRec = false
+		return
+	}
+	ks.hasRec, ks.rec = true, r
+	// A refused waiter may have let maybeDrop forget ks in this transition.
+	if s.keys[ks.key] == nil {
+		s.keys[ks.key] = ks
+	}
+	q := &s.records
+	q.push(recordRef{key: ks.key, token: r.Token, at: r.CompletedAt})
+	for q.len() > 0 {
+		old := q.front()
+		if q.len() <= s.m.recordCap && r.CompletedAt.Sub(old.at) < cfg.CompletedRetention {
+			break
+		}
+		q.pop()
+		if o := s.keys[old.key]; o != nil && o.hasRec && o.rec.Token == old.token && o.rec.CompletedAt.Equal(old.at) {
+			o.hasRec = false
+			s.maybeDrop(o)
+		}
+	}
+}
+
+func (s *shard) eraseRecord(k Key) {
+	if ks := s.keys[k]; ks != nil && ks.hasRec {
+		ks.hasRec = false
+		s.maybeDrop(ks)
+	}
+}
+
+// maybeDrop forgets a key that has nothing left to say. Its next token still
+// goes forward: tokens never fall below the clock in microseconds.
+func (s *shard) maybeDrop(ks *keyState) {
+	if ks.holder == nil && len(ks.queue) == 0 && !ks.hasRec {
+		if s.keys[ks.key] == ks {
+			delete(s.keys, ks.key)
+		}
+	}
+}
+
+type recordRef struct {
+	key   Key
+	token uint64
+	at    time.Time
+}
+
+// recordQueue is a FIFO of completion records that reuses its backing array.
+type recordQueue struct {
+	buf  []recordRef
+	head int
+}
+
+func (q *recordQueue) len() int          { return len(q.buf) - q.head }
+func (q *recordQueue) front() *recordRef { return &q.buf[q.head] }
+
+func (q *recordQueue) push(r recordRef) {
+	if q.head > 0 && q.head >= len(q.buf)/2 {
+		n := copy(q.buf, q.buf[q.head:])
+		clear(q.buf[n:])
+		q.buf = q.buf[:n]
+		q.head = 0
+	}
+	q.buf = append(q.buf, r)
+}
+
+func (q *recordQueue) pop() {
+	q.buf[q.head] = recordRef{}
+	q.head++
+}

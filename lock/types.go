@@ -1,0 +1,239 @@
+package lock
+
+import (
+	"errors"
+	"fmt"
+	"time"
+	"unicode"
+	"unicode/utf8"
+)
+
+// Type is the kind of operation a lock is taken for. Different types of one
+// resource have separate holders and queues.
+type Type uint8
+
+// The operation types. The zero Type is invalid.
+const (
+	Pull Type = iota + 1
+	Update
+	Delete
+)
+
+var typeNames = [...]string{Pull: "pull", Update: "update", Delete: "delete"}
+
+func (t Type) String() string {
+	if t >= Pull && t <= Delete {
+		return typeNames[t]
+	}
+	return fmt.Sprintf("Type(%d)", uint8(t))
+}
+
+// Valid reports whether t is one of Pull, Update, Delete.
+func (t Type) Valid() bool { return t >= Pull && t <= Delete }
+
+// ParseType parses the lowercase wire name of an operation type.
+func ParseType(s string) (Type, error) {
+	switch s {
+	case "pull":
+		return Pull, nil
+	case "update":
+		return Update, nil
+	case "delete":
+		return Delete, nil
+	}
+	return 0, fmt.Errorf("%w: type must be pull, update or delete, not %q", ErrInvalid, s)
+}
+
+// Lease says what keeps a hold or a queue entry alive.
+type Lease uint8
+
+const (
+	// LeaseAuto resolves to LeaseSession when the node has a session, else LeaseTTL.
+	LeaseAuto Lease = iota
+	// LeaseSession lives as long as the node's event-stream session.
+	LeaseSession
+	// LeaseTTL lives Config.LockTTL after the grant or the node's last renewal.
+	LeaseTTL
+)
+
+func (l Lease) String() string {
+	switch l {
+	case LeaseSession:
+		return "session"
+	case LeaseTTL:
+		return "ttl"
+	}
+	return "auto"
+}
+
+// ParseLease parses "session", "ttl" or "" (auto).
+func ParseLease(s string) (Lease, error) {
+	switch s {
+	case "":
+		return LeaseAuto, nil
+	case "session":
+		return LeaseSession, nil
+	case "ttl":
+		return LeaseTTL, nil
+	}
+	return 0, fmt.Errorf("%w: lease must be session or ttl, not %q", ErrInvalid, s)
+}
+
+// Key identifies one lock: an operation type on a resource.
+type Key struct {
+	Type     Type
+	Resource string
+}
+
+func (k Key) String() string { return k.Type.String() + ":" + k.Resource }
+
+// Limits on identifiers (SPEC §1).
+const (
+	MaxResourceLen = 512
+	MaxNodeLen     = 256
+)
+
+// ValidateResource checks a resource id: 1–512 bytes of UTF-8 without control characters.
+func ValidateResource(s string) error { return validateID("resource_id", s, MaxResourceLen) }
+
+// ValidateNode checks a node id: 1–256 bytes of UTF-8 without control characters.
+func ValidateNode(s string) error { return validateID("node_id", s, MaxNodeLen) }
+
+func validateID(field, s string, max int) error {
+	if s == "" {
+		return fmt.Errorf("%w: %s is required", ErrInvalid, field)
+	}
+	if len(s) > max {
+		return fmt.Errorf("%w: %s is %d bytes, at most %d are allowed", ErrInvalid, field, len(s), max)
+	}
+	for i := 0; i < len(s); {
+		r, size := utf8.DecodeRuneInString(s[i:])
+		if r == utf8.RuneError && size == 1 {
+			return fmt.Errorf("%w: %s is not valid UTF-8", ErrInvalid, field)
+		}
+		if unicode.IsControl(r) {
+			return fmt.Errorf("%w: %s contains a control character at byte %d", ErrInvalid, field, i)
+		}
+		i += size
+	}
+	return nil
+}
+
+func validateKey(t Type, resource, node string) error {
+	if !t.Valid() {
+		return fmt.Errorf("%w: type must be pull, update or delete", ErrInvalid)
+	}
+	if err := ValidateResource(resource); err != nil {
+		return err
+	}
+	return ValidateNode(node)
+}
+
+// LockRequest asks for a lock (SPEC §2 TryLock).
+type LockRequest struct {
+	Type     Type
+	Resource string
+	Node     string
+	Lease    Lease
+	// SkipRecent answers Skip instead of granting when the key is free and its
+	// last retained completion was a success (pull and delete only).
+	SkipRecent bool
+}
+
+// Key returns the lock key the request is for.
+func (r LockRequest) Key() Key { return Key{r.Type, r.Resource} }
+
+// Validate reports a wrapped ErrInvalid naming the first bad field.
+func (r LockRequest) Validate() error {
+	if err := validateKey(r.Type, r.Resource, r.Node); err != nil {
+		return err
+	}
+	if r.Lease > LeaseTTL {
+		return fmt.Errorf("%w: unknown lease %d", ErrInvalid, r.Lease)
+	}
+	return nil
+}
+
+// LockResult is the answer to a LockRequest. Exactly one of Acquired, Queued
+// and Skip is true.
+type LockResult struct {
+	Acquired bool
+	Queued   bool
+	Skip     bool
+	Token    uint64 // the grant's fencing token when Acquired
+	Holder   string // the current holder ("" when Skip)
+	Position int    // 1-based queue position when Queued
+}
+
+// UnlockRequest ends a hold (SPEC §2 Unlock).
+type UnlockRequest struct {
+	Type     Type
+	Resource string
+	Node     string
+	Success  bool
+	Error    string
+	// Token, when not zero, must match the current grant's token.
+	Token uint64
+}
+
+// Key returns the lock key the request is for.
+func (r UnlockRequest) Key() Key { return Key{r.Type, r.Resource} }
+
+// Validate reports a wrapped ErrInvalid naming the first bad field.
+func (r UnlockRequest) Validate() error { return validateKey(r.Type, r.Resource, r.Node) }
+
+// UnlockResult is the answer to an UnlockRequest.
+type UnlockResult struct {
+	NextHolder string // the node the lock was handed to, "" when it became free
+	Replayed   bool   // a repeated unlock whose first answer was lost
+}
+
+// CancelResult is the answer to Cancel.
+type CancelResult struct {
+	Dequeued bool // the node was waiting and left the queue
+	Released bool // the node held the lock and gave it up as a failure
+}
+
+// Completion is the retained record of a finished hold.
+type Completion struct {
+	Node        string
+	Token       uint64
+	Success     bool
+	Error       string
+	CompletedAt time.Time
+}
+
+// Status describes one key.
+type Status struct {
+	Key           Key
+	Held          bool
+	Holder        string
+	Token         uint64 // the holder's token, or the last token issued when free
+	AcquiredAt    time.Time
+	QueueLength   int
+	Position      int // the asking node's 1-based queue position, 0 if not queued
+	LastCompleted *Completion
+}
+
+// Errors returned by the manager. Use errors.Is; messages never contain the
+// words a retrying client takes for network trouble.
+var (
+	ErrInvalid     = errors.New("invalid request")
+	ErrLockHeld    = errors.New("lock is held by another node")
+	ErrNotHolder   = errors.New("not the holder of this lock")
+	ErrStaleToken  = errors.New("token does not match the current grant")
+	ErrInUse       = errors.New("resource is in use")
+	ErrDeleting    = errors.New("resource is being deleted")
+	ErrUpdating    = errors.New("resource is being updated")
+	ErrRefCountOff = errors.New("reference counting is off")
+	ErrClosed      = errors.New("lock manager is closed")
+)
+
+// HeldError is returned when multi-node download mode is off and another node
+// holds the key. It matches ErrLockHeld.
+type HeldError struct{ Holder string }
+
+func (e *HeldError) Error() string { return "lock is held by " + e.Holder }
+
+// Unwrap makes errors.Is(err, ErrLockHeld) true.
+func (e *HeldError) Unwrap() error { return ErrLockHeld }

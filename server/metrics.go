@@ -1,0 +1,68 @@
+package server
+
+import (
+	"github.com/dlock/dlock/lock"
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+type metrics struct {
+	latency *prometheus.HistogramVec
+	streams prometheus.Gauge
+}
+
+func newMetrics(reg *prometheus.Registry, m *lock.Manager) *metrics {
+	mt := &metrics{
+		latency: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "dlock_http_request_duration_seconds",
+			Help:    "Time to answer an HTTP request, by endpoint (event streams: their whole life).",
+			Buckets: []float64{.00005, .0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, 1, 10, 60},
+		}, []string{"endpoint"}),
+		streams: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "dlock_event_streams",
+			Help: "Open event streams.",
+		}),
+	}
+	reg.MustRegister(mt.latency, mt.streams, managerCollector{m})
+	return mt
+}
+
+// managerCollector reads the lock manager's gauges and counters when
+// scraped, so the lock hot path never touches a shared metric.
+type managerCollector struct{ m *lock.Manager }
+
+var (
+	descHeld         = prometheus.NewDesc("dlock_locks_held", "Keys with a holder.", nil, nil)
+	descQueued       = prometheus.NewDesc("dlock_queued_waiters", "Queue entries over all keys.", nil, nil)
+	descKeys         = prometheus.NewDesc("dlock_keys", "Keys in memory: held, queued or with a retained completion.", nil, nil)
+	descSessions     = prometheus.NewDesc("dlock_sessions", "Sessions, streaming or in grace.", nil, nil)
+	descGrants       = prometheus.NewDesc("dlock_grants_total", "Grants, direct and by hand-off.", nil, nil)
+	descHandoffs     = prometheus.NewDesc("dlock_handoffs_total", "Grants by hand-off to a queued node.", nil, nil)
+	descExpiries     = prometheus.NewDesc("dlock_expiries_total", "Holds and queue entries ended by their lease.", nil, nil)
+	descSessionsLost = prometheus.NewDesc("dlock_sessions_lost_total", "Sessions ended because no stream reopened within the grace.", nil, nil)
+	descSlowStreams  = prometheus.NewDesc("dlock_slow_streams_total", "Event streams closed for not keeping up.", nil, nil)
+)
+
+func (c managerCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{descHeld, descQueued, descKeys, descSessions, descGrants, descHandoffs, descExpiries, descSessionsLost, descSlowStreams} {
+		ch <- d
+	}
+}
+
+func (c managerCollector) Collect(ch chan<- prometheus.Metric) {
+	st := c.m.Stats()
+	gauge := func(d *prometheus.Desc, v int) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, float64(v))
+	}
+	counter := func(d *prometheus.Desc, v uint64) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v))
+	}
+	gauge(descHeld, st.Held)
+	gauge(descQueued, st.Queued)
+	gauge(descKeys, st.Keys)
+	gauge(descSessions, st.Sessions)
+	counter(descGrants, st.Grants)
+	counter(descHandoffs, st.Handoffs)
+	counter(descExpiries, st.Expiries)
+	counter(descSessionsLost, st.SessionsLost)
+	counter(descSlowStreams, st.SlowStreams)
+}
