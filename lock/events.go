@@ -376,4 +376,3 @@ func (m *Manager) Subscribe(node string, observe *Key, lastID uint64, hasLast bo
 	}
 	return st, sub, nil
 }
-

@@ -414,7 +414,7 @@ func (s *shard) record(ks *keyState, r record) {
 	q := &s.records
 	q.push(recordRef{key: ks.key, token: r.Token, at: r.CompletedAt})
 	for q.len() > 0 {
-		old := q.front()
+		old := *q.front()
 		if q.len() <= s.m.recordCap && r.CompletedAt.Sub(old.at) < cfg.CompletedRetention {
 			break
 		}
