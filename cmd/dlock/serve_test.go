@@ -1,0 +1,126 @@
+package main
+
+import (
+	"bufio"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+func TestParseServe(t *testing.T) {
+	env := map[string]string{
+		"DLOCK_LISTEN":                    "127.0.0.1:9999",
+		"DLOCK_SHARDS":                    "8",
+		"DLOCK_LOCK_TTL":                  "10s",
+		"DLOCK_REFCOUNT":                  "server",
+		"DLOCK_DATA_DIR":                  "/tmp/x",
+		"DLOCK_MAX_HOLD":                  "1h",
+		"DLOCK_COMPLETED_MAX":             "7",
+		"DLOCK_ALLOW_MULTI_NODE_DOWNLOAD": "false",
+	}
+	c, err := parseServe([]string{"--shards", "16"}, func(k string) string { return env[k] }, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.lock.Shards != 16 {
+		t.Errorf("flag must win over the environment: shards %d", c.lock.Shards)
+	}
+	if c.listen != "127.0.0.1:9999" || c.lock.LockTTL != 10*time.Second || c.refcount != "server" || c.dataDir != "/tmp/x" ||
+		c.lock.MaxHold != time.Hour || c.lock.CompletedMax != 7 || c.lock.AllowMultiNodeDownload {
+		t.Errorf("environment not applied: %+v", c)
+	}
+	d, err := parseServe(nil, func(string) string { return "" }, io.Discard)
+	if err != nil || d.listen != "127.0.0.1:7380" || d.lock.Shards != 32 || d.lock.SessionGrace != 5*time.Second ||
+		d.lock.ClaimTimeout != 30*time.Second || d.lock.CompletedRetention != 5*time.Minute || d.refcount != "off" {
+		t.Errorf("defaults: %+v %v", d, err)
+	}
+}
+
+func TestParseServeRejects(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		env  map[string]string
+		want string
+	}{
+		{[]string{"--shards", "0"}, nil, "shards"},
+		{[]string{"--lock-ttl", "soon"}, nil, "lock-ttl"},
+		{[]string{"--refcount", "client"}, nil, "refcount"},
+		{[]string{"--session-grace", "-1s"}, nil, "session grace"},
+		{nil, map[string]string{"DLOCK_CLAIM_TIMEOUT": "x"}, "DLOCK_CLAIM_TIMEOUT"},
+		{[]string{"--update-requires-no-ref"}, nil, "refcount=server"},
+		{[]string{"--listen", "nowhere"}, nil, "listen"},
+		{[]string{"extra"}, nil, "no arguments"},
+	} {
+		_, err := parseServe(tc.args, func(k string) string { return tc.env[k] }, io.Discard)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("parseServe(%v, %v) = %v, want an error mentioning %q", tc.args, tc.env, err, tc.want)
+		}
+	}
+}
+
+// TestServeProcess runs the real binary: it serves, and SIGTERM ends it
+// cleanly even with an event stream open.
+func TestServeProcess(t *testing.T) {
+	bin := filepath.Join(t.TempDir(), "dlock")
+	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
+		t.Fatalf("build: %v\n%s", err, out)
+	}
+	cmd := exec.Command(bin, "serve", "--listen", "127.0.0.1:0", "--refcount", "server", "--data-dir", t.TempDir())
+	cmd.Env = append(os.Environ(), "DLOCK_SESSION_GRACE=1s")
+	stderr, _ := cmd.StderrPipe()
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer cmd.Process.Kill()
+	sc := bufio.NewScanner(stderr)
+	addr := ""
+	re := regexp.MustCompile(`addr=(\S+)`)
+	for sc.Scan() {
+		if m := re.FindStringSubmatch(sc.Text()); m != nil {
+			addr = m[1]
+			break
+		}
+	}
+	if addr == "" {
+		t.Fatal("no listen address logged")
+	}
+	go io.Copy(io.Discard, stderr)
+	base := "http://" + addr
+	resp, err := http.Post(base+"/lock", "application/json", strings.NewReader(`{"type":"pull","resource_id":"r","node_id":"a"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 || !strings.Contains(string(body), `"acquired":true`) {
+		t.Fatalf("lock: %d %s", resp.StatusCode, body)
+	}
+	stream, err := http.Get(base + "/subscribe?node_id=a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stream.Body.Close()
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("exit after SIGTERM: %v", err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("dlock serve did not stop after SIGTERM")
+	}
+	if _, err := io.ReadAll(stream.Body); err != nil && !strings.Contains(err.Error(), "EOF") {
+		t.Logf("stream ended with %v", err)
+	}
+}

@@ -1,0 +1,58 @@
+package lock
+
+import (
+	"context"
+	"strconv"
+	"sync/atomic"
+	"testing"
+)
+
+// BenchmarkUncontended: lock + unlock(success) pairs on distinct keys, from
+// every core at once. One op is one pair.
+func BenchmarkUncontended(b *testing.B) {
+	m := newManager(b, nil)
+	ctx := context.Background()
+	var next atomic.Int64
+	b.ReportAllocs()
+	b.RunParallel(func(pb *testing.PB) {
+		g := next.Add(1)
+		node := "node-" + strconv.FormatInt(g, 10)
+		res := make([]string, 1024)
+		for i := range res {
+			res[i] = "sha256:" + strconv.FormatInt(g, 10) + "-" + strconv.Itoa(i)
+		}
+		i := 0
+		for pb.Next() {
+			r := res[i%len(res)]
+			i++
+			if _, err := m.TryLock(ctx, LockRequest{Type: Pull, Resource: r, Node: node}); err != nil {
+				b.Fatal(err)
+			}
+			if _, err := m.Unlock(ctx, UnlockRequest{Type: Pull, Resource: r, Node: node, Success: true}); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}
+
+// BenchmarkHandoff: one hot key, two nodes; each op queues a node behind the
+// holder and hands the key to it with a failed unlock.
+func BenchmarkHandoff(b *testing.B) {
+	m := newManager(b, nil)
+	ctx := context.Background()
+	nodes := [2]string{"a", "b"}
+	if _, err := m.TryLock(ctx, LockRequest{Type: Pull, Resource: "hot", Node: "a"}); err != nil {
+		b.Fatal(err)
+	}
+	b.ReportAllocs()
+	for i := 0; b.Loop(); i++ {
+		holder, waiter := nodes[i%2], nodes[(i+1)%2]
+		if _, err := m.TryLock(ctx, LockRequest{Type: Pull, Resource: "hot", Node: waiter}); err != nil {
+			b.Fatal(err)
+		}
+		r, err := m.Unlock(ctx, UnlockRequest{Type: Pull, Resource: "hot", Node: holder, Error: "x"})
+		if err != nil || r.NextHolder != waiter {
+			b.Fatal(r, err)
+		}
+	}
+}

@@ -1,0 +1,42 @@
+package server
+
+import (
+	"context"
+	"net"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+func TestListenSetsUserTimeout(t *testing.T) {
+	ln, err := Listen(context.Background(), "127.0.0.1:0", 3*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		c, err := net.Dial("tcp", ln.Addr().String())
+		if err == nil {
+			time.Sleep(100 * time.Millisecond)
+			c.Close()
+		}
+	}()
+	c, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	raw, err := c.(*net.TCPConn).SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got int
+	var gerr error
+	_ = raw.Control(func(fd uintptr) {
+		got, gerr = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT)
+	})
+	if gerr != nil || got != 6000 {
+		t.Fatalf("accepted connection has TCP_USER_TIMEOUT %d ms (%v), want 6000", got, gerr)
+	}
+}

@@ -1,0 +1,329 @@
+package server
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/dlock/dlock/internal/wire"
+	"github.com/dlock/dlock/lock"
+	"github.com/dlock/dlock/refcount"
+	"go.uber.org/goleak"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+type env struct {
+	t   testing.TB
+	m   *lock.Manager
+	srv *Server
+	ts  *httptest.Server
+}
+
+func newEnv(t testing.TB, mod func(*lock.Config)) *env {
+	t.Helper()
+	cfg := lock.DefaultConfig()
+	if mod != nil {
+		mod(&cfg)
+	}
+	m, err := lock.New(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := New(m, Options{PingInterval: 50 * time.Millisecond})
+	ts := httptest.NewServer(srv)
+	t.Cleanup(func() {
+		srv.Drain()
+		ts.Close()
+		m.Close()
+	})
+	return &env{t: t, m: m, srv: srv, ts: ts}
+}
+
+// call sends a request and decodes the JSON answer into a map.
+func (e *env) call(method, path, body string) (int, map[string]any) {
+	e.t.Helper()
+	req, _ := http.NewRequest(method, e.ts.URL+path, strings.NewReader(body))
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.Header.Get(wire.EpochHeader) != e.m.Epoch() {
+		e.t.Fatalf("%s %s: epoch header %q, want %q", method, path, resp.Header.Get(wire.EpochHeader), e.m.Epoch())
+	}
+	var out map[string]any
+	data, _ := io.ReadAll(resp.Body)
+	if err := json.Unmarshal(data, &out); err != nil && path != "/metrics" {
+		e.t.Fatalf("%s %s: body %q is not JSON: %v", method, path, data, err)
+	}
+	return resp.StatusCode, out
+}
+
+func TestHTTPRules(t *testing.T) {
+	e := newEnv(t, nil)
+	big := `{"type":"pull","resource_id":"` + strings.Repeat("x", 70<<10) + `","node_id":"a"}`
+	steps := []struct {
+		method, path, body string
+		status             int
+		want               map[string]any
+	}{
+		{"POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"a"}`, 200, map[string]any{"acquired": true, "queued": false, "skip": false, "holder": "a", "position": 0.0}},
+		{"POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"b"}`, 200, map[string]any{"acquired": false, "queued": true, "holder": "a", "position": 1.0, "token": 0.0}},
+		{"POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"c"}`, 200, map[string]any{"queued": true, "position": 2.0}},
+		{"POST", "/unlock", `{"type":"pull","resource_id":"r","node_id":"b"}`, 403, map[string]any{"code": "not_holder"}},
+		{"POST", "/unlock", `{"type":"pull","resource_id":"r","node_id":"a","token":1}`, 409, map[string]any{"code": "stale_token"}},
+		{"POST", "/unlock", `{"type":"pull","resource_id":"r","node_id":"a","error":"disk full"}`, 200, map[string]any{"released": true, "next_holder": "b"}},
+		{"POST", "/unlock", `{"type":"pull","resource_id":"r","node_id":"a","error":"disk full"}`, 200, map[string]any{"released": true, "next_holder": "b", "replayed": true}},
+		{"GET", "/status?type=pull&resource_id=r&node_id=c", "", 200, map[string]any{"state": "held", "holder": "b", "queue_length": 1.0, "position": 1.0}},
+		{"POST", "/cancel", `{"type":"pull","resource_id":"r","node_id":"c"}`, 200, map[string]any{"dequeued": true, "released": false}},
+		{"POST", "/unlock", `{"type":"pull","resource_id":"r","node_id":"b","success":true}`, 200, map[string]any{"released": true, "next_holder": ""}},
+		{"GET", "/status?type=pull&resource_id=r", "", 200, map[string]any{"state": "free", "holder": "", "acquired_at": "", "queue_length": 0.0}},
+		{"POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"d","skip_recent":true}`, 200, map[string]any{"skip": true, "acquired": false}},
+		{"POST", "/cancel", `{"type":"pull","resource_id":"r","node_id":"d"}`, 200, map[string]any{"dequeued": false, "released": false}},
+		// Bad input.
+		{"POST", "/lock", `{"type":"fetch","resource_id":"r","node_id":"a"}`, 400, map[string]any{"code": "invalid_request"}},
+		{"POST", "/lock", `{"type":"pull","node_id":"a"}`, 400, map[string]any{"code": "invalid_request", "error": "invalid request: resource_id is required"}},
+		{"POST", "/lock", `{"type":"pull","resource_id":"r","node_id":7}`, 400, map[string]any{"code": "invalid_request", "error": "invalid request: field node_id must be a JSON string"}},
+		{"POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"a","lease":"forever"}`, 400, map[string]any{"code": "invalid_request"}},
+		{"POST", "/lock", `{"type":"pull"`, 400, map[string]any{"code": "invalid_request"}},
+		{"POST", "/lock", ``, 400, map[string]any{"code": "invalid_request"}},
+		{"POST", "/lock", big, 413, map[string]any{"code": "too_large"}},
+		{"GET", "/lock", "", 405, map[string]any{"code": "method_not_allowed"}},
+		{"POST", "/status", "", 405, map[string]any{"code": "method_not_allowed"}},
+		{"GET", "/nope", "", 404, map[string]any{"code": "not_found"}},
+		{"GET", "/status?type=pull", "", 400, map[string]any{"code": "invalid_request"}},
+		{"GET", "/refcount?resource_id=r", "", 404, map[string]any{"code": "not_found"}},
+		{"POST", "/refcount/add", `{"resource_id":"r","node_id":"a"}`, 404, map[string]any{"code": "not_found"}},
+		{"GET", "/healthz", "", 200, map[string]any{"status": "ok"}},
+	}
+	for i, s := range steps {
+		status, got := e.call(s.method, s.path, s.body)
+		if status != s.status {
+			t.Fatalf("step %d %s %s: status %d %v, want %d", i, s.method, s.path, status, got, s.status)
+		}
+		for k, v := range s.want {
+			if got[k] != v {
+				t.Fatalf("step %d %s %s: %s = %#v, want %#v (body %v)", i, s.method, s.path, k, got[k], v, got)
+			}
+		}
+		if status >= 400 && (got["error"] != got["message"] || got["error"] == "") {
+			t.Fatalf("step %d: error body %v must carry error = message", i, got)
+		}
+	}
+	if st := e.m.Stats(); st.Held != 0 || st.Queued != 0 {
+		t.Fatalf("rejected requests changed state: %+v", st)
+	}
+}
+
+func TestHTTPLockHeld(t *testing.T) {
+	e := newEnv(t, func(c *lock.Config) { c.AllowMultiNodeDownload = false })
+	e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"a"}`)
+	status, got := e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"b"}`)
+	if status != 409 || got["code"] != "lock_held" || got["holder"] != "a" {
+		t.Fatalf("got %d %v", status, got)
+	}
+}
+
+func TestHTTPRefCount(t *testing.T) {
+	store, err := refcount.OpenBolt(t.TempDir() + "/refs.db")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer store.Close()
+	e := newEnv(t, func(c *lock.Config) { c.RefStore = store; c.UpdateRequiresNoRef = true })
+	steps := []struct {
+		method, path, body string
+		status             int
+		want               map[string]any
+	}{
+		{"POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"a"}`, 200, map[string]any{"acquired": true}},
+		{"POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"b"}`, 200, map[string]any{"queued": true}},
+		{"POST", "/lock", `{"type":"delete","resource_id":"r","node_id":"d"}`, 409, map[string]any{"code": "in_use"}},
+		{"POST", "/lock", `{"type":"update","resource_id":"r","node_id":"u"}`, 409, map[string]any{"code": "in_use"}},
+		{"POST", "/unlock", `{"type":"pull","resource_id":"r","node_id":"a","success":true}`, 200, nil},
+		{"GET", "/refcount?resource_id=r", "", 200, map[string]any{"resource_id": "r", "count": 2.0}},
+		{"POST", "/lock", `{"type":"delete","resource_id":"r","node_id":"d"}`, 409, map[string]any{"code": "in_use"}},
+		{"POST", "/refcount/release", `{"resource_id":"r","node_id":"a"}`, 200, map[string]any{"count": 1.0}},
+		{"POST", "/refcount/release", `{"node_id":"b"}`, 200, map[string]any{"node_id": "b", "released": 1.0}},
+		{"POST", "/lock", `{"type":"update","resource_id":"r","node_id":"u"}`, 200, map[string]any{"acquired": true}},
+		{"POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"p"}`, 409, map[string]any{"code": "updating"}},
+		{"POST", "/refcount/add", `{"resource_id":"r","node_id":"p"}`, 409, map[string]any{"code": "updating"}},
+		{"POST", "/unlock", `{"type":"update","resource_id":"r","node_id":"u"}`, 200, nil},
+		{"POST", "/lock", `{"type":"delete","resource_id":"r","node_id":"d"}`, 200, map[string]any{"acquired": true}},
+		{"POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"p"}`, 409, map[string]any{"code": "deleting"}},
+		{"POST", "/refcount/add", `{"resource_id":"r","node_id":"p"}`, 409, map[string]any{"code": "deleting"}},
+		{"POST", "/unlock", `{"type":"delete","resource_id":"r","node_id":"d"}`, 200, nil},
+		{"POST", "/refcount/add", `{"resource_id":"r","node_id":"p"}`, 200, map[string]any{"count": 1.0}},
+		{"POST", "/refcount/add", `{"resource_id":"r","node_id":"p"}`, 200, map[string]any{"count": 1.0}},
+		{"POST", "/refcount/add", `{"node_id":"p"}`, 400, map[string]any{"code": "invalid_request"}},
+	}
+	for i, s := range steps {
+		status, got := e.call(s.method, s.path, s.body)
+		if status != s.status {
+			t.Fatalf("step %d %s %s: status %d %v, want %d", i, s.method, s.path, status, got, s.status)
+		}
+		for k, v := range s.want {
+			if got[k] != v {
+				t.Fatalf("step %d %s %s: %s = %#v, want %#v (body %v)", i, s.method, s.path, k, got[k], v, got)
+			}
+		}
+	}
+}
+
+// sse reads a Server-Sent Events stream frame by frame.
+type sse struct {
+	resp *http.Response
+	r    *bufio.Reader
+}
+
+type frame struct {
+	id, event, data string
+}
+
+func (e *env) subscribe(query string, lastID string) *sse {
+	e.t.Helper()
+	req, _ := http.NewRequest("GET", e.ts.URL+"/subscribe?"+query, nil)
+	if lastID != "" {
+		req.Header.Set("Last-Event-ID", lastID)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	if resp.StatusCode != 200 || resp.Header.Get("Content-Type") != "text/event-stream" {
+		e.t.Fatalf("subscribe: %d %s", resp.StatusCode, resp.Header.Get("Content-Type"))
+	}
+	s := &sse{resp: resp, r: bufio.NewReader(resp.Body)}
+	e.t.Cleanup(func() { resp.Body.Close() })
+	return s
+}
+
+// next returns the next event, skipping pings.
+func (s *sse) next(t testing.TB) frame {
+	t.Helper()
+	var f frame
+	for {
+		line, err := s.r.ReadString('\n')
+		if err != nil {
+			t.Fatalf("reading stream: %v", err)
+		}
+		line = strings.TrimSuffix(line, "\n")
+		switch {
+		case line == "":
+			if f.event != "" {
+				return f
+			}
+		case strings.HasPrefix(line, ":"):
+		case strings.HasPrefix(line, "id: "):
+			f.id = line[4:]
+		case strings.HasPrefix(line, "event: "):
+			f.event = line[7:]
+		case strings.HasPrefix(line, "data: "):
+			f.data = line[6:]
+		default:
+			t.Fatalf("unexpected line %q", line)
+		}
+	}
+}
+
+func (f frame) json(t testing.TB) map[string]any {
+	var m map[string]any
+	if err := json.Unmarshal([]byte(f.data), &m); err != nil {
+		t.Fatalf("data %q: %v", f.data, err)
+	}
+	if m["event"] != f.event {
+		t.Fatalf("data event %v, frame event %s", m["event"], f.event)
+	}
+	return m
+}
+
+func TestSSE(t *testing.T) {
+	e := newEnv(t, nil)
+	b := e.subscribe("node_id=b", "")
+	sub := b.next(t)
+	if sub.event != "subscribed" || sub.id == "" {
+		t.Fatalf("first frame %+v", sub)
+	}
+	if d := sub.json(t); len(d) != 3 || d["node_id"] != "b" || d["epoch"] != e.m.Epoch() {
+		t.Fatalf("subscribed data %v: exactly event, node_id and epoch", d)
+	}
+	obs := e.subscribe("type=pull&resource_id=r", "")
+	obs.next(t)
+	e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"a"}`)
+	e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"b"}`)
+	e.call("POST", "/unlock", `{"type":"pull","resource_id":"r","node_id":"a","error":"boom"}`)
+	got := b.next(t)
+	d := got.json(t)
+	if got.event != "lock_assigned" || d["node_id"] != "b" || d["type"] != "pull" || d["resource_id"] != "r" || d["token"] == nil {
+		t.Fatalf("b got %+v", got)
+	}
+	var order []string
+	for range 3 {
+		f := obs.next(t)
+		order = append(order, f.event+":"+f.json(t)["node_id"].(string))
+	}
+	if want := "lock_assigned:a lock_assigned:b operation_completed:a"; strings.Join(order, " ") != want {
+		t.Fatalf("observer order %v, want %s", order, want)
+	}
+	// b's stream breaks; while it is away the lock is handed back and forth.
+	b.resp.Body.Close()
+	e.call("POST", "/lock", `{"type":"pull","resource_id":"s","node_id":"a"}`)
+	e.call("POST", "/lock", `{"type":"pull","resource_id":"s","node_id":"b"}`)
+	e.call("POST", "/unlock", `{"type":"pull","resource_id":"s","node_id":"a","success":true}`)
+	b2 := e.subscribe("node_id=b", got.id)
+	if f := b2.next(t); f.event != "subscribed" || f.id != got.id {
+		t.Fatalf("reconnect: first frame %+v, want subscribed with id %s", f, got.id)
+	}
+	missed := b2.next(t)
+	if md := missed.json(t); missed.event != "operation_completed" || md["success"] != true || md["node_id"] != "a" || md["resource_id"] != "s" {
+		t.Fatalf("replayed %+v", missed)
+	}
+}
+
+func TestSSEBadRequests(t *testing.T) {
+	e := newEnv(t, nil)
+	for _, q := range []string{"", "type=pull", "type=get&resource_id=r", "node_id=%00"} {
+		if status, got := e.call("GET", "/subscribe?"+q, ""); status != 400 || got["code"] != "invalid_request" {
+			t.Fatalf("subscribe?%s: %d %v", q, status, got)
+		}
+	}
+}
+
+func TestDrain(t *testing.T) {
+	e := newEnv(t, nil)
+	s := e.subscribe("node_id=a", "")
+	s.next(t)
+	e.srv.Drain()
+	if _, err := s.r.ReadString('\n'); err == nil {
+		// pings may be in flight; the stream must end soon after.
+		if _, err := io.ReadAll(s.r); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if status, got := e.call("GET", "/healthz", ""); status != 503 || got["code"] != "unavailable" {
+		t.Fatalf("healthz while draining: %d %v", status, got)
+	}
+}
+
+func TestMetrics(t *testing.T) {
+	e := newEnv(t, nil)
+	e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"a"}`)
+	resp, err := http.Get(e.ts.URL + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	for _, want := range []string{"dlock_locks_held 1", "dlock_grants_total 1", `dlock_http_request_duration_seconds_count{endpoint="/lock"} 1`, "dlock_sessions 0"} {
+		if !strings.Contains(string(body), want) {
+			t.Errorf("metrics lack %q", want)
+		}
+	}
+}
