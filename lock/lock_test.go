@@ -3,6 +3,7 @@ package lock
 import (
 	"context"
 	"errors"
+	"hash/fnv"
 	"maps"
 	"slices"
 	"sync"
@@ -386,9 +387,14 @@ func TestValidation(t *testing.T) {
 }
 
 func TestShardIndex(t *testing.T) {
-	// FNV-1a-32 of "a" is 0xe40c292c.
-	if got := ShardIndex("a", 32); got != 0xe40c292c%32 {
-		t.Fatalf("ShardIndex(a) = %d", got)
+	for _, r := range []string{"", "a", "sha256:0123456789abcdef", "ünïcode"} {
+		h := fnv.New32a()
+		h.Write([]byte(r))
+		for _, n := range []int{1, 7, 32} {
+			if got, want := ShardIndex(r, n), int(h.Sum32()%uint32(n)); got != want {
+				t.Errorf("ShardIndex(%q, %d) = %d, want FNV-1a-32 mod n = %d", r, n, got, want)
+			}
+		}
 	}
 }
 

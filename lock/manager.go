@@ -5,7 +5,6 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
-	"hash/fnv"
 	"log/slog"
 	"sync"
 	"sync/atomic"
@@ -17,6 +16,7 @@ type Manager struct {
 	cfg       Config
 	log       *slog.Logger
 	epoch     string
+	start     time.Time // monotonic origin of recordRef times
 	shards    []*shard
 	recordCap int // completion records kept per shard
 
@@ -50,6 +50,7 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		cfg:    cfg,
 		log:    log,
 		epoch:  hex.EncodeToString(b[:]),
+		start:  time.Now(),
 		shards: make([]*shard, cfg.Shards),
 	}
 	m.sess.m = make(map[string]*session)
@@ -58,7 +59,7 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		m.recordCap = max(1, cfg.CompletedMax/cfg.Shards)
 	}
 	for i := range m.shards {
-		m.shards[i] = &shard{m: m, keys: make(map[Key]*keyState)}
+		m.shards[i] = &shard{m: m, res: make(map[string]*resKeys)}
 		if cfg.RefStore != nil {
 			m.shards[i].refs = make(map[string]*refState)
 		}
@@ -128,9 +129,13 @@ func (m *Manager) shardFor(resource string) *shard {
 
 // ShardIndex is FNV-1a-32 of the resource modulo n (SPEC §1).
 func ShardIndex(resource string, n int) int {
-	h := fnv.New32a()
-	_, _ = h.Write([]byte(resource))
-	return int(h.Sum32() % uint32(n))
+	const offset32, prime32 = 2166136261, 16777619
+	h := uint32(offset32)
+	for i := 0; i < len(resource); i++ {
+		h ^= uint32(resource[i])
+		h *= prime32
+	}
+	return int(h % uint32(n))
 }
 
 // TryLock grants, queues or refuses a lock request (SPEC §2). It blocks only
@@ -146,7 +151,7 @@ func (m *Manager) TryLock(ctx context.Context, req LockRequest) (LockResult, err
 	k := req.Key()
 	s.mu.Lock()
 	t := s.begin()
-	ks := s.keys[k]
+	ks := s.key(k)
 	if ks != nil {
 		if h := ks.holder; h != nil && h.node == req.Node {
 			// A retry whose answer was lost, a renewal, or the confirmation
@@ -184,9 +189,9 @@ func (m *Manager) TryLock(ctx context.Context, req LockRequest) (LockResult, err
 	}
 	if ks == nil {
 		ks = &keyState{key: k}
-		s.keys[k] = ks
+		s.addKey(ks)
 	}
-	e := &entry{node: req.Node, ks: ks, hidx: -1}
+	e := s.newEntry(req.Node, ks)
 	m.attach(e, req.Lease)
 	var res LockResult
 	if ks.holder == nil {
@@ -213,7 +218,7 @@ func (m *Manager) Unlock(ctx context.Context, req UnlockRequest) (UnlockResult, 
 	s := m.shardFor(req.Resource)
 	s.mu.Lock()
 	t := s.begin()
-	ks := s.keys[req.Key()]
+	ks := s.key(req.Key())
 	if ks == nil || ks.holder == nil || ks.holder.node != req.Node {
 		if ks != nil && ks.replays(req, t.now, m.cfg.CompletedRetention) {
 			res := UnlockResult{NextHolder: ks.rec.next, Replayed: true}
@@ -244,7 +249,7 @@ func (m *Manager) Cancel(ctx context.Context, t Type, resource, node string) (Ca
 	s := m.shardFor(resource)
 	s.mu.Lock()
 	tx := s.begin()
-	ks := s.keys[Key{t, resource}]
+	ks := s.key(Key{t, resource})
 	var res CancelResult
 	switch {
 	case ks == nil:
@@ -275,7 +280,7 @@ func (m *Manager) Status(t Type, resource, node string) (Status, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	st := Status{Key: k}
-	ks := s.keys[k]
+	ks := s.key(k)
 	if ks == nil {
 		return st, nil
 	}
@@ -321,7 +326,7 @@ func (m *Manager) Stats() Stats {
 	var st Stats
 	for _, s := range m.shards {
 		s.mu.Lock()
-		st.Keys += len(s.keys)
+		st.Keys += s.nkeys
 		st.Held += s.held
 		st.Queued += s.queued
 		st.Grants += s.grants

@@ -97,7 +97,7 @@ func (m *Manager) loadRefs(ctx context.Context) error {
 }
 
 func (s *shard) heldBy(t Type, resource string) bool {
-	ks := s.keys[Key{t, resource}]
+	ks := s.key(Key{t, resource})
 	return ks != nil && ks.holder != nil
 }
 

@@ -13,7 +13,9 @@ type shard struct {
 	m *Manager
 
 	mu      sync.Mutex
-	keys    map[Key]*keyState
+	res     map[string]*resKeys // resource → its keys, one per type
+	nkeys   int
+	free    []*entry // released entries, reused to spare the hot path an allocation
 	leases  deadlineHeap
 	timer   *time.Timer
 	timerAt time.Time // when timer fires; zero when it is idle
@@ -24,6 +26,50 @@ type shard struct {
 	grants, handoffs, expiries uint64
 
 	out outbox
+}
+
+// resKeys holds the keys of one resource, indexed by Type: a map keyed by
+// the resource string alone is faster than one keyed by Key, and the
+// reference-count rules look at every type of a resource at once.
+type resKeys [Delete + 1]*keyState
+
+func (s *shard) key(k Key) *keyState {
+	if r := s.res[k.Resource]; r != nil {
+		return r[k.Type]
+	}
+	return nil
+}
+
+func (s *shard) addKey(ks *keyState) {
+	r := s.res[ks.key.Resource]
+	if r == nil {
+		r = new(resKeys)
+		s.res[ks.key.Resource] = r
+	}
+	if r[ks.key.Type] == nil {
+		s.nkeys++
+	}
+	r[ks.key.Type] = ks
+}
+
+func (s *shard) newEntry(node string, ks *keyState) *entry {
+	if n := len(s.free); n > 0 {
+		e := s.free[n-1]
+		s.free[n-1] = nil
+		s.free = s.free[:n-1]
+		*e = entry{node: node, ks: ks, hidx: -1}
+		return e
+	}
+	return &entry{node: node, ks: ks, hidx: -1}
+}
+
+// recycle keeps a released entry for reuse. Nothing may point to it: it is
+// out of its key, the heap and its session.
+func (s *shard) recycle(e *entry) {
+	if len(s.free) < 256 {
+		*e = entry{}
+		s.free = append(s.free, e)
+	}
 }
 
 // keyState is one key's holder, queue and retained completion record.
@@ -209,6 +255,7 @@ func (s *shard) forget(ks *keyState, e *entry) {
 	s.leases.remove(e)
 	s.m.detach(e)
 	s.maybeDrop(ks)
+	s.recycle(e)
 }
 
 // renew refreshes an entry's lease on a repeated /lock, switching its kind
@@ -283,6 +330,9 @@ func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUn
 		if s.refs != nil {
 			s.refsCompleted(t, h, waiters)
 		}
+		for _, w := range waiters {
+			s.recycle(w)
+		}
 		// The opposite operation must never be skipped as "just done".
 		if k.Type == Delete {
 			s.eraseRecord(Key{Pull, k.Resource})
@@ -306,6 +356,7 @@ func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUn
 		next:       next,
 	})
 	s.maybeDrop(ks)
+	s.recycle(h)
 	return next
 }
 
@@ -319,11 +370,12 @@ func (s *shard) promote(t *txn, ks *keyState) string {
 		ks.queue = ks.queue[1:]
 		if s.refs != nil && ks.key.Type != Pull {
 			if err := s.refConflict(ks.key); err != nil {
+				node := e.node
 				s.forget(ks, e)
 				if t.notify {
 					t.items = append(t.items, item{
-						ev: &Event{Name: EventOperationCompleted, Key: ks.key, Node: e.node, Error: "in_use", CompletedAt: t.now},
-						to: []string{e.node},
+						ev: &Event{Name: EventOperationCompleted, Key: ks.key, Node: node, Error: "in_use", CompletedAt: t.now},
+						to: []string{node},
 					})
 				}
 				continue
@@ -382,7 +434,7 @@ func (s *shard) expire() {
 func (s *shard) dropSession(k Key, sess *session) {
 	s.mu.Lock()
 	t := s.begin()
-	if ks := s.keys[k]; ks != nil {
+	if ks := s.key(k); ks != nil {
 		for i := 0; i < len(ks.queue); {
 			if e := ks.queue[i]; e.sess == sess {
 				s.dequeue(ks, e)
@@ -408,18 +460,20 @@ func (s *shard) record(ks *keyState, r record) {
 	}
 	ks.hasRec, ks.rec = true, r
 	// A refused waiter may have let maybeDrop forget ks in this transition.
-	if s.keys[ks.key] == nil {
-		s.keys[ks.key] = ks
+	if s.key(ks.key) == nil {
+		s.addKey(ks)
 	}
 	q := &s.records
-	q.push(recordRef{key: ks.key, token: r.Token, at: r.CompletedAt})
+	at := r.CompletedAt.Sub(s.m.start)
+	q.push(recordRef{ks: ks, token: r.Token, at: at})
 	for q.len() > 0 {
 		old := *q.front()
-		if q.len() <= s.m.recordCap && r.CompletedAt.Sub(old.at) < cfg.CompletedRetention {
+		if q.len() <= s.m.recordCap && at-old.at < cfg.CompletedRetention {
 			break
 		}
 		q.pop()
-		if o := s.keys[old.key]; o != nil && o.hasRec && o.rec.Token == old.token && o.rec.CompletedAt.Equal(old.at) {
+		// Tokens of a key only grow: an equal token is this very record.
+		if o := old.ks; o.hasRec && o.rec.Token == old.token {
 			o.hasRec = false
 			s.maybeDrop(o)
 		}
@@ -427,7 +481,7 @@ func (s *shard) record(ks *keyState, r record) {
 }
 
 func (s *shard) eraseRecord(k Key) {
-	if ks := s.keys[k]; ks != nil && ks.hasRec {
+	if ks := s.key(k); ks != nil && ks.hasRec {
 		ks.hasRec = false
 		s.maybeDrop(ks)
 	}
@@ -437,16 +491,23 @@ func (s *shard) eraseRecord(k Key) {
 // goes forward: tokens never fall below the clock in microseconds.
 func (s *shard) maybeDrop(ks *keyState) {
 	if ks.holder == nil && len(ks.queue) == 0 && !ks.hasRec {
-		if s.keys[ks.key] == ks {
-			delete(s.keys, ks.key)
+		r := s.res[ks.key.Resource]
+		if r == nil || r[ks.key.Type] != ks {
+			return
+		}
+		r[ks.key.Type] = nil
+		s.nkeys--
+		if *r == (resKeys{}) {
+			delete(s.res, ks.key.Resource)
 		}
 	}
 }
 
+// recordRef is kept small (24 bytes): the queue is walked on every record.
 type recordRef struct {
-	key   Key
+	ks    *keyState // possibly forgotten since: then its record is gone too
 	token uint64
-	at    time.Time
+	at    time.Duration // completion time, on the monotonic clock since Manager.start
 }
 
 // recordQueue is a FIFO of completion records that reuses its backing array.

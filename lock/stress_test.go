@@ -125,7 +125,7 @@ func TestStress(t *testing.T) {
 	}
 	t.Logf("acquired %d, skipped %d, cancelled %d", counts.acquired, counts.skipped, counts.cancelled)
 	if counts.acquired == 0 || counts.skipped == 0 {
-		t.Fatalf("the run did not exercise both outcomes: %+v", counts)
+		t.Fatalf("the run did not exercise both outcomes: acquired %d, skipped %d", counts.acquired, counts.skipped)
 	}
 }
 
@@ -181,5 +181,41 @@ func drainGrant(st *Stream, k Key, node string, seen *uint64) error {
 		case <-deadline:
 			return fmt.Errorf("%s: no event for the grant its cancel released", node)
 		}
+	}
+}
+
+// TestOneKeyRace: N goroutines asking for one key at once get exactly one
+// holder; the rest are queued in some FIFO order with distinct positions.
+func TestOneKeyRace(t *testing.T) {
+	const n = 64
+	for range 20 {
+		m := newManager(t, nil)
+		var wg sync.WaitGroup
+		results := make([]LockResult, n)
+		start := make(chan struct{})
+		for i := range n {
+			wg.Go(func() {
+				<-start
+				r, err := m.TryLock(context.Background(), LockRequest{Type: Pull, Resource: "one", Node: fmt.Sprint("n", i)})
+				if err != nil {
+					t.Error(err)
+				}
+				results[i] = r
+			})
+		}
+		close(start)
+		wg.Wait()
+		holders, positions := 0, map[int]bool{}
+		for _, r := range results {
+			if r.Acquired {
+				holders++
+			} else if r.Queued {
+				positions[r.Position] = true
+			}
+		}
+		if holders != 1 || len(positions) != n-1 {
+			t.Fatalf("%d holders and %d distinct queue positions, want 1 and %d", holders, len(positions), n-1)
+		}
+		m.Close()
 	}
 }

@@ -106,6 +106,16 @@ func validateID(field, s string, max int) error {
 	if len(s) > max {
 		return fmt.Errorf("%w: %s is %d bytes, at most %d are allowed", ErrInvalid, field, len(s), max)
 	}
+	ascii := true
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c < 0x20 || c >= 0x7f {
+			ascii = false
+			break
+		}
+	}
+	if ascii {
+		return nil
+	}
 	for i := 0; i < len(s); {
 		r, size := utf8.DecodeRuneInString(s[i:])
 		if r == utf8.RuneError && size == 1 {

@@ -4,9 +4,9 @@
 package server
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
-	"io"
 	"log/slog"
 	"net/http"
 	"strconv"
@@ -38,6 +38,7 @@ type Server struct {
 	mux      *http.ServeMux
 	metrics  *metrics
 	ping     time.Duration
+	epoch    []string
 	draining atomic.Bool
 
 	// streams is closed by Drain: every open event stream ends.
@@ -67,6 +68,7 @@ func New(m *lock.Manager, opts Options) *Server {
 		metrics: newMetrics(reg, m),
 		ping:    ping,
 		streams: make(chan struct{}),
+		epoch:   []string{m.Epoch()},
 	}
 	s.route("/lock", http.MethodPost, s.handleLock)
 	s.route("/unlock", http.MethodPost, s.handleUnlock)
@@ -91,7 +93,7 @@ func New(m *lock.Manager, opts Options) *Server {
 
 // ServeHTTP stamps every response with the epoch and routes it.
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	w.Header().Set(wire.EpochHeader, s.m.Epoch())
+	w.Header()[wire.EpochHeader] = s.epoch // shared, never modified
 	s.mux.ServeHTTP(w, r)
 }
 
@@ -133,29 +135,51 @@ func (s *Server) writeError(w http.ResponseWriter, r *http.Request, err error) {
 	writeJSON(w, status, body)
 }
 
+var contentTypeJSON = []string{"application/json"}
+
 func writeJSON(w http.ResponseWriter, status int, v any) {
 	b, err := json.Marshal(v)
 	if err != nil {
 		b = []byte(`{"error":"encoding the answer failed","code":"internal","message":"encoding the answer failed"}`)
 		status = http.StatusInternalServerError
 	}
-	h := w.Header()
-	h.Set("Content-Type", "application/json")
-	h.Set("Content-Length", strconv.Itoa(len(b)+1))
-	w.WriteHeader(status)
-	_, _ = w.Write(append(b, '\n'))
+	writeRaw(w, status, append(b, '\n'))
 }
 
-// readBody reads at most wire.MaxBody bytes.
-func readBody(w http.ResponseWriter, r *http.Request) ([]byte, error) {
-	data, err := io.ReadAll(http.MaxBytesReader(w, r.Body, wire.MaxBody))
+// writeRaw writes a JSON body. Header values are set directly: they are
+// canonical already and shared, which saves the hot path its allocations.
+func writeRaw(w http.ResponseWriter, status int, b []byte) {
+	h := w.Header()
+	h["Content-Type"] = contentTypeJSON
+	h["Content-Length"] = []string{strconv.Itoa(len(b))}
+	w.WriteHeader(status)
+	_, _ = w.Write(b)
+}
+
+var bufPool = sync.Pool{New: func() any { b := make([]byte, 0, 1024); return &b }}
+
+// readBody reads at most wire.MaxBody bytes into a pooled buffer; the caller
+// gives it back with putBuf once the request is parsed.
+func readBody(w http.ResponseWriter, r *http.Request) (*[]byte, error) {
+	bp := bufPool.Get().(*[]byte)
+	buf := bytes.NewBuffer((*bp)[:0])
+	_, err := buf.ReadFrom(http.MaxBytesReader(w, r.Body, wire.MaxBody))
+	*bp = buf.Bytes()
 	if err != nil {
+		putBuf(bp)
 		if _, ok := errors.AsType[*http.MaxBytesError](err); ok {
 			return nil, wire.ErrTooLarge
 		}
 		return nil, err
 	}
-	return data, nil
+	return bp, nil
+}
+
+func putBuf(bp *[]byte) {
+	if cap(*bp) <= 64<<10 {
+		*bp = (*bp)[:0]
+		bufPool.Put(bp)
+	}
 }
 
 func (s *Server) handleLock(w http.ResponseWriter, r *http.Request) error {
@@ -163,18 +187,23 @@ func (s *Server) handleLock(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	req, err := wire.ParseLock(data)
+	req, err := wire.ParseLock(*data)
 	if err != nil {
+		putBuf(data)
 		return err
 	}
 	res, err := s.m.TryLock(r.Context(), req)
 	if err != nil {
+		putBuf(data)
 		return err
 	}
-	writeJSON(w, http.StatusOK, wire.LockResponse{
+	out := wire.AppendLockResponse((*data)[:0], wire.LockResponse{
 		Acquired: res.Acquired, Queued: res.Queued, Skip: res.Skip,
 		Token: res.Token, Holder: res.Holder, Position: res.Position,
 	})
+	writeRaw(w, http.StatusOK, append(out, '\n'))
+	*data = out
+	putBuf(data)
 	return nil
 }
 
@@ -183,15 +212,20 @@ func (s *Server) handleUnlock(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	req, err := wire.ParseUnlock(data)
+	req, err := wire.ParseUnlock(*data)
 	if err != nil {
+		putBuf(data)
 		return err
 	}
 	res, err := s.m.Unlock(r.Context(), req)
 	if err != nil {
+		putBuf(data)
 		return err
 	}
-	writeJSON(w, http.StatusOK, wire.UnlockResponse{Released: true, NextHolder: res.NextHolder, Replayed: res.Replayed})
+	out := wire.AppendUnlockResponse((*data)[:0], wire.UnlockResponse{Released: true, NextHolder: res.NextHolder, Replayed: res.Replayed})
+	writeRaw(w, http.StatusOK, append(out, '\n'))
+	*data = out
+	putBuf(data)
 	return nil
 }
 
@@ -200,7 +234,8 @@ func (s *Server) handleCancel(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	k, node, err := wire.ParseKey(data)
+	k, node, err := wire.ParseKey(*data)
+	putBuf(data)
 	if err != nil {
 		return err
 	}
@@ -251,7 +286,8 @@ func (s *Server) handleRefAdd(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	req, err := wire.ParseRef(data, false)
+	req, err := wire.ParseRef(*data, false)
+	putBuf(data)
 	if err != nil {
 		return err
 	}
@@ -271,7 +307,8 @@ func (s *Server) handleRefRelease(w http.ResponseWriter, r *http.Request) error 
 	if err != nil {
 		return err
 	}
-	req, err := wire.ParseRef(data, true)
+	req, err := wire.ParseRef(*data, true)
+	putBuf(data)
 	if err != nil {
 		return err
 	}

@@ -9,9 +9,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/dlock/dlock/lock"
@@ -153,16 +153,12 @@ func decode(data []byte, v any) error {
 	if len(bytes.TrimSpace(data)) == 0 {
 		return fmt.Errorf("%w: request body is empty", lock.ErrInvalid)
 	}
-	dec := json.NewDecoder(bytes.NewReader(data))
-	if err := dec.Decode(v); err != nil {
+	if err := json.Unmarshal(data, v); err != nil {
 		var te *json.UnmarshalTypeError
 		if errors.As(err, &te) && te.Field != "" {
 			return fmt.Errorf("%w: field %s must be a JSON %s", lock.ErrInvalid, te.Field, te.Type)
 		}
 		return fmt.Errorf("%w: malformed JSON: %s", lock.ErrInvalid, sanitize(err.Error()))
-	}
-	if _, err := dec.Token(); err != io.EOF {
-		return fmt.Errorf("%w: trailing data after the JSON object", lock.ErrInvalid)
 	}
 	return nil
 }
@@ -170,10 +166,7 @@ func decode(data []byte, v any) error {
 // sanitize keeps a JSON error's text from reading like a network error to
 // the seeds' client, which retries any message that mentions "EOF".
 func sanitize(s string) string {
-	if s == "unexpected EOF" {
-		return "the JSON ends early"
-	}
-	return s
+	return strings.ReplaceAll(s, "unexpected end of JSON input", "the JSON ends early")
 }
 
 // ParseLock decodes and validates a /lock body.
@@ -242,6 +235,35 @@ func ParseRef(data []byte, allowNoResource bool) (RefRequest, error) {
 		return w, nil
 	}
 	return w, lock.ValidateResource(w.ResourceID)
+}
+
+// AppendLockResponse appends the JSON of r; the hot path avoids reflection.
+func AppendLockResponse(b []byte, r LockResponse) []byte {
+	b = append(b, `{"acquired":`...)
+	b = strconv.AppendBool(b, r.Acquired)
+	b = append(b, `,"queued":`...)
+	b = strconv.AppendBool(b, r.Queued)
+	b = append(b, `,"skip":`...)
+	b = strconv.AppendBool(b, r.Skip)
+	b = append(b, `,"token":`...)
+	b = strconv.AppendUint(b, r.Token, 10)
+	b = append(b, `,"holder":`...)
+	b = appendString(b, r.Holder)
+	b = append(b, `,"position":`...)
+	b = strconv.AppendInt(b, int64(r.Position), 10)
+	return append(b, '}')
+}
+
+// AppendUnlockResponse appends the JSON of r.
+func AppendUnlockResponse(b []byte, r UnlockResponse) []byte {
+	b = append(b, `{"released":`...)
+	b = strconv.AppendBool(b, r.Released)
+	b = append(b, `,"next_holder":`...)
+	b = appendString(b, r.NextHolder)
+	if r.Replayed {
+		b = append(b, `,"replayed":true`...)
+	}
+	return append(b, '}')
 }
 
 // AppendEventData appends the JSON data of ev (SPEC §3).

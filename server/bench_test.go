@@ -1,0 +1,218 @@
+package server
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/dlock/dlock/lock"
+)
+
+// benchServer runs a real server on a loopback listener.
+func benchServer(b *testing.B) (string, *lock.Manager) {
+	m, err := lock.New(context.Background(), lock.DefaultConfig())
+	if err != nil {
+		b.Fatal(err)
+	}
+	srv := New(m, Options{})
+	ln, err := Listen(context.Background(), "127.0.0.1:0", 15*time.Second)
+	if err != nil {
+		b.Fatal(err)
+	}
+	hs := &http.Server{Handler: srv}
+	go hs.Serve(ln)
+	b.Cleanup(func() {
+		srv.Drain()
+		hs.Close()
+		m.Close()
+	})
+	return "http://" + ln.Addr().String(), m
+}
+
+func benchClient(conns int) *http.Client {
+	return &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: conns, MaxConnsPerHost: conns, DisableCompression: true}}
+}
+
+func post(c *http.Client, url string, body []byte) error {
+	resp, err := c.Post(url, "application/json", bytes.NewReader(body))
+	if err != nil {
+		return err
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 {
+		return fmt.Errorf("%s: %d", url, resp.StatusCode)
+	}
+	return nil
+}
+
+// BenchmarkHTTPPairs: lock + unlock(success) over HTTP/1.1 keep-alive from
+// 32 concurrent connections on distinct keys. One op is one pair. The load
+// comes from a minimal HTTP/1.1 client (rawConn) so that the numbers measure
+// the server rather than net/http's client, which shares the two cores.
+func BenchmarkHTTPPairs(b *testing.B) {
+	base, _ := benchServer(b)
+	addr := strings.TrimPrefix(base, "http://")
+	const clients = 32
+	var next atomic.Int64
+	b.SetParallelism((clients + 1) / 2) // GOMAXPROCS is 2 here: 32 goroutines
+	b.ReportAllocs()
+	b.RunParallel(func(pb *testing.PB) {
+		g := next.Add(1)
+		rc, err := dialRaw(addr)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer rc.Close()
+		i := 0
+		var body []byte
+		for pb.Next() {
+			i++
+			body = fmt.Appendf(body[:0], `{"type":"pull","resource_id":"sha256:%d-%d","node_id":"n%d"}`, g, i%1000, g)
+			if err := rc.post("/lock", body); err != nil {
+				b.Fatal(err)
+			}
+			if err := rc.post("/unlock", body); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}
+
+// rawConn is a minimal HTTP/1.1 keep-alive client for benchmarks.
+type rawConn struct {
+	net.Conn
+	r   *bufio.Reader
+	buf []byte
+}
+
+func dialRaw(addr string) (*rawConn, error) {
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	return &rawConn{Conn: c, r: bufio.NewReaderSize(c, 4096)}, nil
+}
+
+func (c *rawConn) post(path string, body []byte) error {
+	c.buf = append(c.buf[:0], "POST "...)
+	c.buf = append(c.buf, path...)
+	c.buf = append(c.buf, " HTTP/1.1\r\nHost: dlock\r\nContent-Type: application/json\r\nContent-Length: "...)
+	c.buf = strconv.AppendInt(c.buf, int64(len(body)), 10)
+	c.buf = append(c.buf, "\r\n\r\n"...)
+	c.buf = append(c.buf, body...)
+	if _, err := c.Write(c.buf); err != nil {
+		return err
+	}
+	status, err := c.r.ReadSlice('\n')
+	if err != nil {
+		return err
+	}
+	if !bytes.HasPrefix(status, []byte("HTTP/1.1 200")) {
+		return fmt.Errorf("%s: %s", path, status)
+	}
+	n := 0
+	for {
+		line, err := c.r.ReadSlice('\n')
+		if err != nil {
+			return err
+		}
+		if len(line) <= 2 {
+			break
+		}
+		if v, ok := bytes.CutPrefix(line, []byte("Content-Length: ")); ok {
+			n, _ = strconv.Atoi(string(bytes.TrimSpace(v)))
+		}
+	}
+	_, err = c.r.Discard(n)
+	return err
+}
+
+// BenchmarkHTTPHandoff measures a failure hand-off end to end: from the
+// holder's /unlock being sent to the waiter's lock_assigned read off its
+// SSE stream. It reports p50 and p99 of that latency.
+func BenchmarkHTTPHandoff(b *testing.B) {
+	base, _ := benchServer(b)
+	c := benchClient(4)
+	nodes := []string{"a", "b"}
+	streams := make([]*bufio.Reader, 2)
+	for i, n := range nodes {
+		resp, err := http.Get(base + "/subscribe?node_id=" + n)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { resp.Body.Close() })
+		streams[i] = bufio.NewReader(resp.Body)
+		readEvent(b, streams[i], "subscribed")
+	}
+	lockBody := func(n string) []byte {
+		return fmt.Appendf(nil, `{"type":"pull","resource_id":"hot","node_id":"%s"}`, n)
+	}
+	if err := post(c, base+"/lock", lockBody("a")); err != nil {
+		b.Fatal(err)
+	}
+	readEvent(b, streams[0], "lock_assigned")
+	var lat []time.Duration
+	var mu sync.Mutex
+	for i := 0; b.Loop(); i++ {
+		h, w := i%2, (i+1)%2
+		if err := post(c, base+"/lock", lockBody(nodes[w])); err != nil {
+			b.Fatal(err)
+		}
+		start := time.Now()
+		done := make(chan struct{})
+		go func() {
+			readEvent(b, streams[w], "lock_assigned")
+			mu.Lock()
+			lat = append(lat, time.Since(start))
+			mu.Unlock()
+			close(done)
+		}()
+		if err := post(c, base+"/unlock", fmt.Appendf(nil, `{"type":"pull","resource_id":"hot","node_id":"%s","error":"x"}`, nodes[h])); err != nil {
+			b.Fatal(err)
+		}
+		<-done
+		// The waiter confirms its hand-off grant, as a client does.
+		if err := post(c, base+"/lock", lockBody(nodes[w])); err != nil {
+			b.Fatal(err)
+		}
+	}
+	slices.Sort(lat)
+	if len(lat) > 0 {
+		b.ReportMetric(float64(lat[len(lat)/2].Microseconds()), "p50-µs")
+		b.ReportMetric(float64(lat[len(lat)*99/100].Microseconds()), "p99-µs")
+	}
+}
+
+func readEvent(b *testing.B, r *bufio.Reader, name string) {
+	for {
+		line, err := r.ReadString('\n')
+		if err != nil {
+			b.Fatal(err)
+		}
+		if strings.HasPrefix(line, "event: ") && strings.TrimSpace(line[7:]) == name {
+			// consume data and the blank line
+			for {
+				l, err := r.ReadString('\n')
+				if err != nil {
+					b.Fatal(err)
+				}
+				if l == "\n" {
+					return
+				}
+			}
+		}
+	}
+}
+
