@@ -1,13 +1,11 @@
 package lock
 
-import "time"
-
 // deadlineHeap is an indexed min-heap of entries by their next deadline, so
 // that renewing or removing an entry is O(log n) and one timer per shard
 // serves every lease in it.
 type deadlineHeap []*entry
 
-func (h deadlineHeap) less(i, j int) bool { return h[i].at.Before(h[j].at) }
+func (h deadlineHeap) less(i, j int) bool { return h[i].at < h[j].at }
 
 func (h deadlineHeap) swap(i, j int) {
 	h[i], h[j] = h[j], h[i]
@@ -77,10 +75,10 @@ func (h deadlineHeap) down(i int) bool {
 }
 
 // set moves e to deadline at, or out of the heap when at is zero.
-func (h *deadlineHeap) set(e *entry, at time.Time) {
+func (h *deadlineHeap) set(e *entry, at mono) {
 	e.at = at
 	switch {
-	case at.IsZero():
+	case at == 0:
 		h.remove(e)
 	case e.hidx < 0:
 		h.push(e)

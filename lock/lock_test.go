@@ -357,6 +357,21 @@ func TestCompletionRecords(t *testing.T) {
 		if st := status(t, m, Pull, "r4", ""); st.LastCompleted == nil {
 			t.Fatal("newest record dropped")
 		}
+		// r2 is now the oldest; r3 completes again, then r5: r2 goes, r3 stays.
+		time.Sleep(time.Second)
+		mustLock(t, m, lockReq(Pull, "r3", "b"))
+		mustUnlock(t, m, Pull, "r3", "b", true)
+		mustLock(t, m, lockReq(Pull, "r5", "a"))
+		mustUnlock(t, m, Pull, "r5", "a", true)
+		if st := status(t, m, Pull, "r2", ""); st.LastCompleted != nil {
+			t.Fatalf("oldest record r2 kept: %+v", st.LastCompleted)
+		}
+		if st := status(t, m, Pull, "r3", ""); st.LastCompleted == nil || st.LastCompleted.Node != "b" {
+			t.Fatalf("a key completed again lost its new record: %+v", st.LastCompleted)
+		}
+		if n := m.Stats().Keys; n != 3 {
+			t.Fatalf("%d keys kept, want 3 (r3, r4, r5)", n)
+		}
 		time.Sleep(time.Minute)
 		if st := status(t, m, Pull, "r4", ""); st.LastCompleted != nil {
 			t.Fatalf("record kept beyond completed_retention: %+v", st.LastCompleted)

@@ -16,7 +16,8 @@ type Manager struct {
 	cfg       Config
 	log       *slog.Logger
 	epoch     string
-	start     time.Time // monotonic origin of recordRef times
+	start     time.Time // origin of the manager's monotonic clock (mono)
+	startUS   uint64    // start in Unix microseconds
 	shards    []*shard
 	recordCap int // completion records kept per shard
 
@@ -46,12 +47,14 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	}
 	var b [8]byte
 	_, _ = rand.Read(b[:])
+	now := time.Now()
 	m := &Manager{
-		cfg:    cfg,
-		log:    log,
-		epoch:  hex.EncodeToString(b[:]),
-		start:  time.Now(),
-		shards: make([]*shard, cfg.Shards),
+		cfg:     cfg,
+		log:     log,
+		epoch:   hex.EncodeToString(b[:]),
+		start:   now,
+		startUS: uint64(now.UnixMicro()),
+		shards:  make([]*shard, cfg.Shards),
 	}
 	m.sess.m = make(map[string]*session)
 	m.obs.m = make(map[Key][]*Stream)
@@ -71,6 +74,20 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	}
 	return m, nil
 }
+
+// mono is a time on the manager's monotonic clock: the time since
+// Manager.start. Reading it costs half of time.Now, which reads the wall
+// clock too, and the hot path reads it on every call.
+type mono time.Duration
+
+func (t mono) add(d time.Duration) mono { return t + mono(d) }
+
+func (m *Manager) now() mono { return mono(time.Since(m.start)) }
+
+func (m *Manager) wall(t mono) time.Time { return m.start.Add(time.Duration(t)) }
+
+// micros is t in Unix microseconds, the floor of a fencing token.
+func (m *Manager) micros(t mono) uint64 { return m.startUS + uint64(time.Duration(t)/time.Microsecond) }
 
 // Epoch is a random id chosen when the manager was created: a client that
 // sees it change knows that every hold, queue entry and session is gone.
@@ -157,7 +174,7 @@ func (m *Manager) TryLock(ctx context.Context, req LockRequest) (LockResult, err
 			// A retry whose answer was lost, a renewal, or the confirmation
 			// of a hand-off grant.
 			s.renew(&t, h, req.Lease)
-			h.claimAt = time.Time{}
+			h.claimAt = 0
 			s.reschedule(h)
 			res := LockResult{Acquired: true, Token: h.token, Holder: h.node}
 			s.commit(ctx, t)
@@ -284,20 +301,20 @@ func (m *Manager) Status(t Type, resource, node string) (Status, error) {
 	if ks == nil {
 		return st, nil
 	}
-	now := time.Now()
+	now := m.now()
 	st.Token = ks.lastToken
 	st.QueueLength = len(ks.queue)
 	if h := ks.holder; h != nil {
-		st.Held, st.Holder, st.AcquiredAt = true, h.node, h.grantedAt
+		st.Held, st.Holder, st.AcquiredAt = true, h.node, m.wall(h.grantedAt)
 		if node == h.node && h.lease == LeaseTTL {
-			h.ttlAt = now.Add(m.cfg.LockTTL)
+			h.ttlAt = now.add(m.cfg.LockTTL)
 			s.reschedule(h)
 		}
 	}
 	if e := ks.queued[node]; e != nil {
 		st.Position = ks.position(e)
 		if e.lease == LeaseTTL {
-			e.ttlAt = now.Add(m.cfg.LockTTL)
+			e.ttlAt = now.add(m.cfg.LockTTL)
 			s.reschedule(e)
 		}
 	}

@@ -18,7 +18,7 @@ type shard struct {
 	free    []*entry // released entries, reused to spare the hot path an allocation
 	leases  deadlineHeap
 	timer   *time.Timer
-	timerAt time.Time // when timer fires; zero when it is idle
+	timerAt mono // when timer fires; zero when it is idle
 	records recordQueue
 	refs    map[string]*refState // nil when reference counting is off
 
@@ -81,26 +81,28 @@ type keyState struct {
 	lastToken uint64
 	hasRec    bool
 	rec       record
+	inQueue   bool // ks has an entry in the shard's record queue
 }
 
 // record is a completion record and what the server needs to replay an
 // unlock whose answer was lost.
 type record struct {
 	Completion
+	at        mono   // CompletedAt on the manager's monotonic clock
 	viaUnlock bool   // written by the holder's own /unlock
 	next      string // the next_holder that unlock answered
 }
 
-func (r *record) retained(now time.Time, retention time.Duration) bool {
-	return now.Sub(r.CompletedAt) < retention
+func (r *record) retained(now mono, retention time.Duration) bool {
+	return time.Duration(now-r.at) < retention
 }
 
-func (ks *keyState) recentSuccess(now time.Time, retention time.Duration) bool {
+func (ks *keyState) recentSuccess(now mono, retention time.Duration) bool {
 	return ks.hasRec && ks.rec.Success && ks.rec.retained(now, retention)
 }
 
 // replays reports whether req repeats the unlock that wrote the retained record.
-func (ks *keyState) replays(req UnlockRequest, now time.Time, retention time.Duration) bool {
+func (ks *keyState) replays(req UnlockRequest, now mono, retention time.Duration) bool {
 	r := &ks.rec
 	return ks.hasRec && r.viaUnlock && r.Node == req.Node && r.Success == req.Success &&
 		(req.Token == 0 || req.Token == r.Token) && r.retained(now, retention)
@@ -123,18 +125,18 @@ type entry struct {
 	lease     Lease    // LeaseSession or LeaseTTL once attached
 	sess      *session // the session that keeps a LeaseSession entry alive
 	token     uint64
-	grantedAt time.Time
-	ttlAt     time.Time // ttl lease deadline; zero for a session lease
-	claimAt   time.Time // hand-off must be confirmed by then; zero once confirmed
-	maxAt     time.Time // max_hold deadline; zero when unlimited
-	at        time.Time // earliest of the above: the entry's place in the heap
-	hidx      int       // index in the shard's heap, -1 when not in it
+	grantedAt mono
+	ttlAt     mono // ttl lease deadline; zero for a session lease
+	claimAt   mono // hand-off must be confirmed by then; zero once confirmed
+	maxAt     mono // max_hold deadline; zero when unlimited
+	at        mono // earliest of the above: the entry's place in the heap
+	hidx      int  // index in the shard's heap, -1 when not in it
 }
 
 // txn collects what a transition must do after the shard mutex is released:
 // make reference changes durable, deliver events, write log lines.
 type txn struct {
-	now    time.Time
+	now    mono
 	notify bool // someone may listen: build events
 	items  []item
 	saves  []refSave
@@ -152,7 +154,7 @@ type logLine struct {
 
 func (s *shard) begin() txn {
 	m := s.m
-	return txn{now: time.Now(), notify: m.sess.n.Load() > 0 || m.obs.n.Load() > 0}
+	return txn{now: m.now(), notify: m.sess.n.Load() > 0 || m.obs.n.Load() > 0}
 }
 
 // commit releases the shard mutex, then makes the transition's reference
@@ -189,20 +191,20 @@ func (s *shard) logf(t *txn, level slog.Level, msg string, k Key, node string, t
 // grant makes e the holder of ks with a new fencing token.
 func (s *shard) grant(t *txn, ks *keyState, e *entry, handoff bool) {
 	cfg := &s.m.cfg
-	token := max(ks.lastToken+1, uint64(t.now.UnixMicro()))
+	token := max(ks.lastToken+1, s.m.micros(t.now))
 	ks.lastToken = token
 	ks.holder = e
 	e.token = token
 	e.grantedAt = t.now
-	e.claimAt, e.maxAt = time.Time{}, time.Time{}
+	e.claimAt, e.maxAt = 0, 0
 	if handoff && cfg.ClaimTimeout > 0 {
-		e.claimAt = t.now.Add(cfg.ClaimTimeout)
+		e.claimAt = t.now.add(cfg.ClaimTimeout)
 	}
 	if cfg.MaxHold > 0 {
-		e.maxAt = t.now.Add(cfg.MaxHold)
+		e.maxAt = t.now.add(cfg.MaxHold)
 	}
 	if e.lease == LeaseTTL {
-		e.ttlAt = t.now.Add(cfg.LockTTL)
+		e.ttlAt = t.now.add(cfg.LockTTL)
 	}
 	s.reschedule(e)
 	s.held++
@@ -224,7 +226,7 @@ func (s *shard) grant(t *txn, ks *keyState, e *entry, handoff bool) {
 
 func (s *shard) enqueue(t *txn, ks *keyState, e *entry) {
 	if e.lease == LeaseTTL {
-		e.ttlAt = t.now.Add(s.m.cfg.LockTTL)
+		e.ttlAt = t.now.add(s.m.cfg.LockTTL)
 	}
 	ks.queue = append(ks.queue, e)
 	if ks.queued == nil {
@@ -248,9 +250,6 @@ func (s *shard) dequeue(ks *keyState, e *entry) {
 // forget drops a waiter that is no longer in ks.queue.
 func (s *shard) forget(ks *keyState, e *entry) {
 	delete(ks.queued, e.node)
-	if len(ks.queue) == 0 {
-		ks.queue, ks.queued = nil, nil
-	}
 	s.queued--
 	s.leases.remove(e)
 	s.m.detach(e)
@@ -266,9 +265,9 @@ func (s *shard) renew(t *txn, e *entry, want Lease) {
 		s.m.attach(e, want)
 	}
 	if e.lease == LeaseTTL {
-		e.ttlAt = t.now.Add(s.m.cfg.LockTTL)
+		e.ttlAt = t.now.add(s.m.cfg.LockTTL)
 	} else {
-		e.ttlAt = time.Time{}
+		e.ttlAt = 0
 	}
 }
 
@@ -276,20 +275,20 @@ func (s *shard) renew(t *txn, e *entry, want Lease) {
 // if that deadline comes before the timer fires.
 func (s *shard) reschedule(e *entry) {
 	at := e.ttlAt
-	for _, d := range [...]time.Time{e.claimAt, e.maxAt} {
-		if !d.IsZero() && (at.IsZero() || d.Before(at)) {
+	for _, d := range [...]mono{e.claimAt, e.maxAt} {
+		if d != 0 && (at == 0 || d < at) {
 			at = d
 		}
 	}
 	s.leases.set(e, at)
-	if !at.IsZero() && (s.timerAt.IsZero() || at.Before(s.timerAt)) {
+	if at != 0 && (s.timerAt == 0 || at < s.timerAt) {
 		s.arm(at)
 	}
 }
 
-func (s *shard) arm(at time.Time) {
+func (s *shard) arm(at mono) {
 	s.timerAt = at
-	d := time.Until(at)
+	d := time.Duration(at - s.m.now())
 	if s.timer == nil {
 		s.timer = time.AfterFunc(d, s.expire)
 		return
@@ -310,11 +309,11 @@ func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUn
 	next := ""
 	var done *Event
 	if t.notify {
-		done = &Event{Name: EventOperationCompleted, Key: k, Node: h.node, Success: success, Error: errMsg, CompletedAt: t.now}
+		done = &Event{Name: EventOperationCompleted, Key: k, Node: h.node, Success: success, Error: errMsg, CompletedAt: s.m.wall(t.now)}
 	}
 	if success && k.Type != Update {
 		waiters := ks.queue
-		ks.queue, ks.queued = nil, nil
+		clear(ks.queued)
 		var to []string
 		if t.notify {
 			to = make([]string, 0, len(waiters))
@@ -333,6 +332,8 @@ func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUn
 		for _, w := range waiters {
 			s.recycle(w)
 		}
+		clear(waiters)
+		ks.queue = waiters[:0]
 		// The opposite operation must never be skipped as "just done".
 		if k.Type == Delete {
 			s.eraseRecord(Key{Pull, k.Resource})
@@ -351,7 +352,8 @@ func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUn
 		}
 	}
 	s.record(ks, record{
-		Completion: Completion{Node: h.node, Token: h.token, Success: success, Error: errMsg, CompletedAt: t.now},
+		Completion: Completion{Node: h.node, Token: h.token, Success: success, Error: errMsg, CompletedAt: s.m.wall(t.now)},
+		at:         t.now,
 		viaUnlock:  viaUnlock,
 		next:       next,
 	})
@@ -366,15 +368,22 @@ func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUn
 func (s *shard) promote(t *txn, ks *keyState) string {
 	for len(ks.queue) > 0 {
 		e := ks.queue[0]
-		ks.queue[0] = nil
-		ks.queue = ks.queue[1:]
+		if n := len(ks.queue) - 1; n < 64 {
+			// Shift short queues to keep the backing array for reuse.
+			copy(ks.queue, ks.queue[1:])
+			ks.queue[n] = nil
+			ks.queue = ks.queue[:n]
+		} else {
+			ks.queue[0] = nil
+			ks.queue = ks.queue[1:]
+		}
 		if s.refs != nil && ks.key.Type != Pull {
 			if err := s.refConflict(ks.key); err != nil {
 				node := e.node
 				s.forget(ks, e)
 				if t.notify {
 					t.items = append(t.items, item{
-						ev: &Event{Name: EventOperationCompleted, Key: ks.key, Node: node, Error: "in_use", CompletedAt: t.now},
+						ev: &Event{Name: EventOperationCompleted, Key: ks.key, Node: node, Error: "in_use", CompletedAt: s.m.wall(t.now)},
 						to: []string{node},
 					})
 				}
@@ -382,9 +391,6 @@ func (s *shard) promote(t *txn, ks *keyState) string {
 			}
 		}
 		delete(ks.queued, e.node)
-		if len(ks.queue) == 0 {
-			ks.queue, ks.queued = nil, nil
-		}
 		s.queued--
 		s.grant(t, ks, e, true)
 		return e.node
@@ -403,8 +409,8 @@ func (s *shard) expire() {
 	}
 	s.mu.Lock()
 	t := s.begin()
-	s.timerAt = time.Time{}
-	for len(s.leases) > 0 && !s.leases[0].at.After(t.now) {
+	s.timerAt = 0
+	for len(s.leases) > 0 && s.leases[0].at <= t.now {
 		e := s.leases[0]
 		s.leases.remove(e)
 		ks := e.ks
@@ -416,9 +422,9 @@ func (s *shard) expire() {
 		}
 		why := "lock expired"
 		switch {
-		case !e.maxAt.IsZero() && !e.maxAt.After(t.now):
+		case e.maxAt != 0 && e.maxAt <= t.now:
 			why = "max hold exceeded"
-		case !e.claimAt.IsZero() && !e.claimAt.After(t.now):
+		case e.claimAt != 0 && e.claimAt <= t.now:
 			why = "not claimed"
 		}
 		s.logf(&t, slog.LevelInfo, "hold expired", ks.key, e.node, e.token, why)
@@ -452,6 +458,10 @@ func (s *shard) dropSession(k Key, sess *session) {
 
 // record retains ks's completion record, dropping the shard's oldest records
 // beyond its share of CompletedMax and those past CompletedRetention.
+//
+// The queue holds one entry per key: a key completed again keeps its place
+// and moves to the back only when it reaches the front, so a busy key costs
+// no queue work per completion.
 func (s *shard) record(ks *keyState, r record) {
 	cfg := &s.m.cfg
 	if s.m.recordCap == 0 {
@@ -464,16 +474,23 @@ func (s *shard) record(ks *keyState, r record) {
 		s.addKey(ks)
 	}
 	q := &s.records
-	at := r.CompletedAt.Sub(s.m.start)
-	q.push(recordRef{ks: ks, token: r.Token, at: at})
-	for q.len() > 0 {
+	if !ks.inQueue {
+		ks.inQueue = true
+		q.push(recordRef{ks: ks, at: r.at})
+	}
+	for spins := q.len(); q.len() > 0; spins-- {
 		old := *q.front()
-		if q.len() <= s.m.recordCap && at-old.at < cfg.CompletedRetention {
+		if q.len() <= s.m.recordCap && time.Duration(r.at-old.at) < cfg.CompletedRetention {
 			break
 		}
 		q.pop()
-		// Tokens of a key only grow: an equal token is this very record.
-		if o := old.ks; o.hasRec && o.rec.Token == old.token {
+		o := old.ks
+		if o.hasRec && o.rec.at > old.at && time.Duration(r.at-o.rec.at) < cfg.CompletedRetention && spins > 0 {
+			q.push(recordRef{ks: o, at: o.rec.at}) // completed again since: not the oldest
+			continue
+		}
+		o.inQueue = false
+		if o.hasRec {
 			o.hasRec = false
 			s.maybeDrop(o)
 		}
@@ -503,11 +520,9 @@ func (s *shard) maybeDrop(ks *keyState) {
 	}
 }
 
-// recordRef is kept small (24 bytes): the queue is walked on every record.
 type recordRef struct {
-	ks    *keyState // possibly forgotten since: then its record is gone too
-	token uint64
-	at    time.Duration // completion time, on the monotonic clock since Manager.start
+	ks *keyState // possibly forgotten since: then its record is gone too
+	at mono      // when ks's record was written, as far as the queue knows
 }
 
 // recordQueue is a FIFO of completion records that reuses its backing array.
