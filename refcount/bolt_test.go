@@ -25,7 +25,7 @@ func TestBoltStore(t *testing.T) {
 	must(s.Save(ctx, "a", lock.RefRecord{Nodes: []string{"n1", "n2"}, Version: 2}))
 	must(s.Save(ctx, "a", lock.RefRecord{Nodes: []string{"n1"}, Version: 1})) // older: ignored
 	must(s.Save(ctx, "b", lock.RefRecord{Nodes: []string{"n3"}, Version: 3}))
-	must(s.Save(ctx, "b", lock.RefRecord{Version: 4}))                         // cleared
+	must(s.Save(ctx, "b", lock.RefRecord{Version: 4}))                        // cleared
 	must(s.Save(ctx, "b", lock.RefRecord{Nodes: []string{"n3"}, Version: 3})) // late, older: must not resurrect
 	must(s.Close())
 

@@ -215,4 +215,3 @@ func readEvent(b *testing.B, r *bufio.Reader, name string) {
 		}
 	}
 }
-
