@@ -159,7 +159,9 @@ func linearizableRun(t *testing.T, seed uint64) {
 				t.Error(err)
 				return
 			}
-			defer st.Close()
+			// Closing the stream is a drop: it happens after the history
+			// ends, or is recorded as one.
+			t.Cleanup(st.Close)
 			tokens := map[int]uint64{}
 			for range opsPerNode {
 				k := rng.IntN(keys)
