@@ -327,3 +327,46 @@ func TestMetrics(t *testing.T) {
 		}
 	}
 }
+
+// waitFor polls cond until it holds; the deadline only bounds a broken run.
+func waitFor(t testing.TB, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// TestSessionLostOverHTTP: closing a session stream is noticed through the
+// request context, and after the grace the node's hold passes on.
+func TestSessionLostOverHTTP(t *testing.T) {
+	e := newEnv(t, func(c *lock.Config) { c.SessionGrace = 100 * time.Millisecond })
+	a := e.subscribe("node_id=a", "")
+	a.next(t)
+	b := e.subscribe("node_id=b", "")
+	b.next(t)
+	e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"a"}`)
+	e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"b"}`)
+	a.resp.Body.Close()
+	if f := b.next(t); f.event != "lock_assigned" {
+		t.Fatalf("b got %+v, want lock_assigned after a's session was lost", f)
+	}
+	_, st := e.call("GET", "/status?type=pull&resource_id=r", "")
+	if lc := st["last_completed"].(map[string]any); st["holder"] != "b" || lc["error"] != "session lost" || lc["node_id"] != "a" {
+		t.Fatalf("status %v", st)
+	}
+	waitFor(t, "one session left", func() bool { return e.m.Stats().Sessions == 1 })
+}
+
+func TestPing(t *testing.T) {
+	e := newEnv(t, nil) // PingInterval 50ms
+	s := e.subscribe("node_id=a", "")
+	s.next(t)
+	line, err := s.r.ReadString('\n')
+	if err != nil || line != ": ping\n" {
+		t.Fatalf("after a silent interval got %q %v, want a ping comment", line, err)
+	}
+}
