@@ -1,0 +1,69 @@
+package client_test
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+
+	"github.com/dlock/dlock/client"
+	"github.com/dlock/dlock/lock"
+	"github.com/dlock/dlock/server"
+)
+
+// startDlock runs an in-memory dlock server on 127.0.0.1, as
+// `dlock serve --listen 127.0.0.1:0` would, and returns its URL.
+func startDlock() (url string, stop func()) {
+	m, _ := lock.New(context.Background(), lock.DefaultConfig())
+	srv := server.New(m, server.Options{})
+	ln, _ := net.Listen("tcp", "127.0.0.1:0")
+	hs := &http.Server{Handler: srv}
+	go hs.Serve(ln)
+	return "http://" + ln.Addr().String(), func() { srv.Drain(); hs.Close(); m.Close() }
+}
+
+func ExampleClient_Lock() {
+	url, stop := startDlock()
+	defer stop()
+
+	c := &client.Client{Server: url, Node: "node-1"}
+	defer c.Close()
+	ctx := context.Background()
+	req := client.Request{Type: lock.Pull, Resource: "sha256:4f53cda18c2baa0c0354bb5f9a3ecbe5ed12ab4d8e11ba873c2f11161202b945"}
+
+	res, err := c.Lock(ctx, req)
+	if err != nil {
+		fmt.Println("lock:", err)
+		return
+	}
+	if res.Skipped {
+		fmt.Println("another node pulled it")
+		return
+	}
+	fmt.Println("acquired:", res.Acquired)
+	// ... download the blob; fence writes with res.Token ...
+	var downloadErr error
+	if err := c.Unlock(ctx, req, downloadErr); err != nil {
+		fmt.Println("unlock:", err)
+	}
+	// Output: acquired: true
+}
+
+func ExampleClient_Do() {
+	url, stop := startDlock()
+	defer stop()
+
+	c := &client.Client{Server: url, Node: "node-1"}
+	defer c.Close()
+	req := client.Request{Type: lock.Pull, Resource: "sha256:4f53cda18c2baa0c0354bb5f9a3ecbe5ed12ab4d8e11ba873c2f11161202b945"}
+
+	skipped, err := c.Do(context.Background(), req, func(ctx context.Context) error {
+		// ctx is cancelled if the lock is lost while this runs.
+		fmt.Println("downloading")
+		return nil // success: every node waiting for this blob skips it
+	})
+	fmt.Println("skipped:", skipped, "err:", err)
+	// Output:
+	// downloading
+	// skipped: false err: <nil>
+}

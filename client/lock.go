@@ -1,0 +1,383 @@
+package client
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/url"
+	"time"
+
+	"github.com/dlock/dlock/internal/wire"
+	"github.com/dlock/dlock/lock"
+)
+
+// Request names a lock.
+type Request struct {
+	Type     lock.Type
+	Resource string
+	// SkipRecent answers Skipped, without a grant, when the key is free and
+	// its last completion, still retained by the server, was a success.
+	SkipRecent bool
+	// Lease is the lease asked for; LeaseAuto (the default) is a session
+	// lease, since Lock opens the session stream first.
+	Lease lock.Lease
+}
+
+func (r Request) key() lock.Key { return lock.Key{Type: r.Type, Resource: r.Resource} }
+
+func (r Request) validate() error {
+	if !r.Type.Valid() {
+		return fmt.Errorf("%w: type must be pull, update or delete", ErrInvalid)
+	}
+	return lock.ValidateResource(r.Resource)
+}
+
+// Result is the outcome of Lock: Acquired or Skipped.
+type Result struct {
+	// Acquired: this node holds the lock; call Unlock when done.
+	Acquired bool
+	// Skipped: the work was done, by SkippedBy when known; do not Unlock.
+	Skipped   bool
+	SkippedBy string
+	// Token is the grant's fencing token.
+	Token uint64
+	// Lost is closed when the lock is lost while held: the server no longer
+	// has this node as its holder (lease expired, session lost, restart).
+	Lost <-chan struct{}
+}
+
+type hintKind int
+
+const (
+	hintAssigned hintKind = iota // lock_assigned to this node
+	hintDone                     // operation_completed{success}: skip
+	hintRefused                  // refused when promoted (in_use)
+)
+
+type hint struct {
+	kind hintKind
+	by   string
+}
+
+// waiter receives the stream's hints about one key while a Lock waits.
+type waiter struct{ hints chan hint }
+
+func (c *Client) addWaiter(k lock.Key) *waiter {
+	w := &waiter{hints: make(chan hint, 8)}
+	c.mu.Lock()
+	if c.waiters[k] == nil {
+		c.waiters[k] = make(map[*waiter]struct{})
+	}
+	c.waiters[k][w] = struct{}{}
+	c.mu.Unlock()
+	return w
+}
+
+func (c *Client) removeWaiter(k lock.Key, w *waiter) {
+	c.mu.Lock()
+	delete(c.waiters[k], w)
+	if len(c.waiters[k]) == 0 {
+		delete(c.waiters, k)
+	}
+	c.mu.Unlock()
+}
+
+func (c *Client) hintWaiters(k lock.Key, h hint) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for w := range c.waiters[k] {
+		select {
+		case w.hints <- h:
+		default: // a full buffer already holds enough reasons to look again
+		}
+	}
+}
+
+// hold is a lock this client took with Lock; it stays until Unlock, lost
+// or not, and owns the key's gate until then.
+type hold struct {
+	token  uint64
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+}
+
+func (h *hold) lose() { h.cancel(ErrLockLost) }
+
+// Lock takes the lock, waiting in the server's queue if another node holds
+// it. It returns Acquired with the grant's token, or Skipped when another
+// node completed the same operation meanwhile (or, with SkipRecent, just
+// before). When ctx ends first, the queue entry is cancelled (a grant that
+// raced the cancel is given up as a failure) and ctx's error is returned.
+//
+// Two callers of one Client asking for one key are served one after the
+// other; a caller that waited for one of this node's own successful pulls
+// or deletes of the key is Skipped.
+func (c *Client) Lock(ctx context.Context, req Request) (Result, error) {
+	if err := c.init(); err != nil {
+		return Result{}, err
+	}
+	if err := req.validate(); err != nil {
+		return Result{}, err
+	}
+	k := req.key()
+	g := c.gate(k)
+	skipped, err := g.acquire(ctx)
+	if err != nil {
+		c.putGate(k)
+		return Result{}, err
+	}
+	if skipped && k.Type != lock.Update {
+		c.releaseGate(k, false)
+		return Result{Skipped: true, SkippedBy: c.Node}, nil
+	}
+	res, err := c.lock(ctx, req)
+	if err != nil || !res.Acquired {
+		c.releaseGate(k, false)
+	}
+	return res, err
+}
+
+func (c *Client) lock(ctx context.Context, req Request) (Result, error) {
+	k := req.key()
+	s := c.ensureSession(ctx)
+	w := c.addWaiter(k)
+	defer c.removeWaiter(k, w)
+	res, err := c.tryLock(ctx, req)
+	if err != nil {
+		return Result{}, err
+	}
+	switch {
+	case res.Acquired:
+		return c.acquired(k, res.Token), nil
+	case res.Skip:
+		return Result{Skipped: true, SkippedBy: c.lastCompleter(ctx, k)}, nil
+	}
+	up, changed := s.state()
+	poll := time.NewTimer(c.pollEvery(up))
+	defer poll.Stop()
+	for {
+		relock := false
+		select {
+		case h := <-w.hints:
+			if h.kind == hintDone {
+				return Result{Skipped: true, SkippedBy: h.by}, nil
+			}
+			relock = true // a grant or a refusal: the answer to /lock says which
+		case <-changed:
+			var nowUp bool
+			nowUp, changed = s.state()
+			// Reconnected: the server may have forgotten this wait (a new
+			// epoch), and /lock is idempotent.
+			relock = nowUp
+			poll.Reset(c.pollEvery(nowUp))
+		case <-poll.C:
+			up, _ := s.state()
+			poll.Reset(c.pollEvery(up))
+			st, err := c.status(ctx, k, true)
+			if err != nil {
+				c.Logger.Debug("status poll failed", "key", k.String(), "err", err)
+				continue
+			}
+			switch {
+			case st.Holder == c.Node:
+				relock = true // granted: confirm it
+			case st.Position > 0:
+			case st.LastCompleted != nil && st.LastCompleted.Success && k.Type != lock.Update && st.State == "free":
+				return Result{Skipped: true, SkippedBy: st.LastCompleted.NodeID}, nil
+			default:
+				relock = true // not queued any more (lease ended, restart): ask again
+			}
+		case <-ctx.Done():
+			return Result{}, c.abandon(ctx, k)
+		}
+		if !relock {
+			continue
+		}
+		res, err := c.tryLock(ctx, req)
+		if err != nil {
+			if ctx.Err() != nil {
+				return Result{}, c.abandon(ctx, k)
+			}
+			return Result{}, err
+		}
+		switch {
+		case res.Acquired:
+			return c.acquired(k, res.Token), nil
+		case res.Skip:
+			return Result{Skipped: true, SkippedBy: c.lastCompleter(ctx, k)}, nil
+		}
+	}
+}
+
+func (c *Client) pollEvery(streamUp bool) time.Duration {
+	if streamUp {
+		return 10 * c.PollInterval
+	}
+	return c.PollInterval
+}
+
+// abandon cancels a wait whose caller gave up and returns the caller's
+// error. A grant that raced the cancel is released by it as a failure, so
+// the key passes on.
+func (c *Client) abandon(ctx context.Context, k lock.Key) error {
+	cctx, cancel := context.WithTimeout(c.ctx, c.RequestTimeout)
+	defer cancel()
+	var res wire.CancelResponse
+	err := c.call(cctx, "POST", "/cancel", nil, wire.KeyRequest{Type: k.Type.String(), ResourceID: k.Resource, NodeID: c.Node}, &res)
+	if err != nil {
+		c.Logger.Warn("cancelling a wait failed; the server drops it when its lease ends", "key", k.String(), "err", err)
+	}
+	return context.Cause(ctx)
+}
+
+func (c *Client) tryLock(ctx context.Context, req Request) (wire.LockResponse, error) {
+	var res wire.LockResponse
+	body := wire.LockRequest{Type: req.Type.String(), ResourceID: req.Resource, NodeID: c.Node, SkipRecent: req.SkipRecent}
+	if req.Lease != lock.LeaseAuto {
+		body.Lease = req.Lease.String()
+	}
+	err := c.call(ctx, "POST", "/lock", nil, body, &res)
+	return res, err
+}
+
+func (c *Client) acquired(k lock.Key, token uint64) Result {
+	hctx, cancel := context.WithCancelCause(c.ctx)
+	h := &hold{token: token, ctx: hctx, cancel: cancel}
+	c.mu.Lock()
+	if old := c.held[k]; old != nil {
+		old.cancel(nil)
+	}
+	c.held[k] = h
+	if !c.monitor {
+		c.monitor = true
+		c.wg.Go(c.watchHolds)
+	}
+	c.mu.Unlock()
+	return Result{Acquired: true, Token: token, Lost: hctx.Done()}
+}
+
+// lastCompleter names the node of the key's retained completion, for a
+// skip_recent answer, which does not say who did the work.
+func (c *Client) lastCompleter(ctx context.Context, k lock.Key) string {
+	st, err := c.status(ctx, k, false)
+	if err != nil || st.LastCompleted == nil {
+		return ""
+	}
+	return st.LastCompleted.NodeID
+}
+
+func (c *Client) status(ctx context.Context, k lock.Key, asNode bool) (wire.StatusResponse, error) {
+	q := url.Values{"type": {k.Type.String()}, "resource_id": {k.Resource}}
+	if asNode {
+		q.Set("node_id", c.Node)
+	}
+	var st wire.StatusResponse
+	err := c.call(ctx, "GET", "/status", q, nil, &st)
+	return st, err
+}
+
+// Unlock releases a lock this node holds: success when opErr is nil, else a
+// failure carrying opErr's text, which hands the lock to the next waiter.
+// The grant's token is sent, so an unlock of a lock lost meanwhile is
+// refused (ErrNotHolder or ErrStaleToken) instead of ending someone else's.
+func (c *Client) Unlock(ctx context.Context, req Request, opErr error) error {
+	if err := c.init(); err != nil {
+		return err
+	}
+	if err := req.validate(); err != nil {
+		return err
+	}
+	k := req.key()
+	c.mu.Lock()
+	h := c.held[k]
+	delete(c.held, k)
+	c.mu.Unlock()
+	body := wire.UnlockRequest{Type: k.Type.String(), ResourceID: k.Resource, NodeID: c.Node}
+	success := opErr == nil
+	body.Success = &success
+	if opErr != nil {
+		body.Error = opErr.Error()
+		if len(body.Error) > 1024 {
+			body.Error = body.Error[:1024]
+		}
+	}
+	if h != nil {
+		body.Token = h.token
+		defer h.cancel(nil)
+	}
+	var res wire.UnlockResponse
+	err := c.call(ctx, "POST", "/unlock", nil, body, &res)
+	if h != nil {
+		c.releaseGate(k, err == nil && success)
+	}
+	return err
+}
+
+// Do runs fn under the lock and unlocks with fn's outcome. It returns
+// skipped=true without running fn when another node did the work. fn's
+// context is cancelled, with cause ErrLockLost, if the lock is lost while fn
+// runs; Do then returns an error matching ErrLockLost.
+func (c *Client) Do(ctx context.Context, req Request, fn func(ctx context.Context) error) (skipped bool, err error) {
+	res, err := c.Lock(ctx, req)
+	if err != nil {
+		return false, err
+	}
+	if res.Skipped {
+		return true, nil
+	}
+	fctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	c.mu.Lock()
+	h := c.held[req.key()]
+	c.mu.Unlock()
+	if h != nil {
+		stop := context.AfterFunc(h.ctx, func() {
+			if errors.Is(context.Cause(h.ctx), ErrLockLost) {
+				cancel(ErrLockLost)
+			}
+		})
+		defer stop()
+	}
+	ferr := fn(fctx)
+	lost := errors.Is(context.Cause(fctx), ErrLockLost)
+	uctx, ucancel := context.WithTimeout(context.WithoutCancel(ctx), c.RequestTimeout*time.Duration(c.MaxRetries+1))
+	defer ucancel()
+	uerr := c.Unlock(uctx, req, ferr)
+	if lost {
+		return false, errors.Join(ErrLockLost, ferr)
+	}
+	return false, errors.Join(ferr, uerr)
+}
+
+// watchHolds checks held locks every RenewInterval: /status with this node's
+// id renews a ttl lease, and an answer that names another holder or token
+// means the lock was lost.
+func (c *Client) watchHolds() {
+	t := time.NewTicker(c.RenewInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-c.ctx.Done():
+			return
+		case <-t.C:
+		}
+		c.mu.Lock()
+		holds := make(map[lock.Key]*hold, len(c.held))
+		for k, h := range c.held {
+			if h.ctx.Err() == nil {
+				holds[k] = h
+			}
+		}
+		c.mu.Unlock()
+		for k, h := range holds {
+			st, err := c.status(c.ctx, k, true)
+			if err != nil {
+				continue // unknown: the lease decides, and the next check sees it
+			}
+			if st.Holder != c.Node || st.Token != h.token {
+				c.Logger.Warn("lock lost", "key", k.String(), "token", h.token, "holder", st.Holder)
+				h.lose()
+			}
+		}
+	}
+}

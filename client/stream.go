@@ -1,0 +1,197 @@
+package client
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"math/rand/v2"
+	"net/http"
+	"net/url"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/dlock/dlock/internal/wire"
+	"github.com/dlock/dlock/lock"
+)
+
+// session is the node's event stream, shared by every wait of the Client.
+// One goroutine, owned by the Client, holds it open and reopens it.
+type session struct {
+	c *Client
+
+	mu      sync.Mutex
+	up      bool
+	tried   chan struct{} // closed after the first connection attempt
+	changed chan struct{} // closed and replaced whenever up changes
+	lastID  uint64
+	hasLast bool
+}
+
+// ensureSession starts the stream if needed and waits for its first
+// connection attempt, so that a /lock sent next cannot miss its grant.
+// Failure is not an error: waits fall back to polling.
+func (c *Client) ensureSession(ctx context.Context) *session {
+	c.mu.Lock()
+	s := c.sess
+	if s == nil {
+		s = &session{c: c, tried: make(chan struct{}), changed: make(chan struct{})}
+		c.sess = s
+		c.wg.Go(s.run)
+	}
+	c.mu.Unlock()
+	select {
+	case <-s.tried:
+	case <-ctx.Done():
+	}
+	return s
+}
+
+// state returns whether the stream is up and a channel closed at the next change.
+func (s *session) state() (bool, <-chan struct{}) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.up, s.changed
+}
+
+func (s *session) setUp(up bool) {
+	s.mu.Lock()
+	if s.up != up {
+		s.up = up
+		close(s.changed)
+		s.changed = make(chan struct{})
+	}
+	s.mu.Unlock()
+}
+
+func (s *session) run() {
+	ctx := s.c.ctx
+	backoff := 50 * time.Millisecond
+	first := true
+	for {
+		connected, err := s.stream(ctx, &first)
+		s.setUp(false)
+		if first {
+			first = false
+			close(s.tried)
+		}
+		if ctx.Err() != nil {
+			return
+		}
+		if connected {
+			backoff = 50 * time.Millisecond
+		}
+		s.c.Logger.Info("session stream broken, reconnecting", "node", s.c.Node, "err", err, "in", backoff)
+		select {
+		case <-time.After(time.Duration(float64(backoff) * (0.8 + 0.4*rand.Float64()))):
+		case <-ctx.Done():
+			return
+		}
+		backoff = min(2*backoff, 5*time.Second)
+	}
+}
+
+// stream holds one connection until it breaks.
+func (s *session) stream(ctx context.Context, first *bool) (connected bool, err error) {
+	c := s.c
+	u := *c.base
+	u.Path += "/subscribe"
+	u.RawQuery = url.Values{"node_id": {c.Node}}.Encode()
+	// Only the connection phase is bounded: the stream itself lives on.
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	timer := time.AfterFunc(c.RequestTimeout, cancel)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u.String(), nil)
+	if err != nil {
+		return false, err
+	}
+	s.mu.Lock()
+	if s.hasLast {
+		req.Header.Set("Last-Event-ID", strconv.FormatUint(s.lastID, 10))
+	}
+	s.mu.Unlock()
+	req.Header.Set("Accept", "text/event-stream")
+	resp, err := c.LongClient.Do(req)
+	if !timer.Stop() && err == nil {
+		resp.Body.Close()
+		return false, fmt.Errorf("subscribe: no answer within %v", c.RequestTimeout)
+	}
+	if err != nil {
+		return false, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return false, fmt.Errorf("subscribe: HTTP %d", resp.StatusCode)
+	}
+	r := bufio.NewReaderSize(resp.Body, 16<<10)
+	var id, name, data string
+	for {
+		line, err := r.ReadString('\n')
+		if err != nil {
+			return connected, err
+		}
+		line = strings.TrimRight(line, "\r\n")
+		switch {
+		case line == "":
+			if name == "" {
+				continue
+			}
+			if name == "subscribed" {
+				var ev wire.Event
+				if err := json.Unmarshal([]byte(data), &ev); err != nil {
+					return connected, fmt.Errorf("subscribed event: %w", err)
+				}
+				c.sawEpoch(ev.Epoch)
+				connected = true
+				s.setUp(true)
+				if *first {
+					*first = false
+					close(s.tried)
+				}
+			} else {
+				s.dispatch(name, data)
+			}
+			if v, err := strconv.ParseUint(id, 10, 64); err == nil {
+				s.mu.Lock()
+				s.lastID, s.hasLast = v, true
+				s.mu.Unlock()
+			}
+			id, name, data = "", "", ""
+		case strings.HasPrefix(line, ":"):
+		case strings.HasPrefix(line, "id:"):
+			id = strings.TrimSpace(line[3:])
+		case strings.HasPrefix(line, "event:"):
+			name = strings.TrimSpace(line[6:])
+		case strings.HasPrefix(line, "data:"):
+			data = strings.TrimPrefix(line[5:], " ")
+		}
+	}
+}
+
+// dispatch turns an event into a hint for this node's waiter on the key.
+func (s *session) dispatch(name, data string) {
+	var ev wire.Event
+	if err := json.Unmarshal([]byte(data), &ev); err != nil {
+		s.c.Logger.Warn("undecodable event", "event", name, "err", err)
+		return
+	}
+	t, err := lock.ParseType(ev.Type)
+	if err != nil {
+		return
+	}
+	k := lock.Key{Type: t, Resource: ev.ResourceID}
+	var h hint
+	switch {
+	case name == lock.EventLockAssigned && ev.NodeID == s.c.Node:
+		h = hint{kind: hintAssigned}
+	case name == lock.EventOperationCompleted && ev.Success:
+		h = hint{kind: hintDone, by: ev.NodeID}
+	case name == lock.EventOperationCompleted && ev.NodeID == s.c.Node && ev.Error == wire.CodeInUse:
+		h = hint{kind: hintRefused}
+	default:
+		return
+	}
+	s.c.hintWaiters(k, h)
+}
