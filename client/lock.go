@@ -230,6 +230,72 @@ func (c *Client) abandon(ctx context.Context, k lock.Key) error {
 	return context.Cause(ctx)
 }
 
+// LockAnswer is the server's answer to one /lock.
+type LockAnswer = wire.LockResponse
+
+// UnlockAnswer is the server's answer to one /unlock.
+type UnlockAnswer = wire.UnlockResponse
+
+// TryLock sends one /lock and returns the answer: acquired, queued (the node
+// keeps its place until its lease ends; ask again to renew it) or skip. It
+// neither waits nor opens the session stream, so unless req.Lease says
+// otherwise the server gives it a ttl lease when this node has no session.
+func (c *Client) TryLock(ctx context.Context, req Request) (LockAnswer, error) {
+	if err := c.init(); err != nil {
+		return LockAnswer{}, err
+	}
+	if err := req.validate(); err != nil {
+		return LockAnswer{}, err
+	}
+	return c.tryLock(ctx, req)
+}
+
+// Release sends one /unlock with the given token (0: not checked): success
+// when opErr is nil. Unlike Unlock it works without a Lock of this Client,
+// for a lock taken by TryLock or by another process of the same node.
+func (c *Client) Release(ctx context.Context, req Request, token uint64, opErr error) (UnlockAnswer, error) {
+	if err := c.init(); err != nil {
+		return UnlockAnswer{}, err
+	}
+	if err := req.validate(); err != nil {
+		return UnlockAnswer{}, err
+	}
+	return c.release(ctx, req.key(), token, opErr)
+}
+
+func (c *Client) release(ctx context.Context, k lock.Key, token uint64, opErr error) (UnlockAnswer, error) {
+	body := wire.UnlockRequest{Type: k.Type.String(), ResourceID: k.Resource, NodeID: c.Node, Token: token}
+	success := opErr == nil
+	body.Success = &success
+	if opErr != nil {
+		body.Error = opErr.Error()
+		if len(body.Error) > 1024 {
+			body.Error = body.Error[:1024]
+		}
+	}
+	var res UnlockAnswer
+	err := c.call(ctx, "POST", "/unlock", nil, body, &res)
+	return res, err
+}
+
+// CancelAnswer is the server's answer to one /cancel.
+type CancelAnswer = wire.CancelResponse
+
+// Cancel leaves the key's queue, or gives the lock up as a failure if this
+// node holds it.
+func (c *Client) Cancel(ctx context.Context, req Request) (CancelAnswer, error) {
+	if err := c.init(); err != nil {
+		return CancelAnswer{}, err
+	}
+	if err := req.validate(); err != nil {
+		return CancelAnswer{}, err
+	}
+	var res CancelAnswer
+	k := req.key()
+	err := c.call(ctx, "POST", "/cancel", nil, wire.KeyRequest{Type: k.Type.String(), ResourceID: k.Resource, NodeID: c.Node}, &res)
+	return res, err
+}
+
 func (c *Client) tryLock(ctx context.Context, req Request) (wire.LockResponse, error) {
 	var res wire.LockResponse
 	body := wire.LockRequest{Type: req.Type.String(), ResourceID: req.Resource, NodeID: c.Node, SkipRecent: req.SkipRecent}
@@ -292,23 +358,14 @@ func (c *Client) Unlock(ctx context.Context, req Request, opErr error) error {
 	h := c.held[k]
 	delete(c.held, k)
 	c.mu.Unlock()
-	body := wire.UnlockRequest{Type: k.Type.String(), ResourceID: k.Resource, NodeID: c.Node}
-	success := opErr == nil
-	body.Success = &success
-	if opErr != nil {
-		body.Error = opErr.Error()
-		if len(body.Error) > 1024 {
-			body.Error = body.Error[:1024]
-		}
-	}
+	var token uint64
 	if h != nil {
-		body.Token = h.token
+		token = h.token
 		defer h.cancel(nil)
 	}
-	var res wire.UnlockResponse
-	err := c.call(ctx, "POST", "/unlock", nil, body, &res)
+	_, err := c.release(ctx, k, token, opErr)
 	if h != nil {
-		c.releaseGate(k, err == nil && success)
+		c.releaseGate(k, err == nil && opErr == nil)
 	}
 	return err
 }

@@ -1,4 +1,5 @@
-// Command dlock runs the dlock lock server (dlock serve).
+// Command dlock is the dlock lock server (dlock serve) and its command-line
+// client (lock, unlock, status, refcount, run).
 package main
 
 import (
@@ -13,35 +14,68 @@ import (
 )
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
-	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
-	stop()
-	if err != nil {
-		if !errors.Is(err, flag.ErrHelp) {
-			fmt.Fprintln(os.Stderr, "dlock:", err)
-		}
-		os.Exit(2)
+	err := run(context.Background(), os.Args[1:], os.Getenv, os.Stdin, os.Stdout, os.Stderr)
+	os.Exit(exitCode(err, os.Stderr))
+}
+
+// exitCode maps run's error to the process status: 0, a command's own
+// status (dlock run), 2 for a bad command line, 1 for anything else.
+func exitCode(err error, stderr io.Writer) int {
+	var st exitStatus
+	var ue usageError
+	switch {
+	case err == nil, errors.Is(err, flag.ErrHelp):
+		return 0
+	case errors.As(err, &st):
+		return int(st)
+	case errors.As(err, &ue):
+		fmt.Fprintln(stderr, "dlock:", err)
+		return 2
 	}
+	fmt.Fprintln(stderr, "dlock:", err)
+	return 1
 }
 
 const usage = `usage: dlock <command> [flags]
 
-commands:
-  serve   run the lock server (dlock serve -h lists its flags)
+server:
+  serve      run the lock server
+
+client (flags: --server, --node, --type, --resource, --human; env DLOCK_<FLAG>):
+  lock       take a lock, or join its queue, with a ttl lease (repeat to renew)
+  unlock     release a lock: success, or --fail MESSAGE
+  status     show a lock's holder, queue and last completion
+  refcount   show, --add or --release a resource's references
+  run        run a command under a lock: dlock run --resource R -- CMD [ARGS...]
+
+'dlock <command> -h' lists a command's flags.
 `
 
-func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+func run(ctx context.Context, args []string, getenv func(string) string, stdin io.Reader, stdout, stderr io.Writer) error {
 	if len(args) == 0 {
 		fmt.Fprint(stderr, usage)
-		return errors.New("no command given")
+		return usageError{errors.New("no command given")}
 	}
-	switch args[0] {
+	cmd, args := args[0], args[1:]
+	switch cmd {
 	case "serve":
-		return serve(ctx, args[1:], stderr)
+		ctx, stop := signal.NotifyContext(ctx, syscall.SIGINT, syscall.SIGTERM)
+		defer stop()
+		return serve(ctx, args, getenv, stderr)
+	case "lock":
+		return cmdLock(ctx, args, getenv, stdout, stderr)
+	case "unlock":
+		return cmdUnlock(ctx, args, getenv, stdout, stderr)
+	case "status":
+		return cmdStatus(ctx, args, getenv, stdout, stderr)
+	case "refcount":
+		return cmdRefcount(ctx, args, getenv, stdout, stderr)
+	case "run":
+		return cmdRun(ctx, args, getenv, stdin, stdout, stderr)
 	case "-h", "-help", "--help", "help":
 		fmt.Fprint(stdout, usage)
 		return nil
 	}
 	fmt.Fprint(stderr, usage)
-	return fmt.Errorf("unknown command %q", args[0])
+	return usageError{fmt.Errorf("unknown command %q", cmd)}
 }

@@ -11,7 +11,6 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
-	"strings"
 	"time"
 
 	"github.com/dlock/dlock/lock"
@@ -68,21 +67,7 @@ func parseServe(args []string, getenv func(string) string, stderr io.Writer) (se
 	if fs.NArg() > 0 {
 		return c, fmt.Errorf("serve takes no arguments, got %q", fs.Args())
 	}
-	set := map[string]bool{}
-	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
-	var errs []error
-	fs.VisitAll(func(f *flag.Flag) {
-		env := "DLOCK_" + strings.ToUpper(strings.ReplaceAll(f.Name, "-", "_"))
-		if set[f.Name] {
-			return
-		}
-		if v := getenv(env); v != "" {
-			if err := fs.Set(f.Name, v); err != nil {
-				errs = append(errs, fmt.Errorf("%s=%q: %v", env, v, err))
-			}
-		}
-	})
-	if err := errors.Join(errs...); err != nil {
+	if err := applyEnv(fs, getenv); err != nil {
 		return c, err
 	}
 	if c.refcount != "off" && c.refcount != "server" {
@@ -100,10 +85,13 @@ func parseServe(args []string, getenv func(string) string, stderr io.Writer) (se
 	return c, nil
 }
 
-func serve(ctx context.Context, args []string, stderr io.Writer) error {
-	c, err := parseServe(args, os.Getenv, stderr)
+func serve(ctx context.Context, args []string, getenv func(string) string, stderr io.Writer) error {
+	c, err := parseServe(args, getenv, stderr)
 	if err != nil {
-		return err
+		if errors.Is(err, flag.ErrHelp) {
+			return err
+		}
+		return usageError{err}
 	}
 	return runServer(ctx, c, stderr)
 }

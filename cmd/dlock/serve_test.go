@@ -6,7 +6,6 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"regexp"
 	"strings"
 	"syscall"
@@ -68,11 +67,7 @@ func TestParseServeRejects(t *testing.T) {
 // TestServeProcess runs the real binary: it serves, and SIGTERM ends it
 // cleanly even with an event stream open.
 func TestServeProcess(t *testing.T) {
-	bin := filepath.Join(t.TempDir(), "dlock")
-	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
-		t.Fatalf("build: %v\n%s", err, out)
-	}
-	cmd := exec.Command(bin, "serve", "--listen", "127.0.0.1:0", "--refcount", "server", "--data-dir", t.TempDir())
+	cmd := exec.Command(dlockBinary(t), "serve", "--listen", "127.0.0.1:0", "--refcount", "server", "--data-dir", t.TempDir())
 	cmd.Env = append(os.Environ(), "DLOCK_SESSION_GRACE=1s")
 	stderr, _ := cmd.StderrPipe()
 	if err := cmd.Start(); err != nil {

@@ -1,0 +1,237 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/dlock/dlock/lock"
+	"github.com/dlock/dlock/server"
+)
+
+// startServer runs an in-process dlock server on 127.0.0.1 for the binary.
+func startServer(t *testing.T, mod func(*lock.Config)) string {
+	cfg := lock.DefaultConfig()
+	if mod != nil {
+		mod(&cfg)
+	}
+	m, err := lock.New(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := server.New(m, server.Options{})
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := &http.Server{Handler: srv}
+	go hs.Serve(ln)
+	t.Cleanup(func() { srv.Drain(); hs.Close(); m.Close() })
+	return "http://" + ln.Addr().String()
+}
+
+// dlock runs the binary and returns stdout, stderr and the exit status.
+func dlock(t *testing.T, server string, args ...string) (string, string, int) {
+	t.Helper()
+	cmd := exec.Command(dlockBinary(t), args...)
+	cmd.Env = append(os.Environ(), "DLOCK_SERVER="+server)
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	err := cmd.Run()
+	var ee *exec.ExitError
+	if err != nil && !errors.As(err, &ee) {
+		t.Fatal(err)
+	}
+	return out.String(), errb.String(), cmd.ProcessState.ExitCode()
+}
+
+// raceRun starts n `dlock run` processes at once on one resource.
+func raceRun(t *testing.T, server string, n int, script string) (statuses []int, stderrs []string) {
+	statuses, stderrs = make([]int, n), make([]string, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			_, stderrs[i], statuses[i] = dlock(t, server, "run", "--resource", "sha256:layer", "--", "sh", "-c", script)
+		})
+	}
+	wg.Wait()
+	return statuses, stderrs
+}
+
+func lines(t *testing.T, path string) int {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.Count(string(data), "\n")
+}
+
+// TestRunOnceOnSuccess: eight processes race; the command runs exactly once
+// and the other seven are told it was done.
+func TestRunOnceOnSuccess(t *testing.T) {
+	srv := startServer(t, nil)
+	log := filepath.Join(t.TempDir(), "runs")
+	statuses, stderrs := raceRun(t, srv, 8, `echo run >> `+log+`; sleep 0.2`)
+	if n := lines(t, log); n != 1 {
+		t.Fatalf("the command ran %d times, want 1", n)
+	}
+	skips := 0
+	for i, st := range statuses {
+		if st != 0 {
+			t.Errorf("process %d exited %d: %s", i, st, stderrs[i])
+		}
+		if strings.Contains(stderrs[i], "skipped: done by ") {
+			skips++
+		}
+	}
+	if skips != 7 {
+		t.Fatalf("%d processes said they skipped, want 7: %q", skips, stderrs)
+	}
+	// Moments later the work is still done: skipped, with --skip-exit-code.
+	if _, errOut, st := dlock(t, srv, "run", "--resource", "sha256:layer", "--skip-exit-code", "9", "--", "sh", "-c", "echo run >> "+log); st != 9 || lines(t, log) != 1 {
+		t.Fatalf("late run: status %d (%s), %d runs", st, errOut, lines(t, log))
+	}
+	// --always runs it.
+	if _, _, st := dlock(t, srv, "run", "--resource", "sha256:layer", "--always", "--", "sh", "-c", "echo run >> "+log); st != 0 || lines(t, log) != 2 {
+		t.Fatalf("--always: status %d, %d runs", st, lines(t, log))
+	}
+}
+
+// TestRunTwiceOnFailure: the first run fails; exactly one other process
+// takes over, and its exit status is the command's.
+func TestRunTwiceOnFailure(t *testing.T) {
+	srv := startServer(t, nil)
+	dir := t.TempDir()
+	log := filepath.Join(dir, "runs")
+	script := `echo run >> ` + log + `; sleep 0.1; if mkdir ` + filepath.Join(dir, "failed") + ` 2>/dev/null; then exit 3; fi`
+	statuses, stderrs := raceRun(t, srv, 8, script)
+	if n := lines(t, log); n != 2 {
+		t.Fatalf("the command ran %d times, want 2: %q", n, stderrs)
+	}
+	threes := 0
+	for _, st := range statuses {
+		if st == 3 {
+			threes++
+		} else if st != 0 {
+			t.Errorf("unexpected status %d", st)
+		}
+	}
+	if threes != 1 {
+		t.Fatalf("statuses %v, want exactly one 3 (the failed run)", statuses)
+	}
+}
+
+func TestRunSignalReleasesAsFailure(t *testing.T) {
+	srv := startServer(t, nil)
+	cmd := exec.Command(dlockBinary(t), "run", "--resource", "r", "--node", "sig", "--", "sleep", "30")
+	cmd.Env = append(os.Environ(), "DLOCK_SERVER="+srv)
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	waitHeld(t, srv, "r", "sig")
+	cmd.Process.Signal(syscall.SIGTERM)
+	err := cmd.Wait()
+	if cmd.ProcessState.ExitCode() != 128+15 {
+		t.Fatalf("exit %v, want 143 (the command's death by SIGTERM)", err)
+	}
+	st := status(t, srv, "r")
+	if st.State != "free" || st.LastCompleted == nil || st.LastCompleted.Success || st.LastCompleted.Error != "interrupted by a signal" {
+		t.Fatalf("status after SIGTERM: %+v %+v", st, st.LastCompleted)
+	}
+}
+
+func TestRunLockLost(t *testing.T) {
+	srv := startServer(t, func(c *lock.Config) { c.MaxHold = 300 * time.Millisecond })
+	_, errOut, st := dlock(t, srv, "run", "--resource", "r", "--renew-interval", "100ms", "--", "sleep", "30")
+	if st != 1 || !strings.Contains(errOut, "lock lost") {
+		t.Fatalf("status %d, stderr %q: want 1 and 'lock lost'", st, errOut)
+	}
+}
+
+func waitHeld(t *testing.T, srv, res, node string) {
+	deadline := time.Now().Add(10 * time.Second)
+	for status(t, srv, res).Holder != node {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s never held %s", node, res)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+type statusAnswer struct {
+	State         string
+	Holder        string
+	Token         uint64
+	QueueLength   int `json:"queue_length"`
+	LastCompleted *struct {
+		NodeID  string `json:"node_id"`
+		Success bool
+		Error   string
+	} `json:"last_completed"`
+}
+
+func status(t *testing.T, srv, res string) statusAnswer {
+	resp, err := http.Get(srv + "/status?type=pull&resource_id=" + res)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var st statusAnswer
+	json.NewDecoder(resp.Body).Decode(&st)
+	return st
+}
+
+func TestClientSubcommands(t *testing.T) {
+	srv := startServer(t, func(c *lock.Config) { c.RefStore = memRefs{} })
+	out, errOut, st := dlock(t, srv, "lock", "--resource", "r", "--node", "a")
+	var lr struct {
+		Acquired bool
+		Token    uint64
+	}
+	if st != 0 || json.Unmarshal([]byte(out), &lr) != nil || !lr.Acquired {
+		t.Fatalf("lock: %d %q %q", st, out, errOut)
+	}
+	if out, _, _ := dlock(t, srv, "lock", "--resource", "r", "--node", "b", "--human"); out != "queued for pull:r at position 1 behind a\n" {
+		t.Fatalf("lock --human: %q", out)
+	}
+	if _, errOut, st := dlock(t, srv, "unlock", "--resource", "r", "--node", "b"); st != 1 || !strings.Contains(errOut, "not_holder") {
+		t.Fatalf("unlock by a waiter: %d %q", st, errOut)
+	}
+	if out, _, st := dlock(t, srv, "unlock", "--resource", "r", "--node", "a", "--fail", "disk full", "--human"); st != 0 || out != "released pull:r; next holder b\n" {
+		t.Fatalf("unlock --fail: %d %q", st, out)
+	}
+	out, _, _ = dlock(t, srv, "status", "--resource", "r", "--human")
+	if !strings.HasPrefix(out, "pull:r held by b") || !strings.Contains(out, "last failed: disk full by a") {
+		t.Fatalf("status --human: %q", out)
+	}
+	if out, _, st := dlock(t, srv, "refcount", "--resource", "r", "--add", "--node", "a", "--human"); st != 0 || out != "r: 1 node(s) a\n" {
+		t.Fatalf("refcount --add: %d %q", st, out)
+	}
+	if out, _, _ := dlock(t, srv, "refcount", "--release", "--node", "a"); !strings.Contains(out, `"released":1`) {
+		t.Fatalf("refcount --release (all): %q", out)
+	}
+	for _, args := range [][]string{{"lock"}, {"lock", "--resource", "r", "--type", "fetch"}, {"run", "--resource", "r"}, {"frobnicate"}} {
+		if _, _, st := dlock(t, srv, args...); st != 2 {
+			t.Errorf("%v: status %d, want 2", args, st)
+		}
+	}
+	if _, errOut, st := dlock(t, "http://127.0.0.1:1", "status", "--resource", "r"); st != 1 || errOut == "" {
+		t.Errorf("unreachable server: status %d %q", st, errOut)
+	}
+}
+
+type memRefs struct{}
+
+func (memRefs) Load(context.Context) (map[string]lock.RefRecord, uint64, error) { return nil, 0, nil }
+func (memRefs) Save(context.Context, string, lock.RefRecord) error              { return nil }

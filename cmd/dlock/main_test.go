@@ -1,0 +1,44 @@
+package main
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sync"
+	"testing"
+)
+
+var (
+	binOnce sync.Once
+	binPath string
+	binErr  error
+	binDir  string
+)
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if binDir != "" {
+		os.RemoveAll(binDir)
+	}
+	os.Exit(code)
+}
+
+// dlockBinary builds the command once for every test that runs it.
+func dlockBinary(t testing.TB) string {
+	binOnce.Do(func() {
+		binDir, binErr = os.MkdirTemp("", "dlock-bin")
+		if binErr != nil {
+			return
+		}
+		binPath = filepath.Join(binDir, "dlock")
+		out, err := exec.Command("go", "build", "-o", binPath, ".").CombinedOutput()
+		if err != nil {
+			binErr = err
+			t.Logf("%s", out)
+		}
+	})
+	if binErr != nil {
+		t.Fatalf("building dlock: %v", binErr)
+	}
+	return binPath
+}
