@@ -132,7 +132,7 @@ func TestHTTPLockHeld(t *testing.T) {
 }
 
 func TestHTTPRefCount(t *testing.T) {
-	store, err := refcount.OpenBolt(t.TempDir() + "/refs.db")
+	store, err := refcount.OpenServerStore(t.TempDir() + "/refs.db")
 	if err != nil {
 		t.Fatal(err)
 	}

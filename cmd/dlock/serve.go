@@ -101,7 +101,7 @@ func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {
 	c.lock.Logger = log
 	if c.refcount == "server" {
 		path := filepath.Join(c.dataDir, "refcount.db")
-		store, err := refcount.OpenBolt(path)
+		store, err := refcount.OpenServerStore(path)
 		if err != nil {
 			return err
 		}

@@ -14,21 +14,21 @@ import (
 
 var refsBucket = []byte("refs")
 
-// BoltStore is a lock.RefStore in one bbolt database file. bbolt locks the
-// file, so one server at a time can use it.
-type BoltStore struct {
+// ServerStore keeps a dlock server's references (refcount=server) durable in
+// one bbolt database file. bbolt locks the file: one server at a time uses it.
+type ServerStore struct {
 	db *bolt.DB
 }
 
-var _ lock.RefStore = (*BoltStore)(nil)
+var _ lock.RefStore = (*ServerStore)(nil)
 
 type boltRecord struct {
 	Version uint64   `json:"v"`
 	Nodes   []string `json:"nodes,omitempty"`
 }
 
-// OpenBolt opens (creating if needed) the database at path.
-func OpenBolt(path string) (*BoltStore, error) {
+// OpenServerStore opens (creating if needed) the database at path.
+func OpenServerStore(path string) (*ServerStore, error) {
 	if err := os.MkdirAll(filepath.Dir(path), 0o750); err != nil {
 		return nil, fmt.Errorf("refcount: %w", err)
 	}
@@ -44,16 +44,16 @@ func OpenBolt(path string) (*BoltStore, error) {
 		_ = db.Close()
 		return nil, fmt.Errorf("refcount: %s: %w", path, err)
 	}
-	return &BoltStore{db: db}, nil
+	return &ServerStore{db: db}, nil
 }
 
 // Close closes the database.
-func (b *BoltStore) Close() error { return b.db.Close() }
+func (b *ServerStore) Close() error { return b.db.Close() }
 
 // Load returns every resource that has references and the highest version
 // stored. Empty records (kept so that a late, older save cannot resurrect a
 // cleared resource) are dropped here, when no save can be in flight.
-func (b *BoltStore) Load(ctx context.Context) (map[string]lock.RefRecord, uint64, error) {
+func (b *ServerStore) Load(ctx context.Context) (map[string]lock.RefRecord, uint64, error) {
 	refs := make(map[string]lock.RefRecord)
 	var maxVersion uint64
 	err := b.db.Update(func(tx *bolt.Tx) error {
@@ -94,7 +94,7 @@ func (b *BoltStore) Load(ctx context.Context) (map[string]lock.RefRecord, uint64
 }
 
 // Save stores rec unless the stored record is as new or newer.
-func (b *BoltStore) Save(ctx context.Context, resource string, rec lock.RefRecord) error {
+func (b *ServerStore) Save(ctx context.Context, resource string, rec lock.RefRecord) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}

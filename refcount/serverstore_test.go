@@ -9,10 +9,10 @@ import (
 	"github.com/dlock/dlock/lock"
 )
 
-func TestBoltStore(t *testing.T) {
+func TestServerStore(t *testing.T) {
 	ctx := context.Background()
 	path := filepath.Join(t.TempDir(), "refs.db")
-	s, err := OpenBolt(path)
+	s, err := OpenServerStore(path)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -29,7 +29,7 @@ func TestBoltStore(t *testing.T) {
 	must(s.Save(ctx, "b", lock.RefRecord{Nodes: []string{"n3"}, Version: 3})) // late, older: must not resurrect
 	must(s.Close())
 
-	s, err = OpenBolt(path)
+	s, err = OpenServerStore(path)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -48,11 +48,11 @@ func TestBoltStore(t *testing.T) {
 }
 
 // A manager restarted over the same database forgets no reference.
-func TestBoltStoreWithManager(t *testing.T) {
+func TestServerStoreWithManager(t *testing.T) {
 	ctx := context.Background()
 	path := filepath.Join(t.TempDir(), "refs.db")
-	open := func() (*lock.Manager, *BoltStore) {
-		s, err := OpenBolt(path)
+	open := func() (*lock.Manager, *ServerStore) {
+		s, err := OpenServerStore(path)
 		if err != nil {
 			t.Fatal(err)
 		}
