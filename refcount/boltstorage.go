@@ -9,6 +9,7 @@ import (
 	"time"
 
 	bolt "go.etcd.io/bbolt"
+	berrors "go.etcd.io/bbolt/errors"
 	"golang.org/x/sys/unix"
 )
 
@@ -53,9 +54,9 @@ func (b *Bolt) open(readOnly bool) (*bolt.DB, error) {
 	db, err := bolt.Open(b.path, 0o600, &bolt.Options{Timeout: b.Timeout, ReadOnly: readOnly})
 	if err != nil {
 		switch {
-		case errors.Is(err, bolt.ErrTimeout):
+		case errors.Is(err, berrors.ErrTimeout):
 			return nil, fmt.Errorf("refcount: %s stayed locked by another process for %v: %w", b.path, b.Timeout, err)
-		case errors.Is(err, bolt.ErrInvalid), errors.Is(err, bolt.ErrVersionMismatch), errors.Is(err, bolt.ErrChecksum):
+		case errors.Is(err, berrors.ErrInvalid), errors.Is(err, berrors.ErrVersionMismatch), errors.Is(err, berrors.ErrChecksum):
 			return nil, fmt.Errorf("%w: %s: %v", ErrCorrupt, b.path, err)
 		}
 		return nil, fmt.Errorf("refcount: %w", err)
