@@ -195,3 +195,20 @@ func (s *session) dispatch(name, data string) {
 	}
 	s.c.hintWaiters(k, h)
 }
+
+// Connect opens the node's session stream now, as Lock does on demand, and
+// reports an error when it is not up. Holds and queue places taken with
+// LeaseSession afterwards live as long as this Client keeps the stream.
+func (c *Client) Connect(ctx context.Context) error {
+	if err := c.init(); err != nil {
+		return err
+	}
+	s := c.ensureSession(ctx)
+	if up, _ := s.state(); !up {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		return fmt.Errorf("dlock: no session stream to %s", c.Server)
+	}
+	return nil
+}

@@ -1,0 +1,399 @@
+// Package content is a containerd content store shared by several nodes and
+// coordinated by dlock (SPEC §7): each blob is downloaded by one node while
+// the others wait and then use it, a failed download passes to the next node
+// in line, and no node's garbage collector removes a blob another node uses.
+//
+// Blobs live in one shared directory (ROOT/blobs, containerd's local layout).
+// Each node writes in an ingest folder of its own on the same filesystem, so
+// commits are renames. References are kept by the dlock server
+// (refcount=server): a node that reads a blob references it, its garbage
+// collector's Delete releases the reference, and the blob goes when none is
+// left.
+package content
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"regexp"
+	"sync"
+	"time"
+
+	"github.com/containerd/containerd/v2/core/content"
+	"github.com/containerd/containerd/v2/plugins/content/local"
+	"github.com/containerd/errdefs"
+	"github.com/opencontainers/go-digest"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"github.com/dlock/dlock/client"
+	"github.com/dlock/dlock/lock"
+)
+
+// Config configures a Store.
+type Config struct {
+	// Root is the shared directory: blobs in Root/blobs, labels in
+	// Root/labels, deletions in progress in Root/trash.
+	Root string
+	// Ingest is this node's ingest folder, on the same filesystem as Root.
+	// Default Root/nodes/<node>.
+	Ingest string
+	// Client is this node's dlock client. Its server must run with
+	// --refcount=server. Its session stream keeps this node's locks.
+	Client *client.Client
+	// CallTimeout bounds each call to the dlock server, one attempt each:
+	// Writer and Commit run inside containerd's metadata transaction and
+	// must not block there. Default 500 ms.
+	CallTimeout time.Duration
+	// Logger; nil discards.
+	Logger *slog.Logger
+}
+
+// Store is the shared content store. It implements containerd's
+// content.Store.
+type Store struct {
+	cfg    Config
+	c      *client.Client
+	log    *slog.Logger
+	blobs  content.Store // the shared blobs (Info, ReaderAt, Walk, Update)
+	ingest content.Store // this node's ingests; its blobs/ is a link to the shared one
+
+	mu       sync.Mutex
+	refs     map[digest.Digest]struct{} // blobs this node has registered a reference for
+	refEpoch string                     // the server epoch refs belong to
+
+	// background retries of unlocks that failed inside containerd's calls
+	ctx    context.Context
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+}
+
+var _ content.Store = (*Store)(nil)
+
+// ErrNoRefCounting is a dlock server without --refcount=server: without its
+// exclusion between delete, pull and reference-add, one node's garbage
+// collector can remove a blob another node has just committed.
+var ErrNoRefCounting = errors.New("content: the dlock server does not count references (run it with --refcount=server)")
+
+// New opens the shared store. It checks that the dlock server is reachable
+// and counts references, and opens this node's session stream.
+func New(ctx context.Context, cfg Config) (*Store, error) {
+	if cfg.Client == nil || cfg.Root == "" {
+		return nil, errors.New("content: Root and Client are required")
+	}
+	if cfg.CallTimeout <= 0 {
+		cfg.CallTimeout = 500 * time.Millisecond
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	root, err := filepath.Abs(cfg.Root)
+	if err != nil {
+		return nil, err
+	}
+	cfg.Root = root
+	if cfg.Ingest == "" {
+		cfg.Ingest = filepath.Join(root, "nodes", cfg.Client.Node)
+	}
+	for _, d := range []string{filepath.Join(root, "blobs"), filepath.Join(root, "trash"), filepath.Join(root, "labels"), cfg.Ingest} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return nil, fmt.Errorf("content: %w", err)
+		}
+	}
+	if err := probeWritable(root); err != nil {
+		return nil, err
+	}
+	if err := linkBlobs(cfg.Ingest, filepath.Join(root, "blobs")); err != nil {
+		return nil, err
+	}
+	blobs, err := local.NewLabeledStore(root, &labelStore{dir: filepath.Join(root, "labels")})
+	if err != nil {
+		return nil, fmt.Errorf("content: %w", err)
+	}
+	ingest, err := local.NewStore(cfg.Ingest)
+	if err != nil {
+		return nil, fmt.Errorf("content: %w", err)
+	}
+	if _, err := cfg.Client.RefCount(ctx, "sha256:0000000000000000000000000000000000000000000000000000000000000000"); err != nil {
+		if errors.Is(err, client.ErrNotFound) {
+			return nil, ErrNoRefCounting
+		}
+		return nil, fmt.Errorf("content: dlock server %s: %w", cfg.Client.Server, err)
+	}
+	if err := cfg.Client.Connect(ctx); err != nil {
+		return nil, fmt.Errorf("content: %w", err)
+	}
+	s := &Store{cfg: cfg, c: cfg.Client, log: cfg.Logger, blobs: blobs, ingest: ingest, refs: make(map[digest.Digest]struct{})}
+	s.ctx, s.cancel = context.WithCancel(context.Background())
+	return s, nil
+}
+
+// Close stops background work. It does not close the client.
+func (s *Store) Close() error {
+	s.cancel()
+	s.wg.Wait()
+	return nil
+}
+
+func probeWritable(root string) error {
+	f, err := os.CreateTemp(root, ".probe-*")
+	if err != nil {
+		return fmt.Errorf("content: root %s is not writable: %w", root, err)
+	}
+	f.Close()
+	return os.Remove(f.Name())
+}
+
+// linkBlobs makes ingest/blobs a link to the shared blobs, so that the local
+// store's commit renames straight into the shared directory.
+func linkBlobs(ingest, blobs string) error {
+	link := filepath.Join(ingest, "blobs")
+	if target, err := os.Readlink(link); err == nil {
+		if target == blobs {
+			return nil
+		}
+		return fmt.Errorf("content: %s points to %s, not to the shared %s", link, target, blobs)
+	} else if _, serr := os.Lstat(link); serr == nil {
+		return fmt.Errorf("content: %s exists and is not a link to the shared blobs %s", link, blobs)
+	}
+	if err := os.Symlink(blobs, link); err != nil {
+		return fmt.Errorf("content: %w", err)
+	}
+	return nil
+}
+
+func (s *Store) call(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, s.cfg.CallTimeout)
+}
+
+func (s *Store) blobPath(dgst digest.Digest) string {
+	return filepath.Join(s.cfg.Root, "blobs", dgst.Algorithm().String(), dgst.Encoded())
+}
+
+// reference registers this node's reference to a blob it uses, once per
+// blob and server epoch.
+func (s *Store) reference(ctx context.Context, dgst digest.Digest) error {
+	epoch := s.c.Epoch()
+	s.mu.Lock()
+	if epoch != s.refEpoch {
+		clear(s.refs)
+		s.refEpoch = epoch
+	}
+	_, known := s.refs[dgst]
+	s.mu.Unlock()
+	if known {
+		return nil
+	}
+	cctx, cancel := s.call(ctx)
+	defer cancel()
+	if _, err := s.c.AddRef(cctx, dgst.String()); err != nil {
+		if errors.Is(err, client.ErrDeleting) {
+			return fmt.Errorf("content %v is being deleted: %w", dgst, errdefs.ErrNotFound)
+		}
+		return fmt.Errorf("content %v: registering this node's reference: %v: %w", dgst, err, errdefs.ErrUnavailable)
+	}
+	s.remember(dgst)
+	return nil
+}
+
+func (s *Store) remember(dgst digest.Digest) {
+	s.mu.Lock()
+	s.refs[dgst] = struct{}{}
+	s.mu.Unlock()
+}
+
+func (s *Store) forget(dgst digest.Digest) {
+	s.mu.Lock()
+	delete(s.refs, dgst)
+	s.mu.Unlock()
+}
+
+// Info describes a shared blob and registers this node's reference to it: a
+// node that finds a blob already there only calls Info before using it.
+func (s *Store) Info(ctx context.Context, dgst digest.Digest) (content.Info, error) {
+	info, err := s.blobs.Info(ctx, dgst)
+	if err != nil {
+		return content.Info{}, err
+	}
+	if err := s.reference(ctx, dgst); err != nil {
+		return content.Info{}, err
+	}
+	return info, nil
+}
+
+// ReaderAt opens a shared blob and registers this node's reference to it.
+func (s *Store) ReaderAt(ctx context.Context, desc ocispec.Descriptor) (content.ReaderAt, error) {
+	ra, err := s.blobs.ReaderAt(ctx, desc)
+	if err != nil {
+		return nil, err
+	}
+	if err := s.reference(ctx, desc.Digest); err != nil {
+		ra.Close()
+		return nil, err
+	}
+	return ra, nil
+}
+
+// Walk walks every shared blob; it registers no reference (containerd's
+// garbage collector walks everything).
+func (s *Store) Walk(ctx context.Context, fn content.WalkFunc, filters ...string) error {
+	return s.blobs.Walk(ctx, fn, filters...)
+}
+
+// Status, ListStatuses and Abort see this node's ingests only.
+func (s *Store) Status(ctx context.Context, ref string) (content.Status, error) {
+	return s.ingest.Status(ctx, ref)
+}
+
+// ListStatuses lists this node's ingests.
+func (s *Store) ListStatuses(ctx context.Context, filters ...string) ([]content.Status, error) {
+	return s.ingest.ListStatuses(ctx, filters...)
+}
+
+// Abort removes one of this node's ingests.
+func (s *Store) Abort(ctx context.Context, ref string) error {
+	return s.ingest.Abort(ctx, ref)
+}
+
+// Delete is called by this node's garbage collector for every blob its
+// metadata does not reference. It releases this node's reference and, when
+// no node references the blob any more, removes it under the delete lock:
+// the blob is moved to a trash name carrying the lock's token and unlinked
+// only if the unlock with that token succeeds, so a delete whose lock expired
+// meanwhile can never remove a blob a new pull committed. It returns nil
+// whenever it leaves the blob in place: one error stops the collector's walk.
+func (s *Store) Delete(ctx context.Context, dgst digest.Digest) error {
+	if err := dgst.Validate(); err != nil {
+		return fmt.Errorf("%v: %w", err, errdefs.ErrInvalidArgument)
+	}
+	s.forget(dgst)
+	cctx, cancel := s.call(ctx)
+	rc, err := s.c.ReleaseRef(cctx, dgst.String())
+	cancel()
+	if err != nil {
+		s.log.Warn("delete: releasing the reference failed; blob kept", "digest", dgst, "err", err)
+		return nil
+	}
+	if rc.Count > 0 {
+		return nil // other nodes use it
+	}
+	req := client.Request{Type: lock.Delete, Resource: dgst.String(), Lease: lock.LeaseSession}
+	cctx, cancel = s.call(ctx)
+	res, err := s.c.TryLock(cctx, req)
+	cancel()
+	if err != nil {
+		return nil // in use, being pulled or deleted: the blob stays for now
+	}
+	if !res.Acquired {
+		s.cancelWait(req)
+		return nil
+	}
+	path := s.blobPath(dgst)
+	trash := filepath.Join(s.cfg.Root, "trash", fmt.Sprintf("%s-%s-%d", dgst.Algorithm(), dgst.Encoded(), res.Token))
+	if err := os.Rename(path, trash); err != nil {
+		opErr := err
+		if errors.Is(err, os.ErrNotExist) {
+			opErr = nil // gone already: the delete is done
+		}
+		s.unlock(ctx, req, res.Token, opErr)
+		return nil
+	}
+	cctx, cancel = s.call(ctx)
+	_, err = s.c.Release(cctx, req, res.Token, nil)
+	cancel()
+	if err != nil {
+		// Not confirmed (the lock may have expired and a pull committed the
+		// blob anew): put it back unless a new copy is there already.
+		if _, serr := os.Stat(path); errors.Is(serr, os.ErrNotExist) {
+			if rerr := os.Rename(trash, path); rerr == nil {
+				s.log.Warn("delete not confirmed by the lock server; blob restored", "digest", dgst, "err", err)
+				return nil
+			}
+		}
+		os.Remove(trash)
+		return nil
+	}
+	os.Remove(trash)
+	os.Remove(filepath.Join(s.cfg.Root, "labels", dgst.Algorithm().String(), dgst.Encoded()))
+	return nil
+}
+
+// Update changes a blob's labels under the update lock, which the server
+// refuses while the blob is being deleted, or, with
+// --update-requires-no-ref, while it is referenced.
+func (s *Store) Update(ctx context.Context, info content.Info, fieldpaths ...string) (content.Info, error) {
+	req := client.Request{Type: lock.Update, Resource: info.Digest.String(), Lease: lock.LeaseSession}
+	cctx, cancel := s.call(ctx)
+	res, err := s.c.TryLock(cctx, req)
+	cancel()
+	switch {
+	case errors.Is(err, client.ErrInUse), errors.Is(err, client.ErrDeleting):
+		return content.Info{}, fmt.Errorf("content %v: %v: %w", info.Digest, err, errdefs.ErrFailedPrecondition)
+	case err != nil:
+		return content.Info{}, fmt.Errorf("content %v: %v: %w", info.Digest, err, errdefs.ErrUnavailable)
+	case !res.Acquired:
+		s.cancelWait(req)
+		return content.Info{}, fmt.Errorf("content %v: another node is updating it: %w", info.Digest, errdefs.ErrUnavailable)
+	}
+	out, err := s.blobs.Update(ctx, info, fieldpaths...)
+	s.unlock(ctx, req, res.Token, err)
+	return out, err
+}
+
+// unlock releases a lock; if the server cannot be reached within the call
+// timeout it keeps trying in the background, so that the next node is not
+// held up until this node's session ends.
+func (s *Store) unlock(ctx context.Context, req client.Request, token uint64, opErr error) {
+	cctx, cancel := s.call(ctx)
+	_, err := s.c.Release(cctx, req, token, opErr)
+	cancel()
+	if err == nil || !retryableUnlock(err) {
+		return
+	}
+	s.wg.Go(func() {
+		for wait := 100 * time.Millisecond; ; wait = min(2*wait, 5*time.Second) {
+			select {
+			case <-time.After(wait):
+			case <-s.ctx.Done():
+				return
+			}
+			cctx, cancel := s.call(s.ctx)
+			_, err := s.c.Release(cctx, req, token, opErr)
+			cancel()
+			if err == nil || !retryableUnlock(err) {
+				return
+			}
+		}
+	})
+}
+
+func retryableUnlock(err error) bool {
+	return !errors.Is(err, client.ErrNotHolder) && !errors.Is(err, client.ErrStaleToken) && !errors.Is(err, client.ErrInvalid)
+}
+
+// cancelWait leaves a queue this node must not wait in.
+func (s *Store) cancelWait(req client.Request) {
+	cctx, cancel := s.call(s.ctx)
+	defer cancel()
+	if res, err := s.c.Cancel(cctx, req); err == nil && res.Released {
+		s.log.Info("gave back a lock granted while leaving its queue", "key", req.Type.String()+":"+req.Resource)
+	}
+}
+
+// refDigest finds the digest at the end of a writer ref, as containerd's
+// remotes make them (layer-sha256:<hex>, name@sha256:<hex>).
+var refDigest = regexp.MustCompile(`(sha256:[a-f0-9]{64}|sha384:[a-f0-9]{96}|sha512:[a-f0-9]{128})$`)
+
+func digestOf(opts content.WriterOpts) digest.Digest {
+	if opts.Desc.Digest != "" {
+		return opts.Desc.Digest
+	}
+	if m := refDigest.FindString(opts.Ref); m != "" {
+		if d, err := digest.Parse(m); err == nil {
+			return d
+		}
+	}
+	return ""
+}
