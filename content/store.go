@@ -64,6 +64,8 @@ type Store struct {
 	refs     map[digest.Digest]struct{} // blobs this node has registered a reference for
 	refEpoch string                     // the server epoch refs belong to
 
+	afterTrash func() // test hook: runs between a delete's rename and its unlock
+
 	// background retries of unlocks that failed inside containerd's calls
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -299,6 +301,9 @@ func (s *Store) Delete(ctx context.Context, dgst digest.Digest) error {
 		}
 		s.unlock(ctx, req, res.Token, opErr)
 		return nil
+	}
+	if s.afterTrash != nil {
+		s.afterTrash()
 	}
 	cctx, cancel = s.call(ctx)
 	_, err = s.c.Release(cctx, req, res.Token, nil)
