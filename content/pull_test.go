@@ -162,7 +162,7 @@ type node struct {
 	bdb   *bolt.DB
 }
 
-func newNode(t *testing.T, name, root, server string) *node {
+func newNode(t testing.TB, name, root, server string) *node {
 	c := &client.Client{Server: server, Node: name, MaxRetries: -1, RequestTimeout: 500 * time.Millisecond, PollInterval: 50 * time.Millisecond}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -256,8 +256,8 @@ func (n *node) readAll(ctx context.Context, blobs []digest.Digest) error {
 
 // pushImage pushes a random image and returns its reference and the
 // digests of its config and layers.
-func pushImage(t *testing.T, host, repo string, layers int) (string, []digest.Digest, v1.Image) {
-	img, err := random.Image(256<<10, int64(layers))
+func pushImage(t testing.TB, host, repo string, layers int, layerSize int64) (string, []digest.Digest, v1.Image) {
+	img, err := random.Image(layerSize, int64(layers))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -280,7 +280,7 @@ func pushImage(t *testing.T, host, repo string, layers int) (string, []digest.Di
 	return ref, blobs, img
 }
 
-func pullAll(ctx context.Context, nodes []*node, ref string) []error {
+func pullAll[N puller](ctx context.Context, nodes []N, ref string) []error {
 	errs := make([]error, len(nodes))
 	var wg sync.WaitGroup
 	for i, n := range nodes {
@@ -313,7 +313,7 @@ func TestSharedPull(t *testing.T) {
 	}
 
 	// 1. Every blob is downloaded once; every node can read every blob.
-	ref1, blobs1, _ := pushImage(t, host, "test/one", 4)
+	ref1, blobs1, _ := pushImage(t, host, "test/one", 4, 256<<10)
 	for i, err := range pullAll(ctx, nodes, ref1) {
 		if err != nil {
 			t.Fatalf("node-%d pull: %v", i, err)
@@ -331,7 +331,7 @@ func TestSharedPull(t *testing.T) {
 	}
 
 	// 2. A download that breaks midway on one node is completed by another.
-	ref2, blobs2, _ := pushImage(t, host, "test/two", 3)
+	ref2, blobs2, _ := pushImage(t, host, "test/two", 3, 256<<10)
 	broken := blobs2[1]
 	reg.mu.Lock()
 	reg.breakAt[broken.String()] = true
