@@ -48,6 +48,9 @@ client (flags: --server, --node, --type, --resource, --human; env DLOCK_<FLAG>):
   refcount   show, --add or --release a resource's references
   run        run a command under a lock: dlock run --resource R -- CMD [ARGS...]
 
+  bench      load generator: dlock bench [--scenario pairs,handoff,fanout,sessions]
+             [--compare redis,etcd] [--json]
+
 'dlock <command> -h' lists a command's flags.
 `
 
@@ -72,6 +75,10 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdin i
 		return cmdRefcount(ctx, args, getenv, stdout, stderr)
 	case "run":
 		return cmdRun(ctx, args, getenv, stdin, stdout, stderr)
+	case "bench":
+		ctx, stop := signal.NotifyContext(ctx, syscall.SIGINT, syscall.SIGTERM)
+		defer stop()
+		return cmdBench(ctx, args, getenv, stdout, stderr)
 	case "-h", "-help", "--help", "help":
 		fmt.Fprint(stdout, usage)
 		return nil

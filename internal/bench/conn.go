@@ -1,0 +1,162 @@
+// Package bench is the load generator behind `dlock bench`: scenarios
+// against a dlock server over raw HTTP/1.1 keep-alive connections, the same
+// work against Redis and etcd for comparison, and latency statistics.
+package bench
+
+import (
+	"bufio"
+	"bytes"
+	"fmt"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+)
+
+// Conn is a minimal HTTP/1.1 keep-alive client for one connection: a load
+// generator on the same two cores as the server must cost less than
+// net/http's client, which spends more CPU than the server does.
+type Conn struct {
+	net.Conn
+	host string
+	r    *bufio.Reader
+	buf  []byte
+	// Body is the last answer's body, valid until the next call.
+	Body []byte
+}
+
+// Dial connects to a dlock server at base ("http://host:port").
+func Dial(base string) (*Conn, error) {
+	host := strings.TrimPrefix(base, "http://")
+	c, err := net.Dial("tcp", host)
+	if err != nil {
+		return nil, err
+	}
+	return &Conn{Conn: c, host: host, r: bufio.NewReaderSize(c, 8192)}, nil
+}
+
+// Post sends one POST and reads the answer; it returns the status code.
+func (c *Conn) Post(path string, body []byte) (int, error) {
+	c.buf = append(c.buf[:0], "POST "...)
+	c.buf = append(c.buf, path...)
+	c.buf = append(c.buf, " HTTP/1.1\r\nHost: "...)
+	c.buf = append(c.buf, c.host...)
+	c.buf = append(c.buf, "\r\nContent-Type: application/json\r\nContent-Length: "...)
+	c.buf = strconv.AppendInt(c.buf, int64(len(body)), 10)
+	c.buf = append(c.buf, "\r\n\r\n"...)
+	c.buf = append(c.buf, body...)
+	if _, err := c.Write(c.buf); err != nil {
+		return 0, err
+	}
+	return c.readAnswer()
+}
+
+func (c *Conn) readAnswer() (int, error) {
+	line, err := c.r.ReadSlice('\n')
+	if err != nil {
+		return 0, err
+	}
+	if len(line) < 12 || !bytes.HasPrefix(line, []byte("HTTP/1.1 ")) {
+		return 0, fmt.Errorf("bad status line %q", line)
+	}
+	status, err := strconv.Atoi(string(line[9:12]))
+	if err != nil {
+		return 0, fmt.Errorf("bad status line %q", line)
+	}
+	n := 0
+	for {
+		line, err := c.r.ReadSlice('\n')
+		if err != nil {
+			return 0, err
+		}
+		if len(line) <= 2 {
+			break
+		}
+		if v, ok := bytes.CutPrefix(line, []byte("Content-Length: ")); ok {
+			n, _ = strconv.Atoi(string(bytes.TrimSpace(v)))
+		}
+	}
+	if cap(c.Body) < n {
+		c.Body = make([]byte, n)
+	}
+	c.Body = c.Body[:n]
+	_, err = ioReadFull(c.r, c.Body)
+	return status, err
+}
+
+func ioReadFull(r *bufio.Reader, p []byte) (int, error) {
+	n := 0
+	for n < len(p) {
+		m, err := r.Read(p[n:])
+		n += m
+		if err != nil {
+			return n, err
+		}
+	}
+	return n, nil
+}
+
+// Stream is a node's session stream read over its own connection.
+type Stream struct {
+	conn net.Conn
+	resp *http.Response
+	r    *bufio.Reader
+}
+
+// Subscribe opens node's session stream and reads up to its subscribed event.
+func Subscribe(base, node string) (*Stream, error) {
+	host := strings.TrimPrefix(base, "http://")
+	c, err := net.Dial("tcp", host)
+	if err != nil {
+		return nil, err
+	}
+	req, _ := http.NewRequest(http.MethodGet, base+"/subscribe?node_id="+node, nil)
+	if err := req.Write(c); err != nil {
+		c.Close()
+		return nil, err
+	}
+	br := bufio.NewReaderSize(c, 4096)
+	resp, err := http.ReadResponse(br, req)
+	if err != nil {
+		c.Close()
+		return nil, err
+	}
+	if resp.StatusCode != http.StatusOK {
+		c.Close()
+		return nil, fmt.Errorf("subscribe: %s", resp.Status)
+	}
+	s := &Stream{conn: c, resp: resp, r: bufio.NewReaderSize(resp.Body, 4096)}
+	for {
+		name, _, err := s.Next()
+		if err != nil {
+			s.Close()
+			return nil, err
+		}
+		if name == "subscribed" {
+			return s, nil
+		}
+	}
+}
+
+// Next returns the next event's name and data line, skipping pings.
+func (s *Stream) Next() (name string, data []byte, err error) {
+	for {
+		line, err := s.r.ReadSlice('\n')
+		if err != nil {
+			return "", nil, err
+		}
+		switch {
+		case len(line) <= 1:
+			if name != "" {
+				return name, data, nil
+			}
+		case bytes.HasPrefix(line, []byte("event: ")):
+			name = string(bytes.TrimSpace(line[7:]))
+		case bytes.HasPrefix(line, []byte("data: ")):
+			data = append(data[:0], bytes.TrimSpace(line[6:])...)
+		}
+	}
+}
+
+// Close ends the stream.
+func (s *Stream) Close() error { return s.conn.Close() }

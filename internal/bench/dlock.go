@@ -1,0 +1,261 @@
+package bench
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"slices"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Pairs: uncontended lock + unlock(success) on distinct keys.
+func Pairs(ctx context.Context, base string, opts Options) (Result, error) {
+	id := runID()
+	lat, elapsed, err := runWorkers(ctx, opts, opts.Concurrency, func(ctx context.Context, w int, ops *atomic.Int64, lat *[]time.Duration) error {
+		c, err := Dial(base)
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		var body []byte
+		for i := 0; ctx.Err() == nil; i++ {
+			body = fmt.Appendf(body[:0], `{"type":"pull","resource_id":"bench-%s-%d-%d","node_id":"w%d","lease":"ttl"}`, id, w, i%4096, w)
+			t0 := time.Now()
+			if st, err := c.Post("/lock", body); err != nil || st != 200 {
+				return fmt.Errorf("lock: %d %v %s", st, err, c.Body)
+			}
+			if st, err := c.Post("/unlock", body); err != nil || st != 200 {
+				return fmt.Errorf("unlock: %d %v %s", st, err, c.Body)
+			}
+			*lat = append(*lat, time.Since(t0))
+			ops.Add(1)
+		}
+		return nil
+	})
+	return lat.result("pairs", "dlock", "lock+unlock", opts.Concurrency, elapsed), err
+}
+
+// Handoff: W nodes on one key; each holder unlocks with failure, so the key
+// passes FIFO. One op is one hand-off, timed from the old holder's unlock
+// being sent to the new holder reading lock_assigned off its stream.
+func Handoff(ctx context.Context, base string, opts Options) (Result, error) {
+	key := "bench-handoff-" + runID()
+	var sentAt atomic.Int64 // when the last unlock was sent, ns since start
+	start := time.Now()
+	lat, elapsed, err := runWorkers(ctx, opts, opts.Concurrency, func(ctx context.Context, w int, ops *atomic.Int64, lat *[]time.Duration) error {
+		node := fmt.Sprint("h", w)
+		s, err := Subscribe(base, node)
+		if err != nil {
+			return err
+		}
+		context.AfterFunc(ctx, func() { s.Close() })
+		c, err := Dial(base)
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		lockBody := fmt.Appendf(nil, `{"type":"pull","resource_id":"%s","node_id":"%s"}`, key, node)
+		unlockBody := fmt.Appendf(nil, `{"type":"pull","resource_id":"%s","node_id":"%s","success":false,"error":"bench"}`, key, node)
+		for ctx.Err() == nil {
+			st, err := c.Post("/lock", lockBody)
+			if err != nil || st != 200 {
+				return fmt.Errorf("lock: %d %v %s", st, err, c.Body)
+			}
+			for !bytes.Contains(c.Body, []byte(`"acquired":true`)) {
+				// A lock_assigned may be the echo of an earlier direct
+				// grant: the confirming /lock says whether it is ours.
+				if err := awaitGrant(s, node); err != nil {
+					if ctx.Err() != nil {
+						return nil
+					}
+					return err
+				}
+				at := time.Since(start).Nanoseconds()
+				if st, err := c.Post("/lock", lockBody); err != nil || st != 200 { // confirm the grant
+					return fmt.Errorf("confirm: %d %v", st, err)
+				}
+				if bytes.Contains(c.Body, []byte(`"acquired":true`)) {
+					*lat = append(*lat, time.Duration(at-sentAt.Load()))
+					ops.Add(1)
+				}
+			}
+			sentAt.Store(time.Since(start).Nanoseconds())
+			if st, err := c.Post("/unlock", unlockBody); err != nil || st != 200 {
+				return fmt.Errorf("unlock: %d %v %s", st, err, c.Body)
+			}
+		}
+		return nil
+	})
+	return lat.result("handoff", "dlock", "hand-off", opts.Concurrency, elapsed), err
+}
+
+// awaitGrant reads the stream until this node's lock_assigned.
+func awaitGrant(s *Stream, node string) error {
+	want := []byte(`"node_id":"` + node + `"`)
+	for {
+		name, data, err := s.Next()
+		if err != nil {
+			return err
+		}
+		if name == "lock_assigned" && bytes.Contains(data, want) {
+			return nil
+		}
+	}
+}
+
+// Fanout: N waiters, each with its own session, queued on one key; the
+// holder succeeds. One op is one waiter told, timed from the holder's unlock
+// being sent; the p100 (max) is when the last waiter knew.
+func Fanout(ctx context.Context, base string, opts Options) (Result, error) {
+	n := opts.Waiters
+	id := runID()
+	streams := make([]*Stream, n)
+	defer func() {
+		for _, s := range streams {
+			if s != nil {
+				s.Close()
+			}
+		}
+	}()
+	if err := parallel(min(64, n), n, func(i int) error {
+		s, err := Subscribe(base, fmt.Sprintf("f%s-%d", id, i))
+		streams[i] = s
+		return err
+	}); err != nil {
+		return Result{}, fmt.Errorf("opening %d streams: %w", n, err)
+	}
+	conns := make([]*Conn, min(32, n))
+	for i := range conns {
+		c, err := Dial(base)
+		if err != nil {
+			return Result{}, err
+		}
+		defer c.Close()
+		conns[i] = c
+	}
+	lat := &latencies{}
+	deadline := time.Now().Add(opts.Duration)
+	var elapsed time.Duration
+	rounds := 0
+	for rounds == 0 || (time.Now().Before(deadline) && ctx.Err() == nil) {
+		rounds++
+		key := fmt.Sprintf("bench-fanout-%s-%d", id, rounds)
+		holder := fmt.Appendf(nil, `{"type":"pull","resource_id":"%s","node_id":"holder-%s"}`, key, id)
+		if st, err := conns[0].Post("/lock", holder); err != nil || st != 200 {
+			return Result{}, fmt.Errorf("holder lock: %d %v", st, err)
+		}
+		// Queue every waiter, one connection per worker.
+		var qi atomic.Int64
+		var wg sync.WaitGroup
+		errs := make(chan error, len(conns))
+		for _, c := range conns {
+			wg.Go(func() {
+				for {
+					i := int(qi.Add(1) - 1)
+					if i >= n {
+						return
+					}
+					body := fmt.Appendf(nil, `{"type":"pull","resource_id":"%s","node_id":"f%s-%d"}`, key, id, i)
+					if st, err := c.Post("/lock", body); err != nil || st != 200 {
+						errs <- fmt.Errorf("waiter lock: %d %v", st, err)
+						return
+					}
+				}
+			})
+		}
+		wg.Wait()
+		close(errs)
+		if err := <-errs; err != nil {
+			return Result{}, err
+		}
+		told := make([]time.Duration, n)
+		var rw sync.WaitGroup
+		var t0 time.Time
+		ready := make(chan struct{})
+		for i, s := range streams {
+			rw.Go(func() {
+				<-ready
+				for {
+					name, _, err := s.Next()
+					if err != nil {
+						told[i] = -1
+						return
+					}
+					if name == "operation_completed" {
+						told[i] = time.Since(t0)
+						return
+					}
+				}
+			})
+		}
+		t0 = time.Now()
+		close(ready)
+		unlock := fmt.Appendf(nil, `{"type":"pull","resource_id":"%s","node_id":"holder-%s","success":true}`, key, id)
+		if st, err := conns[0].Post("/unlock", unlock); err != nil || st != 200 {
+			return Result{}, fmt.Errorf("holder unlock: %d %v", st, err)
+		}
+		rw.Wait()
+		if slices.Contains(told, -1) {
+			return Result{}, fmt.Errorf("a waiter's stream broke")
+		}
+		elapsed += slices.Max(told)
+		lat.add(told)
+		if opts.Progress != nil {
+			opts.Progress(int64(rounds * n))
+		}
+	}
+	r := lat.result("fanout", "dlock", "waiter told", n, elapsed)
+	r.Rate = float64(r.Ops) / elapsed.Seconds()
+	r.Note = strconv.Itoa(rounds) + " rounds of " + strconv.Itoa(n) + " waiters; max = all told"
+	return r, nil
+}
+
+// Sessions: open a session stream, read its subscribed event, close it.
+func Sessions(ctx context.Context, base string, opts Options) (Result, error) {
+	id := runID()
+	lat, elapsed, err := runWorkers(ctx, opts, opts.Concurrency, func(ctx context.Context, w int, ops *atomic.Int64, lat *[]time.Duration) error {
+		for i := 0; ctx.Err() == nil; i++ {
+			t0 := time.Now()
+			s, err := Subscribe(base, fmt.Sprintf("s%s-%d-%d", id, w, i))
+			if err != nil {
+				return err
+			}
+			s.Close()
+			*lat = append(*lat, time.Since(t0))
+			ops.Add(1)
+		}
+		return nil
+	})
+	return lat.result("sessions", "dlock", "open+close", opts.Concurrency, elapsed), err
+}
+
+// parallel runs f(0..n-1) on k workers.
+func parallel(k, n int, f func(i int) error) error {
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var first error
+	for range k {
+		wg.Go(func() {
+			for {
+				i := int(next.Add(1) - 1)
+				if i >= n {
+					return
+				}
+				if err := f(i); err != nil {
+					mu.Lock()
+					if first == nil {
+						first = err
+					}
+					mu.Unlock()
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	return first
+}
