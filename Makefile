@@ -8,18 +8,20 @@ STATICCHECK ?= honnef.co/go/tools/cmd/staticcheck@v0.8.2
 test: deps lint
 	$(GO) test -race -count=1 ./...
 
-# deps installs what the tests with a real containerd need (Debian's
-# containerd and docker-registry) when run as root; without root those
+# deps installs, as root, what some tests run for real: Debian's containerd
+# and docker-registry (three containerd daemons sharing one store) and
+# redis-server and etcd-server (dlock bench --compare). Without root those
 # tests skip, saying so.
+DEB_PACKAGES = containerd docker-registry redis-server etcd-server
 deps:
 	@if [ "$$(id -u)" = 0 ]; then \
-		missing=; for b in containerd ctr docker-registry; do command -v $$b >/dev/null || missing=yes; done; \
+		missing=; for b in containerd ctr docker-registry redis-server etcd; do command -v $$b >/dev/null || missing=yes; done; \
 		if [ -n "$$missing" ]; then \
-			echo "installing containerd and docker-registry for the containerd tests"; \
-			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends containerd docker-registry >/dev/null; \
+			echo "installing $(DEB_PACKAGES) for the tests that run them"; \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(DEB_PACKAGES) >/dev/null; \
 		fi; \
 	else \
-		echo "NOTE: not root: TestRealContainerd (three real containerd daemons) will be skipped"; \
+		echo "NOTE: not root: the tests with real containerd, redis and etcd servers will be skipped"; \
 	fi
 
 vet:

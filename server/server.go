@@ -17,6 +17,7 @@ import (
 	"github.com/dlock/dlock/internal/wire"
 	"github.com/dlock/dlock/lock"
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
 
@@ -56,6 +57,7 @@ func New(m *lock.Manager, opts Options) *Server {
 	reg := opts.Registry
 	if reg == nil {
 		reg = prometheus.NewRegistry()
+		reg.MustRegister(collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), collectors.NewGoCollector())
 	}
 	ping := opts.PingInterval
 	if ping <= 0 {

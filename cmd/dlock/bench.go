@@ -23,10 +23,12 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	fs := flag.NewFlagSet("dlock bench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	server := fs.String("server", "http://127.0.0.1:7380", "dlock server URL")
-	scenarios := fs.String("scenario", "pairs,handoff,fanout,sessions", "scenarios to run: pairs, handoff, fanout, sessions")
+	scenarios := fs.String("scenario", "pairs,handoff,fanout,sessions", "scenarios to run: pairs, handoff, fanout, sessions, memory")
 	duration := fs.Duration("duration", 10*time.Second, "how long each scenario runs")
 	concurrency := fs.Int("concurrency", 32, "connections (pairs, sessions) or nodes on the key (handoff)")
 	waiters := fs.Int("waiters", 1000, "fanout: waiters, each with its own session, queued on one key")
+	heldN := fs.Int("held", 100000, "memory: locks to hold while the server's RSS is read")
+	sessionsN := fs.Int("sessions", 10000, "memory: session streams to keep open while the server's RSS is read")
 	compare := fs.String("compare", "", "also run pairs and handoff against: redis, etcd (comma-separated; started on 127.0.0.1)")
 	asJSON := fs.Bool("json", false, "print the results as JSON")
 	if err := fs.Parse(args); err != nil {
@@ -40,7 +42,7 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	}
 	runs := strings.Split(*scenarios, ",")
 	for _, s := range runs {
-		if !slices.Contains([]string{"pairs", "handoff", "fanout", "sessions"}, s) {
+		if !slices.Contains([]string{"pairs", "handoff", "fanout", "sessions", "memory"}, s) {
 			return usageError{fmt.Errorf("unknown scenario %q", s)}
 		}
 	}
@@ -73,6 +75,21 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	}
 	var results []bench.Result
 	for _, s := range runs {
+		if s == "memory" {
+			// Sessions first: the held locks' ttl leases outlive the run.
+			for _, f := range []func() (bench.Result, error){
+				func() (bench.Result, error) { return bench.OpenSessions(ctx, *server, *sessionsN) },
+				func() (bench.Result, error) { return bench.HeldLocks(ctx, *server, *heldN, *concurrency) },
+			} {
+				r, err := f()
+				if err != nil {
+					return fmt.Errorf("memory: %w", err)
+				}
+				fmt.Fprintf(stderr, "memory: %s\n", r.Note)
+				results = append(results, r)
+			}
+			continue
+		}
 		var f func(context.Context, string, bench.Options) (bench.Result, error)
 		switch s {
 		case "pairs":
@@ -127,9 +144,13 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 		return enc.Encode(map[string]any{"results": results, "ratios": ratios})
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "scenario\tsystem\tconcurrency\tops/s\tp50\tp90\tp99\tmax\tone op\t")
+	fmt.Fprintln(tw, "scenario\tsystem\tconcurrency\tops/s\tp50\tp90\tp99\tmax\tone op\tserver RSS\t")
 	for _, r := range results {
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%.0f\t%s\t%s\t%s\t%s\t%s\t\n", r.Scenario, r.System, r.Concurrency, r.Rate, us(r.P50), us(r.P90), us(r.P99), us(r.Max), r.Unit)
+		rss := ""
+		if r.RSSMiB > 0 {
+			rss = fmt.Sprintf("%.1f MiB", r.RSSMiB)
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%.0f\t%s\t%s\t%s\t%s\t%s\t%s\t\n", r.Scenario, r.System, r.Concurrency, r.Rate, us(r.P50), us(r.P90), us(r.P99), us(r.Max), r.Unit, rss)
 	}
 	tw.Flush()
 	for _, r := range results {

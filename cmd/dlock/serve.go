@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"os"
 	"path/filepath"
 	"time"
@@ -25,6 +26,7 @@ type serveConfig struct {
 	refcount string
 	dataDir  string
 	logLevel slog.Level
+	debug    string // pprof listen address, "" for none
 	// ready, when set, receives the bound address once the server accepts.
 	ready func(net.Addr)
 }
@@ -61,6 +63,7 @@ func parseServe(args []string, getenv func(string) string, stderr io.Writer) (se
 	fs.IntVar(&c.lock.CompletedMax, "completed-max", c.lock.CompletedMax, "most completion records kept")
 	fs.StringVar(&c.dataDir, "data-dir", defaultDataDir(), "directory of durable state (refcount=server)")
 	fs.TextVar(&c.logLevel, "log-level", slog.LevelInfo, "log level: debug, info, warn or error")
+	fs.StringVar(&c.debug, "debug-listen", "", "serve Go's pprof profiles on this address (e.g. 127.0.0.1:6060); off by default")
 	if err := fs.Parse(args); err != nil {
 		return c, err
 	}
@@ -130,6 +133,14 @@ func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {
 	if c.ready != nil {
 		c.ready(ln.Addr())
 	}
+	if c.debug != "" {
+		dbg, err := startDebug(c.debug)
+		if err != nil {
+			return err
+		}
+		defer dbg.Close()
+		log.Info("pprof profiles served", "addr", c.debug)
+	}
 	errc := make(chan error, 1)
 	go func() { errc <- hs.Serve(ln) }()
 	select {
@@ -147,4 +158,21 @@ func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {
 	<-errc
 	log.Info("stopped")
 	return nil
+}
+
+// startDebug serves net/http/pprof on its own listener and mux, never on
+// the API's.
+func startDebug(addr string) (*http.Server, error) {
+	mux := http.NewServeMux()
+	mux.HandleFunc("/debug/pprof/", pprof.Index)
+	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("--debug-listen: %w", err)
+	}
+	s := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	go s.Serve(ln)
+	return s, nil
 }

@@ -32,6 +32,7 @@ type Result struct {
 	P99         float64 `json:"p99_us"`
 	Max         float64 `json:"max_us"`
 	Unit        string  `json:"unit"` // what one op is
+	RSSMiB      float64 `json:"server_rss_mib,omitempty"`
 	Note        string  `json:"note,omitempty"`
 }
 

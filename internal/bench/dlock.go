@@ -58,6 +58,8 @@ func Handoff(ctx context.Context, base string, opts Options) (Result, error) {
 		}
 		defer c.Close()
 		lockBody := fmt.Appendf(nil, `{"type":"pull","resource_id":"%s","node_id":"%s"}`, key, node)
+		// Leave the key as found: no queue entry or hold outlives the run.
+		defer c.Post("/cancel", lockBody)
 		unlockBody := fmt.Appendf(nil, `{"type":"pull","resource_id":"%s","node_id":"%s","success":false,"error":"bench"}`, key, node)
 		for ctx.Err() == nil {
 			st, err := c.Post("/lock", lockBody)

@@ -11,6 +11,7 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/client/v3/concurrency"
+	"go.uber.org/zap"
 )
 
 // StartEtcd runs a one-member etcd on free 127.0.0.1 ports, with its data in
@@ -51,7 +52,7 @@ func StartEtcd() (endpoint string, stop func(), err error) {
 }
 
 func etcdClient(endpoint string) (*clientv3.Client, error) {
-	return clientv3.New(clientv3.Config{Endpoints: []string{endpoint}, DialTimeout: 5 * time.Second})
+	return clientv3.New(clientv3.Config{Endpoints: []string{endpoint}, DialTimeout: 5 * time.Second, Logger: zap.NewNop()})
 }
 
 // EtcdPairs: concurrency.Mutex Lock + Unlock on distinct keys, one session

@@ -1,0 +1,84 @@
+package bench
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"testing"
+	"time"
+
+	"github.com/dlock/dlock/internal/dlocktest"
+)
+
+// The scenarios run, briefly, against a real server and produce numbers.
+func TestScenarios(t *testing.T) {
+	srv := dlocktest.Start(t, dlocktest.Options{})
+	ctx := context.Background()
+	opts := Options{Duration: 300 * time.Millisecond, Concurrency: 4, Waiters: 50}
+	for name, f := range map[string]func(context.Context, string, Options) (Result, error){
+		"pairs": Pairs, "handoff": Handoff, "fanout": Fanout, "sessions": Sessions,
+	} {
+		r, err := f(ctx, srv.URL(), opts)
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if r.Ops == 0 || r.Rate <= 0 || r.P50 <= 0 || r.Max < r.P99 || r.P99 < r.P50 {
+			t.Fatalf("%s: implausible result %+v", name, r)
+		}
+	}
+	if st := srv.M.Stats(); st.Queued != 0 {
+		t.Fatalf("scenarios left %d waiters queued", st.Queued)
+	}
+}
+
+func TestMemory(t *testing.T) {
+	srv := dlocktest.Start(t, dlocktest.Options{})
+	r, err := HeldLocks(context.Background(), srv.URL(), 500, 4)
+	if err != nil || r.RSSMiB <= 0 || srv.M.Stats().Held != 500 {
+		t.Fatalf("held locks: %+v %v (held %d)", r, err, srv.M.Stats().Held)
+	}
+	r, err = OpenSessions(context.Background(), srv.URL(), 50)
+	if err != nil || r.RSSMiB <= 0 {
+		t.Fatalf("open sessions: %+v %v", r, err)
+	}
+}
+
+// TestCompare runs the Redis and etcd sides of --compare. `make test`
+// installs redis-server and etcd-server when run as root.
+func TestCompare(t *testing.T) {
+	for _, bin := range []string{"redis-server", "etcd"} {
+		if _, err := exec.LookPath(bin); err != nil {
+			if os.Geteuid() != 0 {
+				t.Skipf("SKIPPED LOUDLY: %s is not installed and installing it needs root; run `make test` as root", bin)
+			}
+			t.Fatalf("%s is not installed: `make test` installs it", bin)
+		}
+	}
+	ctx := context.Background()
+	// etcd sessions take a while to set up, more so under the race detector.
+	opts := Options{Duration: 2 * time.Second, Concurrency: 4}
+	addr, stop, err := StartRedis()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stop()
+	ep, stopEtcd, err := StartEtcd()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stopEtcd()
+	for name, run := range map[string]func() (Result, error){
+		"redis pairs":   func() (Result, error) { return RedisPairs(ctx, addr, opts) },
+		"redis handoff": func() (Result, error) { return RedisHandoff(ctx, addr, opts) },
+		"etcd pairs":    func() (Result, error) { return EtcdPairs(ctx, ep, opts) },
+		"etcd handoff":  func() (Result, error) { return EtcdHandoff(ctx, ep, opts) },
+	} {
+		r, err := run()
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if r.Ops == 0 {
+			t.Fatalf("%s: no operations", name)
+		}
+	}
+}
