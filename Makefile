@@ -38,6 +38,7 @@ bench:
 fuzz:
 	$(GO) test -run '^$$' -fuzz FuzzParseLock -fuzztime 30s ./internal/wire
 	$(GO) test -run '^$$' -fuzz FuzzParseUnlock -fuzztime 30s ./internal/wire
+	$(GO) test -run '^$$' -fuzz FuzzFastMatchesJSON -fuzztime 30s ./internal/wire
 
 build:
 	$(GO) build -o bin/dlock ./cmd/dlock

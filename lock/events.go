@@ -25,6 +25,16 @@ type Event struct {
 	Error       string
 	CompletedAt time.Time
 	NextHolder  string
+
+	encOnce sync.Once
+	enc     []byte
+}
+
+// Encoded returns enc's encoding of the event, computed once: an event sent
+// to ten thousand streams is encoded once, not ten thousand times.
+func (e *Event) Encoded(enc func([]byte, *Event) []byte) []byte {
+	e.encOnce.Do(func() { e.enc = enc(nil, e) })
+	return e.enc
 }
 
 // Delivery is an event as one stream receives it, with its id.
@@ -245,19 +255,40 @@ func (t *observerTable) remove(k Key, st *Stream) {
 }
 
 // Stream is one event stream: a node's session stream, an observer of one
-// key, or both. Read Events until Done is closed; then call Close.
+// key, or both. Wait on Ready, then Take what arrived, until Done is closed;
+// then call Close.
 type Stream struct {
 	m       *Manager
 	sess    *session
 	observe *Key
-	ch      chan Delivery
 	done    chan struct{}
 	once    sync.Once
 	slow    atomic.Bool
+
+	// The undelivered events: a slice, not a buffered channel, so that an
+	// idle stream of the thousands a server keeps costs a few bytes, not
+	// StreamBuffer slots.
+	mu    sync.Mutex
+	queue []Delivery
+	ready chan struct{} // holds a token while queue is not empty
 }
 
-// Events delivers the stream's events in order.
-func (st *Stream) Events() <-chan Delivery { return st.ch }
+// Ready receives when events are waiting to be taken.
+func (st *Stream) Ready() <-chan struct{} { return st.ready }
+
+// Take appends the waiting events, in order, to buf and returns it.
+func (st *Stream) Take(buf []Delivery) []Delivery {
+	st.mu.Lock()
+	buf = append(buf, st.queue...)
+	clear(st.queue)
+	if cap(st.queue) > 64 {
+		st.queue = nil // let a burst's backing array go
+	} else {
+		st.queue = st.queue[:0]
+	}
+	st.mu.Unlock()
+	return buf
+}
 
 // Done is closed when the stream was closed: by Close, by the manager's
 // Close, or because its buffer filled up (Slow reports true then).
@@ -266,13 +297,20 @@ func (st *Stream) Done() <-chan struct{} { return st.done }
 // Slow reports whether the stream was closed for not keeping up.
 func (st *Stream) Slow() bool { return st.slow.Load() }
 
+// offer queues d unless StreamBuffer events are waiting already.
 func (st *Stream) offer(d Delivery) bool {
-	select {
-	case st.ch <- d:
-		return true
-	default:
+	st.mu.Lock()
+	if len(st.queue) >= st.m.cfg.StreamBuffer {
+		st.mu.Unlock()
 		return false
 	}
+	st.queue = append(st.queue, d)
+	st.mu.Unlock()
+	select {
+	case st.ready <- struct{}{}:
+	default:
+	}
+	return true
 }
 
 func (st *Stream) kill() {
@@ -282,7 +320,7 @@ func (st *Stream) kill() {
 		if st.sess != nil {
 			node = st.sess.node
 		}
-		st.m.log.Warn("closing a stream that does not keep up", "node", node, "buffer", cap(st.ch))
+		st.m.log.Warn("closing a stream that does not keep up", "node", node, "buffer", st.m.cfg.StreamBuffer)
 	}
 	st.Close()
 }
@@ -338,7 +376,7 @@ func (m *Manager) Subscribe(node string, observe *Key, lastID uint64, hasLast bo
 	if m.closed.Load() {
 		return nil, Subscription{}, ErrClosed
 	}
-	st := &Stream{m: m, observe: observe, ch: make(chan Delivery, m.cfg.StreamBuffer), done: make(chan struct{})}
+	st := &Stream{m: m, observe: observe, ready: make(chan struct{}, 1), done: make(chan struct{})}
 	var sub Subscription
 	if node != "" {
 		m.sess.mu.Lock()

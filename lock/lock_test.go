@@ -69,17 +69,7 @@ func status(t testing.TB, m *Manager, typ Type, res, node string) Status {
 }
 
 // events drains what a stream has received so far.
-func events(st *Stream) []Delivery {
-	var out []Delivery
-	for {
-		select {
-		case d := <-st.Events():
-			out = append(out, d)
-		default:
-			return out
-		}
-	}
-}
+func events(st *Stream) []Delivery { return st.Take(nil) }
 
 func names(ds []Delivery) []string {
 	var out []string

@@ -80,7 +80,7 @@ type keyState struct {
 	queued    map[string]*entry // node → its queue entry; nil while the queue is empty
 	lastToken uint64
 	hasRec    bool
-	rec       record
+	rec       *record // allocated at the key's first completion: a held key needs none
 	inQueue   bool // ks has an entry in the shard's record queue
 }
 
@@ -103,7 +103,7 @@ func (ks *keyState) recentSuccess(now mono, retention time.Duration) bool {
 
 // replays reports whether req repeats the unlock that wrote the retained record.
 func (ks *keyState) replays(req UnlockRequest, now mono, retention time.Duration) bool {
-	r := &ks.rec
+	r := ks.rec
 	return ks.hasRec && r.viaUnlock && r.Node == req.Node && r.Success == req.Success &&
 		(req.Token == 0 || req.Token == r.Token) && r.retained(now, retention)
 }
@@ -468,7 +468,10 @@ func (s *shard) record(ks *keyState, r record) {
 		ks.hasRec = false
 		return
 	}
-	ks.hasRec, ks.rec = true, r
+	if ks.rec == nil {
+		ks.rec = new(record)
+	}
+	ks.hasRec, *ks.rec = true, r
 	// A refused waiter may have let maybeDrop forget ks in this transition.
 	if s.key(ks.key) == nil {
 		s.addKey(ks)

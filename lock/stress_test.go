@@ -133,31 +133,40 @@ func TestStress(t *testing.T) {
 func wait(st *Stream, k Key, node string, seen *uint64, rng *rand.Rand, m *Manager) (string, uint64, error) {
 	giveUp := time.After(time.Duration(rng.IntN(20)) * time.Millisecond)
 	deadline := time.After(30 * time.Second)
+	var pending []Delivery
 	for {
-		select {
-		case d := <-st.Events():
-			ev := d.Event
+		for len(pending) > 0 {
+			ev := pending[0].Event
+			pending = pending[1:]
 			if ev.Key != k {
 				continue
 			}
 			switch {
 			case ev.Name == EventLockAssigned && ev.Node == node && ev.Token > *seen:
 				*seen = ev.Token
+				st.requeue(pending)
 				return "acquired", ev.Token, nil
 			case ev.Name == EventOperationCompleted && ev.Success:
+				st.requeue(pending)
 				return "skipped", 0, nil
 			}
+		}
+		select {
+		case <-st.Ready():
+			pending = st.Take(pending)
 		case <-giveUp:
 			r, err := m.Cancel(context.Background(), k.Type, k.Resource, node)
 			if err != nil {
 				return "", 0, err
 			}
 			if r.Dequeued {
+				st.requeue(pending)
 				return "cancelled", 0, nil
 			}
 			if r.Released {
 				// The cancel raced a grant: its event is on its way and
 				// must not be taken for a later grant.
+				st.requeue(pending)
 				return "cancelled", 0, drainGrant(st, k, node, seen)
 			}
 			giveUp = nil // the outcome is already on its way
@@ -171,13 +180,19 @@ func wait(st *Stream, k Key, node string, seen *uint64, rng *rand.Rand, m *Manag
 
 func drainGrant(st *Stream, k Key, node string, seen *uint64) error {
 	deadline := time.After(30 * time.Second)
+	var pending []Delivery
 	for {
-		select {
-		case d := <-st.Events():
+		for i, d := range pending {
 			if ev := d.Event; ev.Key == k && ev.Name == EventLockAssigned && ev.Node == node && ev.Token > *seen {
 				*seen = ev.Token
+				st.requeue(pending[i+1:])
 				return nil
 			}
+		}
+		pending = pending[:0]
+		select {
+		case <-st.Ready():
+			pending = st.Take(pending)
 		case <-deadline:
 			return fmt.Errorf("%s: no event for the grant its cancel released", node)
 		}
@@ -217,5 +232,20 @@ func TestOneKeyRace(t *testing.T) {
 			t.Fatalf("%d holders and %d distinct queue positions, want 1 and %d", holders, len(positions), n-1)
 		}
 		m.Close()
+	}
+}
+
+// requeue puts events a test took but did not use back in front, so the
+// next wait sees them.
+func (st *Stream) requeue(ds []Delivery) {
+	if len(ds) == 0 {
+		return
+	}
+	st.mu.Lock()
+	st.queue = append(append([]Delivery(nil), ds...), st.queue...)
+	st.mu.Unlock()
+	select {
+	case st.ready <- struct{}{}:
+	default:
 	}
 }

@@ -64,24 +64,23 @@ func (s *Server) handleSubscribe(w http.ResponseWriter, r *http.Request) error {
 	}
 	ping := time.NewTicker(s.ping)
 	defer ping.Stop()
-	events := st.Events()
+	var pending []lock.Delivery
 	for {
 		select {
-		case d := <-events:
-			buf = appendDelivery(buf[:0], d)
-			// Write whatever else is already waiting in one flush: a
-			// fan-out of many events costs one syscall, not one each.
-		more:
-			for len(buf) < 64<<10 {
-				select {
-				case d := <-events:
-					buf = appendDelivery(buf, d)
-				default:
-					break more
-				}
+		case <-st.Ready():
+			// Everything waiting goes out in one write: a fan-out of many
+			// events costs one syscall, not one each.
+			pending = st.Take(pending[:0])
+			buf = buf[:0]
+			for _, d := range pending {
+				buf = appendDelivery(buf, d)
 			}
+			clear(pending)
 			if err := s.flush(w, rc, buf); err != nil {
 				return nil
+			}
+			if cap(buf) > 64<<10 {
+				buf = make([]byte, 0, 512) // let a burst's buffer go
 			}
 			ping.Reset(s.ping)
 		case <-ping.C:
@@ -121,6 +120,6 @@ func appendFrame(b []byte, id uint64, name string, data func([]byte) []byte) []b
 
 func appendDelivery(b []byte, d lock.Delivery) []byte {
 	return appendFrame(b, d.ID, d.Event.Name, func(b []byte) []byte {
-		return wire.AppendEventData(b, d.Event)
+		return append(b, d.Event.Encoded(wire.AppendEventData)...)
 	})
 }

@@ -172,7 +172,9 @@ func sanitize(s string) string {
 // ParseLock decodes and validates a /lock body.
 func ParseLock(data []byte) (lock.LockRequest, error) {
 	var w LockRequest
-	if err := decode(data, &w); err != nil {
+	if f, ok := parseFast(data); ok && !f.hasSuccess && f.errMsg == "" && f.token == 0 {
+		w = LockRequest{Type: f.typ, ResourceID: f.resource, NodeID: f.node, Lease: f.lease, SkipRecent: f.skipRecent}
+	} else if err := decode(data, &w); err != nil {
 		return lock.LockRequest{}, err
 	}
 	t, err := lock.ParseType(w.Type)
@@ -190,7 +192,12 @@ func ParseLock(data []byte) (lock.LockRequest, error) {
 // ParseUnlock decodes and validates an /unlock body.
 func ParseUnlock(data []byte) (lock.UnlockRequest, error) {
 	var w UnlockRequest
-	if err := decode(data, &w); err != nil {
+	if f, ok := parseFast(data); ok && f.lease == "" && !f.skipRecent {
+		w = UnlockRequest{Type: f.typ, ResourceID: f.resource, NodeID: f.node, Error: f.errMsg, Token: f.token}
+		if f.hasSuccess {
+			w.Success = &f.success
+		}
+	} else if err := decode(data, &w); err != nil {
 		return lock.UnlockRequest{}, err
 	}
 	t, err := lock.ParseType(w.Type)

@@ -1,6 +1,7 @@
 package wire
 
 import (
+	"encoding/json"
 	"errors"
 	"net/http"
 	"strings"
@@ -106,4 +107,49 @@ func FuzzParseUnlock(f *testing.F) {
 			t.Fatalf("accepted an invalid request %+v", r)
 		}
 	})
+}
+
+// FuzzFastMatchesJSON holds the reflection-free parser to encoding/json:
+// whatever it accepts, encoding/json decodes to the same values.
+func FuzzFastMatchesJSON(f *testing.F) {
+	for _, b := range badBodies {
+		f.Add([]byte(b))
+	}
+	f.Add([]byte(`{"type":"pull","resource_id":"sha256:abc","node_id":"n1","lease":"ttl","skip_recent":true}`))
+	f.Add([]byte(` { "type" : "delete" , "resource_id":"r","node_id":"n","success":false,"error":"x","token":7 } `))
+	f.Add([]byte(`{"type":"pull","type":"delete"}`))
+	f.Add([]byte(`{"token":007}`))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		fast, ok := parseFast(data)
+		if !ok {
+			return
+		}
+		var slow struct {
+			Type       string `json:"type"`
+			ResourceID string `json:"resource_id"`
+			NodeID     string `json:"node_id"`
+			Lease      string `json:"lease"`
+			SkipRecent bool   `json:"skip_recent"`
+			Success    *bool  `json:"success"`
+			Error      string `json:"error"`
+			Token      uint64 `json:"token"`
+		}
+		if err := json.Unmarshal(data, &slow); err != nil {
+			t.Fatalf("fast path accepted %q, encoding/json says %v", data, err)
+		}
+		if fast.typ != slow.Type || fast.resource != slow.ResourceID || fast.node != slow.NodeID || fast.lease != slow.Lease ||
+			fast.skipRecent != slow.SkipRecent || fast.errMsg != slow.Error || fast.token != slow.Token ||
+			fast.hasSuccess != (slow.Success != nil) || (slow.Success != nil && *slow.Success != fast.success) {
+			t.Fatalf("%q: fast %+v, encoding/json %+v", data, fast, slow)
+		}
+	})
+}
+
+func TestFastPathTaken(t *testing.T) {
+	if _, ok := parseFast([]byte(`{"type":"pull","resource_id":"sha256:abc","node_id":"n1"}`)); !ok {
+		t.Fatal("the common /lock body is not parsed by the fast path")
+	}
+	if _, ok := parseFast([]byte(`{"type":"pull","resource_id":"a\u0062","node_id":"n1"}`)); ok {
+		t.Fatal("an escaped string took the fast path")
+	}
 }
