@@ -81,7 +81,7 @@ type keyState struct {
 	lastToken uint64
 	hasRec    bool
 	rec       *record // allocated at the key's first completion: a held key needs none
-	inQueue   bool // ks has an entry in the shard's record queue
+	inQueue   bool    // ks has an entry in the shard's record queue
 }
 
 // record is a completion record and what the server needs to replay an
