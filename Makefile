@@ -32,8 +32,25 @@ vet:
 lint: vet
 	$(GO) run $(STATICCHECK) ./...
 
-bench:
-	$(GO) test -run '^$$' -bench . -benchmem -benchtime 3s ./lock ./server ./refcount
+# bench runs the Go benchmarks, then dlock bench against a fresh local
+# server (and Redis and etcd, which it starts), and appends the numbers,
+# the machine and the commands to docs/BENCHMARKS.md. It needs the
+# redis-server and etcd-server packages (make deps installs them as root).
+BENCH_ADDR ?= 127.0.0.1:7399
+bench: build
+	$(GO) test -run '^$$' -bench . -benchmem -benchtime 3s ./lock ./server ./refcount | tee bin/gobench.txt
+	@set -e; out=docs/BENCHMARKS.md; \
+	{ echo; echo "## $$(date -u +%F) — make bench"; echo; \
+	  echo "Machine: $$(nproc) cores ($$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')), $$(free -g | awk '/Mem:/{print $$2}') GiB, $$(go version | cut -d' ' -f3)."; echo; \
+	  echo '```'; grep -E '^Benchmark' bin/gobench.txt; echo '```'; echo; } >> $$out; \
+	bin/dlock serve --listen $(BENCH_ADDR) 2>/dev/null & pid=$$!; sleep 1; \
+	echo "\`dlock bench --server http://$(BENCH_ADDR) --waiters 10000 --compare redis,etcd\`:" >> $$out; echo >> $$out; \
+	bin/dlock bench --server http://$(BENCH_ADDR) --waiters 10000 --compare redis,etcd --markdown >> $$out; \
+	kill $$pid; wait $$pid || true; \
+	bin/dlock serve --listen $(BENCH_ADDR) 2>/dev/null & pid=$$!; sleep 1; \
+	echo >> $$out; echo "\`dlock bench --server http://$(BENCH_ADDR) --scenario memory\` (a fresh server):" >> $$out; echo >> $$out; \
+	bin/dlock bench --server http://$(BENCH_ADDR) --scenario memory --markdown >> $$out; \
+	kill $$pid; wait $$pid || true
 
 fuzz:
 	$(GO) test -run '^$$' -fuzz FuzzParseLock -fuzztime 30s ./internal/wire
@@ -41,5 +58,6 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz FuzzFastMatchesJSON -fuzztime 30s ./internal/wire
 
 build:
+	@mkdir -p bin
 	$(GO) build -o bin/dlock ./cmd/dlock
 	$(GO) build -o bin/dlock-content ./cmd/dlock-content

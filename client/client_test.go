@@ -78,9 +78,11 @@ func (ts *testServer) serve(ln net.Listener) {
 		ConnState: func(c net.Conn, s http.ConnState) {
 			ts.mu.Lock()
 			defer ts.mu.Unlock()
+			// Hijacked connections (event streams) stay: killConns
+			// must break them too.
 			if s == http.StateNew {
 				ts.conns[c] = struct{}{}
-			} else if s == http.StateClosed || s == http.StateHijacked {
+			} else if s == http.StateClosed {
 				delete(ts.conns, c)
 			}
 		},

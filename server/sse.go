@@ -1,8 +1,10 @@
 package server
 
 import (
+	"net"
 	"net/http"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/dlock/dlock/internal/wire"
@@ -40,30 +42,92 @@ func (s *Server) handleSubscribe(w http.ResponseWriter, r *http.Request) error {
 		return err
 	}
 	s.openStreams.Add(1)
-	defer s.openStreams.Done()
-	defer st.Close()
 	s.metrics.streams.Inc()
-	defer s.metrics.streams.Dec()
+	first := make([]byte, 0, 512)
+	first = appendFrame(first, sub.ID, "subscribed", func(b []byte) []byte {
+		return wire.AppendSubscribed(b, node, s.m.Epoch())
+	})
+	for _, d := range sub.Replay {
+		first = appendDelivery(first, d)
+	}
 
+	// HTTP/1.1: take the connection over. The handler's goroutine and
+	// net/http's buffers (about 10 KiB a connection) go away, which matters
+	// with thousands of idle sessions; the stream keeps one goroutine that
+	// writes and one that notices the peer leave.
+	if conn, brw, err := http.NewResponseController(w).Hijack(); err == nil {
+		brw.Reader.Reset(nil)
+		hdr := append(make([]byte, 0, 256+len(first)), "HTTP/1.1 200 OK\r\n"+
+			"Content-Type: text/event-stream\r\nCache-Control: no-cache\r\nX-Accel-Buffering: no\r\n"+
+			"Connection: close\r\n"+wire.EpochHeader+": "...)
+		hdr = append(hdr, s.m.Epoch()...)
+		hdr = append(hdr, "\r\n\r\n"...)
+		hdr = append(hdr, first...)
+		go s.hijackedStream(conn, st, hdr)
+		return nil
+	}
+
+	// Other protocols (HTTP/2 behind TLS): stream through the ResponseWriter.
+	defer s.openStreams.Done()
+	defer s.metrics.streams.Dec()
+	defer st.Close()
 	rc := http.NewResponseController(w)
 	h := w.Header()
 	h.Set("Content-Type", "text/event-stream")
 	h.Set("Cache-Control", "no-cache")
 	h.Set("X-Accel-Buffering", "no")
 	w.WriteHeader(http.StatusOK)
-
-	buf := make([]byte, 0, 512)
-	buf = appendFrame(buf, sub.ID, "subscribed", func(b []byte) []byte {
-		return wire.AppendSubscribed(b, node, s.m.Epoch())
+	s.streamLoop(st, first, r.Context().Done(), func(b []byte) error {
+		_ = rc.SetWriteDeadline(time.Now().Add(2 * s.ping))
+		if _, err := w.Write(b); err != nil {
+			return err
+		}
+		return rc.Flush()
 	})
-	for _, d := range sub.Replay {
-		buf = appendDelivery(buf, d)
-	}
-	if err := s.flush(w, rc, buf); err != nil {
-		return nil
+	return nil
+}
+
+// hijackedStream serves a stream on a connection taken over from net/http.
+func (s *Server) hijackedStream(conn net.Conn, st *lock.Stream, first []byte) {
+	defer s.openStreams.Done()
+	defer s.metrics.streams.Dec()
+	defer st.Close()
+	gone := make(chan struct{})
+	var reader sync.WaitGroup
+	reader.Go(func() {
+		// The client sends nothing more: a read ends when it goes away.
+		var b [64]byte
+		for {
+			if _, err := conn.Read(b[:]); err != nil {
+				close(gone)
+				return
+			}
+		}
+	})
+	var deadline time.Time
+	s.streamLoop(st, first, gone, func(b []byte) error {
+		// A peer that stops reading must not pin this goroutine; moving
+		// the deadline on every write would cost a syscall each.
+		if now := time.Now(); deadline.Sub(now) < s.ping {
+			deadline = now.Add(2 * s.ping)
+			_ = conn.SetWriteDeadline(deadline)
+		}
+		_, err := conn.Write(b)
+		return err
+	})
+	conn.Close()
+	reader.Wait()
+}
+
+// streamLoop writes first, then the stream's events as they come and a ping
+// when it has been quiet, until the stream, the peer or the server ends.
+func (s *Server) streamLoop(st *lock.Stream, first []byte, gone <-chan struct{}, write func([]byte) error) {
+	if err := write(first); err != nil {
+		return
 	}
 	ping := time.NewTicker(s.ping)
 	defer ping.Stop()
+	buf := make([]byte, 0, 512)
 	var pending []lock.Delivery
 	for {
 		select {
@@ -76,36 +140,27 @@ func (s *Server) handleSubscribe(w http.ResponseWriter, r *http.Request) error {
 				buf = appendDelivery(buf, d)
 			}
 			clear(pending)
-			if err := s.flush(w, rc, buf); err != nil {
-				return nil
+			if err := write(buf); err != nil {
+				return
 			}
 			if cap(buf) > 64<<10 {
 				buf = make([]byte, 0, 512) // let a burst's buffer go
 			}
 			ping.Reset(s.ping)
 		case <-ping.C:
-			if err := s.flush(w, rc, append(buf[:0], ": ping\n\n"...)); err != nil {
-				return nil
+			if err := write(append(buf[:0], ": ping\n\n"...)); err != nil {
+				return
 			}
 		case <-st.Done():
 			// Closed by the manager, too slow for example: end the response
 			// so the client reconnects with Last-Event-ID and replays.
-			return nil
-		case <-r.Context().Done():
-			return nil
+			return
+		case <-gone:
+			return
 		case <-s.streams:
-			return nil
+			return
 		}
 	}
-}
-
-func (s *Server) flush(w http.ResponseWriter, rc *http.ResponseController, b []byte) error {
-	// A peer that stops reading must not pin this goroutine forever.
-	_ = rc.SetWriteDeadline(time.Now().Add(2 * s.ping))
-	if _, err := w.Write(b); err != nil {
-		return err
-	}
-	return rc.Flush()
 }
 
 func appendFrame(b []byte, id uint64, name string, data func([]byte) []byte) []byte {

@@ -31,6 +31,7 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	sessionsN := fs.Int("sessions", 10000, "memory: session streams to keep open while the server's RSS is read")
 	compare := fs.String("compare", "", "also run pairs and handoff against: redis, etcd (comma-separated; started on 127.0.0.1)")
 	asJSON := fs.Bool("json", false, "print the results as JSON")
+	asMarkdown := fs.Bool("markdown", false, "print the results as a Markdown table (make bench appends it to docs/BENCHMARKS.md)")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return err
@@ -142,6 +143,27 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 		enc := json.NewEncoder(stdout)
 		enc.SetIndent("", "  ")
 		return enc.Encode(map[string]any{"results": results, "ratios": ratios})
+	}
+	if *asMarkdown {
+		fmt.Fprintln(stdout, "| scenario | system | concurrency | ops/s | p50 | p90 | p99 | max | one op | server RSS |")
+		fmt.Fprintln(stdout, "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+		for _, r := range results {
+			rss := ""
+			if r.RSSMiB > 0 {
+				rss = fmt.Sprintf("%.1f MiB", r.RSSMiB)
+			}
+			fmt.Fprintf(stdout, "| %s | %s | %d | %.0f | %s | %s | %s | %s | %s | %s |\n", r.Scenario, r.System, r.Concurrency, r.Rate, us(r.P50), us(r.P90), us(r.P99), us(r.Max), r.Unit, rss)
+		}
+		fmt.Fprintln(stdout)
+		for _, r := range results {
+			if r.Note != "" {
+				fmt.Fprintf(stdout, "- %s %s: %s\n", r.Scenario, r.System, r.Note)
+			}
+		}
+		for _, k := range slices.Sorted(maps.Keys(ratios)) {
+			fmt.Fprintf(stdout, "- %s = %.2f\n", k, ratios[k])
+		}
+		return nil
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "scenario\tsystem\tconcurrency\tops/s\tp50\tp90\tp99\tmax\tone op\tserver RSS\t")
