@@ -47,15 +47,12 @@ bench: build
 	echo "\`dlock bench --server http://$(BENCH_ADDR) --waiters 10000 --compare redis,etcd\`:" >> $$out; echo >> $$out; \
 	bin/dlock bench --server http://$(BENCH_ADDR) --waiters 10000 --compare redis,etcd --markdown >> $$out; \
 	kill $$pid; wait $$pid || true; \
-	bin/dlock serve --listen $(BENCH_ADDR) 2>/dev/null & pid=$$!; sleep 1; \
-	echo >> $$out; echo "\`dlock bench --server http://$(BENCH_ADDR) --scenario memory\` (a fresh server):" >> $$out; echo >> $$out; \
-	bin/dlock bench --server http://$(BENCH_ADDR) --scenario memory --markdown >> $$out; \
-	kill $$pid; wait $$pid || true
-
-fuzz:
-	$(GO) test -run '^$$' -fuzz FuzzParseLock -fuzztime 30s ./internal/wire
-	$(GO) test -run '^$$' -fuzz FuzzParseUnlock -fuzztime 30s ./internal/wire
-	$(GO) test -run '^$$' -fuzz FuzzFastMatchesJSON -fuzztime 30s ./internal/wire
+	for what in "--held 0" "--sessions 0"; do \
+		bin/dlock serve --listen $(BENCH_ADDR) 2>/dev/null & pid=$$!; sleep 1; \
+		echo >> $$out; echo "\`dlock bench --server http://$(BENCH_ADDR) --scenario memory $$what\` (a fresh server):" >> $$out; echo >> $$out; \
+		bin/dlock bench --server http://$(BENCH_ADDR) --scenario memory $$what --markdown >> $$out; \
+		kill $$pid; wait $$pid || true; \
+	done
 
 build:
 	@mkdir -p bin

@@ -14,7 +14,7 @@ func newMetrics(reg *prometheus.Registry, m *lock.Manager) *metrics {
 	mt := &metrics{
 		latency: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "dlock_http_request_duration_seconds",
-			Help:    "Time to answer an HTTP request, by endpoint (event streams: their whole life).",
+			Help:    "Time to answer an HTTP request, by endpoint (event streams: until the stream starts).",
 			Buckets: []float64{.00005, .0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, 1, 10, 60},
 		}, []string{"endpoint"}),
 		streams: prometheus.NewGauge(prometheus.GaugeOpts{

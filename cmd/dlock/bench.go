@@ -60,8 +60,8 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 			}
 		}
 	}
-	if *concurrency < 1 || *waiters < 1 || *duration <= 0 {
-		return usageError{errors.New("--concurrency, --waiters and --duration must be positive")}
+	if *concurrency < 1 || *waiters < 1 || *duration <= 0 || *heldN < 0 || *sessionsN < 0 {
+		return usageError{errors.New("--concurrency, --waiters and --duration must be positive, --held and --sessions not negative")}
 	}
 	opts := bench.Options{Duration: *duration, Concurrency: *concurrency, Waiters: *waiters}
 	run := func(label string, f func(context.Context, bench.Options) (bench.Result, error)) (bench.Result, error) {
@@ -78,10 +78,16 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	for _, s := range runs {
 		if s == "memory" {
 			// Sessions first: the held locks' ttl leases outlive the run.
-			for _, f := range []func() (bench.Result, error){
-				func() (bench.Result, error) { return bench.OpenSessions(ctx, *server, *sessionsN) },
-				func() (bench.Result, error) { return bench.HeldLocks(ctx, *server, *heldN, *concurrency) },
-			} {
+			// Each measures best on a fresh server: --held 0 or --sessions 0
+			// leaves one out.
+			var fs []func() (bench.Result, error)
+			if *sessionsN > 0 {
+				fs = append(fs, func() (bench.Result, error) { return bench.OpenSessions(ctx, *server, *sessionsN) })
+			}
+			if *heldN > 0 {
+				fs = append(fs, func() (bench.Result, error) { return bench.HeldLocks(ctx, *server, *heldN, *concurrency) })
+			}
+			for _, f := range fs {
 				r, err := f()
 				if err != nil {
 					return fmt.Errorf("memory: %w", err)

@@ -66,27 +66,38 @@ func Handoff(ctx context.Context, base string, opts Options) (Result, error) {
 			if err != nil || st != 200 {
 				return fmt.Errorf("lock: %d %v %s", st, err, c.Body)
 			}
-			for !bytes.Contains(c.Body, []byte(`"acquired":true`)) {
-				// A lock_assigned may be the echo of an earlier direct
-				// grant: the confirming /lock says whether it is ours.
-				if err := awaitGrant(s, node); err != nil {
-					if ctx.Err() != nil {
-						return nil
+			granted := bytes.Contains(c.Body, []byte(`"acquired":true`))
+			for {
+				if !granted {
+					if err := awaitGrant(s, node); err != nil {
+						if ctx.Err() != nil {
+							return nil
+						}
+						return err
 					}
-					return err
 				}
+				// A holder that unlocks at once needs no confirming /lock:
+				// the unlock shows it is alive. It is refused, though,
+				// when the lock_assigned read was the echo of an earlier
+				// direct grant; then wait for the real one.
 				at := time.Since(start).Nanoseconds()
-				if st, err := c.Post("/lock", lockBody); err != nil || st != 200 { // confirm the grant
-					return fmt.Errorf("confirm: %d %v", st, err)
+				prev := sentAt.Swap(at)
+				st, err := c.Post("/unlock", unlockBody)
+				if err != nil {
+					return fmt.Errorf("unlock: %v", err)
 				}
-				if bytes.Contains(c.Body, []byte(`"acquired":true`)) {
-					*lat = append(*lat, time.Duration(at-sentAt.Load()))
-					ops.Add(1)
+				if st == 200 {
+					if !granted {
+						*lat = append(*lat, time.Duration(at-prev))
+						ops.Add(1)
+					}
+					break
 				}
-			}
-			sentAt.Store(time.Since(start).Nanoseconds())
-			if st, err := c.Post("/unlock", unlockBody); err != nil || st != 200 {
-				return fmt.Errorf("unlock: %d %v %s", st, err, c.Body)
+				if st != 403 {
+					return fmt.Errorf("unlock: %d %s", st, c.Body)
+				}
+				sentAt.Store(prev)
+				granted = false
 			}
 		}
 		return nil
