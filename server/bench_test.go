@@ -31,9 +31,10 @@ func benchServer(b *testing.B) (string, *lock.Manager) {
 		b.Fatal(err)
 	}
 	hs := &http.Server{Handler: srv}
-	go hs.Serve(ln)
+	go srv.Serve(ln, hs)
 	b.Cleanup(func() {
 		srv.Drain()
+		srv.Close()
 		hs.Close()
 		m.Close()
 	})

@@ -5,9 +5,11 @@ package server
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"log/slog"
+	"net"
 	"net/http"
 	"strconv"
 	"sync"
@@ -46,6 +48,18 @@ type Server struct {
 	streams     chan struct{}
 	drainOnce   sync.Once
 	openStreams sync.WaitGroup
+
+	// fastLatency holds the latency histograms of the lean loop's paths,
+	// resolved once: a label lookup per request is measurable.
+	fastLatency map[string]prometheus.Observer
+
+	// The lean HTTP/1.1 loop's state (fast.go), guarded by mu.
+	mu        sync.Mutex
+	closing   bool
+	listeners []net.Listener
+	handoffs  []*handoffListener
+	fastConns map[*fastConn]struct{}
+	fastWG    sync.WaitGroup
 }
 
 // New returns a Server for m.
@@ -71,6 +85,10 @@ func New(m *lock.Manager, opts Options) *Server {
 		ping:    ping,
 		streams: make(chan struct{}),
 		epoch:   []string{m.Epoch()},
+	}
+	s.fastLatency = make(map[string]prometheus.Observer)
+	for p := range fastPaths {
+		s.fastLatency[p] = s.metrics.latency.WithLabelValues(p)
 	}
 	s.route("/lock", http.MethodPost, s.handleLock)
 	s.route("/unlock", http.MethodPost, s.handleUnlock)
@@ -100,7 +118,7 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 }
 
 // Drain makes /healthz answer 503 and ends every open event stream, so that
-// http.Server.Shutdown can finish. It waits until the streams have returned.
+// the server can then be closed. It waits until the streams have returned.
 func (s *Server) Drain() {
 	s.draining.Store(true)
 	s.drainOnce.Do(func() { close(s.streams) })
@@ -185,68 +203,86 @@ func putBuf(bp *[]byte) {
 }
 
 func (s *Server) handleLock(w http.ResponseWriter, r *http.Request) error {
-	data, err := readBody(w, r)
-	if err != nil {
-		return err
-	}
-	req, err := wire.ParseLock(*data)
-	if err != nil {
-		putBuf(data)
-		return err
-	}
-	res, err := s.m.TryLock(r.Context(), req)
-	if err != nil {
-		putBuf(data)
-		return err
-	}
-	out := wire.AppendLockResponse((*data)[:0], wire.LockResponse{
-		Acquired: res.Acquired, Queued: res.Queued, Skip: res.Skip,
-		Token: res.Token, Holder: res.Holder, Position: res.Position,
-	})
-	writeRaw(w, http.StatusOK, append(out, '\n'))
-	*data = out
-	putBuf(data)
-	return nil
+	return s.answer(w, r, s.lockAnswer)
 }
 
 func (s *Server) handleUnlock(w http.ResponseWriter, r *http.Request) error {
+	return s.answer(w, r, s.unlockAnswer)
+}
+
+func (s *Server) handleCancel(w http.ResponseWriter, r *http.Request) error {
+	return s.answer(w, r, s.cancelAnswer)
+}
+
+// answer serves a POST whose answer a core function writes: the same cores
+// serve net/http here and the lean loop in fast.go.
+func (s *Server) answer(w http.ResponseWriter, r *http.Request, core func(context.Context, []byte, []byte) (int, []byte)) error {
 	data, err := readBody(w, r)
 	if err != nil {
 		return err
 	}
-	req, err := wire.ParseUnlock(*data)
-	if err != nil {
-		putBuf(data)
-		return err
-	}
-	res, err := s.m.Unlock(r.Context(), req)
-	if err != nil {
-		putBuf(data)
-		return err
-	}
-	out := wire.AppendUnlockResponse((*data)[:0], wire.UnlockResponse{Released: true, NextHolder: res.NextHolder, Replayed: res.Replayed})
-	writeRaw(w, http.StatusOK, append(out, '\n'))
+	status, out := core(r.Context(), *data, (*data)[:0])
+	writeRaw(w, status, out)
 	*data = out
 	putBuf(data)
 	return nil
 }
 
-func (s *Server) handleCancel(w http.ResponseWriter, r *http.Request) error {
-	data, err := readBody(w, r)
-	if err != nil {
-		return err
+// errorAnswer appends err's JSON body to buf.
+func (s *Server) errorAnswer(err error, buf []byte) (int, []byte) {
+	status, body := wire.ErrorBody(err)
+	if status >= 500 {
+		s.log.Error("request failed", "err", err)
 	}
-	k, node, err := wire.ParseKey(*data)
-	putBuf(data)
-	if err != nil {
-		return err
+	b, merr := json.Marshal(body)
+	if merr != nil {
+		return http.StatusInternalServerError, append(buf, `{"error":"encoding the answer failed","code":"internal","message":"encoding the answer failed"}`+"\n"...)
 	}
-	res, err := s.m.Cancel(r.Context(), k.Type, k.Resource, node)
+	return status, append(append(buf, b...), '\n')
+}
+
+// lockAnswer serves /lock: body is the request, buf the space for the
+// answer (it may share body's memory: body is fully parsed first).
+func (s *Server) lockAnswer(ctx context.Context, body, buf []byte) (int, []byte) {
+	req, err := wire.ParseLock(body)
 	if err != nil {
-		return err
+		return s.errorAnswer(err, buf)
 	}
-	writeJSON(w, http.StatusOK, wire.CancelResponse{Dequeued: res.Dequeued, Released: res.Released})
-	return nil
+	res, err := s.m.TryLock(ctx, req)
+	if err != nil {
+		return s.errorAnswer(err, buf)
+	}
+	out := wire.AppendLockResponse(buf, wire.LockResponse{
+		Acquired: res.Acquired, Queued: res.Queued, Skip: res.Skip,
+		Token: res.Token, Holder: res.Holder, Position: res.Position,
+	})
+	return http.StatusOK, append(out, '\n')
+}
+
+func (s *Server) unlockAnswer(ctx context.Context, body, buf []byte) (int, []byte) {
+	req, err := wire.ParseUnlock(body)
+	if err != nil {
+		return s.errorAnswer(err, buf)
+	}
+	res, err := s.m.Unlock(ctx, req)
+	if err != nil {
+		return s.errorAnswer(err, buf)
+	}
+	out := wire.AppendUnlockResponse(buf, wire.UnlockResponse{Released: true, NextHolder: res.NextHolder, Replayed: res.Replayed})
+	return http.StatusOK, append(out, '\n')
+}
+
+func (s *Server) cancelAnswer(ctx context.Context, body, buf []byte) (int, []byte) {
+	k, node, err := wire.ParseKey(body)
+	if err != nil {
+		return s.errorAnswer(err, buf)
+	}
+	res, err := s.m.Cancel(ctx, k.Type, k.Resource, node)
+	if err != nil {
+		return s.errorAnswer(err, buf)
+	}
+	b, _ := json.Marshal(wire.CancelResponse{Dequeued: res.Dequeued, Released: res.Released})
+	return http.StatusOK, append(append(buf, b...), '\n')
 }
 
 func (s *Server) handleStatus(w http.ResponseWriter, r *http.Request) error {

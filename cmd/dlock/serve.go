@@ -142,20 +142,21 @@ func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {
 		log.Info("pprof profiles served", "addr", c.debug)
 	}
 	errc := make(chan error, 1)
-	go func() { errc <- hs.Serve(ln) }()
+	go func() { errc <- srv.Serve(ln, hs) }()
 	select {
 	case err := <-errc:
 		return err
 	case <-ctx.Done():
 	}
+	defer func() { <-errc }()
 	log.Info("shutting down: closing event streams, finishing requests")
 	srv.Drain()
+	srv.Close()
 	sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if err := hs.Shutdown(sctx); err != nil {
 		return fmt.Errorf("shutdown: %w", err)
 	}
-	<-errc
 	log.Info("stopped")
 	return nil
 }

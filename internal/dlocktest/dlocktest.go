@@ -80,9 +80,10 @@ func (s *Server) serve(ln net.Listener) {
 	s.srv = server.New(m, server.Options{PingInterval: 200 * time.Millisecond})
 	s.hs = &http.Server{Handler: s.srv}
 	s.done = make(chan struct{})
+	srv, hs := s.srv, s.hs
 	go func() {
 		defer close(s.done)
-		s.hs.Serve(ln)
+		srv.Serve(ln, hs)
 	}()
 }
 
@@ -92,6 +93,7 @@ func (s *Server) Stop() {
 		return
 	}
 	s.srv.Drain()
+	s.srv.Close()
 	s.hs.Close()
 	<-s.done
 	s.M.Close()

@@ -172,7 +172,8 @@ func sanitize(s string) string {
 // ParseLock decodes and validates a /lock body.
 func ParseLock(data []byte) (lock.LockRequest, error) {
 	var w LockRequest
-	if f, ok := parseFast(data); ok && !f.hasSuccess && f.errMsg == "" && f.token == 0 {
+	// Fields of other requests are ignored, as encoding/json ignores them.
+	if f, ok := parseFast(data); ok {
 		w = LockRequest{Type: f.typ, ResourceID: f.resource, NodeID: f.node, Lease: f.lease, SkipRecent: f.skipRecent}
 	} else if err := decode(data, &w); err != nil {
 		return lock.LockRequest{}, err
@@ -192,7 +193,7 @@ func ParseLock(data []byte) (lock.LockRequest, error) {
 // ParseUnlock decodes and validates an /unlock body.
 func ParseUnlock(data []byte) (lock.UnlockRequest, error) {
 	var w UnlockRequest
-	if f, ok := parseFast(data); ok && f.lease == "" && !f.skipRecent {
+	if f, ok := parseFast(data); ok {
 		w = UnlockRequest{Type: f.typ, ResourceID: f.resource, NodeID: f.node, Error: f.errMsg, Token: f.token}
 		if f.hasSuccess {
 			w.Success = &f.success

@@ -1,0 +1,99 @@
+package server
+
+import (
+	"bufio"
+	"io"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+// rawExchange writes raw bytes on one connection and reads n answers.
+func rawExchange(t *testing.T, addr, raw string, n int) []*http.Response {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.WriteString(c, raw); err != nil {
+		t.Fatal(err)
+	}
+	br := bufio.NewReader(c)
+	var out []*http.Response
+	for range n {
+		resp, err := http.ReadResponse(br, nil)
+		for err == nil && resp.StatusCode == http.StatusContinue {
+			resp, err = http.ReadResponse(br, nil)
+		}
+		if err != nil {
+			t.Fatalf("answer %d: %v", len(out)+1, err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body = io.NopCloser(strings.NewReader(string(body)))
+		out = append(out, resp)
+	}
+	return out
+}
+
+func rawPost(path, body string, headers ...string) string {
+	h := ""
+	for _, x := range headers {
+		h += x + "\r\n"
+	}
+	return "POST " + path + " HTTP/1.1\r\nHost: x\r\nContent-Length: " + strconv.Itoa(len(body)) + "\r\n" + h + "\r\n" + body
+}
+
+func bodyOf(r *http.Response) string { b, _ := io.ReadAll(r.Body); return string(b) }
+
+// TestLeanLoop: the lean loop answers pipelined hot requests in order, and
+// hands a connection to net/http at the first request it does not take,
+// with nothing lost.
+func TestLeanLoop(t *testing.T) {
+	e := newEnv(t, nil)
+	addr := strings.TrimPrefix(e.ts.URL, "http://")
+	lockA := `{"type":"pull","resource_id":"r","node_id":"a"}`
+	lockB := `{"type":"pull","resource_id":"r","node_id":"b"}`
+	raw := rawPost("/lock", lockA) + rawPost("/lock", lockB) +
+		"GET /status?type=pull&resource_id=r HTTP/1.1\r\nHost: x\r\n\r\n" + // handed to net/http
+		rawPost("/unlock", `{"type":"pull","resource_id":"r","node_id":"a","success":false}`) // net/http, same connection
+	rs := rawExchange(t, addr, raw, 4)
+	want := []string{`"acquired":true`, `"queued":true`, `"state":"held"`, `"next_holder":"b"`}
+	for i, r := range rs {
+		if body := bodyOf(r); r.StatusCode != 200 || !strings.Contains(body, want[i]) || r.Header.Get("Dlock-Epoch") != e.m.Epoch() {
+			t.Fatalf("answer %d: %d %s %v", i+1, r.StatusCode, body, r.Header)
+		}
+	}
+	cases := []struct {
+		name, raw string
+		status    int
+		code      string
+	}{
+		{"bad JSON", rawPost("/lock", `{"type":`), 400, "invalid_request"},
+		{"expect 100-continue", rawPost("/lock", lockA, "Expect: 100-continue"), 200, ""},
+		{"chunked body", "POST /cancel HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + "2f\r\n" + lockB + "\r\n0\r\n\r\n", 200, ""},
+		{"wrong method", "GET /lock HTTP/1.1\r\nHost: x\r\n\r\n", 405, "method_not_allowed"},
+		{"too large", rawPost("/lock", `{"type":"pull","resource_id":"`+strings.Repeat("x", 70<<10)+`"}`), 413, "too_large"},
+		{"no length", "POST /lock HTTP/1.1\r\nHost: x\r\n\r\n", 400, "invalid_request"},
+		{"HTTP/1.0", "POST /unlock HTTP/1.0\r\nContent-Length: 2\r\n\r\n{}", 400, "invalid_request"},
+	}
+	for _, c := range cases {
+		r := rawExchange(t, addr, c.raw, 1)[0]
+		if body := bodyOf(r); r.StatusCode != c.status || !strings.Contains(body, c.code) {
+			t.Errorf("%s: %d %s, want %d %s", c.name, r.StatusCode, body, c.status, c.code)
+		}
+	}
+	// Connection: close is honoured.
+	c, _ := net.Dial("tcp", addr)
+	defer c.Close()
+	io.WriteString(c, rawPost("/lock", lockA, "Connection: close"))
+	c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	all, err := io.ReadAll(c)
+	if err != nil || !strings.Contains(string(all), `"acquired":true`) {
+		t.Fatalf("Connection: close: %q %v", all, err)
+	}
+}
