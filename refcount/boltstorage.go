@@ -4,13 +4,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"os"
-	"path/filepath"
 	"time"
 
 	bolt "go.etcd.io/bbolt"
 	berrors "go.etcd.io/bbolt/errors"
-	"golang.org/x/sys/unix"
 )
 
 var nodesBucket = []byte("nodes")
@@ -30,14 +27,8 @@ var _ Storage = (*Bolt)(nil)
 // OpenBolt returns a bbolt Storage at path, creating the database. It
 // refuses a path on a network filesystem unless opts.AllowNetworkFS.
 func OpenBolt(path string, opts Options) (*Bolt, error) {
-	dir := filepath.Dir(path)
-	if err := os.MkdirAll(dir, 0o750); err != nil {
-		return nil, fmt.Errorf("refcount: %w", err)
-	}
-	if !opts.AllowNetworkFS {
-		if err := checkLocalFS(dir, unix.Statfs); err != nil {
-			return nil, err
-		}
+	if err := prepareDir(path, opts); err != nil {
+		return nil, err
 	}
 	b := &Bolt{path: path, Timeout: 30 * time.Second}
 	err := b.update(func(tx *bolt.Tx) error {

@@ -31,14 +31,8 @@ var _ Storage = (*File)(nil)
 // OpenFile returns a File storage at path, creating its directory. It
 // refuses a path on a network filesystem unless opts.AllowNetworkFS.
 func OpenFile(path string, opts Options) (*File, error) {
-	dir := filepath.Dir(path)
-	if err := os.MkdirAll(dir, 0o750); err != nil {
-		return nil, fmt.Errorf("refcount: %w", err)
-	}
-	if !opts.AllowNetworkFS {
-		if err := checkLocalFS(dir, unix.Statfs); err != nil {
-			return nil, err
-		}
+	if err := prepareDir(path, opts); err != nil {
+		return nil, err
 	}
 	f := &File{path: path, lock: path + ".lock"}
 	// Fail now, not at the first update, on a file that cannot be read.
@@ -184,6 +178,19 @@ var networkFS = map[int64]string{
 	0x47504653: "GPFS",
 	0x013111a8: "IBRIX",
 	0x6b414653: "kAFS",
+}
+
+// prepareDir creates path's directory and refuses a network filesystem
+// unless opts allows it.
+func prepareDir(path string, opts Options) error {
+	dir := filepath.Dir(path)
+	if err := os.MkdirAll(dir, 0o750); err != nil {
+		return fmt.Errorf("refcount: %w", err)
+	}
+	if opts.AllowNetworkFS {
+		return nil
+	}
+	return checkLocalFS(dir, unix.Statfs)
 }
 
 func checkLocalFS(dir string, statfs func(string, *unix.Statfs_t) error) error {

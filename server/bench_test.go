@@ -6,16 +6,15 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/dlock/dlock/internal/rawhttp"
 	"github.com/dlock/dlock/lock"
 )
 
@@ -60,18 +59,17 @@ func post(c *http.Client, url string, body []byte) error {
 
 // BenchmarkHTTPPairs: lock + unlock(success) over HTTP/1.1 keep-alive from
 // 32 concurrent connections on distinct keys. One op is one pair. The load
-// comes from a minimal HTTP/1.1 client (rawConn) so that the numbers measure
-// the server rather than net/http's client, which shares the two cores.
+// comes from a minimal HTTP/1.1 client (internal/rawhttp) so that the numbers
+// measure the server rather than net/http's client, which shares the cores.
 func BenchmarkHTTPPairs(b *testing.B) {
 	base, _ := benchServer(b)
-	addr := strings.TrimPrefix(base, "http://")
 	const clients = 32
 	var next atomic.Int64
 	b.SetParallelism((clients + 1) / 2) // GOMAXPROCS is 2 here: 32 goroutines
 	b.ReportAllocs()
 	b.RunParallel(func(pb *testing.PB) {
 		g := next.Add(1)
-		rc, err := dialRaw(addr)
+		rc, err := rawhttp.Dial(base)
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -81,63 +79,13 @@ func BenchmarkHTTPPairs(b *testing.B) {
 		for pb.Next() {
 			i++
 			body = fmt.Appendf(body[:0], `{"type":"pull","resource_id":"sha256:%d-%d","node_id":"n%d"}`, g, i%1000, g)
-			if err := rc.post("/lock", body); err != nil {
-				b.Fatal(err)
-			}
-			if err := rc.post("/unlock", body); err != nil {
-				b.Fatal(err)
+			for _, path := range []string{"/lock", "/unlock"} {
+				if st, err := rc.Post(path, body); err != nil || st != 200 {
+					b.Fatalf("%s: %d %v", path, st, err)
+				}
 			}
 		}
 	})
-}
-
-// rawConn is a minimal HTTP/1.1 keep-alive client for benchmarks.
-type rawConn struct {
-	net.Conn
-	r   *bufio.Reader
-	buf []byte
-}
-
-func dialRaw(addr string) (*rawConn, error) {
-	c, err := net.Dial("tcp", addr)
-	if err != nil {
-		return nil, err
-	}
-	return &rawConn{Conn: c, r: bufio.NewReaderSize(c, 4096)}, nil
-}
-
-func (c *rawConn) post(path string, body []byte) error {
-	c.buf = append(c.buf[:0], "POST "...)
-	c.buf = append(c.buf, path...)
-	c.buf = append(c.buf, " HTTP/1.1\r\nHost: dlock\r\nContent-Type: application/json\r\nContent-Length: "...)
-	c.buf = strconv.AppendInt(c.buf, int64(len(body)), 10)
-	c.buf = append(c.buf, "\r\n\r\n"...)
-	c.buf = append(c.buf, body...)
-	if _, err := c.Write(c.buf); err != nil {
-		return err
-	}
-	status, err := c.r.ReadSlice('\n')
-	if err != nil {
-		return err
-	}
-	if !bytes.HasPrefix(status, []byte("HTTP/1.1 200")) {
-		return fmt.Errorf("%s: %s", path, status)
-	}
-	n := 0
-	for {
-		line, err := c.r.ReadSlice('\n')
-		if err != nil {
-			return err
-		}
-		if len(line) <= 2 {
-			break
-		}
-		if v, ok := bytes.CutPrefix(line, []byte("Content-Length: ")); ok {
-			n, _ = strconv.Atoi(string(bytes.TrimSpace(v)))
-		}
-	}
-	_, err = c.r.Discard(n)
-	return err
 }
 
 // BenchmarkHTTPHandoff measures a failure hand-off end to end: from the

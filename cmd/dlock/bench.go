@@ -154,11 +154,7 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 		fmt.Fprintln(stdout, "| scenario | system | concurrency | ops/s | p50 | p90 | p99 | max | one op | server RSS |")
 		fmt.Fprintln(stdout, "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 		for _, r := range results {
-			rss := ""
-			if r.RSSMiB > 0 {
-				rss = fmt.Sprintf("%.1f MiB", r.RSSMiB)
-			}
-			fmt.Fprintf(stdout, "| %s | %s | %d | %.0f | %s | %s | %s | %s | %s | %s |\n", r.Scenario, r.System, r.Concurrency, r.Rate, us(r.P50), us(r.P90), us(r.P99), us(r.Max), r.Unit, rss)
+			fmt.Fprintf(stdout, "| %s | %s | %d | %.0f | %s | %s | %s | %s | %s | %s |\n", r.Scenario, r.System, r.Concurrency, r.Rate, us(r.P50), us(r.P90), us(r.P99), us(r.Max), r.Unit, rssText(r))
 		}
 		fmt.Fprintln(stdout)
 		for _, r := range results {
@@ -174,11 +170,7 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "scenario\tsystem\tconcurrency\tops/s\tp50\tp90\tp99\tmax\tone op\tserver RSS\t")
 	for _, r := range results {
-		rss := ""
-		if r.RSSMiB > 0 {
-			rss = fmt.Sprintf("%.1f MiB", r.RSSMiB)
-		}
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%.0f\t%s\t%s\t%s\t%s\t%s\t%s\t\n", r.Scenario, r.System, r.Concurrency, r.Rate, us(r.P50), us(r.P90), us(r.P99), us(r.Max), r.Unit, rss)
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%.0f\t%s\t%s\t%s\t%s\t%s\t%s\t\n", r.Scenario, r.System, r.Concurrency, r.Rate, us(r.P50), us(r.P90), us(r.P99), us(r.Max), r.Unit, rssText(r))
 	}
 	tw.Flush()
 	for _, r := range results {
@@ -216,4 +208,11 @@ func us(v float64) string {
 		return fmt.Sprintf("%.2fms", v/1e3)
 	}
 	return fmt.Sprintf("%.0fµs", v)
+}
+
+func rssText(r bench.Result) string {
+	if r.RSSMiB <= 0 {
+		return ""
+	}
+	return fmt.Sprintf("%.1f MiB", r.RSSMiB)
 }

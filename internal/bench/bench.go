@@ -1,3 +1,6 @@
+// Package bench is the load generator behind `dlock bench`: scenarios
+// against a dlock server over raw HTTP/1.1 keep-alive connections, the same
+// work against Redis and etcd for comparison, and latency statistics.
 package bench
 
 import (

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"github.com/dlock/dlock/internal/rawhttp"
 	"slices"
 	"strconv"
 	"sync"
@@ -15,7 +16,7 @@ import (
 func Pairs(ctx context.Context, base string, opts Options) (Result, error) {
 	id := runID()
 	lat, elapsed, err := runWorkers(ctx, opts, opts.Concurrency, func(ctx context.Context, w int, ops *atomic.Int64, lat *[]time.Duration) error {
-		c, err := Dial(base)
+		c, err := rawhttp.Dial(base)
 		if err != nil {
 			return err
 		}
@@ -47,12 +48,12 @@ func Handoff(ctx context.Context, base string, opts Options) (Result, error) {
 	start := time.Now()
 	lat, elapsed, err := runWorkers(ctx, opts, opts.Concurrency, func(ctx context.Context, w int, ops *atomic.Int64, lat *[]time.Duration) error {
 		node := fmt.Sprint("h", w)
-		s, err := Subscribe(base, node)
+		s, err := rawhttp.Subscribe(base, node)
 		if err != nil {
 			return err
 		}
 		context.AfterFunc(ctx, func() { s.Close() })
-		c, err := Dial(base)
+		c, err := rawhttp.Dial(base)
 		if err != nil {
 			return err
 		}
@@ -106,7 +107,7 @@ func Handoff(ctx context.Context, base string, opts Options) (Result, error) {
 }
 
 // awaitGrant reads the stream until this node's lock_assigned.
-func awaitGrant(s *Stream, node string) error {
+func awaitGrant(s *rawhttp.Stream, node string) error {
 	want := []byte(`"node_id":"` + node + `"`)
 	for {
 		name, data, err := s.Next()
@@ -125,7 +126,7 @@ func awaitGrant(s *Stream, node string) error {
 func Fanout(ctx context.Context, base string, opts Options) (Result, error) {
 	n := opts.Waiters
 	id := runID()
-	streams := make([]*Stream, n)
+	streams := make([]*rawhttp.Stream, n)
 	defer func() {
 		for _, s := range streams {
 			if s != nil {
@@ -134,15 +135,15 @@ func Fanout(ctx context.Context, base string, opts Options) (Result, error) {
 		}
 	}()
 	if err := parallel(min(64, n), n, func(i int) error {
-		s, err := Subscribe(base, fmt.Sprintf("f%s-%d", id, i))
+		s, err := rawhttp.Subscribe(base, fmt.Sprintf("f%s-%d", id, i))
 		streams[i] = s
 		return err
 	}); err != nil {
 		return Result{}, fmt.Errorf("opening %d streams: %w", n, err)
 	}
-	conns := make([]*Conn, min(32, n))
+	conns := make([]*rawhttp.Conn, min(32, n))
 	for i := range conns {
-		c, err := Dial(base)
+		c, err := rawhttp.Dial(base)
 		if err != nil {
 			return Result{}, err
 		}
@@ -232,7 +233,7 @@ func Sessions(ctx context.Context, base string, opts Options) (Result, error) {
 	lat, elapsed, err := runWorkers(ctx, opts, opts.Concurrency, func(ctx context.Context, w int, ops *atomic.Int64, lat *[]time.Duration) error {
 		for i := 0; ctx.Err() == nil; i++ {
 			t0 := time.Now()
-			s, err := Subscribe(base, fmt.Sprintf("s%s-%d-%d", id, w, i))
+			s, err := rawhttp.Subscribe(base, fmt.Sprintf("s%s-%d-%d", id, w, i))
 			if err != nil {
 				return err
 			}

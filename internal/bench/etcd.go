@@ -51,8 +51,19 @@ func StartEtcd() (endpoint string, stop func(), err error) {
 	return "http://" + client, stop, nil
 }
 
-func etcdClient(endpoint string) (*clientv3.Client, error) {
-	return clientv3.New(clientv3.Config{Endpoints: []string{endpoint}, DialTimeout: 5 * time.Second, Logger: zap.NewNop()})
+// etcdSession connects one worker with a session (lease) of its own; stop
+// closes both.
+func etcdSession(endpoint string) (s *concurrency.Session, stop func(), err error) {
+	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{endpoint}, DialTimeout: 5 * time.Second, Logger: zap.NewNop()})
+	if err != nil {
+		return nil, nil, err
+	}
+	s, err = concurrency.NewSession(cli, concurrency.WithTTL(60))
+	if err != nil {
+		cli.Close()
+		return nil, nil, err
+	}
+	return s, func() { s.Close(); cli.Close() }, nil
 }
 
 // EtcdPairs: concurrency.Mutex Lock + Unlock on distinct keys, one session
@@ -60,16 +71,11 @@ func etcdClient(endpoint string) (*clientv3.Client, error) {
 func EtcdPairs(ctx context.Context, endpoint string, opts Options) (Result, error) {
 	id := runID()
 	lat, elapsed, err := runWorkers(ctx, opts, opts.Concurrency, func(ctx context.Context, w int, ops *atomic.Int64, lat *[]time.Duration) error {
-		cli, err := etcdClient(endpoint)
+		s, stop, err := etcdSession(endpoint)
 		if err != nil {
 			return err
 		}
-		defer cli.Close()
-		s, err := concurrency.NewSession(cli, concurrency.WithTTL(60))
-		if err != nil {
-			return err
-		}
-		defer s.Close()
+		defer stop()
 		for i := 0; ctx.Err() == nil; i++ {
 			m := concurrency.NewMutex(s, fmt.Sprintf("/bench/%s/%d/%d", id, w, i%4096))
 			t0 := time.Now()
@@ -98,16 +104,11 @@ func EtcdHandoff(ctx context.Context, endpoint string, opts Options) (Result, er
 	var sentAt atomic.Int64
 	start := time.Now()
 	lat, elapsed, err := runWorkers(ctx, opts, opts.Concurrency, func(ctx context.Context, w int, ops *atomic.Int64, lat *[]time.Duration) error {
-		cli, err := etcdClient(endpoint)
+		s, stop, err := etcdSession(endpoint)
 		if err != nil {
 			return err
 		}
-		defer cli.Close()
-		s, err := concurrency.NewSession(cli, concurrency.WithTTL(60))
-		if err != nil {
-			return err
-		}
-		defer s.Close()
+		defer stop()
 		m := concurrency.NewMutex(s, key)
 		for ctx.Err() == nil {
 			if err := m.Lock(ctx); err != nil {

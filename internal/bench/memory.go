@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"fmt"
+	"github.com/dlock/dlock/internal/rawhttp"
 	"net/http"
 	"strconv"
 	"strings"
@@ -36,9 +37,9 @@ func HeldLocks(ctx context.Context, base string, n, conns int) (Result, error) {
 	if err != nil {
 		return Result{}, err
 	}
-	cs := make([]*Conn, conns)
+	cs := make([]*rawhttp.Conn, conns)
 	for i := range cs {
-		if cs[i], err = Dial(base); err != nil {
+		if cs[i], err = rawhttp.Dial(base); err != nil {
 			return Result{}, err
 		}
 		defer cs[i].Close()
@@ -80,7 +81,7 @@ func OpenSessions(ctx context.Context, base string, n int) (Result, error) {
 	if err != nil {
 		return Result{}, err
 	}
-	streams := make([]*Stream, n)
+	streams := make([]*rawhttp.Stream, n)
 	defer func() {
 		for _, s := range streams {
 			if s != nil {
@@ -90,7 +91,7 @@ func OpenSessions(ctx context.Context, base string, n int) (Result, error) {
 	}()
 	start := time.Now()
 	if err := parallel(64, n, func(i int) error {
-		s, err := Subscribe(base, fmt.Sprintf("idle-%s-%d", id, i))
+		s, err := rawhttp.Subscribe(base, fmt.Sprintf("idle-%s-%d", id, i))
 		streams[i] = s
 		return err
 	}); err != nil {

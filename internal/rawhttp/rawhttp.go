@@ -1,7 +1,8 @@
-// Package bench is the load generator behind `dlock bench`: scenarios
-// against a dlock server over raw HTTP/1.1 keep-alive connections, the same
-// work against Redis and etcd for comparison, and latency statistics.
-package bench
+// Package rawhttp is a minimal HTTP/1.1 client for load generation: one
+// keep-alive connection per Conn, and session streams read without net/http's
+// transport. A load generator on the same two cores as the server must cost
+// less than the server.
+package rawhttp
 
 import (
 	"bufio"
