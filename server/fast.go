@@ -152,7 +152,14 @@ func (s *Server) serveFast(fc *fastConn, handoff *handoffListener, hs *http.Serv
 			return // closed, idle too long, or closing
 		}
 		fc.idle.Store(false)
-		req, ok := peekRequest(br)
+		req, ok := peekRequest(br, func() {
+			// The request did not come in one piece: bound the rest as
+			// net/http bounds a request's headers.
+			if hs.ReadHeaderTimeout > 0 {
+				deadline = time.Now().Add(hs.ReadHeaderTimeout)
+				_ = fc.SetReadDeadline(deadline)
+			}
+		})
 		if !ok {
 			if bw.Flush() != nil {
 				return
@@ -219,8 +226,9 @@ type fastRequest struct {
 var fastPaths = map[string]string{"/lock": "/lock", "/unlock": "/unlock", "/cancel": "/cancel"}
 
 // peekRequest recognises a request the lean loop can answer, without
-// consuming it. ok=false leaves every byte in br for net/http.
-func peekRequest(br *bufio.Reader) (req fastRequest, ok bool) {
+// consuming it. ok=false leaves every byte in br for net/http. waiting is
+// called before it blocks for more of the request.
+func peekRequest(br *bufio.Reader, waiting func()) (req fastRequest, ok bool) {
 	var buf []byte
 	end := -1
 	for {
@@ -230,6 +238,10 @@ func peekRequest(br *bufio.Reader) (req fastRequest, ok bool) {
 		}
 		if br.Buffered() >= br.Size() {
 			return req, false // headers larger than the buffer
+		}
+		if waiting != nil {
+			waiting()
+			waiting = nil
 		}
 		if _, err := br.Peek(br.Buffered() + 1); err != nil {
 			return req, false
@@ -278,6 +290,9 @@ func peekRequest(br *bufio.Reader) (req fastRequest, ok bool) {
 	req.size = end + 4 + length
 	if req.size > br.Size() {
 		return req, false
+	}
+	if br.Buffered() < req.size && waiting != nil {
+		waiting()
 	}
 	full, err := br.Peek(req.size)
 	if err != nil {
