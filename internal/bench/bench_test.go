@@ -8,7 +8,10 @@ import (
 	"time"
 
 	"github.com/dlock/dlock/internal/dlocktest"
+	"go.uber.org/goleak"
 )
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 // The scenarios run, briefly, against a real server and produce numbers.
 func TestScenarios(t *testing.T) {
