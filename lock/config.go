@@ -34,8 +34,9 @@ type Config struct {
 	// StreamBuffer is the number of undelivered events a stream may have
 	// before it is closed as too slow.
 	StreamBuffer int
-	// SessionLog is the number of recent events a session keeps so that a
-	// reconnecting stream can replay what it missed.
+	// SessionLog is the number of recent events a session keeps at least
+	// (at most twice as many) so that a reconnecting stream can replay what
+	// it missed.
 	SessionLog int
 	// RefStore, when not nil, turns on server-side reference counting and
 	// makes references durable in it.

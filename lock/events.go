@@ -171,8 +171,11 @@ func (s *session) push(m *Manager, ev *Event) {
 		return
 	}
 	d := Delivery{ID: m.seq.Add(1), Event: ev}
-	if len(s.log) >= m.cfg.SessionLog {
-		n := copy(s.log, s.log[len(s.log)-m.cfg.SessionLog+1:])
+	// Keep between SessionLog and twice that: trimming half at a time
+	// costs O(1) an event, where trimming one at a time would copy the
+	// whole log on every event.
+	if len(s.log) >= 2*m.cfg.SessionLog {
+		n := copy(s.log, s.log[len(s.log)-m.cfg.SessionLog:])
 		clear(s.log[n:])
 		s.log = s.log[:n]
 	}

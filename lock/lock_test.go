@@ -790,3 +790,27 @@ func TestRefRules(t *testing.T) {
 		}
 	}
 }
+
+func TestSessionLogBounded(t *testing.T) {
+	m := newManager(t, func(c *Config) { c.SessionLog = 8 })
+	st := subscribe(t, m, "a", nil)
+	for range 50 {
+		mustLock(t, m, lockReq(Pull, "r", "a"))
+		mustUnlock(t, m, Pull, "r", "a", false)
+		st.Take(nil)
+	}
+	s := m.sess.get("a")
+	s.mu.Lock()
+	n := len(s.log)
+	last := s.log[n-1].ID
+	s.mu.Unlock()
+	if n < 8 || n >= 16 {
+		t.Fatalf("session log holds %d events, want 8 to 15", n)
+	}
+	// A reconnect from 8 events back replays those 8, in order.
+	st.Close()
+	_, sub, _ := m.Subscribe("a", nil, last-8, true)
+	if len(sub.Replay) != 8 || sub.Replay[7].ID != last {
+		t.Fatalf("replayed %d events ending at %d, want 8 ending at %d", len(sub.Replay), sub.Replay[len(sub.Replay)-1].ID, last)
+	}
+}
