@@ -25,6 +25,14 @@ type Request struct {
 
 func (r Request) key() lock.Key { return lock.Key{Type: r.Type, Resource: r.Resource} }
 
+// prepare readies the client and checks the request: every call's first step.
+func (c *Client) prepare(req Request) error {
+	if err := c.init(); err != nil {
+		return err
+	}
+	return req.validate()
+}
+
 func (r Request) validate() error {
 	if !r.Type.Valid() {
 		return fmt.Errorf("%w: type must be pull, update or delete", ErrInvalid)
@@ -113,10 +121,7 @@ func (h *hold) lose() { h.cancel(ErrLockLost) }
 // other; a caller that waited for one of this node's own successful pulls
 // or deletes of the key is Skipped.
 func (c *Client) Lock(ctx context.Context, req Request) (Result, error) {
-	if err := c.init(); err != nil {
-		return Result{}, err
-	}
-	if err := req.validate(); err != nil {
+	if err := c.prepare(req); err != nil {
 		return Result{}, err
 	}
 	k := req.key()
@@ -241,10 +246,7 @@ type UnlockAnswer = wire.UnlockResponse
 // neither waits nor opens the session stream, so unless req.Lease says
 // otherwise the server gives it a ttl lease when this node has no session.
 func (c *Client) TryLock(ctx context.Context, req Request) (LockAnswer, error) {
-	if err := c.init(); err != nil {
-		return LockAnswer{}, err
-	}
-	if err := req.validate(); err != nil {
+	if err := c.prepare(req); err != nil {
 		return LockAnswer{}, err
 	}
 	return c.tryLock(ctx, req)
@@ -254,10 +256,7 @@ func (c *Client) TryLock(ctx context.Context, req Request) (LockAnswer, error) {
 // when opErr is nil. Unlike Unlock it works without a Lock of this Client,
 // for a lock taken by TryLock or by another process of the same node.
 func (c *Client) Release(ctx context.Context, req Request, token uint64, opErr error) (UnlockAnswer, error) {
-	if err := c.init(); err != nil {
-		return UnlockAnswer{}, err
-	}
-	if err := req.validate(); err != nil {
+	if err := c.prepare(req); err != nil {
 		return UnlockAnswer{}, err
 	}
 	return c.release(ctx, req.key(), token, opErr)
@@ -284,10 +283,7 @@ type CancelAnswer = wire.CancelResponse
 // Cancel leaves the key's queue, or gives the lock up as a failure if this
 // node holds it.
 func (c *Client) Cancel(ctx context.Context, req Request) (CancelAnswer, error) {
-	if err := c.init(); err != nil {
-		return CancelAnswer{}, err
-	}
-	if err := req.validate(); err != nil {
+	if err := c.prepare(req); err != nil {
 		return CancelAnswer{}, err
 	}
 	var res CancelAnswer
@@ -347,10 +343,7 @@ func (c *Client) status(ctx context.Context, k lock.Key, asNode bool) (wire.Stat
 // The grant's token is sent, so an unlock of a lock lost meanwhile is
 // refused (ErrNotHolder or ErrStaleToken) instead of ending someone else's.
 func (c *Client) Unlock(ctx context.Context, req Request, opErr error) error {
-	if err := c.init(); err != nil {
-		return err
-	}
-	if err := req.validate(); err != nil {
+	if err := c.prepare(req); err != nil {
 		return err
 	}
 	k := req.key()

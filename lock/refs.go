@@ -68,8 +68,7 @@ func RefEffectOf(t Type, success bool) RefEffect {
 }
 
 type refState struct {
-	nodes   map[string]struct{}
-	version uint64
+	nodes map[string]struct{}
 }
 
 type refSave struct {
@@ -87,7 +86,7 @@ func (m *Manager) loadRefs(ctx context.Context) error {
 		if len(rec.Nodes) == 0 {
 			continue
 		}
-		rs := &refState{nodes: make(map[string]struct{}, len(rec.Nodes)), version: rec.Version}
+		rs := &refState{nodes: make(map[string]struct{}, len(rec.Nodes))}
 		for _, n := range rec.Nodes {
 			rs.nodes[n] = struct{}{}
 		}
@@ -171,7 +170,6 @@ func (s *shard) refsCompleted(t *txn, h *entry, waiters []*entry) {
 func (s *shard) refChanged(t *txn, res string, rs *refState) {
 	rec := RefRecord{Version: s.m.refVersion.Add(1)}
 	if rs != nil {
-		rs.version = rec.Version
 		rec.Nodes = slices.Sorted(maps.Keys(rs.nodes))
 	}
 	t.saves = append(t.saves, refSave{res, rec})
