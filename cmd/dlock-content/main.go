@@ -14,7 +14,6 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
-	"strings"
 	"syscall"
 	"time"
 
@@ -26,6 +25,7 @@ import (
 
 	"github.com/dlock/dlock/client"
 	"github.com/dlock/dlock/content"
+	"github.com/dlock/dlock/internal/envflag"
 )
 
 func main() {
@@ -57,18 +57,7 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (config,
 	if err := fs.Parse(args); err != nil {
 		return c, err
 	}
-	set := map[string]bool{}
-	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
-	var errs []error
-	fs.VisitAll(func(f *flag.Flag) {
-		env := "DLOCK_CONTENT_" + strings.ToUpper(strings.ReplaceAll(f.Name, "-", "_"))
-		if v := getenv(env); v != "" && !set[f.Name] {
-			if err := fs.Set(f.Name, v); err != nil {
-				errs = append(errs, fmt.Errorf("%s=%q: %v", env, v, err))
-			}
-		}
-	})
-	if err := errors.Join(errs...); err != nil {
+	if err := envflag.Apply(fs, "DLOCK_CONTENT", getenv); err != nil {
 		return c, err
 	}
 	if c.root == "" {

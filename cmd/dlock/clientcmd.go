@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/dlock/dlock/client"
+	"github.com/dlock/dlock/internal/envflag"
 	"github.com/dlock/dlock/lock"
 )
 
@@ -25,21 +26,7 @@ func (e exitStatus) Error() string { return fmt.Sprintf("exit status %d", int(e)
 
 // applyEnv sets every flag not given on the command line from DLOCK_<FLAG>.
 func applyEnv(fs *flag.FlagSet, getenv func(string) string) error {
-	set := map[string]bool{}
-	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
-	var errs []error
-	fs.VisitAll(func(f *flag.Flag) {
-		if set[f.Name] {
-			return
-		}
-		env := "DLOCK_" + strings.ToUpper(strings.ReplaceAll(f.Name, "-", "_"))
-		if v := getenv(env); v != "" {
-			if err := fs.Set(f.Name, v); err != nil {
-				errs = append(errs, fmt.Errorf("%s=%q: %v", env, v, err))
-			}
-		}
-	})
-	return errors.Join(errs...)
+	return envflag.Apply(fs, "DLOCK", getenv)
 }
 
 // clientFlags are the flags every client subcommand takes.

@@ -1,0 +1,36 @@
+// Package envflag gives every flag of a FlagSet an environment fallback:
+// a flag not given on the command line takes PREFIX_<FLAG> (upper case,
+// dashes as underscores) when that is set. The command line wins.
+package envflag
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"strings"
+)
+
+// Apply sets, after fs.Parse, every flag not given on the command line from
+// its environment variable. Bad values are reported naming the variable.
+func Apply(fs *flag.FlagSet, prefix string, getenv func(string) string) error {
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	var errs []error
+	fs.VisitAll(func(f *flag.Flag) {
+		if set[f.Name] {
+			return
+		}
+		env := Name(prefix, f.Name)
+		if v := getenv(env); v != "" {
+			if err := fs.Set(f.Name, v); err != nil {
+				errs = append(errs, fmt.Errorf("%s=%q: %v", env, v, err))
+			}
+		}
+	})
+	return errors.Join(errs...)
+}
+
+// Name is the environment variable of a flag.
+func Name(prefix, flagName string) string {
+	return prefix + "_" + strings.ToUpper(strings.ReplaceAll(flagName, "-", "_"))
+}
