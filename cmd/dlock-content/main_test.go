@@ -18,7 +18,9 @@ func TestParse(t *testing.T) {
 	if _, err := parse(nil, func(string) string { return "" }, io.Discard); err == nil || !strings.Contains(err.Error(), "--root") {
 		t.Fatalf("no root: %v", err)
 	}
-	if _, err := parse(nil, func(k string) string { return map[string]string{"DLOCK_CONTENT_LOG_LEVEL": "loud", "DLOCK_CONTENT_ROOT": "/r"}[k] }, io.Discard); err == nil || !strings.Contains(err.Error(), "DLOCK_CONTENT_LOG_LEVEL") {
+	if _, err := parse(nil, func(k string) string {
+		return map[string]string{"DLOCK_CONTENT_LOG_LEVEL": "loud", "DLOCK_CONTENT_ROOT": "/r"}[k]
+	}, io.Discard); err == nil || !strings.Contains(err.Error(), "DLOCK_CONTENT_LOG_LEVEL") {
 		t.Fatalf("bad log level: %v", err)
 	}
 }
