@@ -329,12 +329,20 @@ func TestDrain(t *testing.T) {
 	e := newEnv(t, nil)
 	s := e.subscribe("node_id=a", "")
 	s.next(t)
-	e.srv.Drain()
-	if _, err := s.r.ReadString('\n'); err == nil {
-		// pings may be in flight; the stream must end soon after.
-		if _, err := io.ReadAll(s.r); err != nil {
-			t.Fatal(err)
+	e.srv.Drain() // returns once every stream has ended
+	ended := make(chan error, 1)
+	go func() {
+		_, err := io.ReadAll(s.r) // pings may still be in flight
+		ended <- err
+	}()
+	select {
+	case err := <-ended:
+		if err != nil {
+			t.Fatalf("stream ended with %v, want a clean end", err)
 		}
+	case <-time.After(10 * time.Second):
+		s.resp.Body.Close()
+		t.Fatal("Drain returned but the event stream did not end")
 	}
 	if status, got := e.call("GET", "/healthz", ""); status != 503 || got["code"] != "unavailable" {
 		t.Fatalf("healthz while draining: %d %v", status, got)
