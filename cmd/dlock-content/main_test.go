@@ -4,6 +4,8 @@ import (
 	"io"
 	"strings"
 	"testing"
+
+	"go.uber.org/goleak"
 )
 
 func TestParse(t *testing.T) {
@@ -23,4 +25,8 @@ func TestParse(t *testing.T) {
 	}, io.Discard); err == nil || !strings.Contains(err.Error(), "DLOCK_CONTENT_LOG_LEVEL") {
 		t.Fatalf("bad log level: %v", err)
 	}
+}
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m, goleak.IgnoreAnyFunction("net/http.(*conn).closeWriteAndWait"))
 }
