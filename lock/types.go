@@ -237,6 +237,11 @@ var (
 	ErrUpdating    = errors.New("resource is being updated")
 	ErrRefCountOff = errors.New("reference counting is off")
 	ErrClosed      = errors.New("lock manager is closed")
+
+	// Limits (docs/SECURITY.md): the caller may try again later.
+	ErrTooManySessions = errors.New("too many sessions")
+	ErrQueueFull       = errors.New("the queue of this key is full")
+	ErrTooManyKeys     = errors.New("too many keys with state")
 )
 
 // HeldError is returned when multi-node download mode is off and another node

@@ -347,6 +347,10 @@ const (
 	CodeUpdating         = "updating"
 	CodeUnavailable      = "unavailable"
 	CodeInternal         = "internal"
+	CodeOverloaded       = "overloaded"
+	CodeTooManySessions  = "too_many_sessions"
+	CodeQueueFull        = "queue_full"
+	CodeTooManyKeys      = "too_many_keys"
 )
 
 // ErrNotFound is an unknown path, or a refcount endpoint with refcount off.
@@ -361,24 +365,46 @@ var ErrMethodNotAllowed = errors.New("method not allowed")
 // ErrUnavailable is a server that is shutting down.
 var ErrUnavailable = errors.New("server is shutting down")
 
+// ErrOverloaded is a server at its connection limit.
+var ErrOverloaded = errors.New("server has too many open connections")
+
+// codes maps errors to their code and status. retryAfter, in seconds, is
+// sent as the Retry-After header: the refusal is one of load, and the same
+// request may succeed later.
 var codes = []struct {
-	err    error
-	code   string
-	status int
+	err        error
+	code       string
+	status     int
+	retryAfter int
 }{
-	{lock.ErrInvalid, CodeInvalid, http.StatusBadRequest},
-	{ErrTooLarge, CodeTooLarge, http.StatusRequestEntityTooLarge},
-	{ErrMethodNotAllowed, CodeMethodNotAllowed, http.StatusMethodNotAllowed},
-	{ErrNotFound, CodeNotFound, http.StatusNotFound},
-	{lock.ErrRefCountOff, CodeNotFound, http.StatusNotFound},
-	{lock.ErrLockHeld, CodeLockHeld, http.StatusConflict},
-	{lock.ErrNotHolder, CodeNotHolder, http.StatusForbidden},
-	{lock.ErrStaleToken, CodeStaleToken, http.StatusConflict},
-	{lock.ErrInUse, CodeInUse, http.StatusConflict},
-	{lock.ErrDeleting, CodeDeleting, http.StatusConflict},
-	{lock.ErrUpdating, CodeUpdating, http.StatusConflict},
-	{lock.ErrClosed, CodeUnavailable, http.StatusServiceUnavailable},
-	{ErrUnavailable, CodeUnavailable, http.StatusServiceUnavailable},
+	{lock.ErrInvalid, CodeInvalid, http.StatusBadRequest, 0},
+	{ErrTooLarge, CodeTooLarge, http.StatusRequestEntityTooLarge, 0},
+	{ErrMethodNotAllowed, CodeMethodNotAllowed, http.StatusMethodNotAllowed, 0},
+	{ErrNotFound, CodeNotFound, http.StatusNotFound, 0},
+	{lock.ErrRefCountOff, CodeNotFound, http.StatusNotFound, 0},
+	{lock.ErrLockHeld, CodeLockHeld, http.StatusConflict, 0},
+	{lock.ErrNotHolder, CodeNotHolder, http.StatusForbidden, 0},
+	{lock.ErrStaleToken, CodeStaleToken, http.StatusConflict, 0},
+	{lock.ErrInUse, CodeInUse, http.StatusConflict, 0},
+	{lock.ErrDeleting, CodeDeleting, http.StatusConflict, 0},
+	{lock.ErrUpdating, CodeUpdating, http.StatusConflict, 0},
+	{lock.ErrClosed, CodeUnavailable, http.StatusServiceUnavailable, 1},
+	{ErrUnavailable, CodeUnavailable, http.StatusServiceUnavailable, 1},
+	{ErrOverloaded, CodeOverloaded, http.StatusServiceUnavailable, 1},
+	{lock.ErrTooManySessions, CodeTooManySessions, http.StatusTooManyRequests, 1},
+	{lock.ErrQueueFull, CodeQueueFull, http.StatusTooManyRequests, 1},
+	{lock.ErrTooManyKeys, CodeTooManyKeys, http.StatusServiceUnavailable, 1},
+}
+
+// RetryAfter is the Retry-After header value, in seconds, that answers err;
+// 0 means the header is not sent.
+func RetryAfter(err error) int {
+	for _, c := range codes {
+		if errors.Is(err, c.err) {
+			return c.retryAfter
+		}
+	}
+	return 0
 }
 
 // ErrorBody maps err to its status code and body.
