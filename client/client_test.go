@@ -139,6 +139,24 @@ func newClient(t testing.TB, ts *testServer, node string) *Client {
 
 var pull = Request{Type: lock.Pull, Resource: "sha256:layer"}
 
+// waitQueued waits until n nodes wait for pull on the server: a barrier, so
+// that no node can come late and find the key free. It runs inside a
+// callback, off the test goroutine, so it reports with Error, not Fatal.
+func waitQueued(t testing.TB, ts *testServer, n int) {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		st, err := ts.m.Status(pull.Type, pull.Resource, "")
+		if err == nil && st.QueueLength == n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("timed out waiting for %d waiters (last: %+v, %v)", n, st, err)
+			return
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
 // TestEightNodesOneLayer: eight nodes want one layer at once. Exactly one
 // downloads; when it succeeds the others skip.
 func TestEightNodesOneLayer(t *testing.T) {
@@ -151,7 +169,7 @@ func TestEightNodesOneLayer(t *testing.T) {
 		wg.Go(func() {
 			s, err := c.Do(t.Context(), pull, func(ctx context.Context) error {
 				runs.Add(1)
-				time.Sleep(50 * time.Millisecond)
+				waitQueued(t, ts, 7) // every other node asked before the work is done
 				return nil
 			})
 			if err != nil {
@@ -183,7 +201,7 @@ func TestFailureTakenOver(t *testing.T) {
 		wg.Go(func() {
 			_, err := c.Do(t.Context(), pull, func(ctx context.Context) error {
 				if runs.Add(1) == 1 {
-					time.Sleep(30 * time.Millisecond)
+					waitQueued(t, ts, 7)
 					return errors.New("registry said 500")
 				}
 				return nil
