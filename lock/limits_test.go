@@ -452,7 +452,7 @@ func TestMassExpiry(t *testing.T) {
 		before := queueWork(m, k)
 		time.Sleep(4 * time.Second)
 		mustLock(t, m, lockReq(Pull, "K", "holder")) // renewed until 19 s
-		time.Sleep(7 * time.Second)                   // the waiters' ttl ran out at 15 s
+		time.Sleep(7 * time.Second)                  // the waiters' ttl ran out at 15 s
 		synctest.Wait()
 		st := status(t, m, Pull, "K", "")
 		if st.Holder != "holder" || st.QueueLength != 0 || m.Stats().Expiries != n {
