@@ -230,7 +230,7 @@ func (m *Manager) TryLock(ctx context.Context, req LockRequest) (LockResult, err
 		n := ks.qlen()
 		s.mu.Unlock()
 		m.refusedQueue.Add(1)
-		return LockResult{}, fmt.Errorf("%w: %d nodes wait for %v, at most %d may", ErrQueueFull, n, k, max)
+		return LockResult{}, fmt.Errorf("%w: %v has %d waiters, at most %d are allowed", ErrQueueFull, k, n, max)
 	}
 	e := s.newEntry(req.Node, ks)
 	if err := m.attach(e, req.Lease); err != nil {
