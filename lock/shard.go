@@ -120,10 +120,6 @@ func (ks *keyState) replays(req UnlockRequest, now mono, retention time.Duration
 // qlen is the number of waiters.
 func (ks *keyState) qlen() int { return len(ks.queue) - ks.qhead - ks.qdead }
 
-// waiters returns the queue's slots from its head: nil slots are removed
-// waiters, to be skipped.
-func (ks *keyState) waiters() []*entry { return ks.queue[ks.qhead:] }
-
 func (ks *keyState) qpush(e *entry) {
 	e.qidx = len(ks.queue)
 	ks.queue = append(ks.queue, e)
