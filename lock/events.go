@@ -201,8 +201,10 @@ type session struct {
 	// events.
 	lost uint64
 
-	// graceAt and gidx place the session in the manager's grace heap;
-	// guarded by Manager.grace.mu.
+	// graceAt is when the session's grace ends: written under
+	// Manager.grace.mu and s.mu (or the session table's mutex while no
+	// stream has s), so it can be read under either. gidx places s in the
+	// grace heap, guarded by Manager.grace.mu.
 	graceAt mono
 	gidx    int
 }
@@ -375,7 +377,8 @@ func (g *graceHeap) armLocked(m *Manager, at mono) {
 }
 
 // graceExpired is the grace timer's callback: it ends every session whose
-// grace ran out.
+// grace ran out. It takes them from the heap endStep at a time: the heap's
+// mutex is taken by every stream that opens or closes.
 func (m *Manager) graceExpired() {
 	m.closeMu.RLock()
 	defer m.closeMu.RUnlock()
@@ -384,19 +387,29 @@ func (m *Manager) graceExpired() {
 	}
 	g := &m.grace
 	now := m.now()
-	var due []*session
-	g.mu.Lock()
-	g.timerAt = 0
-	for len(g.h) > 0 && g.h[0].graceAt <= now {
-		s := g.h[0]
-		g.removeLocked(s)
-		due = append(due, s)
+	drops := make(map[*shard][]sessionDrop)
+	due := make([]*session, 0, endStep)
+	for first, more := true, true; more; first = false {
+		due = due[:0]
+		g.mu.Lock()
+		if first {
+			g.timerAt = 0
+		}
+		for len(g.h) > 0 && g.h[0].graceAt <= now && len(due) < endStep {
+			s := g.h[0]
+			g.removeLocked(s)
+			due = append(due, s)
+		}
+		more = len(g.h) > 0 && g.h[0].graceAt <= now
+		if !more && len(g.h) > 0 && (g.timerAt == 0 || g.h[0].graceAt < g.timerAt) {
+			g.armLocked(m, g.h[0].graceAt)
+		}
+		g.mu.Unlock()
+		m.endSessions(due, now, drops)
 	}
-	if len(g.h) > 0 {
-		g.armLocked(m, g.h[0].graceAt)
+	for sh, ds := range drops {
+		sh.dropSessions(ds)
 	}
-	g.mu.Unlock()
-	m.endSessions(due)
 }
 
 // sessionDrop is one key of a lost session.
@@ -405,49 +418,35 @@ type sessionDrop struct {
 	sess *session
 }
 
-// endSessions ends sessions whose grace ran out: everything they held is
-// released as a failure and every queue entry they had is removed. Each
-// session's entries are found by its keys, without a scan of any queue, and
-// the work goes in bounded steps: the session table and each shard are
-// taken for a few hundred sessions or entries at a time, so that other
-// requests wait for one step, never for the whole mass.
-func (m *Manager) endSessions(due []*session) {
-	var drops map[*shard][]sessionDrop
-	for len(due) > 0 {
-		step := due[:min(len(due), endStep)]
-		due = due[len(step):]
-		m.sess.mu.Lock()
-		for _, s := range step {
-			s.mu.Lock()
-			m.grace.mu.Lock()
-			rearmed := s.gidx >= 0 // a stream came and went since
-			m.grace.mu.Unlock()
-			if s.ended || len(s.streams) > 0 || rearmed {
-				s.mu.Unlock()
-				continue
-			}
-			s.ended = true
-			if m.sess.m[s.node] == s {
-				delete(m.sess.m, s.node)
-				m.sess.n.Add(-1)
-			}
-			keys := s.keys
-			s.keys, s.log, s.logHead, s.logBytes = nil, nil, 0, 0
-			s.mu.Unlock()
-			m.sessionsLost.Add(1)
-			m.log.Info("session lost", "node", s.node, "keys", len(keys))
-			for k := range keys {
-				if drops == nil {
-					drops = make(map[*shard][]sessionDrop)
-				}
-				sh := m.shardFor(k.Resource)
-				drops[sh] = append(drops[sh], sessionDrop{k, s})
-			}
+// endSessions ends sessions whose grace ran out at now, unless a stream
+// came since, and adds their keys to drops. Each session's entries are then
+// found by its keys, without a scan of any queue (dropSessions), and the
+// work goes in steps: the session table and each shard are taken for at
+// most endStep sessions or entries at a time, so that other requests wait
+// for one step, never for the whole mass.
+func (m *Manager) endSessions(due []*session, now mono, drops map[*shard][]sessionDrop) {
+	m.sess.mu.Lock()
+	defer m.sess.mu.Unlock()
+	for _, s := range due {
+		s.mu.Lock()
+		if s.ended || len(s.streams) > 0 || s.graceAt > now {
+			s.mu.Unlock() // a stream is open, or came and went since
+			continue
 		}
-		m.sess.mu.Unlock()
-	}
-	for sh, ds := range drops {
-		sh.dropSessions(ds)
+		s.ended = true
+		if m.sess.m[s.node] == s {
+			delete(m.sess.m, s.node)
+			m.sess.n.Add(-1)
+		}
+		keys := s.keys
+		s.keys, s.log, s.logHead, s.logBytes = nil, nil, 0, 0
+		s.mu.Unlock()
+		m.sessionsLost.Add(1)
+		m.log.Info("session lost", "node", s.node, "keys", len(keys))
+		for k := range keys {
+			sh := m.shardFor(k.Resource)
+			drops[sh] = append(drops[sh], sessionDrop{k, s})
+		}
 	}
 }
 
