@@ -5,6 +5,7 @@ import (
 	"strconv"
 	"sync/atomic"
 	"testing"
+	"time"
 )
 
 // BenchmarkUncontended: lock + unlock(success) pairs on distinct keys, from
@@ -55,4 +56,79 @@ func BenchmarkHandoff(b *testing.B) {
 			b.Fatal(r, err)
 		}
 	}
+}
+
+// BenchmarkSessionLoss: 100,000 sessions queued on one key lose their
+// streams at once; while their grace runs out and they are released, another
+// key of the same shard is locked and unlocked in a loop. max-ns/lock is the
+// worst latency of that loop, the stall a mass session loss inflicts on its
+// neighbours (docs/DESIGN.md: releasing N sessions costs O(N log N));
+// idle-max-ns/lock is the same loop's worst before the loss, the noise of
+// the machine.
+func BenchmarkSessionLoss(b *testing.B) {
+	const n = 100_000
+	const grace = 500 * time.Millisecond
+	other := "other"
+	for i := 0; ShardIndex(other, 32) != ShardIndex("hot", 32); i++ {
+		other = "other-" + strconv.Itoa(i)
+	}
+	ctx := context.Background()
+	var worst, idle, total time.Duration
+	for b.Loop() {
+		b.StopTimer()
+		m := newManager(b, func(c *Config) { c.SessionGrace = grace })
+		if _, err := m.TryLock(ctx, LockRequest{Type: Pull, Resource: "hot", Node: "holder", Lease: LeaseTTL}); err != nil {
+			b.Fatal(err)
+		}
+		streams := make([]*Stream, n)
+		for i := range streams {
+			node := "n" + strconv.Itoa(i)
+			st, _, err := m.Subscribe(node, nil, 0, false)
+			if err != nil {
+				b.Fatal(err)
+			}
+			streams[i] = st
+			if _, err := m.TryLock(ctx, LockRequest{Type: Pull, Resource: "hot", Node: node}); err != nil {
+				b.Fatal(err)
+			}
+		}
+		// The same loop with nothing else going on: the machine's noise.
+		for t1 := time.Now(); time.Since(t1) < 200*time.Millisecond; {
+			t0 := time.Now()
+			if _, err := m.TryLock(ctx, LockRequest{Type: Pull, Resource: other, Node: "x", Lease: LeaseTTL}); err != nil {
+				b.Fatal(err)
+			}
+			if _, err := m.Unlock(ctx, UnlockRequest{Type: Pull, Resource: other, Node: "x", Success: true}); err != nil {
+				b.Fatal(err)
+			}
+			idle = max(idle, time.Since(t0))
+			time.Sleep(100 * time.Microsecond)
+		}
+		b.StartTimer()
+		start := time.Now()
+		for _, st := range streams {
+			st.Close()
+		}
+		for {
+			t0 := time.Now()
+			if _, err := m.TryLock(ctx, LockRequest{Type: Pull, Resource: other, Node: "x", Lease: LeaseTTL}); err != nil {
+				b.Fatal(err)
+			}
+			if _, err := m.Unlock(ctx, UnlockRequest{Type: Pull, Resource: other, Node: "x", Success: true}); err != nil {
+				b.Fatal(err)
+			}
+			worst = max(worst, time.Since(t0))
+			if st := m.Stats(); st.SessionsLost == n && st.Queued == 0 {
+				break
+			}
+			time.Sleep(100 * time.Microsecond)
+		}
+		total += time.Since(start)
+		b.StopTimer()
+		_ = m.Close()
+		b.StartTimer()
+	}
+	b.ReportMetric(float64(worst.Nanoseconds()), "max-ns/lock")
+	b.ReportMetric(float64(idle.Nanoseconds()), "idle-max-ns/lock")
+	b.ReportMetric(float64(total.Nanoseconds())/float64(b.N), "release-ns/op")
 }

@@ -34,10 +34,29 @@ type Config struct {
 	// StreamBuffer is the number of undelivered events a stream may have
 	// before it is closed as too slow.
 	StreamBuffer int
-	// SessionLog is the number of recent events a session keeps at least
-	// (at most twice as many) so that a reconnecting stream can replay what
-	// it missed.
+	// SessionLog is the number of recent events a session keeps so that a
+	// reconnecting stream can replay what it missed.
 	SessionLog int
+	// SessionLogBytes bounds the same log in bytes, counted as the events
+	// take on the wire at most, so that no replay builds a response larger
+	// than this. At least MinSessionLogBytes, room for the largest event.
+	SessionLogBytes int
+	// MaxSessions bounds the sessions, streaming or in grace; a stream or
+	// a session lease that would open one more is refused with
+	// ErrTooManySessions. 0: no limit.
+	MaxSessions int
+	// MaxSessionsPerNode bounds the open event streams of one node id
+	// (each is a session stream of the node's one session); one more is
+	// refused with ErrTooManySessions. 0: no limit.
+	MaxSessionsPerNode int
+	// MaxQueue bounds the waiters of one key; one more is refused with
+	// ErrQueueFull. 0: no limit.
+	MaxQueue int
+	// MaxKeys bounds the keys with state (a holder, waiters or a retained
+	// completion record); a request that would add a key is refused with
+	// ErrTooManyKeys. Shards check it concurrently, so it may be passed by
+	// at most Shards-1. 0: no limit.
+	MaxKeys int
 	// RefStore, when not nil, turns on server-side reference counting and
 	// makes references durable in it.
 	RefStore RefStore
@@ -58,8 +77,17 @@ func DefaultConfig() Config {
 		ClaimTimeout:           30 * time.Second,
 		StreamBuffer:           1024,
 		SessionLog:             4096,
+		SessionLogBytes:        1 << 20,
+		MaxSessions:            100000,
+		MaxSessionsPerNode:     16,
+		MaxQueue:               100000,
+		MaxKeys:                1000000,
 	}
 }
+
+// MinSessionLogBytes is the least Config.SessionLogBytes: room for the
+// largest event (ids and error text at their longest, every byte escaped).
+const MinSessionLogBytes = 16 << 10
 
 // Validate reports the first setting that cannot work.
 func (c Config) Validate() error {
@@ -90,6 +118,17 @@ func (c Config) Validate() error {
 	}
 	if c.SessionLog < 1 {
 		errs = append(errs, fmt.Errorf("session log must be at least 1, not %d", c.SessionLog))
+	}
+	if c.SessionLogBytes < MinSessionLogBytes {
+		errs = append(errs, fmt.Errorf("session log bytes must be at least %d, not %d", MinSessionLogBytes, c.SessionLogBytes))
+	}
+	for _, l := range []struct {
+		name string
+		v    int
+	}{{"max sessions", c.MaxSessions}, {"max sessions per node", c.MaxSessionsPerNode}, {"max queue", c.MaxQueue}, {"max keys", c.MaxKeys}} {
+		if l.v < 0 {
+			errs = append(errs, fmt.Errorf("%s must not be negative (0: no limit), not %d", l.name, l.v))
+		}
 	}
 	return errors.Join(errs...)
 }

@@ -21,14 +21,19 @@ type Manager struct {
 	shards    []*shard
 	recordCap int // completion records kept per shard
 
-	sess sessionTable
-	obs  observerTable
-	seq  atomic.Uint64 // event ids, shared by every stream
+	sess  sessionTable
+	grace graceHeap
+	obs   observerTable
+	seq   atomic.Uint64 // event ids, shared by every stream
+	keys  atomic.Int64  // keys with state, over every shard (Config.MaxKeys)
 
 	refVersion atomic.Uint64 // last version given to a reference change
 
 	sessionsLost atomic.Uint64
 	slowStreams  atomic.Uint64
+
+	refusedSessions, refusedNodeStreams, refusedQueue, refusedKeys atomic.Uint64
+	truncatedErrors, replayGaps                                    atomic.Uint64
 
 	// closeMu is held for reading by every timer callback, so that Close,
 	// holding it for writing, knows no callback is running after it.
@@ -115,13 +120,15 @@ func (m *Manager) Close() error {
 		}
 		s.mu.Unlock()
 	}
+	m.grace.mu.Lock()
+	if m.grace.timer != nil {
+		m.grace.timer.Stop()
+	}
+	m.grace.mu.Unlock()
 	m.sess.mu.Lock()
 	var streams []*Stream
 	for _, s := range m.sess.m {
 		s.mu.Lock()
-		if s.grace != nil {
-			s.grace.Stop()
-		}
 		streams = append(streams, s.streams...)
 		s.mu.Unlock()
 	}
@@ -173,7 +180,10 @@ func (m *Manager) TryLock(ctx context.Context, req LockRequest) (LockResult, err
 		if h := ks.holder; h != nil && h.node == req.Node {
 			// A retry whose answer was lost, a renewal, or the confirmation
 			// of a hand-off grant.
-			s.renew(&t, h, req.Lease)
+			if err := s.renew(&t, h, req.Lease); err != nil {
+				s.mu.Unlock()
+				return LockResult{}, err
+			}
 			h.claimAt = 0
 			s.reschedule(h)
 			res := LockResult{Acquired: true, Token: h.token, Holder: h.node}
@@ -181,7 +191,10 @@ func (m *Manager) TryLock(ctx context.Context, req LockRequest) (LockResult, err
 			return res, nil
 		}
 		if e := ks.queued[req.Node]; e != nil {
-			s.renew(&t, e, req.Lease)
+			if err := s.renew(&t, e, req.Lease); err != nil {
+				s.mu.Unlock()
+				return LockResult{}, err
+			}
 			s.reschedule(e)
 			res := LockResult{Queued: true, Holder: ks.holder.node, Position: ks.position(e)}
 			s.commit(ctx, t)
@@ -204,19 +217,37 @@ func (m *Manager) TryLock(ctx context.Context, req LockRequest) (LockResult, err
 		s.mu.Unlock()
 		return LockResult{}, &HeldError{Holder: holder}
 	}
-	if ks == nil {
+	// Limits (docs/SECURITY.md): checked before anything changes.
+	newKey := ks == nil
+	if newKey {
+		if max := m.cfg.MaxKeys; max > 0 && m.keys.Load() >= int64(max) {
+			s.mu.Unlock()
+			m.refusedKeys.Add(1)
+			return LockResult{}, fmt.Errorf("%w: %d keys have state, at most %d are allowed", ErrTooManyKeys, m.keys.Load(), max)
+		}
 		ks = &keyState{key: k}
-		s.addKey(ks)
+	} else if max := m.cfg.MaxQueue; ks.holder != nil && max > 0 && ks.qlen() >= max {
+		n := ks.qlen()
+		s.mu.Unlock()
+		m.refusedQueue.Add(1)
+		return LockResult{}, fmt.Errorf("%w: %v has %d waiters, at most %d are allowed", ErrQueueFull, k, n, max)
 	}
 	e := s.newEntry(req.Node, ks)
-	m.attach(e, req.Lease)
+	if err := m.attach(e, req.Lease); err != nil {
+		s.recycle(e)
+		s.mu.Unlock()
+		return LockResult{}, err
+	}
+	if newKey {
+		s.addKey(ks)
+	}
 	var res LockResult
 	if ks.holder == nil {
 		s.grant(&t, ks, e, false)
 		res = LockResult{Acquired: true, Token: e.token, Holder: e.node}
 	} else {
 		s.enqueue(&t, ks, e)
-		res = LockResult{Queued: true, Holder: ks.holder.node, Position: len(ks.queue)}
+		res = LockResult{Queued: true, Holder: ks.holder.node, Position: ks.qlen()}
 	}
 	s.commit(ctx, t)
 	return res, nil
@@ -249,7 +280,11 @@ func (m *Manager) Unlock(ctx context.Context, req UnlockRequest) (UnlockResult, 
 		s.mu.Unlock()
 		return UnlockResult{}, fmt.Errorf("%w: sent %d, current grant is %d", ErrStaleToken, req.Token, ks.holder.token)
 	}
-	next := s.release(&t, ks, req.Success, req.Error, true)
+	errMsg, cut := truncateError(req.Error)
+	if cut {
+		m.truncatedErrors.Add(1)
+	}
+	next := s.release(&t, ks, req.Success, errMsg, true)
 	err := s.commit(ctx, t)
 	return UnlockResult{NextHolder: next}, err
 }
@@ -303,7 +338,7 @@ func (m *Manager) Status(t Type, resource, node string) (Status, error) {
 	}
 	now := m.now()
 	st.Token = ks.lastToken
-	st.QueueLength = len(ks.queue)
+	st.QueueLength = ks.qlen()
 	if h := ks.holder; h != nil {
 		st.Held, st.Holder, st.AcquiredAt = true, h.node, m.wall(h.grantedAt)
 		if node == h.node && h.lease == LeaseTTL {
@@ -336,6 +371,14 @@ type Stats struct {
 	Expiries     uint64 // holds and queue entries ended by a lease
 	SessionsLost uint64 // sessions ended by their grace running out
 	SlowStreams  uint64 // streams closed for not keeping up
+
+	// Requests refused by a limit (docs/SECURITY.md).
+	RefusedSessions    uint64 // Config.MaxSessions
+	RefusedNodeStreams uint64 // Config.MaxSessionsPerNode
+	RefusedQueue       uint64 // Config.MaxQueue
+	RefusedKeys        uint64 // Config.MaxKeys
+	TruncatedErrors    uint64 // unlock error texts cut to MaxErrorLen
+	ReplayGaps         uint64 // reconnects whose replay missed events the log let go
 }
 
 // Stats returns current gauges and counters.
@@ -354,16 +397,24 @@ func (m *Manager) Stats() Stats {
 	st.Sessions = int(m.sess.n.Load())
 	st.SessionsLost = m.sessionsLost.Load()
 	st.SlowStreams = m.slowStreams.Load()
+	st.RefusedSessions = m.refusedSessions.Load()
+	st.RefusedNodeStreams = m.refusedNodeStreams.Load()
+	st.RefusedQueue = m.refusedQueue.Load()
+	st.RefusedKeys = m.refusedKeys.Load()
+	st.TruncatedErrors = m.truncatedErrors.Load()
+	st.ReplayGaps = m.replayGaps.Load()
 	return st
 }
 
 // attach resolves e's lease and, for a session lease, records e's key in the
 // node's session so that the session's end can find it. Called under the
-// shard mutex (lock order: shard, session table, session).
-func (m *Manager) attach(e *entry, want Lease) {
+// shard mutex (lock order: shard, session table, session, grace heap). A
+// session lease that would open a session beyond Config.MaxSessions is
+// refused, and e is left as it was.
+func (m *Manager) attach(e *entry, want Lease) error {
 	if want == LeaseTTL || (want == LeaseAuto && m.sess.n.Load() == 0) {
 		e.lease = LeaseTTL
-		return
+		return nil
 	}
 	m.sess.mu.Lock()
 	s := m.sess.m[e.node]
@@ -371,7 +422,11 @@ func (m *Manager) attach(e *entry, want Lease) {
 		if want == LeaseAuto {
 			m.sess.mu.Unlock()
 			e.lease = LeaseTTL
-			return
+			return nil
+		}
+		if err := m.sessionRoom(); err != nil {
+			m.sess.mu.Unlock()
+			return err
 		}
 		// A session lease asked for without a stream starts the session in
 		// grace: a stream must open before it runs out.
@@ -383,6 +438,7 @@ func (m *Manager) attach(e *entry, want Lease) {
 	s.mu.Unlock()
 	m.sess.mu.Unlock()
 	e.lease, e.sess = LeaseSession, s
+	return nil
 }
 
 func (m *Manager) detach(e *entry) {

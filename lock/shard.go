@@ -48,6 +48,7 @@ func (s *shard) addKey(ks *keyState) {
 	}
 	if r[ks.key.Type] == nil {
 		s.nkeys++
+		s.m.keys.Add(1)
 	}
 	r[ks.key.Type] = ks
 }
@@ -74,9 +75,17 @@ func (s *shard) recycle(e *entry) {
 
 // keyState is one key's holder, queue and retained completion record.
 type keyState struct {
-	key       Key
-	holder    *entry
+	key    Key
+	holder *entry
+	// queue is the FIFO of waiters from qhead on. A waiter removed from the
+	// middle leaves a nil slot (qdead counts them) and the slots are
+	// compacted once they are half the slice, so that removing any waiter
+	// costs O(1) amortized: a mass session loss removes N waiters in O(N),
+	// not O(N²) (docs/DESIGN.md).
 	queue     []*entry
+	qhead     int
+	qdead     int
+	qwork     uint64            // queue slots visited to remove waiters or find positions: the tests' measure of cost
 	queued    map[string]*entry // node → its queue entry; nil while the queue is empty
 	lastToken uint64
 	hasRec    bool
@@ -108,13 +117,94 @@ func (ks *keyState) replays(req UnlockRequest, now mono, retention time.Duration
 		(req.Token == 0 || req.Token == r.Token) && r.retained(now, retention)
 }
 
-func (ks *keyState) position(e *entry) int {
-	for i, q := range ks.queue {
-		if q == e {
-			return i + 1
+// qlen is the number of waiters.
+func (ks *keyState) qlen() int { return len(ks.queue) - ks.qhead - ks.qdead }
+
+func (ks *keyState) qpush(e *entry) {
+	e.qidx = len(ks.queue)
+	ks.queue = append(ks.queue, e)
+}
+
+// qpop removes and returns the first waiter, nil when there is none.
+func (ks *keyState) qpop() *entry {
+	for ks.qhead < len(ks.queue) {
+		ks.qwork++
+		e := ks.queue[ks.qhead]
+		ks.queue[ks.qhead] = nil
+		ks.qhead++
+		if e != nil {
+			ks.qsettle()
+			return e
+		}
+		ks.qdead--
+	}
+	ks.qsettle()
+	return nil
+}
+
+// qremove removes a waiter from anywhere in the queue in O(1) amortized.
+func (ks *keyState) qremove(e *entry) {
+	ks.queue[e.qidx] = nil
+	ks.qdead++
+	ks.qwork++
+	ks.qsettle()
+}
+
+// qsettle trims nil slots at both ends, reuses the backing array once the
+// queue is empty, and compacts a queue that is half holes.
+func (ks *keyState) qsettle() {
+	for ks.qhead < len(ks.queue) && ks.queue[ks.qhead] == nil {
+		ks.qhead++
+		ks.qdead--
+		ks.qwork++
+	}
+	for n := len(ks.queue); n > ks.qhead && ks.queue[n-1] == nil; n-- {
+		ks.queue = ks.queue[:n-1]
+		ks.qdead--
+		ks.qwork++
+	}
+	switch {
+	case ks.qhead == len(ks.queue):
+		if cap(ks.queue) > 4096 {
+			ks.queue = nil // let a burst's backing array go
+		} else {
+			ks.queue = ks.queue[:0]
+		}
+		ks.qhead = 0
+	case len(ks.queue) >= 64 && 2*(ks.qhead+ks.qdead) > len(ks.queue):
+		ks.qcompact()
+	}
+}
+
+// qcompact moves the waiters to the front of the slice, in order.
+func (ks *keyState) qcompact() {
+	n := 0
+	ks.qwork += uint64(len(ks.queue) - ks.qhead)
+	for _, e := range ks.queue[ks.qhead:] {
+		if e != nil {
+			e.qidx = n
+			ks.queue[n] = e
+			n++
 		}
 	}
-	return 0
+	clear(ks.queue[n:])
+	ks.queue = ks.queue[:n]
+	ks.qhead, ks.qdead = 0, 0
+}
+
+// position is e's 1-based place in the queue: O(1) unless the queue has holes.
+func (ks *keyState) position(e *entry) int {
+	if ks.qdead == 0 {
+		return e.qidx - ks.qhead + 1
+	}
+	p := 1
+	ks.qwork += uint64(e.qidx - ks.qhead)
+	for _, q := range ks.queue[ks.qhead:e.qidx] {
+		if q != nil {
+			p++
+		}
+	}
+	return p
 }
 
 // entry is a holder or a queue entry: a queue entry becomes the holder on a
@@ -131,6 +221,7 @@ type entry struct {
 	maxAt     mono // max_hold deadline; zero when unlimited
 	at        mono // earliest of the above: the entry's place in the heap
 	hidx      int  // index in the shard's heap, -1 when not in it
+	qidx      int  // index in ks.queue while queued
 }
 
 // txn collects what a transition must do after the shard mutex is released:
@@ -228,7 +319,7 @@ func (s *shard) enqueue(t *txn, ks *keyState, e *entry) {
 	if e.lease == LeaseTTL {
 		e.ttlAt = t.now.add(s.m.cfg.LockTTL)
 	}
-	ks.queue = append(ks.queue, e)
+	ks.qpush(e)
 	if ks.queued == nil {
 		ks.queued = make(map[string]*entry)
 	}
@@ -239,11 +330,7 @@ func (s *shard) enqueue(t *txn, ks *keyState, e *entry) {
 
 // dequeue removes a waiter from anywhere in the queue.
 func (s *shard) dequeue(ks *keyState, e *entry) {
-	if i := ks.position(e) - 1; i >= 0 {
-		copy(ks.queue[i:], ks.queue[i+1:])
-		ks.queue[len(ks.queue)-1] = nil
-		ks.queue = ks.queue[:len(ks.queue)-1]
-	}
+	ks.qremove(e)
 	s.forget(ks, e)
 }
 
@@ -258,17 +345,24 @@ func (s *shard) forget(ks *keyState, e *entry) {
 }
 
 // renew refreshes an entry's lease on a repeated /lock, switching its kind
-// when the request names one.
-func (s *shard) renew(t *txn, e *entry, want Lease) {
-	if want != LeaseAuto && want != e.lease {
+// when the request names one. A switch to a session lease that would open a
+// session beyond the limit is refused, and the entry keeps its lease.
+func (s *shard) renew(t *txn, e *entry, want Lease) error {
+	switch {
+	case want == LeaseTTL && e.lease != LeaseTTL:
 		s.m.detach(e)
-		s.m.attach(e, want)
+		e.lease = LeaseTTL
+	case want == LeaseSession && e.lease != LeaseSession:
+		if err := s.m.attach(e, want); err != nil {
+			return err
+		}
 	}
 	if e.lease == LeaseTTL {
 		e.ttlAt = t.now.add(s.m.cfg.LockTTL)
 	} else {
 		e.ttlAt = 0
 	}
+	return nil
 }
 
 // reschedule puts e in the heap at its earliest deadline and arms the timer
@@ -312,6 +406,7 @@ func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUn
 		done = &Event{Name: EventOperationCompleted, Key: k, Node: h.node, Success: success, Error: errMsg, CompletedAt: s.m.wall(t.now)}
 	}
 	if success && k.Type != Update {
+		ks.qcompact()
 		waiters := ks.queue
 		clear(ks.queued)
 		var to []string
@@ -366,16 +461,10 @@ func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUn
 // reference counting a delete or update waiter is checked again: one refused
 // now leaves the queue and is told why.
 func (s *shard) promote(t *txn, ks *keyState) string {
-	for len(ks.queue) > 0 {
-		e := ks.queue[0]
-		if n := len(ks.queue) - 1; n < 64 {
-			// Shift short queues to keep the backing array for reuse.
-			copy(ks.queue, ks.queue[1:])
-			ks.queue[n] = nil
-			ks.queue = ks.queue[:n]
-		} else {
-			ks.queue[0] = nil
-			ks.queue = ks.queue[1:]
+	for {
+		e := ks.qpop()
+		if e == nil {
+			return ""
 		}
 		if s.refs != nil && ks.key.Type != Pull {
 			if err := s.refConflict(ks.key); err != nil {
@@ -395,65 +484,74 @@ func (s *shard) promote(t *txn, ks *keyState) string {
 		s.grant(t, ks, e, true)
 		return e.node
 	}
-	return ""
 }
 
 // expire is the shard timer's callback: it ends every lease whose deadline
-// has passed and re-arms the timer for the next one.
+// has passed and re-arms the timer for the next one. A mass of deadlines is
+// ended endStep at a time, the mutex released between steps.
 func (s *shard) expire() {
 	m := s.m
 	m.closeMu.RLock()
 	defer m.closeMu.RUnlock()
-	if m.closed.Load() {
-		return
-	}
-	s.mu.Lock()
-	t := s.begin()
-	s.timerAt = 0
-	for len(s.leases) > 0 && s.leases[0].at <= t.now {
-		e := s.leases[0]
-		s.leases.remove(e)
-		ks := e.ks
-		s.expiries++
-		if ks.holder != e {
-			s.logf(&t, slog.LevelInfo, "queue entry expired", ks.key, e.node, 0, "lock expired")
-			s.dequeue(ks, e)
-			continue
-		}
-		why := "lock expired"
-		switch {
-		case e.maxAt != 0 && e.maxAt <= t.now:
-			why = "max hold exceeded"
-		case e.claimAt != 0 && e.claimAt <= t.now:
-			why = "not claimed"
-		}
-		s.logf(&t, slog.LevelInfo, "hold expired", ks.key, e.node, e.token, why)
-		s.release(&t, ks, false, why, false)
-	}
-	if len(s.leases) > 0 {
-		s.arm(s.leases[0].at)
-	}
-	_ = s.commit(context.Background(), t)
-}
-
-// dropSession ends what a lost session held or waited for on one key.
-func (s *shard) dropSession(k Key, sess *session) {
-	s.mu.Lock()
-	t := s.begin()
-	if ks := s.key(k); ks != nil {
-		for i := 0; i < len(ks.queue); {
-			if e := ks.queue[i]; e.sess == sess {
+	for more := true; more && !m.closed.Load(); {
+		s.mu.Lock()
+		t := s.begin()
+		s.timerAt = 0
+		for n := 0; len(s.leases) > 0 && s.leases[0].at <= t.now && n < endStep; n++ {
+			e := s.leases[0]
+			s.leases.remove(e)
+			ks := e.ks
+			s.expiries++
+			if ks.holder != e {
+				s.logf(&t, slog.LevelInfo, "queue entry expired", ks.key, e.node, 0, "lock expired")
 				s.dequeue(ks, e)
 				continue
 			}
-			i++
+			why := "lock expired"
+			switch {
+			case e.maxAt != 0 && e.maxAt <= t.now:
+				why = "max hold exceeded"
+			case e.claimAt != 0 && e.claimAt <= t.now:
+				why = "not claimed"
+			}
+			s.logf(&t, slog.LevelInfo, "hold expired", ks.key, e.node, e.token, why)
+			s.release(&t, ks, false, why, false)
 		}
-		if h := ks.holder; h != nil && h.sess == sess {
-			s.logf(&t, slog.LevelInfo, "session lost", k, h.node, h.token, "session lost")
-			s.release(&t, ks, false, "session lost", false)
+		more = len(s.leases) > 0 && s.leases[0].at <= t.now
+		if !more && len(s.leases) > 0 {
+			s.arm(s.leases[0].at)
+		}
+		_ = s.commit(context.Background(), t)
+	}
+}
+
+// dropSessions ends what lost sessions held or waited for on keys of this
+// shard, endStep entries under the mutex at a time. Every waiter goes
+// before any hold is released, so that no hold is handed to a waiter that
+// is leaving too. An entry is found through its node (one entry per node
+// and key), never by a scan of the queue.
+func (s *shard) dropSessions(drops []sessionDrop) {
+	for _, holds := range [...]bool{false, true} {
+		for i := 0; i < len(drops); i += endStep {
+			s.mu.Lock()
+			t := s.begin()
+			for _, d := range drops[i:min(i+endStep, len(drops))] {
+				ks := s.key(d.key)
+				switch {
+				case ks == nil:
+				case !holds:
+					if e := ks.queued[d.sess.node]; e != nil && e.sess == d.sess {
+						s.dequeue(ks, e)
+					}
+				case ks.holder != nil && ks.holder.sess == d.sess:
+					h := ks.holder
+					s.logf(&t, slog.LevelInfo, "session lost", d.key, h.node, h.token, "session lost")
+					s.release(&t, ks, false, "session lost", false)
+				}
+			}
+			_ = s.commit(context.Background(), t)
 		}
 	}
-	_ = s.commit(context.Background(), t)
 }
 
 // record retains ks's completion record, dropping the shard's oldest records
@@ -510,13 +608,14 @@ func (s *shard) eraseRecord(k Key) {
 // maybeDrop forgets a key that has nothing left to say. Its next token still
 // goes forward: tokens never fall below the clock in microseconds.
 func (s *shard) maybeDrop(ks *keyState) {
-	if ks.holder == nil && len(ks.queue) == 0 && !ks.hasRec {
+	if ks.holder == nil && ks.qlen() == 0 && !ks.hasRec {
 		r := s.res[ks.key.Resource]
 		if r == nil || r[ks.key.Type] != ks {
 			return
 		}
 		r[ks.key.Type] = nil
 		s.nkeys--
+		s.m.keys.Add(-1)
 		if *r == (resKeys{}) {
 			delete(s.res, ks.key.Resource)
 		}

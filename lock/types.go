@@ -3,6 +3,7 @@ package lock
 import (
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 	"unicode"
 	"unicode/utf8"
@@ -87,18 +88,33 @@ type Key struct {
 
 func (k Key) String() string { return k.Type.String() + ":" + k.Resource }
 
-// Limits on identifiers (SPEC §1).
+// Limits on identifiers and texts (docs/API.md).
 const (
 	MaxResourceLen = 512
 	MaxNodeLen     = 256
+	// MaxErrorLen bounds the error text of a completion kept in records
+	// and events; a longer one is cut and ends with "…".
+	MaxErrorLen = 1024
 )
 
-// ValidateResource checks a resource id: 1–512 bytes of UTF-8 without control characters.
+// ValidateResource checks a resource id: 1–512 bytes, see validateID.
 func ValidateResource(s string) error { return validateID("resource_id", s, MaxResourceLen) }
 
-// ValidateNode checks a node id: 1–256 bytes of UTF-8 without control characters.
+// ValidateNode checks a node id: 1–256 bytes, see validateID.
 func ValidateNode(s string) error { return validateID("node_id", s, MaxNodeLen) }
 
+// validateID accepts valid UTF-8 without control characters, without
+// U+FFFD and without bidirectional controls (docs/SECURITY.md):
+//   - encoding/json turns invalid UTF-8 and lone surrogate escapes into
+//     U+FFFD, so "a\ud800" and "a\udfff" would both arrive as "a\uFFFD" and
+//     name one node; refusing U+FFFD keeps two different byte strings from
+//     ever naming one node or resource;
+//   - bidirectional controls (the Unicode property Bidi_Control: the
+//     embeddings, overrides and isolates U+202A–U+202E and U+2066–U+2069,
+//     and the marks U+061C, U+200E and U+200F) make an id display as
+//     another one in logs and terminals, and no id needs them.
+//
+// Printable ASCII, every id in practice, takes the fast path.
 func validateID(field, s string, max int) error {
 	if s == "" {
 		return fmt.Errorf("%w: %s is required", ErrInvalid, field)
@@ -118,15 +134,36 @@ func validateID(field, s string, max int) error {
 	}
 	for i := 0; i < len(s); {
 		r, size := utf8.DecodeRuneInString(s[i:])
-		if r == utf8.RuneError && size == 1 {
+		switch {
+		case r == utf8.RuneError && size == 1:
 			return fmt.Errorf("%w: %s is not valid UTF-8", ErrInvalid, field)
-		}
-		if unicode.IsControl(r) {
+		case r == utf8.RuneError:
+			return fmt.Errorf("%w: %s contains U+FFFD at byte %d (invalid UTF-8 or a lone surrogate escape)", ErrInvalid, field, i)
+		case unicode.IsControl(r):
 			return fmt.Errorf("%w: %s contains a control character at byte %d", ErrInvalid, field, i)
+		case unicode.Is(unicode.Bidi_Control, r):
+			return fmt.Errorf("%w: %s contains the bidirectional control %U at byte %d", ErrInvalid, field, r, i)
 		}
 		i += size
 	}
 	return nil
+}
+
+// truncateError bounds an error text to MaxErrorLen bytes of valid UTF-8:
+// a longer one is cut on a character boundary and ends with "…".
+func truncateError(s string) (string, bool) {
+	if !utf8.ValidString(s) {
+		s = strings.ToValidUTF8(s, "\uFFFD")
+	}
+	if len(s) <= MaxErrorLen {
+		return s, false
+	}
+	const mark = "…"
+	cut := MaxErrorLen - len(mark)
+	for !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + mark, true
 }
 
 func validateKey(t Type, resource, node string) error {

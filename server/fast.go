@@ -211,6 +211,10 @@ func writeFastAnswer(bw *bufio.Writer, status int, body []byte, epoch string) {
 	b = append(b, epoch...)
 	b = append(b, "\r\nContent-Length: "...)
 	b = strconv.AppendInt(b, int64(len(body)), 10)
+	if ra := wire.RetryAfterStatus(status); ra > 0 {
+		b = append(b, "\r\nRetry-After: "...)
+		b = strconv.AppendInt(b, int64(ra), 10)
+	}
 	b = append(b, "\r\n\r\n"...)
 	_, _ = bw.Write(b)
 	_, _ = bw.Write(body)

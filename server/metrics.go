@@ -22,7 +22,7 @@ func newMetrics(reg *prometheus.Registry, m *lock.Manager) *metrics {
 			Help: "Open event streams.",
 		}),
 	}
-	reg.MustRegister(mt.latency, mt.streams, managerCollector{m})
+	reg.MustRegister(mt.latency, mt.streams, managerCollector{m}, limitsCollector{m})
 	return mt
 }
 
@@ -65,4 +65,36 @@ func (c managerCollector) Collect(ch chan<- prometheus.Metric) {
 	counter(descExpiries, st.Expiries)
 	counter(descSessionsLost, st.SessionsLost)
 	counter(descSlowStreams, st.SlowStreams)
+}
+
+// limitsCollector counts what the lock manager's limits refused or cut
+// (docs/SECURITY.md).
+type limitsCollector struct{ m *lock.Manager }
+
+var (
+	descLimitRefusals = prometheus.NewDesc("dlock_limit_refusals_total",
+		"Requests refused by a limit: sessions (--max-sessions), node_streams (--max-sessions-per-node), queue (--max-queue), keys (--max-keys).",
+		[]string{"limit"}, nil)
+	descTruncatedErrors = prometheus.NewDesc("dlock_truncated_errors_total", "Unlock error texts cut to 1 KiB.", nil, nil)
+	descReplayGaps      = prometheus.NewDesc("dlock_replay_gaps_total", "Stream reconnects whose replay missed events no longer kept.", nil, nil)
+)
+
+func (c limitsCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- descLimitRefusals
+	ch <- descTruncatedErrors
+	ch <- descReplayGaps
+}
+
+func (c limitsCollector) Collect(ch chan<- prometheus.Metric) {
+	st := c.m.Stats()
+	for limit, v := range map[string]uint64{
+		"sessions":     st.RefusedSessions,
+		"node_streams": st.RefusedNodeStreams,
+		"queue":        st.RefusedQueue,
+		"keys":         st.RefusedKeys,
+	} {
+		ch <- prometheus.MustNewConstMetric(descLimitRefusals, prometheus.CounterValue, float64(v), limit)
+	}
+	ch <- prometheus.MustNewConstMetric(descTruncatedErrors, prometheus.CounterValue, float64(st.TruncatedErrors))
+	ch <- prometheus.MustNewConstMetric(descReplayGaps, prometheus.CounterValue, float64(st.ReplayGaps))
 }

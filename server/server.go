@@ -172,6 +172,9 @@ func writeRaw(w http.ResponseWriter, status int, b []byte) {
 	h := w.Header()
 	h["Content-Type"] = contentTypeJSON
 	h["Content-Length"] = []string{strconv.Itoa(len(b))}
+	if ra := wire.RetryAfterStatus(status); ra > 0 {
+		h["Retry-After"] = []string{strconv.Itoa(ra)}
+	}
 	w.WriteHeader(status)
 	_, _ = w.Write(b)
 }

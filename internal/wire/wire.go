@@ -407,6 +407,23 @@ func RetryAfter(err error) int {
 	return 0
 }
 
+// RetryAfterStatus is the Retry-After, in seconds, of an error answer with
+// status, for writers that keep only the status: every 429 and 503 carries
+// the header (docs/API.md), with the longest value of the errors answered
+// with that status. 0 for any other status.
+func RetryAfterStatus(status int) int {
+	if status != http.StatusTooManyRequests && status != http.StatusServiceUnavailable {
+		return 0
+	}
+	n := 0
+	for _, c := range codes {
+		if c.status == status {
+			n = max(n, c.retryAfter)
+		}
+	}
+	return n
+}
+
 // ErrorBody maps err to its status code and body.
 func ErrorBody(err error) (int, Error) {
 	body := Error{Error: err.Error(), Message: err.Error(), Code: CodeInternal}
