@@ -24,6 +24,7 @@ type Manager struct {
 	sess sessionTable
 	obs  observerTable
 	seq  atomic.Uint64 // event ids, shared by every stream
+	tok  tokenClock
 
 	refVersion atomic.Uint64 // last version given to a reference change
 
@@ -47,14 +48,15 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	}
 	var b [8]byte
 	_, _ = rand.Read(b[:])
-	now := time.Now()
 	m := &Manager{
-		cfg:     cfg,
-		log:     log,
-		epoch:   hex.EncodeToString(b[:]),
-		start:   now,
-		startUS: uint64(now.UnixMicro()),
-		shards:  make([]*shard, cfg.Shards),
+		cfg:    cfg,
+		log:    log,
+		epoch:  hex.EncodeToString(b[:]),
+		shards: make([]*shard, cfg.Shards),
+	}
+	floor, err := m.startTokens()
+	if err != nil {
+		return nil, err
 	}
 	m.sess.m = make(map[string]*session)
 	m.obs.m = make(map[Key][]*Stream)
@@ -62,7 +64,7 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		m.recordCap = max(1, cfg.CompletedMax/cfg.Shards)
 	}
 	for i := range m.shards {
-		m.shards[i] = &shard{m: m, res: make(map[string]*resKeys)}
+		m.shards[i] = &shard{m: m, res: make(map[string]*resKeys), tokenFloor: floor - 1}
 		if cfg.RefStore != nil {
 			m.shards[i].refs = make(map[string]*refState)
 		}
@@ -72,6 +74,7 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 			return nil, err
 		}
 	}
+	m.keepTokens()
 	return m, nil
 }
 
@@ -108,6 +111,7 @@ func (m *Manager) Close() error {
 	if already {
 		return nil
 	}
+	m.stopTokens()
 	for _, s := range m.shards {
 		s.mu.Lock()
 		if s.timer != nil {
@@ -205,7 +209,7 @@ func (m *Manager) TryLock(ctx context.Context, req LockRequest) (LockResult, err
 		return LockResult{}, &HeldError{Holder: holder}
 	}
 	if ks == nil {
-		ks = &keyState{key: k}
+		ks = &keyState{key: k, lastToken: s.tokenFloor}
 		s.addKey(ks)
 	}
 	e := s.newEntry(req.Node, ks)
