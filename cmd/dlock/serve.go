@@ -14,6 +14,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/dlock/dlock/internal/datadir"
 	"github.com/dlock/dlock/lock"
 	"github.com/dlock/dlock/refcount"
 	"github.com/dlock/dlock/server"
@@ -61,7 +62,7 @@ func parseServe(args []string, getenv func(string) string, stderr io.Writer) (se
 	fs.DurationVar(&c.lock.ClaimTimeout, "claim-timeout", c.lock.ClaimTimeout, "time a hand-off grant waits for the new holder's /lock (0: off)")
 	fs.DurationVar(&c.lock.MaxHold, "max-hold", 0, "longest any grant may be held (0: unlimited)")
 	fs.IntVar(&c.lock.CompletedMax, "completed-max", c.lock.CompletedMax, "most completion records kept")
-	fs.StringVar(&c.dataDir, "data-dir", defaultDataDir(), "directory of durable state (refcount=server)")
+	fs.StringVar(&c.dataDir, "data-dir", defaultDataDir(), "directory of durable state, one server each: the token ceiling, and references with refcount=server (\"\": none; tokens then rest on the wall clock)")
 	fs.TextVar(&c.logLevel, "log-level", slog.LevelInfo, "log level: debug, info, warn or error")
 	fs.StringVar(&c.debug, "debug-listen", "", "serve Go's pprof profiles on this address (e.g. 127.0.0.1:6060); off by default")
 	if err := fs.Parse(args); err != nil {
@@ -75,6 +76,9 @@ func parseServe(args []string, getenv func(string) string, stderr io.Writer) (se
 	}
 	if c.refcount != "off" && c.refcount != "server" {
 		return c, fmt.Errorf("--refcount must be off or server, not %q", c.refcount)
+	}
+	if c.refcount == "server" && c.dataDir == "" {
+		return c, errors.New("--refcount=server needs a --data-dir")
 	}
 	if c.lock.UpdateRequiresNoRef && c.refcount != "server" {
 		return c, errors.New("--update-requires-no-ref needs --refcount=server")
@@ -102,6 +106,14 @@ func serve(ctx context.Context, args []string, getenv func(string) string, stder
 func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {
 	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: c.logLevel}))
 	c.lock.Logger = log
+	if c.dataDir != "" {
+		dir, err := datadir.Open(c.dataDir)
+		if err != nil {
+			return err
+		}
+		defer dir.Close()
+		c.lock.TokenCeiling = dir.TokenCeiling()
+	}
 	if c.refcount == "server" {
 		path := filepath.Join(c.dataDir, "refcount.db")
 		store, err := refcount.OpenServerStore(path)
@@ -129,7 +141,7 @@ func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {
 		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
 	}
 	log.Info("dlock serving", "addr", ln.Addr().String(), "epoch", m.Epoch(), "shards", c.lock.Shards,
-		"refcount", c.refcount, "multi_node_download", c.lock.AllowMultiNodeDownload)
+		"refcount", c.refcount, "multi_node_download", c.lock.AllowMultiNodeDownload, "data_dir", c.dataDir)
 	if c.ready != nil {
 		c.ready(ln.Addr())
 	}
