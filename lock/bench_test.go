@@ -37,9 +37,21 @@ func BenchmarkUncontended(b *testing.B) {
 }
 
 // BenchmarkHandoff: one hot key, two nodes; each op queues a node behind the
-// holder and hands the key to it with a failed unlock.
+// holder and hands the key to it with a failed unlock. The manager keeps a
+// token ceiling (in memory here), as dlock serve does in its data dir.
 func BenchmarkHandoff(b *testing.B) {
-	m := newManager(b, nil)
+	handoff(b, newManager(b, func(c *Config) { c.TokenCeiling = &memCeiling{} }))
+}
+
+// BenchmarkHandoffClockOnly is BenchmarkHandoff without a token ceiling:
+// tokens rest on the clock, so one key cannot be granted more than once per
+// microsecond (docs/DESIGN.md, "Fencing tokens"), and this measures that
+// bound as soon as the key has used its startWait of headroom.
+func BenchmarkHandoffClockOnly(b *testing.B) {
+	handoff(b, newManager(b, nil))
+}
+
+func handoff(b *testing.B, m *Manager) {
 	ctx := context.Background()
 	nodes := [2]string{"a", "b"}
 	if _, err := m.TryLock(ctx, LockRequest{Type: Pull, Resource: "hot", Node: "a"}); err != nil {

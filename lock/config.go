@@ -60,9 +60,17 @@ type Config struct {
 	// RefStore, when not nil, turns on server-side reference counting and
 	// makes references durable in it.
 	RefStore RefStore
+	// TokenCeiling, when not nil, keeps a bound above every fencing token
+	// durable, so that tokens never go back across a restart whatever the
+	// wall clock does. Nil: across restarts, tokens rest on the wall clock
+	// not stepping back (docs/DESIGN.md, "Fencing tokens").
+	TokenCeiling CeilingStore
 	// Logger receives one line per grant and hand-off (debug), expiry and
 	// session loss (info). Nil discards.
 	Logger *slog.Logger
+
+	// Tests set these (tokens.go); zero means the default.
+	tokenLead, tokenWindow time.Duration
 }
 
 // DefaultConfig returns the defaults of SPEC §4.

@@ -26,6 +26,7 @@ type Manager struct {
 	obs   observerTable
 	seq   atomic.Uint64 // event ids, shared by every stream
 	keys  atomic.Int64  // keys with state, over every shard (Config.MaxKeys)
+	tok   tokenClock
 
 	refVersion atomic.Uint64 // last version given to a reference change
 
@@ -52,14 +53,15 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	}
 	var b [8]byte
 	_, _ = rand.Read(b[:])
-	now := time.Now()
 	m := &Manager{
-		cfg:     cfg,
-		log:     log,
-		epoch:   hex.EncodeToString(b[:]),
-		start:   now,
-		startUS: uint64(now.UnixMicro()),
-		shards:  make([]*shard, cfg.Shards),
+		cfg:    cfg,
+		log:    log,
+		epoch:  hex.EncodeToString(b[:]),
+		shards: make([]*shard, cfg.Shards),
+	}
+	floor, err := m.startTokens()
+	if err != nil {
+		return nil, err
 	}
 	m.sess.m = make(map[string]*session)
 	m.obs.m = make(map[Key][]*Stream)
@@ -67,7 +69,7 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		m.recordCap = max(1, cfg.CompletedMax/cfg.Shards)
 	}
 	for i := range m.shards {
-		m.shards[i] = &shard{m: m, res: make(map[string]*resKeys)}
+		m.shards[i] = &shard{m: m, res: make(map[string]*resKeys), tokenFloor: floor - 1}
 		if cfg.RefStore != nil {
 			m.shards[i].refs = make(map[string]*refState)
 		}
@@ -77,6 +79,7 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 			return nil, err
 		}
 	}
+	m.keepTokens()
 	return m, nil
 }
 
@@ -113,6 +116,7 @@ func (m *Manager) Close() error {
 	if already {
 		return nil
 	}
+	m.stopTokens()
 	for _, s := range m.shards {
 		s.mu.Lock()
 		if s.timer != nil {
@@ -225,7 +229,7 @@ func (m *Manager) TryLock(ctx context.Context, req LockRequest) (LockResult, err
 			m.refusedKeys.Add(1)
 			return LockResult{}, fmt.Errorf("%w: %d keys have state, at most %d are allowed", ErrTooManyKeys, m.keys.Load(), max)
 		}
-		ks = &keyState{key: k}
+		ks = &keyState{key: k, lastToken: s.tokenFloor}
 	} else if max := m.cfg.MaxQueue; ks.holder != nil && max > 0 && ks.qlen() >= max {
 		n := ks.qlen()
 		s.mu.Unlock()

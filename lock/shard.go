@@ -21,6 +21,9 @@ type shard struct {
 	timerAt mono // when timer fires; zero when it is idle
 	records recordQueue
 	refs    map[string]*refState // nil when reference counting is off
+	// tokenFloor is at least the last token of every key the shard forgot
+	// (tokens.go): a new key's tokens start above it.
+	tokenFloor uint64
 
 	held, queued               int
 	grants, handoffs, expiries uint64
@@ -282,7 +285,7 @@ func (s *shard) logf(t *txn, level slog.Level, msg string, k Key, node string, t
 // grant makes e the holder of ks with a new fencing token.
 func (s *shard) grant(t *txn, ks *keyState, e *entry, handoff bool) {
 	cfg := &s.m.cfg
-	token := max(ks.lastToken+1, s.m.micros(t.now))
+	token := s.nextToken(ks, t.now)
 	ks.lastToken = token
 	ks.holder = e
 	e.token = token
@@ -606,13 +609,14 @@ func (s *shard) eraseRecord(k Key) {
 }
 
 // maybeDrop forgets a key that has nothing left to say. Its next token still
-// goes forward: tokens never fall below the clock in microseconds.
+// goes forward: the shard keeps its last token as a floor.
 func (s *shard) maybeDrop(ks *keyState) {
 	if ks.holder == nil && ks.qlen() == 0 && !ks.hasRec {
 		r := s.res[ks.key.Resource]
 		if r == nil || r[ks.key.Type] != ks {
 			return
 		}
+		s.forgetToken(ks)
 		r[ks.key.Type] = nil
 		s.nkeys--
 		s.m.keys.Add(-1)

@@ -60,7 +60,9 @@ func TestStress(t *testing.T) {
 				return
 			}
 			defer st.Close()
-			seen := uint64(0) // highest token this node was granted: older grants are stale events
+			// The highest token of each key this node was granted: older
+			// grants are stale events. Tokens are ordered per key only.
+			seen := make(map[Key]uint64)
 			for range rounds {
 				k := keys[rng.IntN(len(keys))]
 				res, err := m.TryLock(ctx, LockRequest{Type: k.Type, Resource: k.Resource, Node: node})
@@ -71,10 +73,12 @@ func TestStress(t *testing.T) {
 				acquired := res.Acquired
 				token := res.Token
 				if acquired {
-					seen = max(seen, token)
+					seen[k] = max(seen[k], token)
 				}
 				if res.Queued {
-					outcome, tok, err := wait(st, k, node, &seen, rng, m)
+					last := seen[k]
+					outcome, tok, err := wait(st, k, node, &last, rng, m)
+					seen[k] = last
 					if err != nil {
 						t.Error(err)
 						return

@@ -14,6 +14,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/dlock/dlock/internal/datadir"
 	"github.com/dlock/dlock/lock"
 	"github.com/dlock/dlock/refcount"
 	"github.com/dlock/dlock/server"
@@ -66,7 +67,7 @@ func parseServe(args []string, getenv func(string) string, stderr io.Writer) (se
 	fs.IntVar(&c.lock.MaxQueue, "max-queue", c.lock.MaxQueue, "most waiters of one key (429 queue_full beyond; 0: no limit)")
 	fs.IntVar(&c.lock.MaxKeys, "max-keys", c.lock.MaxKeys, "most keys with state: held, queued or with a completion record (503 too_many_keys beyond; 0: no limit)")
 	fs.IntVar(&c.lock.SessionLogBytes, "session-log-bytes", c.lock.SessionLogBytes, "bytes of recent events a session keeps for a reconnect's replay")
-	fs.StringVar(&c.dataDir, "data-dir", defaultDataDir(), "directory of durable state (refcount=server)")
+	fs.StringVar(&c.dataDir, "data-dir", defaultDataDir(), "directory of durable state, one server each: the token ceiling, and references with refcount=server (\"\": none; tokens then rest on the wall clock)")
 	fs.TextVar(&c.logLevel, "log-level", slog.LevelInfo, "log level: debug, info, warn or error")
 	fs.StringVar(&c.debug, "debug-listen", "", "serve Go's pprof profiles on this address (e.g. 127.0.0.1:6060); off by default")
 	if err := fs.Parse(args); err != nil {
@@ -80,6 +81,9 @@ func parseServe(args []string, getenv func(string) string, stderr io.Writer) (se
 	}
 	if c.refcount != "off" && c.refcount != "server" {
 		return c, fmt.Errorf("--refcount must be off or server, not %q", c.refcount)
+	}
+	if c.refcount == "server" && c.dataDir == "" {
+		return c, errors.New("--refcount=server needs a --data-dir")
 	}
 	if c.lock.UpdateRequiresNoRef && c.refcount != "server" {
 		return c, errors.New("--update-requires-no-ref needs --refcount=server")
@@ -107,6 +111,14 @@ func serve(ctx context.Context, args []string, getenv func(string) string, stder
 func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {
 	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: c.logLevel}))
 	c.lock.Logger = log
+	if c.dataDir != "" {
+		dir, err := datadir.Open(c.dataDir)
+		if err != nil {
+			return err
+		}
+		defer dir.Close()
+		c.lock.TokenCeiling = dir.TokenCeiling()
+	}
 	if c.refcount == "server" {
 		path := filepath.Join(c.dataDir, "refcount.db")
 		store, err := refcount.OpenServerStore(path)
@@ -134,7 +146,7 @@ func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {
 		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
 	}
 	log.Info("dlock serving", "addr", ln.Addr().String(), "epoch", m.Epoch(), "shards", c.lock.Shards,
-		"refcount", c.refcount, "multi_node_download", c.lock.AllowMultiNodeDownload)
+		"refcount", c.refcount, "multi_node_download", c.lock.AllowMultiNodeDownload, "data_dir", c.dataDir)
 	if c.ready != nil {
 		c.ready(ln.Addr())
 	}

@@ -2,7 +2,11 @@ package main
 
 import (
 	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -11,6 +15,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/dlock/dlock/internal/datadir"
 )
 
 func TestParseServe(t *testing.T) {
@@ -54,6 +60,7 @@ func TestParseServeRejects(t *testing.T) {
 		{[]string{"--session-grace", "-1s"}, nil, "session grace"},
 		{nil, map[string]string{"DLOCK_CLAIM_TIMEOUT": "x"}, "DLOCK_CLAIM_TIMEOUT"},
 		{[]string{"--update-requires-no-ref"}, nil, "refcount=server"},
+		{[]string{"--refcount", "server", "--data-dir", ""}, nil, "data-dir"},
 		{[]string{"--listen", "nowhere"}, nil, "listen"},
 		{[]string{"extra"}, nil, "no arguments"},
 	} {
@@ -117,5 +124,71 @@ func TestServeProcess(t *testing.T) {
 	}
 	if _, err := io.ReadAll(stream.Body); err != nil && !strings.Contains(err.Error(), "EOF") {
 		t.Logf("stream ended with %v", err)
+	}
+}
+
+// TestServeDataDir: a server holds its data dir (a second one on it refuses
+// to start), and a server restarted on it at once never hands out a token
+// at or below one the last one issued.
+func TestServeDataDir(t *testing.T) {
+	dir := t.TempDir()
+	start := func() (addr string, stop func() error) {
+		t.Helper()
+		c, err := parseServe([]string{"--listen", "127.0.0.1:0", "--data-dir", dir}, func(string) string { return "" }, io.Discard)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ready := make(chan net.Addr, 1)
+		c.ready = func(a net.Addr) { ready <- a }
+		ctx, cancel := context.WithCancel(t.Context())
+		done := make(chan error, 1)
+		go func() { done <- runServer(ctx, c, io.Discard) }()
+		select {
+		case a := <-ready:
+			return a.String(), func() error { cancel(); return <-done }
+		case err := <-done:
+			cancel()
+			t.Fatalf("server did not start: %v", err)
+		}
+		return "", nil
+	}
+	token := func(addr string) uint64 {
+		t.Helper()
+		resp, err := http.Post("http://"+addr+"/lock", "application/json", strings.NewReader(`{"type":"pull","resource_id":"r","node_id":"a"}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var r struct{ Token uint64 }
+		if err := json.NewDecoder(resp.Body).Decode(&r); err != nil || r.Token == 0 {
+			t.Fatalf("lock: %d %v %+v", resp.StatusCode, err, r)
+		}
+		// Failure: the next lock is a new grant with a new token.
+		resp, err = http.Post("http://"+addr+"/unlock", "application/json", strings.NewReader(`{"type":"pull","resource_id":"r","node_id":"a","success":false}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return r.Token
+	}
+
+	addr, stop := start()
+	var last uint64
+	for range 20 {
+		last = token(addr)
+	}
+	c, _ := parseServe([]string{"--listen", "127.0.0.1:0", "--data-dir", dir}, func(string) string { return "" }, io.Discard)
+	if err := runServer(t.Context(), c, io.Discard); !errors.Is(err, datadir.ErrInUse) {
+		t.Fatalf("second server on one data dir: %v", err)
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	addr, stop = start()
+	if tok := token(addr); tok <= last {
+		t.Fatalf("token %d after a restart, %d before", tok, last)
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
 	}
 }
