@@ -219,6 +219,9 @@ func peekRequest(br *bufio.Reader, waiting func()) (req leanRequest, st leanStat
 // from were checked already.
 func headEnd(b []byte, from int) (end int, ok bool) {
 	for i := from; i < len(b); i++ {
+		if plainHeadByte[b[i]] {
+			continue
+		}
 		switch c := b[i]; {
 		case c == '\n':
 			if i == 0 || b[i-1] != '\r' {
@@ -231,13 +234,22 @@ func headEnd(b []byte, from int) (end int, ok bool) {
 			if i+1 < len(b) && b[i+1] != '\n' {
 				return -1, false
 			}
-		case c == '\t':
-		case c < ' ' || c >= 0x7f:
+		default:
 			return -1, false
 		}
 	}
 	return -1, true
 }
+
+// plainHeadByte marks the bytes headEnd passes over: visible ASCII, SP
+// and HTAB.
+var plainHeadByte = func() (t [256]bool) {
+	for c := ' '; c < 0x7f; c++ {
+		t[c] = true
+	}
+	t['\t'] = true
+	return t
+}()
 
 // parseHead reads a request head checked by headEnd. It takes only a
 // request whose framing it fully knows and net/http would read alike (RFC
@@ -246,7 +258,7 @@ func headEnd(b []byte, from int) (end int, ok bool) {
 // digits only, at most one Authorization, Connection only close or
 // keep-alive, and no Transfer-Encoding, Expect or Upgrade in any spelling.
 func parseHead(head []byte) (req leanRequest, ok bool) {
-	line, rest, _ := bytes.Cut(head, []byte("\r\n"))
+	line, rest := cutLine(head)
 	method, line, _ := bytes.Cut(line, []byte(" "))
 	target, proto, _ := bytes.Cut(line, []byte(" "))
 	path, known := leanPaths[string(target)]
@@ -258,7 +270,7 @@ func parseHead(head []byte) (req leanRequest, ok bool) {
 	length, hosts, auths := -1, 0, 0
 	for {
 		var h []byte
-		h, rest, _ = bytes.Cut(rest, []byte("\r\n"))
+		h, rest = cutLine(rest)
 		if len(h) == 0 {
 			break // the blank line
 		}
@@ -304,13 +316,23 @@ func parseHead(head []byte) (req leanRequest, ok bool) {
 	return req, true
 }
 
+// cutLine cuts the first line off a head checked by headEnd, in which
+// every LF has a CR before it.
+func cutLine(b []byte) (line, rest []byte) {
+	i := bytes.IndexByte(b, '\n')
+	if i < 1 {
+		return b, nil
+	}
+	return b[:i-1], b[i+1:]
+}
+
 // leanHeader returns the value of the first header called name in a head
 // parseHead took, OWS trimmed; nil when there is none.
 func leanHeader(head []byte, name string) []byte {
-	_, rest, _ := bytes.Cut(head, []byte("\r\n"))
+	_, rest := cutLine(head)
 	for len(rest) > 0 {
 		var h []byte
-		h, rest, _ = bytes.Cut(rest, []byte("\r\n"))
+		h, rest = cutLine(rest)
 		if n, v, ok := bytes.Cut(h, []byte(":")); ok && asciiEqualFold(n, name) {
 			return trimOWS(v)
 		}
