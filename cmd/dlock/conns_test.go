@@ -37,7 +37,7 @@ func TestParseServeConns(t *testing.T) {
 }
 
 func TestDefaultMaxConns(t *testing.T) {
-	for limit, want := range map[uint64]int{100: 50, 1024: 768, 20_000: 19_744, 1 << 20: maxConnsCap} {
+	for limit, want := range map[uint64]int{0: maxConnsCap, 100: 50, 1024: 768, 20_000: 19_744, 1 << 20: maxConnsCap} {
 		if got := defaultMaxConns(limit); got != want {
 			t.Errorf("defaultMaxConns(%d) = %d, want %d", limit, got, want)
 		}

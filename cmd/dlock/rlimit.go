@@ -38,8 +38,12 @@ func raiseFileLimit() (uint64, error) {
 }
 
 // defaultMaxConns is --max-conns for an fd limit: the limit minus a
-// reserve, at most maxConnsCap.
+// reserve, at most maxConnsCap. An unknown limit (0) gives the cap: running
+// out of descriptors first is survived too (accept backs off).
 func defaultMaxConns(fdLimit uint64) int {
+	if fdLimit == 0 {
+		return maxConnsCap
+	}
 	if fdLimit <= 2*connsReserve {
 		return max(int(fdLimit/2), 1)
 	}
