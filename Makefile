@@ -7,6 +7,15 @@ STATICCHECK ?= honnef.co/go/tools/cmd/staticcheck@v0.8.2
 # staticcheck, then every test with the race detector.
 test: deps lint
 	$(GO) test -race -count=1 ./...
+	$(MAKE) fuzz
+
+# fuzz runs, briefly, the differential fuzz tests that hold the hand-written
+# parsers to net/http and encoding/json (the seeds and committed corpus run
+# in every go test too). FUZZTIME=10m for a longer search.
+FUZZTIME ?= 10s
+fuzz:
+	$(GO) test -run '^$$' -fuzz '^FuzzLeanMatchesNetHTTP$$' -fuzztime $(FUZZTIME) ./server
+	$(GO) test -run '^$$' -fuzz '^FuzzFastMatchesJSON$$' -fuzztime $(FUZZTIME) ./internal/wire
 
 # deps installs, as root, what some tests run for real: Debian's containerd
 # and docker-registry (three containerd daemons sharing one store) and

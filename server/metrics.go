@@ -1,13 +1,18 @@
 package server
 
 import (
+	"sync/atomic"
+
 	"github.com/dlock/dlock/lock"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
 type metrics struct {
-	latency *prometheus.HistogramVec
-	streams prometheus.Gauge
+	latency      *prometheus.HistogramVec
+	streams      prometheus.Gauge
+	refused      prometheus.Counter
+	acceptErrors prometheus.Counter
+	panics       prometheus.Counter
 }
 
 func newMetrics(reg *prometheus.Registry, m *lock.Manager) *metrics {
@@ -22,8 +27,28 @@ func newMetrics(reg *prometheus.Registry, m *lock.Manager) *metrics {
 			Help: "Open event streams.",
 		}),
 	}
-	reg.MustRegister(mt.latency, mt.streams, managerCollector{m}, limitsCollector{m})
+	mt.refused = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "dlock_connections_refused_total",
+		Help: "Connections answered 503 overloaded and closed: --max-conns were open.",
+	})
+	mt.acceptErrors = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "dlock_accept_errors_total",
+		Help: "Failed accepts (EMFILE, ...), retried after a back-off.",
+	})
+	mt.panics = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "dlock_handler_panics_total",
+		Help: "Panics recovered while serving a request; each closed its connection.",
+	})
+	reg.MustRegister(mt.latency, mt.streams, mt.refused, mt.acceptErrors, mt.panics, managerCollector{m}, limitsCollector{m})
 	return mt
+}
+
+// watchConns exports the open-connection count, read when scraped.
+func (mt *metrics) watchConns(reg *prometheus.Registry, open *atomic.Int64) {
+	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "dlock_connections_open",
+		Help: "Open client connections, event streams included.",
+	}, func() float64 { return float64(open.Load()) }))
 }
 
 // managerCollector reads the lock manager's gauges and counters when

@@ -1,13 +1,16 @@
 // Package server is dlock's HTTP + JSON API with Server-Sent Events for
-// waiters (SPEC §3). It holds no lock state: every request is one call into
+// waiters (docs/API.md). It holds no lock state: every request is one call into
 // the lock manager.
 package server
 
 import (
 	"bytes"
+	"cmp"
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
@@ -32,34 +35,58 @@ type Options struct {
 	// PingInterval is the longest an event stream stays silent; zero means
 	// the smaller of 15 s and the manager's lock TTL / 4.
 	PingInterval time.Duration
+	// MaxConns bounds the open client connections; past it a new one is
+	// answered 503 overloaded and closed. Zero: no bound.
+	MaxConns int
+	// ReadTimeout is the time a request's headers and body have to arrive,
+	// on every code path; zero means DefaultReadTimeout.
+	ReadTimeout time.Duration
+	// WriteTimeout is the longest a write to a client that does not read
+	// may block: an answer, or an event on a stream. Zero means
+	// DefaultWriteTimeout.
+	WriteTimeout time.Duration
 }
+
+// Defaults of the Options' timeouts.
+const (
+	DefaultReadTimeout  = 10 * time.Second
+	DefaultWriteTimeout = 10 * time.Second
+)
 
 // Server serves the dlock API for one lock manager.
 type Server struct {
-	m        *lock.Manager
-	log      *slog.Logger
-	mux      *http.ServeMux
-	metrics  *metrics
-	ping     time.Duration
-	epoch    []string
-	draining atomic.Bool
+	m            *lock.Manager
+	log          *slog.Logger
+	routes       map[string]*route
+	metrics      *metrics
+	ping         time.Duration
+	readTimeout  time.Duration
+	writeTimeout time.Duration
+	maxConns     int
+	epoch        []string
+	overloaded   []byte // the answer to a connection over MaxConns
+	draining     atomic.Bool
 
-	// streams is closed by Drain: every open event stream ends.
-	streams     chan struct{}
-	drainOnce   sync.Once
+	// drained is cancelled by Drain: every open event stream ends.
+	drained     context.Context
+	drain       context.CancelFunc
 	openStreams sync.WaitGroup
 
-	// fastLatency holds the latency histograms of the lean loop's paths,
-	// resolved once: a label lookup per request is measurable.
-	fastLatency map[string]prometheus.Observer
+	// conns counts open client connections; refusing, the refused ones
+	// still being answered.
+	conns    atomic.Int64
+	refusing atomic.Int64
 
-	// The lean HTTP/1.1 loop's state (fast.go), guarded by mu.
+	// The lean HTTP/1.1 loop's state (leanhttp.go, conns.go), guarded by
+	// mu; closed is closed when closing is set.
 	mu        sync.Mutex
-	closing   bool
+	closing   atomic.Bool
+	closed    chan struct{}
 	listeners []net.Listener
-	handoffs  []*handoffListener
-	fastConns map[*fastConn]struct{}
-	fastWG    sync.WaitGroup
+	passes    []*passListener
+	https     []*http.Server
+	leanConns map[*leanConn]struct{}
+	leanWG    sync.WaitGroup
 }
 
 // New returns a Server for m.
@@ -78,21 +105,23 @@ func New(m *lock.Manager, opts Options) *Server {
 		ping = min(15*time.Second, m.Config().LockTTL/4)
 	}
 	s := &Server{
-		m:       m,
-		log:     log,
-		mux:     http.NewServeMux(),
-		metrics: newMetrics(reg, m),
-		ping:    ping,
-		streams: make(chan struct{}),
-		epoch:   []string{m.Epoch()},
+		m:            m,
+		log:          log,
+		routes:       make(map[string]*route),
+		metrics:      newMetrics(reg, m),
+		ping:         ping,
+		readTimeout:  cmp.Or(opts.ReadTimeout, DefaultReadTimeout),
+		writeTimeout: cmp.Or(opts.WriteTimeout, DefaultWriteTimeout),
+		maxConns:     opts.MaxConns,
+		epoch:        []string{m.Epoch()},
+		closed:       make(chan struct{}),
 	}
-	s.fastLatency = make(map[string]prometheus.Observer)
-	for p := range fastPaths {
-		s.fastLatency[p] = s.metrics.latency.WithLabelValues(p)
-	}
-	s.route("/lock", http.MethodPost, s.handleLock)
-	s.route("/unlock", http.MethodPost, s.handleUnlock)
-	s.route("/cancel", http.MethodPost, s.handleCancel)
+	s.drained, s.drain = context.WithCancel(context.Background())
+	s.overloaded = overloadedAnswer(m.Epoch())
+	s.metrics.watchConns(reg, &s.conns)
+	s.core("/lock", s.lockAnswer)
+	s.core("/unlock", s.unlockAnswer)
+	s.core("/cancel", s.cancelAnswer)
 	s.route("/status", http.MethodGet, s.handleStatus)
 	s.route("/subscribe", http.MethodGet, s.handleSubscribe)
 	s.route("/lock/subscribe", http.MethodGet, s.handleSubscribe)
@@ -105,46 +134,151 @@ func New(m *lock.Manager, opts Options) *Server {
 		metricsHandler.ServeHTTP(w, r)
 		return nil
 	})
-	s.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
-		s.writeError(w, r, wire.ErrNotFound)
-	})
+	for p := range leanPaths {
+		if rt := s.routes[p]; rt == nil || rt.core == nil || rt.method != http.MethodPost {
+			panic("server: lean path " + p + " has no POST core")
+		}
+	}
 	return s
 }
 
-// ServeHTTP stamps every response with the epoch and routes it.
+// ServeHTTP serves a request net/http read.
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	defer func() {
+		if p := recover(); p != nil {
+			if p != http.ErrAbortHandler {
+				s.panicked(p, r.RemoteAddr)
+			}
+			// net/http closes the connection without logging it again.
+			panic(http.ErrAbortHandler)
+		}
+	}()
 	w.Header()[wire.EpochHeader] = s.epoch // shared, never modified
-	s.mux.ServeHTTP(w, r)
+	s.serveRequest(&request{method: r.Method, path: r.URL.Path, w: w, r: r}, nil)
+}
+
+// request is what the entry point sees of a request, whichever loop read
+// it: enough to route it, and to authenticate it once for both loops.
+type request struct {
+	method string
+	path   string // without the query
+	// Read by net/http: the answer is written to w.
+	w http.ResponseWriter
+	r *http.Request
+	// Read by the lean loop: the answer is returned. head is the request
+	// line and headers as parseHead took them (valid until the request is
+	// answered), body the whole body.
+	head []byte
+	body []byte
+	conn net.Conn
+}
+
+// header returns the first value of the named header.
+func (rq *request) header(name string) string {
+	if rq.r != nil {
+		return rq.r.Header.Get(name)
+	}
+	return string(leanHeader(rq.head, name))
+}
+
+// remoteAddr is the client's address, host:port.
+func (rq *request) remoteAddr() string {
+	if rq.r != nil {
+		return rq.r.RemoteAddr
+	}
+	return rq.conn.RemoteAddr().String()
+}
+
+// tlsState is the connection's TLS state, nil without TLS.
+func (rq *request) tlsState() *tls.ConnectionState {
+	if rq.r != nil {
+		return rq.r.TLS
+	}
+	if tc, ok := rq.conn.(interface{ ConnectionState() tls.ConnectionState }); ok {
+		st := tc.ConnectionState()
+		return &st
+	}
+	return nil
+}
+
+// serveRequest is the one entry point of every request, from the lean loop
+// and from net/http alike: whatever must hold for every request is checked
+// here, once for both. A request read by net/http is answered through rq.w
+// and serveRequest returns 0 and nil; one read by the lean loop is answered
+// with the status and the body, appended to buf.
+func (s *Server) serveRequest(rq *request, buf []byte) (int, []byte) {
+	start := time.Now()
+	rt := s.routes[rq.path]
+	var err error
+	switch {
+	case rt == nil:
+		err = wire.ErrNotFound
+	case rq.method != rt.method:
+		if rq.w != nil {
+			rq.w.Header().Set("Allow", rt.method)
+		}
+		err = wire.ErrMethodNotAllowed
+	case rt.core != nil && rq.w == nil:
+		status, out := rt.core(context.Background(), rq.body, buf)
+		rt.hist.Observe(time.Since(start).Seconds())
+		return status, out
+	case rt.core != nil:
+		err = s.answer(rq.w, rq.r, rt.core)
+	case rq.w == nil:
+		err = errLeanRoute
+	default:
+		err = rt.h(rq.w, rq.r)
+	}
+	var status int
+	var out []byte
+	if err != nil {
+		if rq.w != nil {
+			s.writeError(rq.w, rq.r, err)
+		} else {
+			status, out = s.errorAnswer(err, buf)
+		}
+	}
+	if rt != nil {
+		rt.hist.Observe(time.Since(start).Seconds())
+	}
+	return status, out
+}
+
+// errLeanRoute is a route without a core reached from the lean loop, which
+// parseHead never lets happen.
+var errLeanRoute = errors.New("server: the lean loop cannot serve this path")
+
+type handler func(w http.ResponseWriter, r *http.Request) error
+
+// route is one path's handling. A core answers from the request body alone
+// and serves both loops; a handler serves net/http only.
+type route struct {
+	method string
+	core   func(ctx context.Context, body, buf []byte) (int, []byte)
+	h      handler
+	hist   prometheus.Observer
+}
+
+// route registers h for path and method; another method gets a JSON 405.
+func (s *Server) route(path, method string, h handler) {
+	s.routes[path] = &route{method: method, h: h, hist: s.metrics.latency.WithLabelValues(path)}
+}
+
+// core registers a POST answered by core on both loops.
+func (s *Server) core(path string, core func(context.Context, []byte, []byte) (int, []byte)) {
+	s.routes[path] = &route{method: http.MethodPost, core: core, hist: s.metrics.latency.WithLabelValues(path)}
 }
 
 // Drain makes /healthz answer 503 and ends every open event stream, so that
 // the server can then be closed. It waits until the streams have returned.
 func (s *Server) Drain() {
-	s.draining.Store(true)
-	s.drainOnce.Do(func() { close(s.streams) })
+	s.startDrain()
 	s.openStreams.Wait()
 }
 
-type handler func(w http.ResponseWriter, r *http.Request) error
-
-// route registers h for path and method; another method gets a JSON 405.
-// The mux's own method patterns would answer 405 in plain text.
-func (s *Server) route(path, method string, h handler) {
-	hist := s.metrics.latency.WithLabelValues(path)
-	s.mux.HandleFunc(path, func(w http.ResponseWriter, r *http.Request) {
-		start := time.Now()
-		var err error
-		if r.Method != method {
-			w.Header().Set("Allow", method)
-			err = wire.ErrMethodNotAllowed
-		} else {
-			err = h(w, r)
-		}
-		if err != nil {
-			s.writeError(w, r, err)
-		}
-		hist.Observe(time.Since(start).Seconds())
-	})
+func (s *Server) startDrain() {
+	s.draining.Store(true)
+	s.drain()
 }
 
 func (s *Server) writeError(w http.ResponseWriter, r *http.Request, err error) {
@@ -158,12 +292,18 @@ func (s *Server) writeError(w http.ResponseWriter, r *http.Request, err error) {
 var contentTypeJSON = []string{"application/json"}
 
 func writeJSON(w http.ResponseWriter, status int, v any) {
-	b, err := json.Marshal(v)
+	b, err := jsonLine(v)
 	if err != nil {
-		b = []byte(`{"error":"encoding the answer failed","code":"internal","message":"encoding the answer failed"}`)
+		b = []byte(`{"error":"encoding the answer failed","code":"internal","message":"encoding the answer failed"}` + "\n")
 		status = http.StatusInternalServerError
 	}
-	writeRaw(w, status, append(b, '\n'))
+	writeRaw(w, status, b)
+}
+
+// jsonLine is v in JSON and a newline, as every answer body.
+func jsonLine(v any) ([]byte, error) {
+	b, err := json.Marshal(v)
+	return append(b, '\n'), err
 }
 
 // writeRaw writes a JSON body. Header values are set directly: they are
@@ -193,10 +333,14 @@ func readBody(w http.ResponseWriter, r *http.Request) (*[]byte, error) {
 		if _, ok := errors.AsType[*http.MaxBytesError](err); ok {
 			return nil, wire.ErrTooLarge
 		}
-		return nil, err
+		// Malformed chunks, or a client too slow for the read timeout: its
+		// fault, and no words an old client would retry on (docs/API.md).
+		return nil, errBadBody
 	}
 	return bp, nil
 }
+
+var errBadBody = fmt.Errorf("%w: the body could not be read", lock.ErrInvalid)
 
 func putBuf(bp *[]byte) {
 	if cap(*bp) <= 64<<10 {
@@ -205,20 +349,8 @@ func putBuf(bp *[]byte) {
 	}
 }
 
-func (s *Server) handleLock(w http.ResponseWriter, r *http.Request) error {
-	return s.answer(w, r, s.lockAnswer)
-}
-
-func (s *Server) handleUnlock(w http.ResponseWriter, r *http.Request) error {
-	return s.answer(w, r, s.unlockAnswer)
-}
-
-func (s *Server) handleCancel(w http.ResponseWriter, r *http.Request) error {
-	return s.answer(w, r, s.cancelAnswer)
-}
-
-// answer serves a POST whose answer a core function writes: the same cores
-// serve net/http here and the lean loop in fast.go.
+// answer serves, for net/http, a POST whose answer a core writes: the
+// same cores serve the lean loop (leanhttp.go).
 func (s *Server) answer(w http.ResponseWriter, r *http.Request, core func(context.Context, []byte, []byte) (int, []byte)) error {
 	data, err := readBody(w, r)
 	if err != nil {

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -37,20 +38,44 @@ func newEnv(t testing.TB, mod func(*lock.Config)) *env { return newEnvMode(t, mo
 
 // newEnvMode with lean=false serves through net/http alone (httptest).
 func newEnvMode(t testing.TB, mod func(*lock.Config), lean bool) *env {
+	return newEnvWith(t, envConfig{mod: mod, serial: !lean})
+}
+
+// envConfig is a test server's setup; the zero value is newEnv's.
+type envConfig struct {
+	mod    func(*lock.Config)
+	serial bool                            // net/http alone, without the lean loop
+	opts   Options                         // PingInterval defaults to 50 ms
+	prep   func(*Server)                   // called before serving
+	wrap   func(net.Listener) net.Listener // wraps the listener Serve gets
+}
+
+func newEnvWith(t testing.TB, ec envConfig) *env {
 	t.Helper()
 	cfg := lock.DefaultConfig()
-	if mod != nil {
-		mod(&cfg)
+	if ec.mod != nil {
+		ec.mod(&cfg)
 	}
 	m, err := lock.New(context.Background(), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := New(m, Options{PingInterval: 50 * time.Millisecond})
+	opts := ec.opts
+	if opts.PingInterval == 0 {
+		opts.PingInterval = 50 * time.Millisecond
+	}
+	srv := New(m, opts)
+	if ec.prep != nil {
+		ec.prep(srv)
+	}
 	ts := httptest.NewUnstartedServer(srv)
-	if lean {
+	if !ec.serial {
+		ln := ts.Listener
+		if ec.wrap != nil {
+			ln = ec.wrap(ln)
+		}
 		done := make(chan struct{})
-		go func() { defer close(done); srv.Serve(ts.Listener, ts.Config) }()
+		go func() { defer close(done); srv.Serve(ln, ts.Config) }()
 		ts.URL = "http://" + ts.Listener.Addr().String()
 		t.Cleanup(func() {
 			srv.Drain()

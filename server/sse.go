@@ -1,6 +1,7 @@
 package server
 
 import (
+	"context"
 	"net"
 	"net/http"
 	"strconv"
@@ -57,6 +58,9 @@ func (s *Server) handleSubscribe(w http.ResponseWriter, r *http.Request) error {
 	// writes and one that notices the peer leave.
 	if conn, brw, err := http.NewResponseController(w).Hijack(); err == nil {
 		brw.Reader.Reset(nil)
+		// net/http's read deadline for the request would end the stream;
+		// the stream sets its own write deadlines.
+		_ = conn.SetReadDeadline(time.Time{})
 		hdr := append(make([]byte, 0, 256+len(first)), "HTTP/1.1 200 OK\r\n"+
 			"Content-Type: text/event-stream\r\nCache-Control: no-cache\r\nX-Accel-Buffering: no\r\n"+
 			"Connection: close\r\n"+wire.EpochHeader+": "...)
@@ -77,8 +81,10 @@ func (s *Server) handleSubscribe(w http.ResponseWriter, r *http.Request) error {
 	h.Set("Cache-Control", "no-cache")
 	h.Set("X-Accel-Buffering", "no")
 	w.WriteHeader(http.StatusOK)
+	// Drain must not wait for a write to a client that does not read.
+	defer context.AfterFunc(s.drained, func() { _ = rc.SetWriteDeadline(time.Now()) })()
 	s.streamLoop(st, first, r.Context().Done(), func(b []byte) error {
-		_ = rc.SetWriteDeadline(time.Now().Add(2 * s.ping))
+		_ = rc.SetWriteDeadline(time.Now().Add(s.writeTimeout))
 		if _, err := w.Write(b); err != nil {
 			return err
 		}
@@ -92,6 +98,15 @@ func (s *Server) hijackedStream(conn net.Conn, st *lock.Stream, first []byte) {
 	defer s.openStreams.Done()
 	defer s.metrics.streams.Dec()
 	defer st.Close()
+	defer func() {
+		if p := recover(); p != nil {
+			s.panicked(p, conn.RemoteAddr().String())
+			conn.Close()
+		}
+	}()
+	// Drain must not wait for a write to a client that does not read: the
+	// connection closes, and the write fails, at once.
+	defer context.AfterFunc(s.drained, func() { conn.Close() })()
 	gone := make(chan struct{})
 	var reader sync.WaitGroup
 	reader.Go(func() {
@@ -106,10 +121,12 @@ func (s *Server) hijackedStream(conn net.Conn, st *lock.Stream, first []byte) {
 	})
 	var deadline time.Time
 	s.streamLoop(st, first, gone, func(b []byte) error {
-		// A peer that stops reading must not pin this goroutine; moving
-		// the deadline on every write would cost a syscall each.
-		if now := time.Now(); deadline.Sub(now) < s.ping {
-			deadline = now.Add(2 * s.ping)
+		// A peer that stops reading must not pin this goroutine: a write
+		// blocks for at most the write timeout. Moving the deadline on
+		// every write would cost a timer update each; moving it when half
+		// is gone keeps it between half and all of the write timeout.
+		if now := time.Now(); deadline.Sub(now) < s.writeTimeout/2 {
+			deadline = now.Add(s.writeTimeout)
 			_ = conn.SetWriteDeadline(deadline)
 		}
 		_, err := conn.Write(b)
@@ -157,7 +174,7 @@ func (s *Server) streamLoop(st *lock.Stream, first []byte, gone <-chan struct{},
 			return
 		case <-gone:
 			return
-		case <-s.streams:
+		case <-s.drained.Done():
 			return
 		}
 	}

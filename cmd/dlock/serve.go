@@ -20,6 +20,14 @@ import (
 	"github.com/dlock/dlock/server"
 )
 
+// connConfig bounds client connections (docs/API.md, limits).
+type connConfig struct {
+	max      int // 0: from the fd limit (defaultMaxConns)
+	read     time.Duration
+	write    time.Duration
+	shutdown time.Duration
+}
+
 // serveConfig is everything `dlock serve` can be told.
 type serveConfig struct {
 	listen   string
@@ -28,6 +36,7 @@ type serveConfig struct {
 	dataDir  string
 	logLevel slog.Level
 	debug    string // pprof listen address, "" for none
+	conns    connConfig
 	// ready, when set, receives the bound address once the server accepts.
 	ready func(net.Addr)
 }
@@ -70,6 +79,10 @@ func parseServe(args []string, getenv func(string) string, stderr io.Writer) (se
 	fs.StringVar(&c.dataDir, "data-dir", defaultDataDir(), "directory of durable state, one server each: the token ceiling, and references with refcount=server (\"\": none; tokens then rest on the wall clock)")
 	fs.TextVar(&c.logLevel, "log-level", slog.LevelInfo, "log level: debug, info, warn or error")
 	fs.StringVar(&c.debug, "debug-listen", "", "serve Go's pprof profiles on this address (e.g. 127.0.0.1:6060); off by default")
+	fs.IntVar(&c.conns.max, "max-conns", 0, fmt.Sprintf("most open client connections; past it a new one is answered 503 overloaded (0: the open-file limit minus %d, at most %d)", connsReserve, maxConnsCap))
+	fs.DurationVar(&c.conns.read, "read-timeout", server.DefaultReadTimeout, "time a request's headers and body have to arrive")
+	fs.DurationVar(&c.conns.write, "write-timeout", server.DefaultWriteTimeout, "longest a write (an answer or an event) waits for a client that does not read")
+	fs.DurationVar(&c.conns.shutdown, "shutdown-timeout", 10*time.Second, "longest a shutdown waits for requests in progress before it closes every connection")
 	if err := fs.Parse(args); err != nil {
 		return c, err
 	}
@@ -87,6 +100,9 @@ func parseServe(args []string, getenv func(string) string, stderr io.Writer) (se
 	}
 	if c.lock.UpdateRequiresNoRef && c.refcount != "server" {
 		return c, errors.New("--update-requires-no-ref needs --refcount=server")
+	}
+	if c.conns.max < 0 || c.conns.read <= 0 || c.conns.write <= 0 || c.conns.shutdown <= 0 {
+		return c, errors.New("--max-conns must not be negative, and --read-timeout, --write-timeout and --shutdown-timeout must be positive")
 	}
 	if err := c.lock.Validate(); err != nil {
 		return c, err
@@ -133,20 +149,27 @@ func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {
 		return err
 	}
 	defer m.Close()
-	srv := server.New(m, server.Options{Logger: log})
+	fdLimit, err := raiseFileLimit()
+	if err != nil {
+		log.Warn("open-file limit", "err", err)
+	}
+	if c.conns.max == 0 {
+		c.conns.max = defaultMaxConns(fdLimit)
+	}
+	srv := server.New(m, server.Options{Logger: log, MaxConns: c.conns.max, ReadTimeout: c.conns.read, WriteTimeout: c.conns.write})
 	ping := min(15*time.Second, c.lock.LockTTL/4)
 	ln, err := server.Listen(ctx, c.listen, ping)
 	if err != nil {
 		return err
 	}
-	hs := &http.Server{
-		Handler:           srv,
-		ReadHeaderTimeout: 10 * time.Second,
-		IdleTimeout:       2 * time.Minute,
-		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
+	hs := &http.Server{ // read and write timeouts: from the Options, by Serve
+		Handler:     srv,
+		IdleTimeout: 2 * time.Minute,
+		ErrorLog:    slog.NewLogLogger(log.Handler(), slog.LevelWarn),
 	}
 	log.Info("dlock serving", "addr", ln.Addr().String(), "epoch", m.Epoch(), "shards", c.lock.Shards,
-		"refcount", c.refcount, "multi_node_download", c.lock.AllowMultiNodeDownload, "data_dir", c.dataDir)
+		"refcount", c.refcount, "multi_node_download", c.lock.AllowMultiNodeDownload,
+		"max_conns", c.conns.max, "fd_limit", fdLimit, "data_dir", c.dataDir)
 	if c.ready != nil {
 		c.ready(ln.Addr())
 	}
@@ -166,13 +189,12 @@ func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {
 	case <-ctx.Done():
 	}
 	defer func() { <-errc }()
-	log.Info("shutting down: closing event streams, finishing requests")
-	srv.Drain()
-	srv.Close()
-	sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	log.Info("shutting down: closing event streams, finishing requests", "timeout", c.conns.shutdown)
+	sctx, cancel := context.WithTimeout(context.Background(), c.conns.shutdown)
 	defer cancel()
-	if err := hs.Shutdown(sctx); err != nil {
-		return fmt.Errorf("shutdown: %w", err)
+	if err := srv.Shutdown(sctx); err != nil {
+		// Every connection is closed all the same: the server stops.
+		log.Warn("shutdown timed out", "err", err)
 	}
 	log.Info("stopped")
 	return nil

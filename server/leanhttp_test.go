@@ -2,6 +2,7 @@ package server
 
 import (
 	"bufio"
+	"bytes"
 	"io"
 	"net"
 	"net/http"
@@ -95,5 +96,21 @@ func TestLeanLoop(t *testing.T) {
 	all, err := io.ReadAll(c)
 	if err != nil || !strings.Contains(string(all), `"acquired":true`) {
 		t.Fatalf("Connection: close: %q %v", all, err)
+	}
+}
+
+// BenchmarkLeanParse: the lean loop's parse of a typical hot request.
+func BenchmarkLeanParse(b *testing.B) {
+	raw := []byte("POST /lock HTTP/1.1\r\nHost: 127.0.0.1:7380\r\nUser-Agent: Go-http-client/1.1\r\nContent-Length: 60\r\nContent-Type: application/json\r\nAccept-Encoding: gzip\r\n\r\n" +
+		`{"type":"pull","resource_id":"sha256:0123456789","node_id":"n1"}`[:60])
+	rd := bytes.NewReader(raw)
+	br := bufio.NewReaderSize(rd, leanBufSize)
+	b.ReportAllocs()
+	for b.Loop() {
+		rd.Reset(raw)
+		br.Reset(rd)
+		if _, st := peekRequest(br, nil); st != leanServe {
+			b.Fatal(st)
+		}
 	}
 }

@@ -1,0 +1,133 @@
+package main
+
+import (
+	"bufio"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+func TestParseServeConns(t *testing.T) {
+	env := map[string]string{"DLOCK_MAX_CONNS": "5", "DLOCK_READ_TIMEOUT": "3s", "DLOCK_WRITE_TIMEOUT": "4s", "DLOCK_SHUTDOWN_TIMEOUT": "7s"}
+	c, err := parseServe([]string{"--read-timeout", "2s"}, func(k string) string { return env[k] }, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.conns != (connConfig{max: 5, read: 2 * time.Second, write: 4 * time.Second, shutdown: 7 * time.Second}) {
+		t.Errorf("got %+v", c.conns)
+	}
+	d, err := parseServe(nil, func(string) string { return "" }, io.Discard)
+	if err != nil || d.conns != (connConfig{max: 0, read: 10 * time.Second, write: 10 * time.Second, shutdown: 10 * time.Second}) {
+		t.Errorf("defaults: %+v %v", d.conns, err)
+	}
+	for _, args := range [][]string{{"--max-conns", "-1"}, {"--read-timeout", "0s"}, {"--write-timeout", "-1s"}, {"--shutdown-timeout", "0s"}} {
+		if _, err := parseServe(args, func(string) string { return "" }, io.Discard); err == nil {
+			t.Errorf("%v accepted", args)
+		}
+	}
+}
+
+func TestDefaultMaxConns(t *testing.T) {
+	for limit, want := range map[uint64]int{0: maxConnsCap, 100: 50, 1024: 768, 20_000: 19_744, 1 << 20: maxConnsCap} {
+		if got := defaultMaxConns(limit); got != want {
+			t.Errorf("defaultMaxConns(%d) = %d, want %d", limit, got, want)
+		}
+	}
+}
+
+// TestServeSurvivesEMFILE runs dlock serve out of file descriptors for
+// real: its limit is lowered under it and idle connections take the rest.
+// Accept fails with EMFILE; dlock serve must go on, and serve again once
+// connections close (it used to return from Serve and exit).
+func TestServeSurvivesEMFILE(t *testing.T) {
+	cmd := exec.Command(dlockBinary(t), "serve", "--listen", "127.0.0.1:0", "--max-conns", "10000")
+	stderr, _ := cmd.StderrPipe()
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan struct{}) // closed once cmd.Wait returned waitErr
+	var waitErr error
+	defer func() {
+		cmd.Process.Kill()
+		<-exited
+	}()
+	sc := bufio.NewScanner(stderr)
+	addr := ""
+	re := regexp.MustCompile(`addr=(\S+)`)
+	for addr == "" && sc.Scan() {
+		if m := re.FindStringSubmatch(sc.Text()); m != nil {
+			addr = m[1]
+		}
+	}
+	if addr == "" {
+		t.Fatal("no listen address logged")
+	}
+	acceptFailed := make(chan struct{})
+	go func() {
+		once := false
+		for sc.Scan() {
+			if !once && strings.Contains(sc.Text(), "accept failed") && strings.Contains(sc.Text(), "too many open files") {
+				once = true
+				close(acceptFailed)
+			}
+		}
+		waitErr = cmd.Wait()
+		close(exited)
+	}()
+	pid := cmd.Process.Pid
+	fds, err := os.ReadDir("/proc/" + strconv.Itoa(pid) + "/fd")
+	if err != nil {
+		t.Skipf("cannot count the server's descriptors: %v", err)
+	}
+	lim := unix.Rlimit{Cur: uint64(len(fds) + 4), Max: uint64(len(fds) + 4)}
+	if err := unix.Prlimit(pid, unix.RLIMIT_NOFILE, &lim, nil); err != nil {
+		t.Skipf("cannot lower the server's RLIMIT_NOFILE: %v", err)
+	}
+	var idle []net.Conn
+	for range 20 {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		idle = append(idle, c)
+	}
+	select {
+	case <-acceptFailed:
+	case <-exited:
+		t.Fatalf("dlock serve exited out of descriptors: %v", waitErr)
+	case <-time.After(10 * time.Second):
+		t.Fatal("accept never failed with EMFILE")
+	}
+	for _, c := range idle {
+		c.Close()
+	}
+	client := &http.Client{Timeout: 10 * time.Second}
+	resp, err := client.Post("http://"+addr+"/lock", "application/json", strings.NewReader(`{"type":"pull","resource_id":"r","node_id":"a"}`))
+	if err != nil {
+		t.Fatalf("after EMFILE: %v", err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 || !strings.Contains(string(body), `"acquired":true`) {
+		t.Fatalf("after EMFILE: %d %s", resp.StatusCode, body)
+	}
+	resp, err = client.Get("http://" + addr + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	metrics, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if m := regexp.MustCompile(`(?m)^dlock_accept_errors_total (\d+)`).FindSubmatch(metrics); m == nil || string(m[1]) == "0" {
+		t.Fatalf("dlock_accept_errors_total: %q", m)
+	}
+	client.CloseIdleConnections()
+}

@@ -1,0 +1,263 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"runtime/debug"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/dlock/dlock/internal/wire"
+)
+
+// Serve serves the API on ln: the lean loop (leanhttp.go) in front, and hs
+// for every connection the lean loop passes on. hs.Handler should be s.
+// Serve fills hs's zero ReadTimeout, ReadHeaderTimeout and WriteTimeout
+// from the Options, so both loops bound reads and writes alike.
+//
+// Accept errors (EMFILE and ENFILE when file descriptors run out, ...) are
+// retried with a back-off of 5 ms doubling to 1 s, as net/http's Serve
+// does: a connection flood must not end the service and every lock with
+// it. Past Options.MaxConns open connections, a new one is answered 503
+// overloaded and closed.
+func (s *Server) Serve(ln net.Listener, hs *http.Server) error {
+	s.configure(hs)
+	pass := newPassListener(ln.Addr())
+	s.mu.Lock()
+	if s.closing.Load() {
+		s.mu.Unlock()
+		return http.ErrServerClosed
+	}
+	s.passes = append(s.passes, pass)
+	s.listeners = append(s.listeners, ln)
+	s.https = append(s.https, hs)
+	s.mu.Unlock()
+	errc := make(chan error, 1)
+	go func() { errc <- hs.Serve(pass) }()
+	defer pass.Close()
+	var delay time.Duration
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			if s.closing.Load() {
+				return http.ErrServerClosed
+			}
+			select {
+			case err := <-errc:
+				return err
+			default:
+			}
+			if errors.Is(err, net.ErrClosed) {
+				return err
+			}
+			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+			s.metrics.acceptErrors.Inc()
+			s.log.Warn("accept failed; retrying", "err", err, "delay", delay)
+			t := time.NewTimer(delay)
+			select {
+			case <-t.C:
+			case <-s.closed:
+				t.Stop()
+				return http.ErrServerClosed
+			}
+			continue
+		}
+		delay = 0
+		if s.maxConns > 0 && s.conns.Load() >= int64(s.maxConns) {
+			s.refuse(c)
+			continue
+		}
+		s.conns.Add(1)
+		lc := &leanConn{Conn: &trackedConn{Conn: c, open: &s.conns}}
+		if !s.trackLean(lc, true) {
+			lc.Close()
+			continue
+		}
+		go s.serveLean(lc, pass, hs)
+	}
+}
+
+// configure fills hs's zero timeouts from the Options. An event stream
+// outlives them: it takes its connection over (sse.go) and sets its own.
+func (s *Server) configure(hs *http.Server) {
+	if hs.ReadTimeout == 0 {
+		hs.ReadTimeout = s.readTimeout
+	}
+	if hs.ReadHeaderTimeout == 0 {
+		hs.ReadHeaderTimeout = hs.ReadTimeout
+	}
+	if hs.WriteTimeout == 0 {
+		hs.WriteTimeout = s.writeTimeout
+	}
+}
+
+// trackedConn is a connection counted in Server.conns from accept until it
+// is closed, whoever serves it then: the lean loop, net/http, or an event
+// stream that took it over.
+type trackedConn struct {
+	net.Conn
+	open *atomic.Int64
+	once sync.Once
+}
+
+func (c *trackedConn) Close() error {
+	err := c.Conn.Close()
+	c.once.Do(func() { c.open.Add(-1) })
+	return err
+}
+
+func (c *trackedConn) CloseWrite() error {
+	if cw, ok := c.Conn.(interface{ CloseWrite() error }); ok {
+		return cw.CloseWrite()
+	}
+	return nil
+}
+
+// maxRefusing bounds the refused connections waiting for their client to
+// read the 503; past it they are closed right after it is written.
+const maxRefusing = 64
+
+// refuse answers a connection over the limit with 503 overloaded and closes
+// it. The answer is written before the request is read: an over-full
+// server spends nothing on it. A client whose request arrives after our
+// close would get a reset instead of the answer, so the close waits,
+// briefly, for the client to finish as net/http does.
+func (s *Server) refuse(c net.Conn) {
+	s.metrics.refused.Inc()
+	_ = c.SetWriteDeadline(time.Now().Add(time.Second))
+	if _, err := c.Write(s.overloaded); err != nil || s.refusing.Add(1) > maxRefusing {
+		if err == nil {
+			s.refusing.Add(-1)
+		}
+		c.Close()
+		return
+	}
+	go func() {
+		defer s.refusing.Add(-1)
+		defer c.Close()
+		if cw, ok := c.(interface{ CloseWrite() error }); ok {
+			_ = cw.CloseWrite()
+		}
+		_ = c.SetReadDeadline(time.Now().Add(500 * time.Millisecond))
+		var b [512]byte
+		for {
+			if _, err := c.Read(b[:]); err != nil {
+				return
+			}
+		}
+	}()
+}
+
+// overloadedAnswer is the whole HTTP answer to a refused connection.
+func overloadedAnswer(epoch string) []byte {
+	status, body := wire.ErrorBody(wire.ErrOverloaded)
+	b, err := jsonLine(body)
+	if err != nil {
+		panic(err) // a fixed value
+	}
+	h := fmt.Sprintf("HTTP/1.1 %d %s\r\nContent-Type: application/json\r\n%s: %s\r\nRetry-After: %d\r\nConnection: close\r\nContent-Length: %d\r\n\r\n",
+		status, http.StatusText(status), wire.EpochHeader, epoch, wire.RetryAfter(wire.ErrOverloaded), len(b))
+	return append([]byte(h), b...)
+}
+
+// panicked logs a panic in a request's handling, as net/http logs one.
+func (s *Server) panicked(p any, remote string) {
+	s.metrics.panics.Inc()
+	s.log.Error("panic serving a request; its connection is closed", "remote", remote, "panic", p, "stack", string(debug.Stack()))
+}
+
+func (s *Server) trackLean(lc *leanConn, add bool) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !add {
+		delete(s.leanConns, lc)
+		s.leanWG.Done()
+		return true
+	}
+	if s.closing.Load() {
+		return false
+	}
+	if s.leanConns == nil {
+		s.leanConns = make(map[*leanConn]struct{})
+	}
+	s.leanConns[lc] = struct{}{}
+	s.leanWG.Add(1)
+	return true
+}
+
+// stopLean stops accepting: listeners close, idle lean connections close,
+// and busy ones end after the request they serve.
+func (s *Server) stopLean() {
+	s.mu.Lock()
+	if !s.closing.Swap(true) {
+		close(s.closed)
+	}
+	for lc := range s.leanConns {
+		if lc.idle.Load() {
+			_ = lc.SetReadDeadline(time.Now())
+		}
+	}
+	passes, lns := s.passes, s.listeners
+	s.mu.Unlock()
+	for _, ln := range lns {
+		ln.Close()
+	}
+	for _, p := range passes {
+		p.Close()
+	}
+}
+
+// Close stops Serve: its listeners close, idle lean connections close, and
+// the others finish the request they serve first; it waits for them. Call
+// it after Drain and before http.Server.Shutdown, which finishes the
+// connections net/http serves. Shutdown does all of it within a deadline.
+func (s *Server) Close() error {
+	s.stopLean()
+	s.leanWG.Wait()
+	return nil
+}
+
+// Shutdown stops the server within ctx whatever clients do: /healthz
+// answers 503, event streams end, listeners close, idle connections close
+// and requests in progress may finish. When ctx ends first, every
+// connection still open is closed (a client that sends half a request, or
+// pipelines and never reads, cannot hold it) and ctx's error is returned.
+func (s *Server) Shutdown(ctx context.Context) error {
+	s.startDrain()
+	s.stopLean()
+	streams := make(chan struct{})
+	go func() {
+		s.openStreams.Wait()
+		s.leanWG.Wait()
+		close(streams)
+	}()
+	var err error
+	select {
+	case <-streams:
+	case <-ctx.Done():
+		err = ctx.Err()
+		s.mu.Lock()
+		for lc := range s.leanConns {
+			lc.Close()
+		}
+		s.mu.Unlock()
+		<-streams // they end at once, their connections closed
+	}
+	s.mu.Lock()
+	https := s.https
+	s.mu.Unlock()
+	for _, hs := range https {
+		if herr := hs.Shutdown(ctx); herr != nil {
+			err = herr
+			hs.Close()
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("shutdown: connections closed unfinished: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,465 @@
+package server
+
+import (
+	"bufio"
+	"bytes"
+	"net"
+	"net/http"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/dlock/dlock/internal/wire"
+	"golang.org/x/net/http/httpguts"
+)
+
+// The lean HTTP/1.1 loop. The hot requests — keep-alive POSTs to /lock,
+// /unlock and /cancel with a small body — are answered here with next to no
+// allocation; net/http's per-request work (header maps, request and
+// response objects, two goroutines a connection) was the largest part of
+// the server's CPU under load. The first request on a connection that the
+// loop does not fully vouch for (another method or path, a header it does
+// not understand, any framing net/http could read differently) passes the
+// connection, with every byte already read from it, to net/http for the
+// rest of its life. The loop answers no request that net/http would frame
+// differently: FuzzLeanMatchesNetHTTP holds it to http.ReadRequest.
+
+// leanBufSize is the lean loop's read buffer: a request (head and body) that
+// does not fit goes to net/http.
+const leanBufSize = 4096
+
+// leanConn is a connection served by the lean loop.
+type leanConn struct {
+	net.Conn
+	idle atomic.Bool // waiting for the next request
+}
+
+// leanPaths are the paths the lean loop answers, all POSTs with a core
+// (server.go); the values are the interned path strings.
+var leanPaths = map[string]string{"/lock": "/lock", "/unlock": "/unlock", "/cancel": "/cancel"}
+
+// serveLean runs the lean loop on one connection until it ends or is passed
+// to net/http through pass.
+func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server) {
+	passed := false
+	defer func() {
+		if p := recover(); p != nil {
+			// As net/http does: log, drop this connection, keep serving.
+			s.panicked(p, lc.RemoteAddr().String())
+		}
+		if !passed {
+			lc.Close()
+		}
+		s.trackLean(lc, false)
+	}()
+	br := bufio.NewReaderSize(lc, leanBufSize)
+	bw := bufio.NewWriterSize(lc, leanBufSize)
+	var scratch []byte
+	idle := hs.IdleTimeout
+	if idle <= 0 {
+		idle = 2 * time.Minute
+	}
+	// Deadlines are moved at most once a second (stale): moving them per
+	// request cost 5 % of the CPU under load. The read deadline bounds an
+	// idle connection; once a request has begun and is not all there, it
+	// is cut to the read timeout.
+	var rdeadline, wdeadline time.Time
+	waiting := func() {
+		rdeadline = time.Now().Add(s.readTimeout)
+		_ = lc.SetReadDeadline(rdeadline)
+	}
+	for {
+		lc.idle.Store(true)
+		if s.closing.Load() {
+			return
+		}
+		if now := time.Now(); stale(rdeadline, now, idle) {
+			rdeadline = now.Add(idle)
+			_ = lc.SetReadDeadline(rdeadline)
+		}
+		if _, err := br.Peek(1); err != nil {
+			return // closed, idle too long, or closing
+		}
+		lc.idle.Store(false)
+		req, st := peekRequest(br, waiting)
+		switch st {
+		case leanMore:
+			return // the peer went away or was too slow mid-request
+		case leanPass:
+			if bw.Flush() != nil {
+				return
+			}
+			// net/http sets its own deadlines, but only those it is
+			// configured for: ours must not linger.
+			_ = lc.SetDeadline(time.Time{})
+			if !pass.give(&passedConn{Conn: lc.Conn, r: br}) {
+				return
+			}
+			passed = true
+			return
+		}
+		rq := request{method: http.MethodPost, path: req.path, head: req.head, body: req.body, conn: lc.Conn}
+		status, body := s.serveRequest(&rq, scratch[:0])
+		writeLeanAnswer(bw, status, body, s.epoch[0], req.close)
+		scratch = body[:0]
+		_, _ = br.Discard(req.size)
+		if br.Buffered() == 0 || req.close { // pipelined requests share one write
+			if now := time.Now(); stale(wdeadline, now, s.writeTimeout) {
+				wdeadline = now.Add(s.writeTimeout)
+				_ = lc.SetWriteDeadline(wdeadline)
+			}
+			if bw.Flush() != nil {
+				return
+			}
+		}
+		if req.close {
+			return
+		}
+	}
+}
+
+// stale reports whether a deadline d set for timeout should move on at
+// now: when it would move by more than a second, or by half the timeout if
+// that is less. A blocked read or write then ends between half and all of
+// the timeout after it began.
+func stale(d, now time.Time, timeout time.Duration) bool {
+	return now.Add(timeout).Sub(d) > min(time.Second, timeout/2)
+}
+
+func writeLeanAnswer(bw *bufio.Writer, status int, body []byte, epoch string, close bool) {
+	var h [256]byte
+	b := append(h[:0], "HTTP/1.1 "...)
+	b = strconv.AppendInt(b, int64(status), 10)
+	b = append(b, ' ')
+	b = append(b, http.StatusText(status)...)
+	b = append(b, "\r\nContent-Type: application/json\r\n"+wire.EpochHeader+": "...)
+	b = append(b, epoch...)
+	if close {
+		b = append(b, "\r\nConnection: close"...)
+	}
+	b = append(b, "\r\nContent-Length: "...)
+	b = strconv.AppendInt(b, int64(len(body)), 10)
+	if ra := wire.RetryAfterStatus(status); ra > 0 {
+		b = append(b, "\r\nRetry-After: "...)
+		b = strconv.AppendInt(b, int64(ra), 10)
+	}
+	b = append(b, "\r\n\r\n"...)
+	_, _ = bw.Write(b)
+	_, _ = bw.Write(body)
+}
+
+// leanRequest is a request the lean loop answers. Its slices point into the
+// reader's buffer: they are valid until the request is discarded.
+type leanRequest struct {
+	path  string
+	head  []byte // request line and header lines, each ending in CRLF
+	body  []byte
+	size  int // bytes of the whole request
+	close bool
+}
+
+type leanStatus int
+
+const (
+	leanServe leanStatus = iota // a request the lean loop answers
+	leanPass                    // anything else: net/http's
+	leanMore                    // the request is not all there and the read failed
+)
+
+// peekRequest recognises a request the lean loop can answer, without
+// consuming it. leanPass leaves every byte in br for net/http; leanMore
+// means reading the rest of the request failed (the peer left, or the read
+// deadline passed). waiting is called, at most once, before it blocks for
+// more of the request.
+func peekRequest(br *bufio.Reader, waiting func()) (req leanRequest, st leanStatus) {
+	var buf []byte
+	end, from := -1, 0
+	for {
+		buf, _ = br.Peek(br.Buffered())
+		var ok bool
+		if end, ok = headEnd(buf, from); !ok {
+			return req, leanPass
+		}
+		if end >= 0 {
+			break
+		}
+		if len(buf) >= br.Size() {
+			return req, leanPass // headers larger than the buffer
+		}
+		from = max(0, len(buf)-1)
+		if waiting != nil {
+			waiting()
+			waiting = nil
+		}
+		if _, err := br.Peek(len(buf) + 1); err != nil {
+			return req, leanMore
+		}
+	}
+	req, ok := parseHead(buf[:end])
+	if !ok {
+		return req, leanPass
+	}
+	if req.size > br.Size() {
+		return req, leanPass
+	}
+	if br.Buffered() < req.size && waiting != nil {
+		waiting()
+	}
+	full, err := br.Peek(req.size)
+	if err != nil {
+		return req, leanMore
+	}
+	req.body = full[len(req.head)+2:]
+	return req, leanServe
+}
+
+// headEnd returns the length of the request head at the start of b,
+// through the blank line that ends it, or -1 when b does not hold all of it
+// yet. ok is false when the head holds a byte the lean loop does not vouch
+// for: an LF without a CR before it (net/http ends a line there, which could
+// hide a header or end the head early), a CR without an LF after it, a
+// control byte other than HTAB, DEL, or a byte outside ASCII. Bytes before
+// from were checked already.
+func headEnd(b []byte, from int) (end int, ok bool) {
+	for i := from; i < len(b); i++ {
+		if plainHeadByte[b[i]] {
+			continue
+		}
+		switch c := b[i]; {
+		case c == '\n':
+			if i == 0 || b[i-1] != '\r' {
+				return -1, false
+			}
+			if i >= 3 && b[i-2] == '\n' && b[i-3] == '\r' {
+				return i + 1, true
+			}
+		case c == '\r':
+			if i+1 < len(b) && b[i+1] != '\n' {
+				return -1, false
+			}
+		default:
+			return -1, false
+		}
+	}
+	return -1, true
+}
+
+// plainHeadByte marks the bytes headEnd passes over: visible ASCII, SP
+// and HTAB.
+var plainHeadByte = func() (t [256]bool) {
+	for c := ' '; c < 0x7f; c++ {
+		t[c] = true
+	}
+	t['\t'] = true
+	return t
+}()
+
+// parseHead reads a request head checked by headEnd. It takes only a
+// request whose framing it fully knows and net/http would read alike (RFC
+// 9112): the request line exactly "POST <lean path> HTTP/1.1", header names
+// that are tokens, exactly one valid Host, exactly one Content-Length of
+// digits only, at most one Authorization, Connection only close or
+// keep-alive, and no Transfer-Encoding, Expect or Upgrade in any spelling.
+func parseHead(head []byte) (req leanRequest, ok bool) {
+	line, rest := cutLine(head)
+	method, line, _ := bytes.Cut(line, []byte(" "))
+	target, proto, _ := bytes.Cut(line, []byte(" "))
+	path, known := leanPaths[string(target)]
+	if string(method) != http.MethodPost || !known || string(proto) != "HTTP/1.1" {
+		return req, false
+	}
+	req.path = path
+	req.head = head[:len(head)-2]
+	length, hosts, auths := -1, 0, 0
+	for {
+		var h []byte
+		h, rest = cutLine(rest)
+		if len(h) == 0 {
+			break // the blank line
+		}
+		colon := bytes.IndexByte(h, ':')
+		if colon <= 0 || !isToken(h[:colon]) {
+			return req, false // also a line folded onto the one before
+		}
+		name, value := h[:colon], trimOWS(h[colon+1:])
+		switch {
+		case asciiEqualFold(name, "content-length"):
+			n, ok := parseDigits(value)
+			if !ok || length >= 0 {
+				return req, false
+			}
+			length = n
+		case asciiEqualFold(name, "host"):
+			hosts++
+			if hosts > 1 || !httpguts.ValidHostHeader(string(value)) {
+				return req, false
+			}
+		case asciiEqualFold(name, "authorization"):
+			// Kept in req.head for the entry point; two would leave it
+			// ambiguous which one a check read.
+			if auths++; auths > 1 {
+				return req, false
+			}
+		case asciiEqualFold(name, "connection"):
+			switch {
+			case asciiEqualFold(value, "close"):
+				req.close = true
+			case asciiEqualFold(value, "keep-alive"):
+			default:
+				return req, false
+			}
+		case asciiEqualFold(name, "transfer-encoding"), asciiEqualFold(name, "expect"), asciiEqualFold(name, "upgrade"):
+			return req, false
+		}
+	}
+	if length < 0 || hosts != 1 {
+		return req, false
+	}
+	req.size = len(head) + length
+	return req, true
+}
+
+// cutLine cuts the first line off a head checked by headEnd, in which
+// every LF has a CR before it.
+func cutLine(b []byte) (line, rest []byte) {
+	i := bytes.IndexByte(b, '\n')
+	if i < 1 {
+		return b, nil
+	}
+	return b[:i-1], b[i+1:]
+}
+
+// leanHeader returns the value of the first header called name in a head
+// parseHead took, OWS trimmed; nil when there is none.
+func leanHeader(head []byte, name string) []byte {
+	_, rest := cutLine(head)
+	for len(rest) > 0 {
+		var h []byte
+		h, rest = cutLine(rest)
+		if n, v, ok := bytes.Cut(h, []byte(":")); ok && asciiEqualFold(n, name) {
+			return trimOWS(v)
+		}
+	}
+	return nil
+}
+
+func isToken(b []byte) bool {
+	for _, c := range b {
+		if !httpguts.IsTokenRune(rune(c)) {
+			return false
+		}
+	}
+	return len(b) > 0
+}
+
+// trimOWS trims optional white space, which is SP and HTAB only (RFC 9110
+// §5.6.3): a vertical tab or a non-ASCII space is not.
+func trimOWS(b []byte) []byte {
+	for len(b) > 0 && (b[0] == ' ' || b[0] == '\t') {
+		b = b[1:]
+	}
+	for len(b) > 0 && (b[len(b)-1] == ' ' || b[len(b)-1] == '\t') {
+		b = b[:len(b)-1]
+	}
+	return b
+}
+
+// parseDigits reads a Content-Length: ASCII digits only, no sign; more
+// than 9 digits is more than the lean loop takes anyway.
+func parseDigits(b []byte) (int, bool) {
+	if len(b) == 0 || len(b) > 9 {
+		return 0, false
+	}
+	n := 0
+	for _, c := range b {
+		if c < '0' || c > '9' {
+			return 0, false
+		}
+		n = n*10 + int(c-'0')
+	}
+	return n, true
+}
+
+func asciiEqualFold(b []byte, s string) bool {
+	if len(b) != len(s) {
+		return false
+	}
+	for i := range b {
+		if lowerASCII(b[i]) != lowerASCII(s[i]) {
+			return false
+		}
+	}
+	return true
+}
+
+func lowerASCII(c byte) byte {
+	if 'A' <= c && c <= 'Z' {
+		return c + 'a' - 'A'
+	}
+	return c
+}
+
+// passListener passes connections from the lean loop to net/http: it is
+// the listener net/http's Serve accepts from.
+type passListener struct {
+	addr  net.Addr
+	conns chan net.Conn
+	once  sync.Once
+	done  chan struct{}
+}
+
+func newPassListener(addr net.Addr) *passListener {
+	return &passListener{addr: addr, conns: make(chan net.Conn), done: make(chan struct{})}
+}
+
+func (l *passListener) give(c net.Conn) bool {
+	select {
+	case l.conns <- c:
+		return true
+	case <-l.done:
+		return false
+	}
+}
+
+func (l *passListener) Accept() (net.Conn, error) {
+	select {
+	case c := <-l.conns:
+		return c, nil
+	case <-l.done:
+		return nil, net.ErrClosed
+	}
+}
+
+func (l *passListener) Close() error {
+	l.once.Do(func() { close(l.done) })
+	return nil
+}
+
+func (l *passListener) Addr() net.Addr { return l.addr }
+
+// passedConn gives net/http the bytes the lean loop had read, then the rest.
+type passedConn struct {
+	net.Conn
+	r *bufio.Reader
+}
+
+func (c *passedConn) Read(p []byte) (int, error) {
+	if c.r != nil {
+		if c.r.Buffered() > 0 {
+			return c.r.Read(p)
+		}
+		c.r = nil
+	}
+	return c.Conn.Read(p)
+}
+
+// CloseWrite lets net/http close a connection as it does a TCP one: it
+// half-closes and lets the client read the answer before the reset an
+// unread request would cause.
+func (c *passedConn) CloseWrite() error {
+	if cw, ok := c.Conn.(interface{ CloseWrite() error }); ok {
+		return cw.CloseWrite()
+	}
+	return nil
+}
