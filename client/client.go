@@ -1,6 +1,6 @@
 // Package client is the Go client of a dlock server: one Client is one node.
 //
-// Lock waits for a lock the way SPEC §6 describes: the node's session stream
+// Lock waits for a lock the way docs/DESIGN.md describes: the node's session stream
 // is opened before the first /lock, so no grant can be missed; a queued caller
 // waits for lock_assigned (acquired) or operation_completed (skipped: another
 // node did the work); a broken stream is reopened with Last-Event-ID; when it

@@ -1,11 +1,13 @@
 // Package content is a containerd content store shared by several nodes and
-// coordinated by dlock (SPEC §7): each blob is downloaded by one node while
+// coordinated by dlock (docs/DESIGN.md): each blob is downloaded by one node while
 // the others wait and then use it, a failed download passes to the next node
 // in line, and no node's garbage collector removes a blob another node uses.
 //
 // Blobs live in one shared directory (ROOT/blobs, containerd's local layout).
-// Each node writes in an ingest folder of its own on the same filesystem, so
-// commits are renames. References are kept by the dlock server
+// Each node writes in an ingest folder of its own inside the root, so
+// commits are renames, made under the blob's pull lock. Every file
+// operation in the root goes through an os.Root, and nothing in it is used
+// through a symlink (docs/SECURITY.md). References are kept by the dlock server
 // (refcount=server): a node that reads a blob references it, its garbage
 // collector's Delete releases the reference, and the blob goes when none is
 // left.
