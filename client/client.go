@@ -1,6 +1,6 @@
 // Package client is the Go client of a dlock server: one Client is one node.
 //
-// Lock waits for a lock the way SPEC §6 describes: the node's session stream
+// Lock waits for a lock the way docs/DESIGN.md describes: the node's session stream
 // is opened before the first /lock, so no grant can be missed; a queued caller
 // waits for lock_assigned (acquired) or operation_completed (skipped: another
 // node did the work); a broken stream is reopened with Last-Event-ID; when it
@@ -20,9 +20,11 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	"github.com/dlock/dlock/internal/wire"
 	"github.com/dlock/dlock/lock"
@@ -48,6 +50,32 @@ var (
 	ErrLockLost = errors.New("dlock: lock lost")
 	// ErrClosed is returned by calls on a closed Client.
 	ErrClosed = errors.New("dlock: client closed")
+	// ErrAnswerTooLarge is an answer longer than the client reads (a
+	// body over MaxAnswer, an event line over MaxEventLine): the server
+	// is broken or hostile, and the answer is refused, not truncated.
+	ErrAnswerTooLarge = errors.New("dlock: answer too large")
+	// Refusals for load (429 too_many_sessions and queue_full, 503
+	// overloaded and too_many_keys). They are retried after the answer's
+	// Retry-After; the one that outlasts MaxRetries is returned.
+	ErrOverloaded      = wire.ErrOverloaded
+	ErrTooManySessions = lock.ErrTooManySessions
+	ErrQueueFull       = lock.ErrQueueFull
+	ErrTooManyKeys     = lock.ErrTooManyKeys
+)
+
+// Bounds on what the client reads and waits for, so that a broken or
+// hostile server cannot grow its memory or park it (docs/SECURITY.md).
+const (
+	// MaxAnswer bounds the body of an answer to a short request. The
+	// largest legitimate one, a refcount naming thousands of nodes, is
+	// far smaller.
+	MaxAnswer = 4 << 20
+	// MaxEventLine bounds one line of the session stream. The server's
+	// events are under 16 KiB: ids are at most 768 bytes and error texts
+	// 1 KiB, even when JSON escapes every byte.
+	MaxEventLine = 64 << 10
+	// MaxRetryAfter caps the pause a server's Retry-After asks for.
+	MaxRetryAfter = 30 * time.Second
 )
 
 // Client talks to one dlock server as one node. Set the exported fields
@@ -59,10 +87,13 @@ type Client struct {
 	// Node is this client's node id. Required.
 	Node string
 	// MaxRetries is how often a request that failed for a network error,
-	// a timeout or a 502/503/504 is retried. Default 3; negative: never.
+	// a timeout, or a 429/502/503/504 is retried. Default 3; negative:
+	// never. A 4xx other than 429 is never retried.
 	MaxRetries int
-	// RetryInterval is the pause between retries, with ±20 % jitter.
-	// Default 200 ms.
+	// RetryInterval is the pause between retries, with ±20 % jitter. A
+	// 429 or 503 waits for its Retry-After instead (at most
+	// MaxRetryAfter, plus up to 20 %), or without one backs off from
+	// RetryInterval, doubling. Default 200 ms.
 	RetryInterval time.Duration
 	// RequestTimeout bounds one short request. Default 5 s.
 	RequestTimeout time.Duration
@@ -205,8 +236,10 @@ func (c *Client) sawEpoch(e string) {
 	}
 }
 
-// call sends one short request, retrying network errors, timeouts and
-// 502/503/504 up to MaxRetries; a 4xx is never retried. out may be nil.
+// call sends one short request, retrying network errors, timeouts, 502 and
+// 504 after RetryInterval and load refusals (429, 503) after their
+// Retry-After, up to MaxRetries; any other 4xx is never retried. A pause
+// that would end past ctx's deadline is not taken. out may be nil.
 func (c *Client) call(ctx context.Context, method, path string, query url.Values, in, out any) error {
 	var body []byte
 	if in != nil {
@@ -220,22 +253,91 @@ func (c *Client) call(ctx context.Context, method, path string, query url.Values
 	u.RawQuery = query.Encode()
 	var err error
 	for attempt := 0; ; attempt++ {
-		var retry bool
-		retry, err = c.once(ctx, method, u.String(), body, out)
-		if err == nil || !retry || attempt >= c.MaxRetries || ctx.Err() != nil {
+		var r retry
+		r, err = c.once(ctx, method, u.String(), body, out)
+		if err == nil || r.kind == noRetry || attempt >= c.MaxRetries || ctx.Err() != nil {
 			break
 		}
-		pause := time.Duration(float64(c.RetryInterval) * (0.8 + 0.4*rand.Float64()))
+		pause := c.retryPause(r, attempt)
+		if dl, ok := ctx.Deadline(); ok && time.Until(dl) < pause {
+			return fmt.Errorf("%w (not retried: the next attempt, in %v, is past the deadline)", err, pause.Round(time.Millisecond))
+		}
+		t := time.NewTimer(pause)
 		select {
-		case <-time.After(pause):
+		case <-t.C:
 		case <-ctx.Done():
+			t.Stop()
 			return errors.Join(err, ctx.Err())
 		}
 	}
 	return err
 }
 
-func (c *Client) once(ctx context.Context, method, u string, body []byte, out any) (retry bool, err error) {
+type retryKind int
+
+const (
+	noRetry   retryKind = iota
+	retryNet            // a network error, a timeout, a 502 or 504
+	retryLoad           // 429 or 503: the server refused for load
+)
+
+// retry says whether and when a failed attempt may be repeated.
+type retry struct {
+	kind  retryKind
+	after time.Duration // the answer's Retry-After; 0: none
+}
+
+// retryPause is the pause before attempt+1. A server's Retry-After is
+// honoured, capped, with jitter added (never subtracted), so that the
+// clients it refused at once do not all come back in the same instant.
+func (c *Client) retryPause(r retry, attempt int) time.Duration {
+	switch {
+	case r.after > 0:
+		d := min(r.after, MaxRetryAfter)
+		return d + time.Duration(rand.Int64N(int64(d)/5+1))
+	case r.kind == retryLoad:
+		d := c.RetryInterval
+		for range min(attempt, 16) {
+			d *= 2
+		}
+		return jitter(min(d, MaxRetryAfter))
+	default:
+		return jitter(c.RetryInterval)
+	}
+}
+
+func jitter(d time.Duration) time.Duration {
+	return time.Duration(float64(d) * (0.8 + 0.4*rand.Float64()))
+}
+
+// retryAfter reads a Retry-After header: delay-seconds or an HTTP date.
+func retryAfter(h http.Header) time.Duration {
+	v := strings.TrimSpace(h.Get("Retry-After"))
+	if v == "" {
+		return 0
+	}
+	if n, err := strconv.ParseInt(v, 10, 64); err == nil {
+		if n <= 0 {
+			return 0
+		}
+		return time.Duration(min(n, int64(MaxRetryAfter/time.Second))) * time.Second
+	}
+	if t, err := http.ParseTime(v); err == nil {
+		return max(time.Until(t), 0)
+	}
+	return 0
+}
+
+// readAnswer reads a whole answer body, at most MaxAnswer bytes.
+func readAnswer(r io.Reader) ([]byte, error) {
+	data, err := io.ReadAll(io.LimitReader(r, MaxAnswer+1))
+	if err == nil && len(data) > MaxAnswer {
+		return nil, fmt.Errorf("%w: over %d bytes", ErrAnswerTooLarge, MaxAnswer)
+	}
+	return data, err
+}
+
+func (c *Client) once(ctx context.Context, method, u string, body []byte, out any) (retry, error) {
 	ctx, cancel := context.WithTimeout(ctx, c.RequestTimeout)
 	defer cancel()
 	var r io.Reader
@@ -244,38 +346,67 @@ func (c *Client) once(ctx context.Context, method, u string, body []byte, out an
 	}
 	req, err := http.NewRequestWithContext(ctx, method, u, r)
 	if err != nil {
-		return false, err
+		return retry{}, err
 	}
 	if body != nil {
 		req.Header.Set("Content-Type", "application/json")
 	}
 	resp, err := c.ShortClient.Do(req)
 	if err != nil {
-		return retryable(err), fmt.Errorf("dlock: %s %s: %w", method, u, err)
+		return netRetry(err), fmt.Errorf("dlock: %s %s: %w", method, u, err)
 	}
 	defer resp.Body.Close()
 	c.sawEpoch(resp.Header.Get(wire.EpochHeader))
-	data, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	data, err := readAnswer(resp.Body)
+	if errors.Is(err, ErrAnswerTooLarge) {
+		return retry{}, fmt.Errorf("dlock: %s %s: HTTP %d: %w", method, u, resp.StatusCode, err)
+	}
 	if err != nil {
-		return true, fmt.Errorf("dlock: %s %s: reading the answer: %w", method, u, err)
+		return retry{kind: retryNet}, fmt.Errorf("dlock: %s %s: reading the answer: %w", method, u, err)
 	}
 	if resp.StatusCode != http.StatusOK {
 		var eb wire.Error
 		if json.Unmarshal(data, &eb) != nil || eb.Code == "" {
 			eb = wire.Error{Code: "http_" + fmt.Sprint(resp.StatusCode), Message: strings.TrimSpace(string(data))}
 		}
+		// An error carries at most 1 KiB of the server's text, as the
+		// server keeps its own (docs/API.md).
+		eb.Message, eb.Error = clip(eb.Message), clip(eb.Error)
+		var rt retry
 		switch resp.StatusCode {
-		case http.StatusBadGateway, http.StatusServiceUnavailable, http.StatusGatewayTimeout:
-			retry = true
+		case http.StatusTooManyRequests, http.StatusServiceUnavailable:
+			rt = retry{kind: retryLoad, after: retryAfter(resp.Header)}
+		case http.StatusBadGateway, http.StatusGatewayTimeout:
+			rt = retry{kind: retryNet}
 		}
-		return retry, wire.ErrorFor(resp.StatusCode, eb)
+		return rt, wire.ErrorFor(resp.StatusCode, eb)
 	}
 	if out != nil {
 		if err := json.Unmarshal(data, out); err != nil {
-			return false, fmt.Errorf("dlock: %s %s: bad answer: %w", method, u, err)
+			return retry{}, fmt.Errorf("dlock: %s %s: bad answer: %w", method, u, err)
 		}
 	}
-	return false, nil
+	return retry{}, nil
+}
+
+// clip keeps the first KiB of a server's error text, marked with "…".
+func clip(s string) string {
+	const limit = 1 << 10
+	if len(s) <= limit {
+		return s
+	}
+	s = s[:limit]
+	for i := 0; i < 3 && !utf8.ValidString(s); i++ {
+		s = s[:len(s)-1]
+	}
+	return s + "…"
+}
+
+func netRetry(err error) retry {
+	if retryable(err) {
+		return retry{kind: retryNet}
+	}
+	return retry{}
 }
 
 // retryable reports network errors and timeouts; a cancelled caller is not.

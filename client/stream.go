@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"net/http"
@@ -73,6 +74,11 @@ func (s *session) run() {
 	for {
 		connected, err := s.stream(ctx, &first)
 		s.setUp(false)
+		pause := time.Duration(float64(backoff) * (0.8 + 0.4*rand.Float64()))
+		if ra, ok := errors.AsType[*refusedError](err); ok && ra.after > 0 {
+			// A refusal for load (too many sessions): come back when asked.
+			pause = max(pause, min(ra.after, MaxRetryAfter)+time.Duration(rand.Int64N(int64(ra.after)/5+1)))
+		}
 		if first {
 			first = false
 			close(s.tried)
@@ -83,9 +89,9 @@ func (s *session) run() {
 		if connected {
 			backoff = 50 * time.Millisecond
 		}
-		s.c.Logger.Info("session stream broken, reconnecting", "node", s.c.Node, "err", err, "in", backoff)
+		s.c.Logger.Info("session stream broken, reconnecting", "node", s.c.Node, "err", err, "in", pause)
 		select {
-		case <-time.After(time.Duration(float64(backoff) * (0.8 + 0.4*rand.Float64()))):
+		case <-time.After(pause):
 		case <-ctx.Done():
 			return
 		}
@@ -123,16 +129,21 @@ func (s *session) stream(ctx context.Context, first *bool) (connected bool, err 
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		return false, fmt.Errorf("subscribe: HTTP %d", resp.StatusCode)
+		return false, &refusedError{status: resp.StatusCode, after: retryAfter(resp.Header)}
 	}
-	r := bufio.NewReaderSize(resp.Body, 16<<10)
+	// The buffer is the bound on a line: a longer one is a broken stream,
+	// dropped and reopened like any other.
+	r := bufio.NewReaderSize(resp.Body, MaxEventLine)
 	var id, name, data string
 	for {
-		line, err := r.ReadString('\n')
+		raw, err := r.ReadSlice('\n')
+		if errors.Is(err, bufio.ErrBufferFull) {
+			return connected, fmt.Errorf("subscribe: %w: an event line over %d bytes", ErrAnswerTooLarge, MaxEventLine)
+		}
 		if err != nil {
 			return connected, err
 		}
-		line = strings.TrimRight(line, "\r\n")
+		line := strings.TrimRight(string(raw), "\r\n")
 		switch {
 		case line == "":
 			if name == "" {
@@ -169,6 +180,14 @@ func (s *session) stream(ctx context.Context, first *bool) (connected bool, err 
 		}
 	}
 }
+
+// refusedError is a /subscribe answered with another status than 200.
+type refusedError struct {
+	status int
+	after  time.Duration // its Retry-After
+}
+
+func (e *refusedError) Error() string { return fmt.Sprintf("subscribe: HTTP %d", e.status) }
 
 // dispatch turns an event into a hint for this node's waiter on the key.
 func (s *session) dispatch(name, data string) {

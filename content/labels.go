@@ -4,29 +4,45 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"io/fs"
 	"maps"
 	"os"
-	"path/filepath"
+	"path"
 
 	"github.com/opencontainers/go-digest"
 )
 
-// labelStore keeps blob labels in the shared root, one JSON file per blob,
-// replaced atomically. Writers are serialized across nodes by the blob's
-// update lock.
-type labelStore struct{ dir string }
+// maxLabels bounds a blob's label file: containerd keeps labels to 4 KiB
+// per blob, so anything this large was not written by a store.
+const maxLabels = 1 << 20
 
-func (l *labelStore) path(d digest.Digest) string {
-	return filepath.Join(l.dir, d.Algorithm().String(), d.Encoded())
+// labelStore keeps blob labels in the shared root, one JSON file per blob
+// (labels/<alg>/<hex>), replaced atomically. Writers are serialized across
+// nodes by the blob's update lock.
+type labelStore struct{ root *os.Root }
+
+func labelPath(d digest.Digest) string {
+	return path.Join("labels", d.Algorithm().String(), d.Encoded())
 }
 
 func (l *labelStore) Get(d digest.Digest) (map[string]string, error) {
-	data, err := os.ReadFile(l.path(d))
-	if errors.Is(err, os.ErrNotExist) {
+	f, _, err := openRegular(l.root, labelPath(d))
+	if errors.Is(err, fs.ErrNotExist) || errors.Is(err, errNotRegular) {
+		// No labels; a symlink planted there is not read, and Set
+		// replaces it.
 		return nil, nil
 	}
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("labels of %v: %w", d, err)
+	}
+	defer f.Close()
+	data, err := io.ReadAll(io.LimitReader(f, maxLabels+1))
+	if err != nil {
+		return nil, fmt.Errorf("labels of %v: %w", d, err)
+	}
+	if len(data) > maxLabels {
+		return nil, fmt.Errorf("labels of %v: over %d bytes", d, maxLabels)
 	}
 	var labels map[string]string
 	if err := json.Unmarshal(data, &labels); err != nil {
@@ -36,33 +52,27 @@ func (l *labelStore) Get(d digest.Digest) (map[string]string, error) {
 }
 
 func (l *labelStore) Set(d digest.Digest, labels map[string]string) error {
-	p := l.path(d)
+	p := labelPath(d)
 	if len(labels) == 0 {
-		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
-			return err
-		}
-		return nil
+		return l.remove(d)
 	}
 	data, err := json.Marshal(labels)
 	if err != nil {
 		return err
 	}
-	if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+	if err := mkdirs(l.root, path.Dir(p)); err != nil {
 		return err
 	}
-	tmp, err := os.CreateTemp(filepath.Dir(p), ".labels-*")
-	if err != nil {
+	return writeFileAtomic(l.root, p, data)
+}
+
+// remove drops a blob's labels. Remove unlinks the name itself, so a
+// symlink planted there goes, not what it points to.
+func (l *labelStore) remove(d digest.Digest) error {
+	if err := l.root.Remove(labelPath(d)); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return err
 	}
-	defer os.Remove(tmp.Name())
-	if _, err := tmp.Write(data); err != nil {
-		tmp.Close()
-		return err
-	}
-	if err := tmp.Close(); err != nil {
-		return err
-	}
-	return os.Rename(tmp.Name(), p)
+	return nil
 }
 
 func (l *labelStore) Update(d digest.Digest, update map[string]string) (map[string]string, error) {

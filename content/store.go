@@ -1,11 +1,13 @@
 // Package content is a containerd content store shared by several nodes and
-// coordinated by dlock (SPEC §7): each blob is downloaded by one node while
+// coordinated by dlock (docs/DESIGN.md): each blob is downloaded by one node while
 // the others wait and then use it, a failed download passes to the next node
 // in line, and no node's garbage collector removes a blob another node uses.
 //
 // Blobs live in one shared directory (ROOT/blobs, containerd's local layout).
-// Each node writes in an ingest folder of its own on the same filesystem, so
-// commits are renames. References are kept by the dlock server
+// Each node writes in an ingest folder of its own inside the root, so
+// commits are renames, made under the blob's pull lock. Every file
+// operation in the root goes through an os.Root, and nothing in it is used
+// through a symlink (docs/SECURITY.md). References are kept by the dlock server
 // (refcount=server): a node that reads a blob references it, its garbage
 // collector's Delete releases the reference, and the blob goes when none is
 // left.
@@ -15,8 +17,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"os"
+	"path"
 	"path/filepath"
 	"regexp"
 	"sync"
@@ -37,7 +41,8 @@ type Config struct {
 	// Root is the shared directory: blobs in Root/blobs, labels in
 	// Root/labels, deletions in progress in Root/trash.
 	Root string
-	// Ingest is this node's ingest folder, on the same filesystem as Root.
+	// Ingest is this node's ingest folder, inside Root (so that commits
+	// are renames on one filesystem, made through the root's os.Root).
 	// Default Root/nodes/<node>.
 	Ingest string
 	// Client is this node's dlock client. Its server must run with
@@ -54,11 +59,13 @@ type Config struct {
 // Store is the shared content store. It implements containerd's
 // content.Store.
 type Store struct {
-	cfg    Config
-	c      *client.Client
-	log    *slog.Logger
-	blobs  content.Store // the shared blobs (Info, ReaderAt, Walk, Update)
-	ingest content.Store // this node's ingests; its blobs/ is a link to the shared one
+	cfg       Config
+	c         *client.Client
+	log       *slog.Logger
+	root      *os.Root    // the shared root: every file operation in it goes through here
+	ingestRel string      // this node's ingest folder, relative to the root
+	labels    *labelStore // the shared blobs' labels
+	ingest    content.Store
 
 	mu       sync.Mutex
 	refs     map[digest.Digest]struct{} // blobs this node has registered a reference for
@@ -79,7 +86,8 @@ var _ content.Store = (*Store)(nil)
 // collector can remove a blob another node has just committed.
 var ErrNoRefCounting = errors.New("content: the dlock server does not count references (run it with --refcount=server)")
 
-// New opens the shared store. It checks that the dlock server is reachable
+// New opens the shared store. It refuses a root, or a folder of it, that
+// is a symlink (ErrUnsafeRoot), checks that the dlock server is reachable
 // and counts references, and opens this node's session stream.
 func New(ctx context.Context, cfg Config) (*Store, error) {
 	if cfg.Client == nil || cfg.Root == "" {
@@ -91,28 +99,43 @@ func New(ctx context.Context, cfg Config) (*Store, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	root, err := filepath.Abs(cfg.Root)
+	abs, err := filepath.Abs(cfg.Root)
 	if err != nil {
 		return nil, err
 	}
-	cfg.Root = root
+	cfg.Root = abs
 	if cfg.Ingest == "" {
-		cfg.Ingest = filepath.Join(root, "nodes", cfg.Client.Node)
+		cfg.Ingest = filepath.Join(abs, "nodes", cfg.Client.Node)
 	}
-	for _, d := range []string{filepath.Join(root, "blobs"), filepath.Join(root, "trash"), filepath.Join(root, "labels"), cfg.Ingest} {
-		if err := os.MkdirAll(d, 0o755); err != nil {
-			return nil, fmt.Errorf("content: %w", err)
+	if cfg.Ingest, err = filepath.Abs(cfg.Ingest); err != nil {
+		return nil, err
+	}
+	ingestRel, err := filepath.Rel(abs, cfg.Ingest)
+	if err != nil || ingestRel == "." || !filepath.IsLocal(ingestRel) {
+		return nil, fmt.Errorf("content: the ingest folder %s must be inside the root %s", cfg.Ingest, abs)
+	}
+	ingestRel = filepath.ToSlash(ingestRel)
+	if err := os.MkdirAll(abs, 0o755); err != nil {
+		return nil, fmt.Errorf("content: %w", err)
+	}
+	if err := checkRootPath(abs); err != nil {
+		return nil, err
+	}
+	root, err := os.OpenRoot(abs)
+	if err != nil {
+		return nil, fmt.Errorf("content: %w", err)
+	}
+	ok := false
+	defer func() {
+		if !ok {
+			root.Close()
 		}
+	}()
+	if err := prepareRoot(root, ingestRel); err != nil {
+		return nil, err
 	}
 	if err := probeWritable(root); err != nil {
 		return nil, err
-	}
-	if err := linkBlobs(cfg.Ingest, filepath.Join(root, "blobs")); err != nil {
-		return nil, err
-	}
-	blobs, err := local.NewLabeledStore(root, &labelStore{dir: filepath.Join(root, "labels")})
-	if err != nil {
-		return nil, fmt.Errorf("content: %w", err)
 	}
 	ingest, err := local.NewStore(cfg.Ingest)
 	if err != nil {
@@ -127,51 +150,52 @@ func New(ctx context.Context, cfg Config) (*Store, error) {
 	if err := cfg.Client.Connect(ctx); err != nil {
 		return nil, fmt.Errorf("content: %w", err)
 	}
-	s := &Store{cfg: cfg, c: cfg.Client, log: cfg.Logger, blobs: blobs, ingest: ingest, refs: make(map[digest.Digest]struct{})}
+	s := &Store{
+		cfg: cfg, c: cfg.Client, log: cfg.Logger, root: root, ingestRel: ingestRel,
+		labels: &labelStore{root: root}, ingest: ingest, refs: make(map[digest.Digest]struct{}),
+	}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
+	ok = true
 	return s, nil
+}
+
+// prepareRoot makes the root's folders and this node's ingest folders,
+// each checked to be a directory and not a symlink. containerd's local
+// store, which writes the ingests with plain paths, thus starts on
+// folders that resolve where they seem to; its commits land in
+// <ingest>/blobs, from where publish moves them through the root.
+func prepareRoot(root *os.Root, ingestRel string) error {
+	// Earlier versions made <ingest>/blobs a symlink to the shared blobs;
+	// that one, and only that one, is replaced by a folder.
+	link := path.Join(ingestRel, "blobs")
+	if fi, err := root.Lstat(link); err == nil && fi.Mode()&fs.ModeSymlink != 0 {
+		if target, err := root.Readlink(link); err == nil && target == filepath.Join(root.Name(), "blobs") {
+			if err := root.Remove(link); err != nil {
+				return fmt.Errorf("content: %w", err)
+			}
+		}
+	}
+	dirs := []string{"trash", path.Join(ingestRel, "ingest")}
+	for _, alg := range algorithms {
+		dirs = append(dirs, path.Join("blobs", alg.String()), path.Join("labels", alg.String()), path.Join(ingestRel, "blobs", alg.String()))
+	}
+	for _, d := range dirs {
+		if err := mkdirs(root, d); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // Close stops background work. It does not close the client.
 func (s *Store) Close() error {
 	s.cancel()
 	s.wg.Wait()
-	return nil
-}
-
-func probeWritable(root string) error {
-	f, err := os.CreateTemp(root, ".probe-*")
-	if err != nil {
-		return fmt.Errorf("content: root %s is not writable: %w", root, err)
-	}
-	f.Close()
-	return os.Remove(f.Name())
-}
-
-// linkBlobs makes ingest/blobs a link to the shared blobs, so that the local
-// store's commit renames straight into the shared directory.
-func linkBlobs(ingest, blobs string) error {
-	link := filepath.Join(ingest, "blobs")
-	if target, err := os.Readlink(link); err == nil {
-		if target == blobs {
-			return nil
-		}
-		return fmt.Errorf("content: %s points to %s, not to the shared %s", link, target, blobs)
-	} else if _, serr := os.Lstat(link); serr == nil {
-		return fmt.Errorf("content: %s exists and is not a link to the shared blobs %s", link, blobs)
-	}
-	if err := os.Symlink(blobs, link); err != nil {
-		return fmt.Errorf("content: %w", err)
-	}
-	return nil
+	return s.root.Close()
 }
 
 func (s *Store) call(ctx context.Context) (context.Context, context.CancelFunc) {
 	return context.WithTimeout(ctx, s.cfg.CallTimeout)
-}
-
-func (s *Store) blobPath(dgst digest.Digest) string {
-	return filepath.Join(s.cfg.Root, "blobs", dgst.Algorithm().String(), dgst.Encoded())
 }
 
 // reference registers this node's reference to a blob it uses, once per
@@ -215,7 +239,7 @@ func (s *Store) forget(dgst digest.Digest) {
 // Info describes a shared blob and registers this node's reference to it: a
 // node that finds a blob already there only calls Info before using it.
 func (s *Store) Info(ctx context.Context, dgst digest.Digest) (content.Info, error) {
-	info, err := s.blobs.Info(ctx, dgst)
+	info, err := s.info(dgst)
 	if err != nil {
 		return content.Info{}, err
 	}
@@ -227,7 +251,7 @@ func (s *Store) Info(ctx context.Context, dgst digest.Digest) (content.Info, err
 
 // ReaderAt opens a shared blob and registers this node's reference to it.
 func (s *Store) ReaderAt(ctx context.Context, desc ocispec.Descriptor) (content.ReaderAt, error) {
-	ra, err := s.blobs.ReaderAt(ctx, desc)
+	ra, err := s.readerAt(desc.Digest)
 	if err != nil {
 		return nil, err
 	}
@@ -241,7 +265,7 @@ func (s *Store) ReaderAt(ctx context.Context, desc ocispec.Descriptor) (content.
 // Walk walks every shared blob; it registers no reference (containerd's
 // garbage collector walks everything).
 func (s *Store) Walk(ctx context.Context, fn content.WalkFunc, filters ...string) error {
-	return s.blobs.Walk(ctx, fn, filters...)
+	return s.walk(ctx, fn, filters...)
 }
 
 // Status, ListStatuses and Abort see this node's ingests only.
@@ -292,11 +316,14 @@ func (s *Store) Delete(ctx context.Context, dgst digest.Digest) error {
 		s.cancelWait(req)
 		return nil
 	}
-	path := s.blobPath(dgst)
-	trash := filepath.Join(s.cfg.Root, "trash", fmt.Sprintf("%s-%s-%d", dgst.Algorithm(), dgst.Encoded(), res.Token))
-	if err := os.Rename(path, trash); err != nil {
+	// The trash name carries the lock's token; every name resolves inside
+	// the root, and a rename or removal acts on the name itself, never on
+	// what a symlink planted there points to.
+	blob := blobPath(dgst)
+	trash := fmt.Sprintf("trash/%s-%s-%d", dgst.Algorithm(), dgst.Encoded(), res.Token)
+	if err := s.root.Rename(blob, trash); err != nil {
 		opErr := err
-		if errors.Is(err, os.ErrNotExist) {
+		if errors.Is(err, fs.ErrNotExist) {
 			opErr = nil // gone already: the delete is done
 		}
 		s.unlock(ctx, req, res.Token, opErr)
@@ -311,17 +338,19 @@ func (s *Store) Delete(ctx context.Context, dgst digest.Digest) error {
 	if err != nil {
 		// Not confirmed (the lock may have expired and a pull committed the
 		// blob anew): put it back unless a new copy is there already.
-		if _, serr := os.Stat(path); errors.Is(serr, os.ErrNotExist) {
-			if rerr := os.Rename(trash, path); rerr == nil {
+		if _, serr := s.root.Lstat(blob); errors.Is(serr, fs.ErrNotExist) {
+			if rerr := s.root.Rename(trash, blob); rerr == nil {
 				s.log.Warn("delete not confirmed by the lock server; blob restored", "digest", dgst, "err", err)
 				return nil
 			}
 		}
-		os.Remove(trash)
+		s.root.Remove(trash)
 		return nil
 	}
-	os.Remove(trash)
-	os.Remove(filepath.Join(s.cfg.Root, "labels", dgst.Algorithm().String(), dgst.Encoded()))
+	s.root.Remove(trash)
+	if err := s.labels.remove(dgst); err != nil {
+		s.log.Warn("delete: removing the labels failed", "digest", dgst, "err", err)
+	}
 	return nil
 }
 
@@ -342,7 +371,7 @@ func (s *Store) Update(ctx context.Context, info content.Info, fieldpaths ...str
 		s.cancelWait(req)
 		return content.Info{}, fmt.Errorf("content %v: another node is updating it: %w", info.Digest, errdefs.ErrUnavailable)
 	}
-	out, err := s.blobs.Update(ctx, info, fieldpaths...)
+	out, err := s.updateLabels(info, fieldpaths...)
 	s.unlock(ctx, req, res.Token, err)
 	return out, err
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 
 	"github.com/containerd/containerd/v2/core/content"
 	"github.com/containerd/errdefs"
@@ -26,6 +25,9 @@ import (
 //   - While another node holds the pull lock: ErrUnavailable at once; this
 //     node keeps its place in the queue, and its next retry's /lock both
 //     renews that place and confirms a hand-off grant.
+//   - A ref without a digest gets a writer without a lock; its Commit takes
+//     the pull lock of the digest the data turned out to have before the
+//     blob enters the shared folder, and fails when it cannot.
 func (s *Store) Writer(ctx context.Context, opts ...content.WriterOpt) (content.Writer, error) {
 	var wo content.WriterOpts
 	for _, o := range opts {
@@ -35,8 +37,6 @@ func (s *Store) Writer(ctx context.Context, opts ...content.WriterOpt) (content.
 	}
 	dgst := digestOf(wo)
 	if dgst == "" {
-		// Nothing to coordinate on before the data is there; the reference
-		// is registered when the commit names the digest.
 		w, err := s.ingest.Writer(ctx, opts...)
 		if err != nil {
 			return nil, err
@@ -66,6 +66,7 @@ func (s *Store) Writer(ctx context.Context, opts ...content.WriterOpt) (content.
 		s.unlock(ctx, req, res.Token, nil)
 		return nil, fmt.Errorf("content %v exists; look it up with Info: %w", dgst, errdefs.ErrUnavailable)
 	}
+	s.dropLeftover(dgst)
 	wo.Desc.Digest = dgst
 	w, err := s.ingest.Writer(ctx, content.WithRef(wo.Ref), content.WithDescriptor(wo.Desc))
 	if err != nil {
@@ -75,54 +76,125 @@ func (s *Store) Writer(ctx context.Context, opts ...content.WriterOpt) (content.
 		}
 		return nil, err
 	}
-	return &writer{Writer: w, s: s, req: &req, token: res.Token}, nil
+	return &writer{Writer: w, s: s, dgst: dgst, req: &req, token: res.Token}, nil
 }
 
-func (s *Store) exists(dgst digest.Digest) bool {
-	_, err := os.Stat(s.blobPath(dgst))
-	return err == nil
-}
-
-// writer is a local ingest writer that unlocks the blob's pull lock with
-// its outcome: success on commit (the server then records this node's
-// reference), failure on a failed commit or a close without one, so that
-// the next node in line takes over at once.
+// writer is a local ingest writer that commits into this node's ingest
+// folder and then, holding the blob's pull lock, moves the blob into the
+// shared folder. It unlocks with the outcome: success on commit (the
+// server then records this node's reference), failure on a failed commit
+// or a close without one, so that the next node in line takes over at once.
 type writer struct {
 	content.Writer
 	s     *Store
-	req   *client.Request // nil when no lock was taken
+	dgst  digest.Digest   // the digest locked; "" until a lock is taken
+	req   *client.Request // nil until a lock is taken
 	token uint64
 	done  bool
 }
 
 func (w *writer) Commit(ctx context.Context, size int64, expected digest.Digest, opts ...content.Opt) error {
-	err := w.Writer.Commit(ctx, size, expected, opts...)
-	committed := err == nil || errdefs.IsAlreadyExists(err)
-	dgst := w.Writer.Digest()
-	if committed && expected != "" {
-		dgst = expected
+	if w.done {
+		return fmt.Errorf("writer already committed or closed: %w", errdefs.ErrFailedPrecondition)
 	}
 	if w.req == nil {
-		if committed {
-			// No lock was taken: register the reference the unlock would have.
-			if rerr := w.s.reference(ctx, dgst); rerr != nil {
-				w.s.log.Warn("commit: registering the reference failed", "digest", dgst, "err", rerr)
-			}
+		if err := w.lockForCommit(ctx, expected); err != nil {
+			return err
 		}
-		return err
 	}
-	if !w.done {
-		w.done = true
-		var opErr error
-		if !committed {
-			opErr = fmt.Errorf("commit: %w", err)
+	if expected == "" {
+		expected = w.dgst // the local store checks the data against it
+	}
+	var err error
+	if expected != w.dgst {
+		err = fmt.Errorf("commit of %v into a writer for %v: %w", expected, w.dgst, errdefs.ErrFailedPrecondition)
+	} else {
+		err = w.Writer.Commit(ctx, size, expected, opts...)
+	}
+	committed := false
+	if err == nil || errdefs.IsAlreadyExists(err) {
+		var perr error
+		committed, perr = w.s.publish(w.dgst)
+		if perr != nil {
+			err = perr
+		} else if !committed && err == nil {
+			err = fmt.Errorf("content %v: the committed blob is gone: %w", w.dgst, errdefs.ErrAborted)
 		}
-		w.s.unlock(ctx, *w.req, w.token, opErr)
-		if committed {
-			w.s.remember(dgst)
-		}
+	}
+	w.done = true
+	var opErr error
+	if !committed {
+		opErr = fmt.Errorf("commit: %w", err)
+	}
+	w.s.unlock(ctx, *w.req, w.token, opErr)
+	if committed {
+		w.s.remember(w.dgst)
 	}
 	return err
+}
+
+// lockForCommit takes the pull lock for a writer opened without a digest,
+// before its blob can reach the shared folder: without it, nothing would
+// keep a concurrent delete of the same digest from removing the blob just
+// committed. It never waits (Commit runs inside containerd's metadata
+// transaction): a lock held by another node fails the commit with
+// ErrUnavailable, and this node leaves the queue. A blob already there
+// ends the write with ErrAlreadyExists, as containerd's local store does.
+func (w *writer) lockForCommit(ctx context.Context, expected digest.Digest) error {
+	dgst := expected
+	if dgst == "" {
+		dgst = w.Writer.Digest()
+	}
+	if err := dgst.Validate(); err != nil {
+		return fmt.Errorf("%v: %w", err, errdefs.ErrInvalidArgument)
+	}
+	if w.s.exists(dgst) {
+		return w.alreadyThere(ctx, dgst)
+	}
+	req := client.Request{Type: lock.Pull, Resource: dgst.String(), Lease: lock.LeaseSession}
+	cctx, cancel := w.s.call(ctx)
+	res, err := w.s.c.TryLock(cctx, req)
+	cancel()
+	switch {
+	case err != nil:
+		return fmt.Errorf("content %v: pull lock for the commit: %v: %w", dgst, err, errdefs.ErrUnavailable)
+	case res.Skip:
+		if w.s.exists(dgst) {
+			return w.alreadyThere(ctx, dgst)
+		}
+		return fmt.Errorf("content %v was just pulled: %w", dgst, errdefs.ErrUnavailable)
+	case !res.Acquired:
+		w.s.cancelWait(req)
+		return fmt.Errorf("content %v is being pulled, deleted or updated by %s: %w", dgst, res.Holder, errdefs.ErrUnavailable)
+	}
+	if w.s.exists(dgst) {
+		w.s.unlock(ctx, req, res.Token, nil)
+		return w.alreadyThere(ctx, dgst)
+	}
+	w.s.dropLeftover(dgst)
+	w.dgst, w.req, w.token = dgst, &req, res.Token
+	return nil
+}
+
+// alreadyThere ends a write whose blob another node committed: the ingest
+// goes, this node references the blob, and the answer is ErrAlreadyExists,
+// which containerd's copy takes as success.
+func (w *writer) alreadyThere(ctx context.Context, dgst digest.Digest) error {
+	w.done = true
+	ref := ""
+	if st, err := w.Writer.Status(); err == nil {
+		ref = st.Ref
+	}
+	w.Writer.Close()
+	if ref != "" {
+		if err := w.s.ingest.Abort(ctx, ref); err != nil && !errdefs.IsNotFound(err) {
+			w.s.log.Warn("commit: removing the ingest failed", "ref", ref, "err", err)
+		}
+	}
+	if err := w.s.reference(ctx, dgst); err != nil {
+		w.s.log.Warn("commit: registering the reference failed", "digest", dgst, "err", err)
+	}
+	return fmt.Errorf("content %v: %w", dgst, errdefs.ErrAlreadyExists)
 }
 
 func (w *writer) Close() error {

@@ -13,7 +13,9 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"os/user"
 	"path/filepath"
+	"strconv"
 	"syscall"
 	"time"
 
@@ -39,8 +41,8 @@ func main() {
 }
 
 type config struct {
-	socket, root, ingest, node, server string
-	logLevel                           slog.Level
+	socket, socketGroup, root, ingest, node, server string
+	logLevel                                        slog.Level
 }
 
 func parse(args []string, getenv func(string) string, stderr io.Writer) (config, error) {
@@ -48,9 +50,10 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (config,
 	host, _ := os.Hostname()
 	fs := flag.NewFlagSet("dlock-content", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.StringVar(&c.socket, "socket", "/run/dlock-content/content.sock", "unix socket containerd connects to")
+	fs.StringVar(&c.socket, "socket", "/run/dlock-content/content.sock", "unix socket containerd connects to (created with mode 0660)")
+	fs.StringVar(&c.socketGroup, "socket-group", "", "group (name or gid) that owns the socket (default: the process's group)")
 	fs.StringVar(&c.root, "root", "", "shared content directory (required)")
-	fs.StringVar(&c.ingest, "ingest", "", "this node's ingest folder, on the root's filesystem (default ROOT/nodes/NODE)")
+	fs.StringVar(&c.ingest, "ingest", "", "this node's ingest folder, inside the root (default ROOT/nodes/NODE)")
 	fs.StringVar(&c.node, "node", host, "this node's id")
 	fs.StringVar(&c.server, "server", "http://127.0.0.1:7380", "dlock server URL (it must run with --refcount=server)")
 	fs.TextVar(&c.logLevel, "log-level", slog.LevelInfo, "log level")
@@ -63,7 +66,68 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (config,
 	if c.root == "" {
 		return c, errors.New("--root is required")
 	}
+	if c.socketGroup != "" {
+		if _, err := lookupGroup(c.socketGroup); err != nil {
+			return c, fmt.Errorf("--socket-group: %w", err)
+		}
+	}
 	return c, nil
+}
+
+// lookupGroup resolves a group name or a numeric gid.
+func lookupGroup(g string) (int, error) {
+	if gid, err := strconv.Atoi(g); err == nil && gid >= 0 {
+		return gid, nil
+	}
+	grp, err := user.LookupGroup(g)
+	if err != nil {
+		return 0, err
+	}
+	return strconv.Atoi(grp.Gid)
+}
+
+// listenSocket listens on a unix socket with mode 0660, owned by group
+// when one is given, whatever the umask: the socket is made in a fresh
+// folder only this process can enter, its mode and group set there, and
+// only then renamed to its place, so that it is never reachable with
+// looser permissions (anyone who can connect can read and write every
+// blob of the shared store).
+func listenSocket(socket, group string) (net.Listener, error) {
+	dir := filepath.Dir(socket)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, err
+	}
+	if err := os.Remove(socket); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, err
+	}
+	tmp, err := os.MkdirTemp(dir, ".dlc") // short: socket paths are limited to 108 bytes
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(tmp)
+	private := filepath.Join(tmp, "s")
+	ln, err := net.Listen("unix", private)
+	if err != nil {
+		return nil, err
+	}
+	// Closing must not unlink the private name (gone by then); run removes
+	// the socket when it stops.
+	ln.(*net.UnixListener).SetUnlinkOnClose(false)
+	err = os.Chmod(private, 0o660)
+	if err == nil && group != "" {
+		var gid int
+		if gid, err = lookupGroup(group); err == nil {
+			err = os.Chown(private, -1, gid)
+		}
+	}
+	if err == nil {
+		err = os.Rename(private, socket)
+	}
+	if err != nil {
+		ln.Close()
+		return nil, fmt.Errorf("socket %s: %w", socket, err)
+	}
+	return ln, nil
 }
 
 // run serves until ctx ends. ready, when set, is called once the socket
@@ -89,16 +153,11 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	}
 	defer store.Close()
 
-	if err := os.MkdirAll(filepath.Dir(c.socket), 0o755); err != nil {
-		return err
-	}
-	if err := os.Remove(c.socket); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return err
-	}
-	ln, err := net.Listen("unix", c.socket)
+	ln, err := listenSocket(c.socket, c.socketGroup)
 	if err != nil {
 		return err
 	}
+	defer os.Remove(c.socket)
 	srv := grpc.NewServer()
 	contentapi.RegisterContentServer(srv, contentserver.New(store))
 	hs := health.NewServer()

@@ -134,12 +134,15 @@ func TestRunTwiceOnFailure(t *testing.T) {
 
 func TestRunSignalReleasesAsFailure(t *testing.T) {
 	srv := startServer(t, nil)
-	cmd := exec.Command(dlockBinary(t), "run", "--resource", "r", "--node", "sig", "--", "sleep", "30")
+	started := filepath.Join(t.TempDir(), "started")
+	cmd := exec.Command(dlockBinary(t), "run", "--resource", "r", "--node", "sig", "--", "sh", "-c", "touch "+started+"; exec sleep 30")
 	cmd.Env = append(os.Environ(), "DLOCK_SERVER="+srv)
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	waitHeld(t, srv, "r", "sig")
+	// The command runs: a signal now goes to it. (Seeing the lock held is
+	// not enough: until dlock has the answer, a signal cancels the wait.)
+	waitFile(t, started)
 	cmd.Process.Signal(syscall.SIGTERM)
 	err := cmd.Wait()
 	if cmd.ProcessState.ExitCode() != 128+15 {
@@ -159,11 +162,14 @@ func TestRunLockLost(t *testing.T) {
 	}
 }
 
-func waitHeld(t *testing.T, srv, res, node string) {
+func waitFile(t *testing.T, path string) {
 	deadline := time.Now().Add(10 * time.Second)
-	for status(t, srv, res).Holder != node {
+	for {
+		if _, err := os.Stat(path); err == nil {
+			return
+		}
 		if time.Now().After(deadline) {
-			t.Fatalf("%s never held %s", node, res)
+			t.Fatalf("%s never appeared", path)
 		}
 		time.Sleep(10 * time.Millisecond)
 	}

@@ -20,6 +20,7 @@ func cmdRun(ctx context.Context, args []string, getenv func(string) string, stdi
 	always := f.fs.Bool("always", false, "run even if the operation was completed successfully moments ago")
 	skipCode := f.fs.Int("skip-exit-code", 0, "exit status when the command is skipped because another node did the work")
 	renew := f.fs.Duration("renew-interval", 10*time.Second, "how often the held lock is checked (and a ttl lease renewed) while the command runs")
+	retries := f.fs.Int("max-retries", 10, "how often a request is retried when the server refuses it for load (429/503, after its Retry-After, at most 30s) or the network fails; 0: never")
 	req, err := f.parse(args, getenv, true)
 	if err != nil {
 		return err
@@ -49,6 +50,12 @@ func cmdRun(ctx context.Context, args []string, getenv func(string) string, stdi
 
 	c := f.client()
 	c.RenewInterval = *renew
+	// A run waits as long as it takes: a server refusing for load is
+	// asked again when it says, up to --max-retries times per request.
+	c.MaxRetries = *retries
+	if *retries <= 0 {
+		c.MaxRetries = -1
+	}
 	defer c.Close()
 	res, err := c.Lock(waitCtx, req)
 	cancelWait(nil)
