@@ -416,6 +416,18 @@ func (s *Store) cancelWait(req client.Request) {
 	}
 }
 
+// leaveIfGone gives back whatever a /lock whose caller gave up may have won:
+// the request can reach the server after the caller's context ended, and
+// a session-leased grant nobody knows of would then be held for as long as
+// this process lives (containerd 2.x cancels every writer of a failed pull
+// at once). While the caller is still there it retries, and its retry
+// finds its grant or its place in line.
+func (s *Store) leaveIfGone(ctx context.Context, req client.Request) {
+	if ctx.Err() != nil {
+		s.cancelWait(req)
+	}
+}
+
 // refDigest finds the digest at the end of a writer ref, as containerd's
 // remotes make them (layer-sha256:<hex>, name@sha256:<hex>).
 var refDigest = regexp.MustCompile(`(sha256:[a-f0-9]{64}|sha384:[a-f0-9]{96}|sha512:[a-f0-9]{128})$`)

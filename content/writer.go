@@ -55,6 +55,7 @@ func (s *Store) Writer(ctx context.Context, opts ...content.WriterOpt) (content.
 	cancel()
 	switch {
 	case err != nil:
+		s.leaveIfGone(ctx, req)
 		return nil, fmt.Errorf("content %v: pull lock: %v: %w", dgst, err, errdefs.ErrUnavailable)
 	case res.Skip:
 		return nil, fmt.Errorf("content %v was just pulled: %w", dgst, errdefs.ErrUnavailable)
@@ -157,6 +158,7 @@ func (w *writer) lockForCommit(ctx context.Context, expected digest.Digest) erro
 	cancel()
 	switch {
 	case err != nil:
+		w.s.leaveIfGone(ctx, req)
 		return fmt.Errorf("content %v: pull lock for the commit: %v: %w", dgst, err, errdefs.ErrUnavailable)
 	case res.Skip:
 		if w.s.exists(dgst) {
