@@ -103,6 +103,7 @@ func (o *outbox) drain(deliver func(item)) {
 }
 
 func (m *Manager) deliver(it item) {
+	m.opDeliver(it)
 	for _, node := range it.to {
 		if s := m.sess.get(node); s != nil {
 			s.push(m, it.ev)
@@ -216,6 +217,7 @@ func (m *Manager) endSession(s *session) {
 	s.mu.Unlock()
 	m.sess.mu.Unlock()
 	m.sessionsLost.Add(1)
+	m.opSession(s)
 	m.log.Info("session lost", "node", s.node, "keys", len(keys))
 	for k := range keys {
 		m.shardFor(k.Resource).dropSession(k, s)
@@ -345,6 +347,7 @@ func (st *Stream) Close() {
 				s.startGrace(m)
 			}
 			s.mu.Unlock()
+			m.opSession(s)
 		}
 		close(st.done)
 	})
@@ -405,6 +408,7 @@ func (m *Manager) Subscribe(node string, observe *Key, lastID uint64, hasLast bo
 		}
 		s.mu.Unlock()
 		m.sess.mu.Unlock()
+		m.opSession(s)
 		if len(sub.Replay) > 0 {
 			m.log.Debug("replaying session events", "node", node, "events", len(sub.Replay))
 		}

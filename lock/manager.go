@@ -25,6 +25,8 @@ type Manager struct {
 	obs  observerTable
 	seq  atomic.Uint64 // event ids, shared by every stream
 
+	ops opTable // the operator feed (opfeed.go)
+
 	refVersion atomic.Uint64 // last version given to a reference change
 
 	sessionsLost atomic.Uint64
@@ -134,6 +136,7 @@ func (m *Manager) Close() error {
 	for _, st := range streams {
 		st.Close()
 	}
+	m.closeOps()
 	return nil
 }
 
