@@ -38,8 +38,8 @@ type opTable struct {
 	mu   sync.Mutex
 	list []*OpStream // replaced, never modified in place
 	n    atomic.Int64
-	// built counts the events built for the feed; it stays zero while
-	// nobody watches (a test checks).
+	// built counts the events built or passed on for the feed; it stays
+	// zero while nobody watches (a test checks).
 	built atomic.Uint64
 }
 
@@ -51,7 +51,6 @@ func (t *opTable) streams() []*OpStream {
 }
 
 func (t *opTable) publish(ev OpEvent) {
-	t.built.Add(1)
 	for _, st := range t.streams() {
 		if !st.offer(ev) {
 			st.kill()
@@ -65,6 +64,9 @@ func (t *opTable) publish(ev OpEvent) {
 // not: the feed reports that waiter's queue_left instead.
 func (m *Manager) opDeliver(it item) {
 	if m.ops.n.Load() > 0 && (it.observers || len(it.to) == 0) {
+		if it.observers {
+			m.ops.built.Add(1) // operator-only events were counted when built
+		}
 		m.ops.publish(OpEvent{Event: it.ev})
 	}
 }
@@ -73,6 +75,7 @@ func (m *Manager) opDeliver(it item) {
 // event goes out with t's.
 func (s *shard) opJoined(t *txn, ks *keyState, node string) {
 	if s.m.ops.n.Load() > 0 {
+		s.m.ops.built.Add(1)
 		t.items = append(t.items, item{ev: &Event{Name: EventQueueJoined, Key: ks.key, Node: node}})
 	}
 }
@@ -82,6 +85,7 @@ func (s *shard) opJoined(t *txn, ks *keyState, node string) {
 // with the transaction's (takeOps).
 func (s *shard) opLeft(ks *keyState, node string) {
 	if s.m.ops.n.Load() > 0 {
+		s.m.ops.built.Add(1)
 		s.opq = append(s.opq, item{ev: &Event{Name: EventQueueLeft, Key: ks.key, Node: node}})
 	}
 }
@@ -104,6 +108,7 @@ func (m *Manager) opSession(s *session) {
 	if m.ops.n.Load() == 0 {
 		return
 	}
+	m.ops.built.Add(1)
 	s.mu.Lock()
 	c := &SessionChange{Node: s.node, Streams: len(s.streams), Ended: s.ended}
 	s.mu.Unlock()
