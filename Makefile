@@ -18,19 +18,19 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzFastMatchesJSON$$' -fuzztime $(FUZZTIME) ./internal/wire
 
 # deps installs, as root, what some tests run for real: Debian's containerd
-# and docker-registry (three containerd daemons sharing one store) and
-# redis-server and etcd-server (dlock bench --compare). Without root those
-# tests skip, saying so.
-DEB_PACKAGES = containerd docker-registry redis-server etcd-server
+# and docker-registry (three containerd daemons sharing one store),
+# redis-server and etcd-server (dlock bench --compare) and chromium (the
+# live view's browser test). Without root those tests skip, saying so.
+DEB_PACKAGES = containerd docker-registry redis-server etcd-server chromium
 deps:
 	@if [ "$$(id -u)" = 0 ]; then \
-		missing=; for b in containerd ctr docker-registry redis-server etcd; do command -v $$b >/dev/null || missing=yes; done; \
+		missing=; for b in containerd ctr docker-registry redis-server etcd chromium; do command -v $$b >/dev/null || missing=yes; done; \
 		if [ -n "$$missing" ]; then \
 			echo "installing $(DEB_PACKAGES) for the tests that run them"; \
 			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(DEB_PACKAGES) >/dev/null; \
 		fi; \
 	else \
-		echo "NOTE: not root: the tests with real containerd, redis and etcd servers will be skipped"; \
+		echo "NOTE: not root: the tests with real containerd, redis and etcd servers and chromium will be skipped"; \
 	fi
 
 vet:

@@ -149,6 +149,7 @@ func (o *outbox) drain(deliver func(item)) {
 }
 
 func (m *Manager) deliver(it item) {
+	m.opDeliver(it)
 	for _, node := range it.to {
 		if s := m.sess.get(node); s != nil {
 			s.push(m, it.ev)
@@ -442,6 +443,7 @@ func (m *Manager) endSessions(due []*session, now mono, drops map[*shard][]sessi
 		s.keys, s.log, s.logHead, s.logBytes = nil, nil, 0, 0
 		s.mu.Unlock()
 		m.sessionsLost.Add(1)
+		m.opSession(s)
 		m.log.Info("session lost", "node", s.node, "keys", len(keys))
 		for k := range keys {
 			sh := m.shardFor(k.Resource)
@@ -577,6 +579,7 @@ func (st *Stream) Close() {
 				s.startGrace(m)
 			}
 			s.mu.Unlock()
+			m.opSession(s)
 		}
 		close(st.done)
 	})
@@ -663,6 +666,7 @@ func (m *Manager) Subscribe(node string, observe *Key, lastID uint64, hasLast bo
 		}
 		s.mu.Unlock()
 		m.sess.mu.Unlock()
+		m.opSession(s)
 		if sub.Missed {
 			m.replayGaps.Add(1)
 		}

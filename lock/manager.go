@@ -28,6 +28,8 @@ type Manager struct {
 	keys  atomic.Int64  // keys with state, over every shard (Config.MaxKeys)
 	tok   tokenClock
 
+	ops opTable // the operator feed (opfeed.go)
+
 	refVersion atomic.Uint64 // last version given to a reference change
 
 	sessionsLost atomic.Uint64
@@ -145,6 +147,7 @@ func (m *Manager) Close() error {
 	for _, st := range streams {
 		st.Close()
 	}
+	m.closeOps()
 	return nil
 }
 

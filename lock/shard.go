@@ -29,6 +29,7 @@ type shard struct {
 	grants, handoffs, expiries uint64
 
 	out outbox
+	opq []item // operator-only events waiting for the next commit (opfeed.go)
 }
 
 // resKeys holds the keys of one resource, indexed by Type: a map keyed by
@@ -248,12 +249,13 @@ type logLine struct {
 
 func (s *shard) begin() txn {
 	m := s.m
-	return txn{now: m.now(), notify: m.sess.n.Load() > 0 || m.obs.n.Load() > 0}
+	return txn{now: m.now(), notify: m.sess.n.Load() > 0 || m.obs.n.Load() > 0 || m.ops.n.Load() > 0}
 }
 
 // commit releases the shard mutex, then makes the transition's reference
 // changes durable, then lets its events go out, in that order (SPEC §5).
 func (s *shard) commit(ctx context.Context, t txn) error {
+	t.items = s.takeOps(t.items)
 	var b *batch
 	if len(t.items) > 0 {
 		b = &batch{items: t.items, ready: len(t.saves) == 0}
@@ -329,6 +331,7 @@ func (s *shard) enqueue(t *txn, ks *keyState, e *entry) {
 	ks.queued[e.node] = e
 	s.queued++
 	s.reschedule(e)
+	s.opJoined(t, ks, e.node)
 }
 
 // dequeue removes a waiter from anywhere in the queue.
@@ -339,6 +342,7 @@ func (s *shard) dequeue(ks *keyState, e *entry) {
 
 // forget drops a waiter that is no longer in ks.queue.
 func (s *shard) forget(ks *keyState, e *entry) {
+	s.opLeft(ks, e.node)
 	delete(ks.queued, e.node)
 	s.queued--
 	s.leases.remove(e)

@@ -129,6 +129,7 @@ func New(m *lock.Manager, opts Options) *Server {
 	s.route("/refcount/add", http.MethodPost, s.handleRefAdd)
 	s.route("/refcount/release", http.MethodPost, s.handleRefRelease)
 	s.route("/healthz", http.MethodGet, s.handleHealthz)
+	s.routeUI()
 	metricsHandler := promhttp.HandlerFor(reg, promhttp.HandlerOpts{})
 	s.route("/metrics", http.MethodGet, func(w http.ResponseWriter, r *http.Request) error {
 		metricsHandler.ServeHTTP(w, r)

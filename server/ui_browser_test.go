@@ -1,0 +1,241 @@
+package server
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/chromedp/cdproto/cdp"
+	"github.com/chromedp/cdproto/emulation"
+	"github.com/chromedp/chromedp"
+	"github.com/chromedp/chromedp/kb"
+)
+
+// screenshotEnv names the file TestUIBrowser saves its screenshot to, for
+// example docs/ui.png (a path relative to the repository root).
+const screenshotEnv = "DLOCK_UI_SCREENSHOT"
+
+// chromium finds Debian's chromium, which `make deps` installs as root.
+func chromium(t *testing.T) string {
+	t.Helper()
+	path, err := exec.LookPath("chromium")
+	if err == nil {
+		return path
+	}
+	if os.Geteuid() != 0 {
+		t.Skip("SKIPPED LOUDLY: TestUIBrowser needs Debian's chromium and installing it needs root; run `make test` as root")
+	}
+	t.Fatal("chromium is not installed: run `make deps` as root")
+	return ""
+}
+
+// browser starts a headless chromium that never reaches for the network:
+// without these flags it tries to, and the network is closed here. The
+// returned func closes it and waits for it and chromedp's goroutines to end.
+func browser(t *testing.T) (context.Context, func()) {
+	t.Helper()
+	actx, cancelAlloc := chromedp.NewExecAllocator(context.Background(),
+		chromedp.ExecPath(chromium(t)),
+		chromedp.Headless,
+		chromedp.NoSandbox,
+		chromedp.DisableGPU,
+		chromedp.NoFirstRun,
+		chromedp.NoDefaultBrowserCheck,
+		chromedp.Flag("disable-quic", true),
+		chromedp.Flag("disable-background-networking", true),
+		chromedp.Flag("disable-component-update", true),
+		chromedp.Flag("disable-sync", true),
+		chromedp.Flag("disable-dev-shm-usage", true),
+		chromedp.Flag("disable-extensions", true),
+		chromedp.Flag("disable-default-apps", true),
+		chromedp.Flag("force-color-profile", "srgb"),
+		chromedp.UserDataDir(t.TempDir()),
+		chromedp.WindowSize(1360, 900),
+	)
+	ctx, cancel := chromedp.NewContext(actx)
+	return ctx, func() {
+		cctx, ccancel := context.WithTimeout(ctx, 20*time.Second)
+		_ = chromedp.Cancel(cctx)
+		ccancel()
+		cancel()
+		cancelAlloc()
+	}
+}
+
+// pollUI waits until the JavaScript expression is truthy in the page and
+// returns its value; the timeout only bounds a broken run.
+func pollUI[T any](t *testing.T, ctx context.Context, what, expr string) T {
+	t.Helper()
+	v, err := chromedp.Run(ctx, chromedp.Poll[T](expr, chromedp.WithPollingInterval(20*time.Millisecond), chromedp.WithPollingTimeout(30*time.Second)))
+	if err != nil {
+		text, _ := chromedp.Run(ctx, chromedp.Evaluate[string](`document.querySelector("main").innerText`))
+		t.Fatalf("waiting for %s: %v\npage shows:\n%s", what, err, text)
+	}
+	return v
+}
+
+func uiEval[T any](t *testing.T, ctx context.Context, expr string) T {
+	t.Helper()
+	v, err := chromedp.Run(ctx, chromedp.Evaluate[T](expr))
+	if err != nil {
+		t.Fatalf("evaluating %s: %v", expr, err)
+	}
+	return v
+}
+
+// What a person sees in a held key's row: holder and the queue in order.
+const rowJS = `(() => {
+	const row = document.querySelector('#keys tr[data-key=' + JSON.stringify(%q) + ']');
+	if (!row) return null;
+	return {
+		holder: row.querySelector('.holder .node').textContent,
+		token: row.querySelector('.token').textContent,
+		held: row.querySelector('time.held').textContent,
+		queue: [...row.querySelectorAll('.queue li')].map((li) => li.textContent),
+	};
+})()`
+
+type uiRow struct {
+	Holder string   `json:"holder"`
+	Token  string   `json:"token"`
+	Held   string   `json:"held"`
+	Queue  []string `json:"queue"`
+}
+
+// TestUIBrowser drives the live view in a real headless chromium: a holder
+// and two waiters show in order, a failed holder's hand-off arrives without
+// a reload, and the filter narrows what is shown.
+func TestUIBrowser(t *testing.T) {
+	ctx, closeBrowser := browser(t)
+	e := newEnv(t, nil)
+	defer closeBrowser() // before the server's cleanup, and before goleak looks
+
+	lockAs := func(typ, res, node string) {
+		t.Helper()
+		body := fmt.Sprintf(`{"type":%q,"resource_id":%q,"node_id":%q}`, typ, res, node)
+		if status, got := e.call("POST", "/lock", body); status != 200 {
+			t.Fatalf("lock %s %s %s: %d %v", typ, res, node, status, got)
+		}
+	}
+	unlockAs := func(typ, res, node, errMsg string) {
+		t.Helper()
+		body := fmt.Sprintf(`{"type":%q,"resource_id":%q,"node_id":%q,"success":%t,"error":%q}`, typ, res, node, errMsg == "", errMsg)
+		if status, got := e.call("POST", "/unlock", body); status != 200 {
+			t.Fatalf("unlock %s %s %s: %d %v", typ, res, node, status, got)
+		}
+	}
+
+	const (
+		layer = "sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+		other = "sha256:60303ae22b998861bce3b28f33eec1be758a213c86c93c076dbe9f558c11c752"
+		base  = "sha256:fd61d9c3fb1d6c0a5b4dfb4d6cd5c3e2c0a6f6b8f1c7f8e4a1b2c3d4e5f60718"
+		gone  = "sha256:2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae"
+		busy  = "sha256:b5bb9d8014a0f9b1d61e21e796d78dccdf1352f23cd32812f4850b878ae4944c"
+	)
+	// The waiters have session streams, as real clients do, so the
+	// hand-off is pushed to them; the holder holds under a ttl lease.
+	for _, n := range []string{"node-b", "node-c", "node-e"} {
+		s := e.subscribe("node_id="+n, "")
+		s.next(t)
+	}
+	lockAs("pull", layer, "node-a")
+	lockAs("pull", layer, "node-b")
+	lockAs("pull", layer, "node-c")
+	lockAs("pull", other, "node-d")
+	lockAs("pull", other, "node-e")
+	lockAs("update", base, "builder-1")
+	for _, n := range []string{"node-g", "node-h", "node-i", "node-j"} {
+		lockAs("pull", busy, n)
+	}
+	lockAs("pull", gone, "node-f")
+	unlockAs("pull", gone, "node-f", "")
+
+	// Light mode for the screenshot; the page follows the system's.
+	if err := chromedp.Do(ctx,
+		chromedp.Func(func(ctx context.Context, t *chromedp.Target) error {
+			_, err := cdp.Call(ctx, t, emulation.SetEmulatedMedia, emulation.SetEmulatedMediaParams{
+				Features: []*emulation.MediaFeature{{Name: "prefers-color-scheme", Value: "light"}},
+			})
+			return err
+		}),
+		chromedp.Navigate(e.ts.URL+"/ui"),
+	); err != nil {
+		t.Fatal(err)
+	}
+	pollUI[bool](t, ctx, "the live feed to connect", `document.getElementById("conn").textContent === "Live"`)
+	loadID := uiEval[string](t, ctx, `window.dlockLoadId`)
+
+	var row uiRow
+	row = pollUI[uiRow](t, ctx, "the holder and its queue", fmt.Sprintf(rowJS, "pull:"+layer))
+	if row.Holder != "node-a" || !slices.Equal(row.Queue, []string{"node-b", "node-c"}) || row.Token == "" || row.Held == "" {
+		t.Fatalf("row %+v, want node-a holding and node-b, node-c waiting in that order", row)
+	}
+
+	unlockAs("pull", layer, "node-a", "disk full")
+	row = pollUI[uiRow](t, ctx, "the hand-off to node-b", fmt.Sprintf(`(() => { const r = %s; return r && r.holder === "node-b" ? r : null; })()`,
+		fmt.Sprintf(rowJS, "pull:"+layer)))
+	if !slices.Equal(row.Queue, []string{"node-c"}) {
+		t.Fatalf("after the hand-off: %+v, want node-c alone waiting", row)
+	}
+	done := pollUI[string](t, ctx, "node-a's failure among the completions", fmt.Sprintf(`(() => {
+		const r = document.querySelector('#completions tr[data-key=' + JSON.stringify(%q) + ']');
+		return r ? r.innerText : null;
+	})()`, "pull:"+layer))
+	for _, want := range []string{"node-a", "failed", "disk full", "node-b"} {
+		if !strings.Contains(done, want) {
+			t.Fatalf("completion row %q lacks %q", done, want)
+		}
+	}
+	if got := uiEval[string](t, ctx, `window.dlockLoadId`); got != loadID {
+		t.Fatalf("the page was reloaded (load id %s, then %s): updates must arrive live", loadID, got)
+	}
+
+	// The filter: by resource, then by node.
+	if err := chromedp.Do(ctx, chromedp.SendKeys(chromedp.CSS("#filter"), "60303ae")); err != nil {
+		t.Fatal(err)
+	}
+	// Poll for exactly what the filter must leave: the rows of before stay
+	// until the filtered page arrives.
+	shownKeys := `[...document.querySelectorAll('#keys tbody tr')].map((r) => r.dataset.key).join(" ")`
+	pollUI[bool](t, ctx, "the resource filter to leave pull:"+other, shownKeys+` === "pull:`+other+`"`)
+	// From the keyboard: "/" focuses the filter and selects its text.
+	if err := chromedp.Do(ctx, chromedp.Focus(chromedp.CSS("#held-h")), chromedp.KeyEvent("/"), chromedp.KeyEvent(kb.Backspace),
+		chromedp.SendKeys(chromedp.CSS("#node"), "builder-1")); err != nil {
+		t.Fatal(err)
+	}
+	pollUI[bool](t, ctx, "the node filter to leave update:"+base, shownKeys+` === "update:`+base+`" && location.search === "?node=builder-1"`)
+	// Clear (keyboard: focus the button, press Enter).
+	if err := chromedp.Do(ctx, chromedp.Focus(chromedp.CSS(`button[type=reset]`)), chromedp.KeyEvent(kb.Enter)); err != nil {
+		t.Fatal(err)
+	}
+	pollUI[bool](t, ctx, "every key back", `document.querySelectorAll('#keys tbody tr').length === 4 && document.querySelectorAll('#sessions tbody tr').length === 3`)
+	if got := uiEval[string](t, ctx, `window.dlockLoadId`); got != loadID {
+		t.Fatal("the page was reloaded while filtering")
+	}
+
+	if out := os.Getenv(screenshotEnv); out != "" {
+		if !filepath.IsAbs(out) {
+			_, file, _, _ := runtime.Caller(0)
+			out = filepath.Join(filepath.Dir(file), "..", out)
+		}
+		// Let the hand-off's highlight fade: the screenshot shows the
+		// steady page.
+		pollUI[bool](t, ctx, "the highlight to fade", `document.querySelectorAll("tr.flash").length === 0 || document.getAnimations().every((a) => a.playState === "finished")`)
+		uiEval[bool](t, ctx, `document.activeElement.blur(), true`)
+		png, err := chromedp.Run(ctx, chromedp.FullScreenshot(100))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(out, png, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("screenshot saved to %s", out)
+	}
+}
