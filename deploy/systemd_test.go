@@ -198,6 +198,11 @@ func checkSystemd(analyze, bin string, files map[string]string, env knownEnv) er
 	if !slices.Contains(c.all("Install", "WantedBy"), "containerd.service") {
 		fail("dlock-content.service: not WantedBy=containerd.service")
 	}
+	// dlock.service's dynamic user is named after it: a static user of
+	// that name would be taken instead, and own the server's state.
+	if u := c.get("Service", "User"); u == "" || u == "dlock" {
+		fail("dlock-content.service: User=%q: want a user of its own (the shared root's files are its)", u)
+	}
 	cEnv, _ := parseEnv(files["dlock-content.env"])
 	sock := cEnv["DLOCK_CONTENT_SOCKET"]
 	if rd := c.get("Service", "RuntimeDirectory"); rd == "" || path.Dir(sock) != path.Join("/run", rd) {
