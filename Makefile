@@ -19,12 +19,13 @@ fuzz:
 
 # deps installs, as root, what some tests run for real: Debian's containerd
 # and docker-registry (three containerd daemons sharing one store),
-# redis-server and etcd-server (dlock bench --compare) and chromium (the
-# live view's browser test). Without root those tests skip, saying so.
-DEB_PACKAGES = containerd docker-registry redis-server etcd-server chromium
+# redis-server and etcd-server (dlock bench --compare), chromium (the live
+# view's browser test) and systemd for systemd-analyze (deploy/systemd's
+# units). Without root those tests skip, saying so.
+DEB_PACKAGES = containerd docker-registry redis-server etcd-server chromium systemd
 deps:
 	@if [ "$$(id -u)" = 0 ]; then \
-		missing=; for b in containerd ctr docker-registry redis-server etcd chromium; do command -v $$b >/dev/null || missing=yes; done; \
+		missing=; for b in containerd ctr docker-registry redis-server etcd chromium systemd-analyze; do command -v $$b >/dev/null || missing=yes; done; \
 		if [ -n "$$missing" ]; then \
 			echo "installing $(DEB_PACKAGES) for the tests that run them"; \
 			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(DEB_PACKAGES) >/dev/null; \
@@ -67,3 +68,14 @@ build:
 	@mkdir -p bin
 	$(GO) build -o bin/dlock ./cmd/dlock
 	$(GO) build -o bin/dlock-content ./cmd/dlock-content
+
+# deploy/ is a module of its own (its tests need the Kubernetes libraries,
+# which dlock itself does not): its manifests and systemd units are checked
+# by its tests, and its code linted, as part of test and lint.
+.PHONY: deploy-test deploy-lint
+test: deploy-test
+lint: deploy-lint
+deploy-test: deps deploy-lint
+	cd deploy && $(GO) test -race -count=1 ./...
+deploy-lint:
+	cd deploy && $(GO) vet ./... && $(GO) run $(STATICCHECK) ./...

@@ -1,0 +1,5 @@
+// Package deploy holds no code: its tests check the deployment files beside
+// it (kubernetes/, systemd/) without a cluster or a running systemd, and fail
+// on a typo in any of them. It is a module of its own so that the
+// Kubernetes libraries the tests need stay out of dlock's module.
+package deploy
