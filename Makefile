@@ -1,11 +1,11 @@
 GO ?= go
 STATICCHECK ?= honnef.co/go/tools/cmd/staticcheck@v0.8.2
 
-.PHONY: test deps vet lint bench fuzz build
+.PHONY: test deps vet lint bench fuzz build containerd2
 
 # test is what CI runs (.ci/run): the test dependencies, formatting, vet,
 # staticcheck, then every test with the race detector.
-test: deps lint
+test: deps containerd2 lint
 	$(GO) test -race -count=1 ./...
 	$(MAKE) fuzz
 
@@ -33,6 +33,25 @@ deps:
 	else \
 		echo "NOTE: not root: the tests with real containerd, redis and etcd servers and chromium will be skipped"; \
 	fi
+
+# containerd2 builds the containerd 2.x daemon and ctr that the real-daemon
+# test (cmd/dlock-content) runs next to Debian's containerd 1.6, from
+# containerd's Go module, once per version: into a cache directory outside
+# the repository, skipped when the binaries are there. No root needed.
+# CGO_ENABLED=0 and the tags drop what needs C or is not used (btrfs,
+# devmapper, zfs, CRI, tracing).
+CONTAINERD2_VERSION ?= v2.4.2
+CONTAINERD2_TAGS = no_btrfs no_devmapper no_zfs no_cri no_tracing urfave_cli_no_docs
+export DLOCK_CONTAINERD2_BIN ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/dlock/containerd-$(CONTAINERD2_VERSION)/bin
+containerd2:
+	@set -e; bin="$(DLOCK_CONTAINERD2_BIN)"; \
+	if [ -x "$$bin/containerd" ] && [ -x "$$bin/ctr" ]; then exit 0; fi; \
+	echo "building containerd $(CONTAINERD2_VERSION) into $$bin (once; some minutes)"; \
+	mkdir -p "$$bin"; tmp=$$(mktemp -d "$$bin/.build.XXXXXX"); trap 'rm -rf "$$tmp"' EXIT; \
+	GOBIN="$$tmp" CGO_ENABLED=0 $(GO) install -tags '$(CONTAINERD2_TAGS)' \
+		github.com/containerd/containerd/v2/cmd/containerd@$(CONTAINERD2_VERSION) \
+		github.com/containerd/containerd/v2/cmd/ctr@$(CONTAINERD2_VERSION); \
+	mv "$$tmp/containerd" "$$tmp/ctr" "$$bin/"
 
 vet:
 	@unformatted=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
