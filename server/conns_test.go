@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -353,4 +354,27 @@ func TestRequestView(t *testing.T) {
 	if _, st := peekRequest(bufio.NewReader(strings.NewReader(strings.Replace(raw, "Host", "Authorization: b\r\nHost", 1))), nil); st != leanPass {
 		t.Fatal("two Authorization headers: the lean loop must leave the request to net/http")
 	}
+}
+
+// TestPipelinedFloodNeverReadTimesOut: a client sends a flood of pipelined
+// requests as its very first bytes and never reads. The answers fill the
+// lean loop's buffer, which flushes by itself before the loop's explicit
+// flush: that write too must be bounded by the write timeout (it blocked
+// for ever when the deadline was set only before explicit flushes).
+func TestPipelinedFloodNeverReadTimesOut(t *testing.T) {
+	e := newEnvWith(t, envConfig{opts: Options{WriteTimeout: 100 * time.Millisecond}})
+	c := e.dial()
+	_ = c.(*net.TCPConn).SetReadBuffer(4096)
+	body := `{"type":"pull","resource_id":"x","node_id":"nope"}`
+	req := fmt.Sprintf("POST /cancel HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
+	flood := []byte(strings.Repeat(req, 100000))
+	wrote := make(chan struct{})
+	go func() {
+		defer close(wrote)
+		_ = c.SetWriteDeadline(time.Now().Add(20 * time.Second))
+		_, _ = c.Write(flood)
+	}()
+	waitFor(t, "the connection to be closed", func() bool { return e.srv.conns.Load() == 0 })
+	c.Close()
+	<-wrote
 }

@@ -74,9 +74,18 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server) {
 		if s.closing.Load() {
 			return
 		}
-		if now := time.Now(); stale(rdeadline, now, idle) {
+		now := time.Now()
+		if stale(rdeadline, now, idle) {
 			rdeadline = now.Add(idle)
 			_ = lc.SetReadDeadline(rdeadline)
+		}
+		// The write deadline is kept ahead of every write, not only of the
+		// explicit flushes: answers to pipelined requests fill bw, which
+		// then flushes by itself, and a client that never reads must not
+		// block that write for ever.
+		if stale(wdeadline, now, s.writeTimeout) {
+			wdeadline = now.Add(s.writeTimeout)
+			_ = lc.SetWriteDeadline(wdeadline)
 		}
 		if _, err := br.Peek(1); err != nil {
 			return // closed, idle too long, or closing
@@ -105,10 +114,6 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server) {
 		scratch = body[:0]
 		_, _ = br.Discard(req.size)
 		if br.Buffered() == 0 || req.close { // pipelined requests share one write
-			if now := time.Now(); stale(wdeadline, now, s.writeTimeout) {
-				wdeadline = now.Add(s.writeTimeout)
-				_ = lc.SetWriteDeadline(wdeadline)
-			}
 			if bw.Flush() != nil {
 				return
 			}
