@@ -57,6 +57,10 @@ type Config struct {
 	// ErrTooManyKeys. Shards check it concurrently, so it may be passed by
 	// at most Shards-1. 0: no limit.
 	MaxKeys int
+	// MaxWatchers bounds the streams that watch without a session: key
+	// observers and operator feeds. Every event of a watched key is
+	// handed to each, so their number must not be a client's choice.
+	MaxWatchers int
 	// RefStore, when not nil, turns on server-side reference counting and
 	// makes references durable in it.
 	RefStore RefStore
@@ -90,6 +94,7 @@ func DefaultConfig() Config {
 		MaxSessionsPerNode:     16,
 		MaxQueue:               100000,
 		MaxKeys:                1000000,
+		MaxWatchers:            1024,
 	}
 }
 
@@ -133,7 +138,7 @@ func (c Config) Validate() error {
 	for _, l := range []struct {
 		name string
 		v    int
-	}{{"max sessions", c.MaxSessions}, {"max sessions per node", c.MaxSessionsPerNode}, {"max queue", c.MaxQueue}, {"max keys", c.MaxKeys}} {
+	}{{"max sessions", c.MaxSessions}, {"max sessions per node", c.MaxSessionsPerNode}, {"max queue", c.MaxQueue}, {"max keys", c.MaxKeys}, {"max watchers", c.MaxWatchers}} {
 		if l.v < 0 {
 			errs = append(errs, fmt.Errorf("%s must not be negative (0: no limit), not %d", l.name, l.v))
 		}

@@ -569,6 +569,7 @@ func (st *Stream) Close() {
 		m := st.m
 		if st.observe != nil {
 			m.obs.remove(*st.observe, st)
+			m.unwatch(true)
 		}
 		if s := st.sess; s != nil {
 			s.mu.Lock()
@@ -622,6 +623,11 @@ func (m *Manager) Subscribe(node string, observe *Key, lastID uint64, hasLast bo
 	if m.closed.Load() {
 		return nil, Subscription{}, ErrClosed
 	}
+	if observe != nil {
+		if err := m.watch(); err != nil {
+			return nil, Subscription{}, err
+		}
+	}
 	st := &Stream{m: m, observe: observe, ready: make(chan struct{}, 1), done: make(chan struct{})}
 	var sub Subscription
 	if node != "" {
@@ -631,6 +637,7 @@ func (m *Manager) Subscribe(node string, observe *Key, lastID uint64, hasLast bo
 		if anew {
 			if err := m.sessionRoom(); err != nil {
 				m.sess.mu.Unlock()
+				m.unwatch(observe != nil)
 				return nil, Subscription{}, err
 			}
 			s = m.newSessionLocked(node)
@@ -641,6 +648,7 @@ func (m *Manager) Subscribe(node string, observe *Key, lastID uint64, hasLast bo
 			s.mu.Unlock()
 			m.sess.mu.Unlock()
 			m.refusedNodeStreams.Add(1)
+			m.unwatch(observe != nil)
 			return nil, Subscription{}, fmt.Errorf("%w: node %s has %d open event streams, at most %d are allowed", ErrTooManySessions, node, n, max)
 		}
 		m.grace.stop(s)

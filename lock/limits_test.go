@@ -463,3 +463,33 @@ func TestMassExpiry(t *testing.T) {
 		}
 	})
 }
+
+// TestMaxWatchers: observers of keys and operator feeds share one bound; a
+// refused session stream that also asked to observe gives its place back.
+func TestMaxWatchers(t *testing.T) {
+	m := newManager(t, func(c *Config) { c.MaxWatchers = 2; c.MaxSessionsPerNode = 1 })
+	o1 := subscribe(t, m, "", &Key{Pull, "r"})
+	ops, err := m.WatchOps()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := m.Subscribe("", &Key{Pull, "s"}, 0, false); !errors.Is(err, ErrTooManyWatchers) {
+		t.Fatalf("third watcher: %v, want ErrTooManyWatchers", err)
+	}
+	if _, err := m.WatchOps(); !errors.Is(err, ErrTooManyWatchers) {
+		t.Fatalf("operator feed past the bound: %v, want ErrTooManyWatchers", err)
+	}
+	subscribe(t, m, "a", nil) // a session stream is no watcher
+	o1.Close()
+	if _, _, err := m.Subscribe("a", &Key{Pull, "r"}, 0, false); !errors.Is(err, ErrTooManySessions) {
+		t.Fatalf("second stream of a: %v, want ErrTooManySessions", err)
+	}
+	subscribe(t, m, "", &Key{Pull, "r"}) // the refused stream gave its place back
+	ops.Close()
+	if _, err := m.WatchOps(); err != nil {
+		t.Fatalf("after a feed closed: %v", err)
+	}
+	if n := m.Stats().RefusedWatchers; n != 2 {
+		t.Fatalf("RefusedWatchers = %d, want 2", n)
+	}
+}

@@ -35,8 +35,9 @@ type Manager struct {
 	sessionsLost atomic.Uint64
 	slowStreams  atomic.Uint64
 
-	refusedSessions, refusedNodeStreams, refusedQueue, refusedKeys atomic.Uint64
-	truncatedErrors, replayGaps                                    atomic.Uint64
+	refusedSessions, refusedNodeStreams, refusedQueue, refusedKeys, refusedWatchers atomic.Uint64
+	watchers                                                                        atomic.Int64 // observer and operator streams (Config.MaxWatchers)
+	truncatedErrors, replayGaps                                                     atomic.Uint64
 
 	// closeMu is held for reading by every timer callback, so that Close,
 	// holding it for writing, knows no callback is running after it.
@@ -384,6 +385,7 @@ type Stats struct {
 	RefusedNodeStreams uint64 // Config.MaxSessionsPerNode
 	RefusedQueue       uint64 // Config.MaxQueue
 	RefusedKeys        uint64 // Config.MaxKeys
+	RefusedWatchers    uint64 // Config.MaxWatchers
 	TruncatedErrors    uint64 // unlock error texts cut to MaxErrorLen
 	ReplayGaps         uint64 // reconnects whose replay missed events the log let go
 }
@@ -408,6 +410,7 @@ func (m *Manager) Stats() Stats {
 	st.RefusedNodeStreams = m.refusedNodeStreams.Load()
 	st.RefusedQueue = m.refusedQueue.Load()
 	st.RefusedKeys = m.refusedKeys.Load()
+	st.RefusedWatchers = m.refusedWatchers.Load()
 	st.TruncatedErrors = m.truncatedErrors.Load()
 	st.ReplayGaps = m.replayGaps.Load()
 	return st

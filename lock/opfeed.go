@@ -1,6 +1,7 @@
 package lock
 
 import (
+	"fmt"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -135,6 +136,9 @@ func (m *Manager) WatchOps() (*OpStream, error) {
 	if m.closed.Load() {
 		return nil, ErrClosed
 	}
+	if err := m.watch(); err != nil {
+		return nil, err
+	}
 	st := &OpStream{m: m, done: make(chan struct{}), ready: make(chan struct{}, 1)}
 	m.ops.mu.Lock()
 	m.ops.list = append(slices.Clip(m.ops.list), st)
@@ -203,6 +207,7 @@ func (st *OpStream) Close() {
 		if i := slices.Index(t.list, st); i >= 0 {
 			t.list = slices.Delete(slices.Clone(t.list), i, i+1)
 			t.n.Add(-1)
+			st.m.unwatch(true)
 		}
 		t.mu.Unlock()
 		close(st.done)
@@ -213,5 +218,25 @@ func (st *OpStream) Close() {
 func (m *Manager) closeOps() {
 	for _, st := range m.ops.streams() {
 		st.Close()
+	}
+}
+
+// watch takes a place for a stream that watches without a session (an
+// observer of a key, an operator feed): each gets every event of what it
+// watches, handed over on the path of the request that made it, so their
+// number is bounded (docs/SECURITY.md).
+func (m *Manager) watch() error {
+	if n := m.watchers.Add(1); m.cfg.MaxWatchers > 0 && n > int64(m.cfg.MaxWatchers) {
+		m.watchers.Add(-1)
+		m.refusedWatchers.Add(1)
+		return fmt.Errorf("%w: %d are open, at most %d are allowed", ErrTooManyWatchers, n-1, m.cfg.MaxWatchers)
+	}
+	return nil
+}
+
+// unwatch gives back the place watch took, when took.
+func (m *Manager) unwatch(took bool) {
+	if took {
+		m.watchers.Add(-1)
 	}
 }

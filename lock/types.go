@@ -279,6 +279,7 @@ var (
 	ErrTooManySessions = errors.New("too many sessions")
 	ErrQueueFull       = errors.New("the queue of this key is full")
 	ErrTooManyKeys     = errors.New("too many keys with state")
+	ErrTooManyWatchers = errors.New("too many observer and operator streams")
 )
 
 // HeldError is returned when multi-node download mode is off and another node

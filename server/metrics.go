@@ -117,6 +117,7 @@ func (c limitsCollector) Collect(ch chan<- prometheus.Metric) {
 		"node_streams": st.RefusedNodeStreams,
 		"queue":        st.RefusedQueue,
 		"keys":         st.RefusedKeys,
+		"watchers":     st.RefusedWatchers,
 	} {
 		ch <- prometheus.MustNewConstMetric(descLimitRefusals, prometheus.CounterValue, float64(v), limit)
 	}

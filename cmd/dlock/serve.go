@@ -74,6 +74,7 @@ func parseServe(args []string, getenv func(string) string, stderr io.Writer) (se
 	fs.IntVar(&c.lock.MaxSessions, "max-sessions", c.lock.MaxSessions, "most sessions, streaming or in grace (429 too_many_sessions beyond; 0: no limit)")
 	fs.IntVar(&c.lock.MaxSessionsPerNode, "max-sessions-per-node", c.lock.MaxSessionsPerNode, "most open event streams of one node id (429 too_many_sessions beyond; 0: no limit)")
 	fs.IntVar(&c.lock.MaxQueue, "max-queue", c.lock.MaxQueue, "most waiters of one key (429 queue_full beyond; 0: no limit)")
+	fs.IntVar(&c.lock.MaxWatchers, "max-watchers", c.lock.MaxWatchers, "most streams that watch without a session: key observers and /ui/events (429 too_many_watchers beyond; 0: no limit)")
 	fs.IntVar(&c.lock.MaxKeys, "max-keys", c.lock.MaxKeys, "most keys with state: held, queued or with a completion record (503 too_many_keys beyond; 0: no limit)")
 	fs.IntVar(&c.lock.SessionLogBytes, "session-log-bytes", c.lock.SessionLogBytes, "bytes of recent events a session keeps for a reconnect's replay")
 	fs.StringVar(&c.dataDir, "data-dir", defaultDataDir(), "directory of durable state, one server each: the token ceiling, and references with refcount=server (\"\": none; tokens then rest on the wall clock)")

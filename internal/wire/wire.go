@@ -351,6 +351,7 @@ const (
 	CodeTooManySessions  = "too_many_sessions"
 	CodeQueueFull        = "queue_full"
 	CodeTooManyKeys      = "too_many_keys"
+	CodeTooManyWatchers  = "too_many_watchers"
 )
 
 // ErrNotFound is an unknown path, or a refcount endpoint with refcount off.
@@ -394,6 +395,7 @@ var codes = []struct {
 	{lock.ErrTooManySessions, CodeTooManySessions, http.StatusTooManyRequests, 1},
 	{lock.ErrQueueFull, CodeQueueFull, http.StatusTooManyRequests, 1},
 	{lock.ErrTooManyKeys, CodeTooManyKeys, http.StatusServiceUnavailable, 1},
+	{lock.ErrTooManyWatchers, CodeTooManyWatchers, http.StatusTooManyRequests, 1},
 }
 
 // RetryAfter is the Retry-After header value, in seconds, that answers err;
