@@ -77,7 +77,7 @@ type Config struct {
 	tokenLead, tokenWindow time.Duration
 }
 
-// DefaultConfig returns the defaults of SPEC §4.
+// DefaultConfig returns the defaults of README.md, "Configuration".
 func DefaultConfig() Config {
 	return Config{
 		Shards:                 32,

@@ -10,7 +10,7 @@ import (
 	"unicode/utf8"
 )
 
-// Event names (SPEC §3).
+// Event names (docs/API.md).
 const (
 	EventLockAssigned       = "lock_assigned"
 	EventOperationCompleted = "operation_completed"

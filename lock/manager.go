@@ -159,7 +159,7 @@ func (m *Manager) shardFor(resource string) *shard {
 	return m.shards[ShardIndex(resource, len(m.shards))]
 }
 
-// ShardIndex is FNV-1a-32 of the resource modulo n (SPEC §1).
+// ShardIndex is FNV-1a-32 of the resource modulo n (README.md, "How it behaves").
 func ShardIndex(resource string, n int) int {
 	const offset32, prime32 = 2166136261, 16777619
 	h := uint32(offset32)
@@ -170,7 +170,7 @@ func ShardIndex(resource string, n int) int {
 	return int(h % uint32(n))
 }
 
-// TryLock grants, queues or refuses a lock request (SPEC §2). It blocks only
+// TryLock grants, queues or refuses a lock request (docs/API.md). It blocks only
 // to make a reference change durable, never to wait for the lock.
 func (m *Manager) TryLock(ctx context.Context, req LockRequest) (LockResult, error) {
 	if err := req.Validate(); err != nil {
@@ -261,7 +261,7 @@ func (m *Manager) TryLock(ctx context.Context, req LockRequest) (LockResult, err
 	return res, nil
 }
 
-// Unlock ends a hold (SPEC §2): success of a pull or delete clears the queue
+// Unlock ends a hold (docs/API.md): success of a pull or delete clears the queue
 // and tells every waiter the work is done; anything else hands the lock to
 // the queue head.
 func (m *Manager) Unlock(ctx context.Context, req UnlockRequest) (UnlockResult, error) {

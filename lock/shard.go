@@ -253,7 +253,7 @@ func (s *shard) begin() txn {
 }
 
 // commit releases the shard mutex, then makes the transition's reference
-// changes durable, then lets its events go out, in that order (SPEC §5).
+// changes durable, then lets its events go out, in that order (docs/API.md, "Reference counting").
 func (s *shard) commit(ctx context.Context, t txn) error {
 	t.items = s.takeOps(t.items)
 	var b *batch

@@ -176,7 +176,7 @@ func validateKey(t Type, resource, node string) error {
 	return ValidateNode(node)
 }
 
-// LockRequest asks for a lock (SPEC §2 TryLock).
+// LockRequest asks for a lock (docs/API.md, "POST /lock").
 type LockRequest struct {
 	Type     Type
 	Resource string
@@ -212,7 +212,7 @@ type LockResult struct {
 	Position int    // 1-based queue position when Queued
 }
 
-// UnlockRequest ends a hold (SPEC §2 Unlock).
+// UnlockRequest ends a hold (docs/API.md, "POST /unlock").
 type UnlockRequest struct {
 	Type     Type
 	Resource string

@@ -68,7 +68,7 @@ var (
 	ErrNetworkFS = errors.New("refcount: storage path is on a network filesystem")
 )
 
-// Manager applies the reference-count rules (SPEC §5) to a Storage. The
+// Manager applies the reference-count rules (docs/API.md, "Reference counting") to a Storage. The
 // rules are the lock package's, which the server applies too, so client-side
 // and server-side counting never disagree.
 type Manager struct {
@@ -113,7 +113,7 @@ func (m *Manager) CanPerformOperation(t lock.Type, resource string) (bool, strin
 // UpdateRefCount records a completed operation: a successful pull adds node,
 // a successful delete clears the resource, anything else changes nothing.
 // Call it before unlocking, so that no waiter is told "done" before the
-// reference exists (SPEC §5).
+// reference exists (docs/API.md, "Reference counting").
 func (m *Manager) UpdateRefCount(t lock.Type, resource, node string, success bool) error {
 	switch lock.RefEffectOf(t, success) {
 	case lock.RefAddNode:

@@ -1,4 +1,4 @@
-// Package wire is dlock's HTTP wire format (SPEC §3): request and response
+// Package wire is dlock's HTTP wire format (docs/API.md): request and response
 // bodies, the parsing and validation of requests, event encoding, and the one
 // table that maps errors to status codes and codes back to errors, shared by
 // the server and the client so an error crosses the wire errors.Is-able.
@@ -274,7 +274,7 @@ func AppendUnlockResponse(b []byte, r UnlockResponse) []byte {
 	return append(b, '}')
 }
 
-// AppendEventData appends the JSON data of ev (SPEC §3).
+// AppendEventData appends the JSON data of ev (docs/API.md).
 func AppendEventData(b []byte, ev *lock.Event) []byte {
 	b = append(b, `{"event":`...)
 	b = strconv.AppendQuote(b, ev.Name)
