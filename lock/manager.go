@@ -159,7 +159,7 @@ func (m *Manager) shardFor(resource string) *shard {
 	return m.shards[ShardIndex(resource, len(m.shards))]
 }
 
-// ShardIndex is FNV-1a-32 of the resource modulo n (README.md, "How it behaves").
+// ShardIndex is FNV-1a-32 of the resource modulo n (README.md, "Configuration": --shards).
 func ShardIndex(resource string, n int) int {
 	const offset32, prime32 = 2166136261, 16777619
 	h := uint32(offset32)
