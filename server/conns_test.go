@@ -314,12 +314,22 @@ func TestStreamOutlivesReadTimeout(t *testing.T) {
 	e := newEnvWith(t, envConfig{opts: Options{ReadTimeout: 50 * time.Millisecond, WriteTimeout: 50 * time.Millisecond}})
 	s := e.subscribe("node_id=a", "")
 	s.next(t)
+	// The operator feed is served by the same plumbing (eventStream).
+	resp, err := http.Get(e.ts.URL + "/ui/events")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	ops := &sse{resp: resp, r: bufio.NewReader(resp.Body)}
 	// Pings come every 50 ms: read them for several read timeouts.
-	for start := time.Now(); time.Since(start) < 300*time.Millisecond; {
-		if line, err := s.r.ReadString('\n'); err != nil {
-			t.Fatalf("the stream ended: %v", err)
-		} else if line != ": ping\n" && line != "\n" {
-			t.Fatalf("unexpected line %q", line)
+	for _, st := range []*sse{s, ops} {
+		for start := time.Now(); time.Since(start) < 300*time.Millisecond; {
+			if line, err := st.r.ReadString('\n'); err != nil {
+				t.Fatalf("the stream ended: %v", err)
+			} else if line != ": ping\n" && line != "\n" && !strings.HasPrefix(line, "retry:") &&
+				!strings.HasPrefix(line, "event: subscribed") && !strings.HasPrefix(line, `data: {"event":"subscribed"`) {
+				t.Fatalf("unexpected line %q", line)
+			}
 		}
 	}
 	e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"a","lease":"session"}`)

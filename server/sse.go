@@ -42,8 +42,6 @@ func (s *Server) handleSubscribe(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	s.openStreams.Add(1)
-	s.metrics.streams.Inc()
 	first := make([]byte, 0, 512)
 	first = appendFrame(first, sub.ID, "subscribed", func(b []byte) []byte {
 		return wire.AppendSubscribed(b, node, s.m.Epoch())
@@ -51,30 +49,40 @@ func (s *Server) handleSubscribe(w http.ResponseWriter, r *http.Request) error {
 	for _, d := range sub.Replay {
 		first = appendDelivery(first, d)
 	}
+	s.eventStream(w, r, first, st.Close, func(gone <-chan struct{}, write func([]byte) error) {
+		s.streamLoop(st, first, gone, write)
+	})
+	return nil
+}
 
-	// HTTP/1.1: take the connection over. The handler's goroutine and
-	// net/http's buffers (about 10 KiB a connection) go away, which matters
-	// with thousands of idle sessions; the stream keeps one goroutine that
-	// writes and one that notices the peer leave.
+// eventStream serves a Server-Sent Events response whose body run writes
+// (first, then events) until gone closes or it returns; release is called
+// once the stream has ended. /subscribe and /ui/events both use it.
+//
+// On HTTP/1.1 the connection is taken over: the handler's goroutine and
+// net/http's buffers (about 10 KiB a connection) go away, which matters with
+// thousands of idle sessions; the stream keeps one goroutine that writes and
+// one that notices the peer leave. Other protocols (HTTP/2 behind TLS) stream
+// through the ResponseWriter.
+func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byte, release func(), run func(gone <-chan struct{}, write func([]byte) error)) {
+	s.openStreams.Add(1)
+	s.metrics.streams.Inc()
 	if conn, brw, err := http.NewResponseController(w).Hijack(); err == nil {
 		brw.Reader.Reset(nil)
 		// net/http's read deadline for the request would end the stream;
 		// the stream sets its own write deadlines.
 		_ = conn.SetReadDeadline(time.Time{})
-		hdr := append(make([]byte, 0, 256+len(first)), "HTTP/1.1 200 OK\r\n"+
+		hdr := append(make([]byte, 0, 256), "HTTP/1.1 200 OK\r\n"+
 			"Content-Type: text/event-stream\r\nCache-Control: no-cache\r\nX-Accel-Buffering: no\r\n"+
 			"Connection: close\r\n"+wire.EpochHeader+": "...)
 		hdr = append(hdr, s.m.Epoch()...)
 		hdr = append(hdr, "\r\n\r\n"...)
-		hdr = append(hdr, first...)
-		go s.hijackedStream(conn, st, hdr)
-		return nil
+		go s.hijackedStream(conn, hdr, release, run)
+		return
 	}
-
-	// Other protocols (HTTP/2 behind TLS): stream through the ResponseWriter.
 	defer s.openStreams.Done()
 	defer s.metrics.streams.Dec()
-	defer st.Close()
+	defer release()
 	rc := http.NewResponseController(w)
 	h := w.Header()
 	h.Set("Content-Type", "text/event-stream")
@@ -83,21 +91,21 @@ func (s *Server) handleSubscribe(w http.ResponseWriter, r *http.Request) error {
 	w.WriteHeader(http.StatusOK)
 	// Drain must not wait for a write to a client that does not read.
 	defer context.AfterFunc(s.drained, func() { _ = rc.SetWriteDeadline(time.Now()) })()
-	s.streamLoop(st, first, r.Context().Done(), func(b []byte) error {
+	run(r.Context().Done(), func(b []byte) error {
 		_ = rc.SetWriteDeadline(time.Now().Add(s.writeTimeout))
 		if _, err := w.Write(b); err != nil {
 			return err
 		}
 		return rc.Flush()
 	})
-	return nil
 }
 
-// hijackedStream serves a stream on a connection taken over from net/http.
-func (s *Server) hijackedStream(conn net.Conn, st *lock.Stream, first []byte) {
+// hijackedStream serves a stream on a connection taken over from net/http:
+// the response header goes out with the stream's first write.
+func (s *Server) hijackedStream(conn net.Conn, hdr []byte, release func(), run func(gone <-chan struct{}, write func([]byte) error)) {
 	defer s.openStreams.Done()
 	defer s.metrics.streams.Dec()
-	defer st.Close()
+	defer release()
 	defer func() {
 		if p := recover(); p != nil {
 			s.panicked(p, conn.RemoteAddr().String())
@@ -120,7 +128,7 @@ func (s *Server) hijackedStream(conn net.Conn, st *lock.Stream, first []byte) {
 		}
 	})
 	var deadline time.Time
-	s.streamLoop(st, first, gone, func(b []byte) error {
+	run(gone, func(b []byte) error {
 		// A peer that stops reading must not pin this goroutine: a write
 		// blocks for at most the write timeout. Moving the deadline on
 		// every write would cost a timer update each; moving it when half
@@ -128,6 +136,10 @@ func (s *Server) hijackedStream(conn net.Conn, st *lock.Stream, first []byte) {
 		if now := time.Now(); deadline.Sub(now) < s.writeTimeout/2 {
 			deadline = now.Add(s.writeTimeout)
 			_ = conn.SetWriteDeadline(deadline)
+		}
+		if hdr != nil {
+			b = append(hdr, b...)
+			hdr = nil
 		}
 		_, err := conn.Write(b)
 		return err

@@ -2,16 +2,13 @@ package server
 
 import (
 	"bytes"
-	"context"
 	"crypto/sha256"
 	_ "embed"
 	"encoding/base64"
 	"encoding/json"
 	"fmt"
-	"net"
 	"net/http"
 	"strconv"
-	"sync"
 	"time"
 
 	"github.com/dlock/dlock/internal/wire"
@@ -227,73 +224,11 @@ func (s *Server) handleUIEvents(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	s.openStreams.Add(1)
-	s.metrics.streams.Inc()
 	first := fmt.Appendf(nil, "retry: 1000\nevent: subscribed\ndata: {\"event\":\"subscribed\",\"epoch\":%q}\n\n", s.m.Epoch())
-
-	// As /subscribe does (sse.go): on HTTP/1.1 the connection is taken
-	// over, so the request's latency is the stream's start, not its life.
-	if conn, brw, err := http.NewResponseController(w).Hijack(); err == nil {
-		brw.Reader.Reset(nil)
-		hdr := append(make([]byte, 0, 256+len(first)), "HTTP/1.1 200 OK\r\n"+
-			"Content-Type: text/event-stream\r\nCache-Control: no-cache\r\nX-Accel-Buffering: no\r\n"+
-			"Connection: close\r\n"+wire.EpochHeader+": "...)
-		hdr = append(hdr, s.m.Epoch()...)
-		hdr = append(hdr, "\r\n\r\n"...)
-		go s.hijackedOpStream(conn, st, append(hdr, first...))
-		return nil
-	}
-	defer s.openStreams.Done()
-	defer s.metrics.streams.Dec()
-	defer st.Close()
-	rc := http.NewResponseController(w)
-	h := w.Header()
-	h.Set("Content-Type", "text/event-stream")
-	h.Set("Cache-Control", "no-cache")
-	h.Set("X-Accel-Buffering", "no")
-	w.WriteHeader(http.StatusOK)
-	defer context.AfterFunc(s.drained, func() { _ = rc.SetWriteDeadline(time.Now()) })()
-	s.opStreamLoop(st, first, r.Context().Done(), func(b []byte) error {
-		_ = rc.SetWriteDeadline(time.Now().Add(s.writeTimeout))
-		if _, err := w.Write(b); err != nil {
-			return err
-		}
-		return rc.Flush()
+	s.eventStream(w, r, first, st.Close, func(gone <-chan struct{}, write func([]byte) error) {
+		s.opStreamLoop(st, first, gone, write)
 	})
 	return nil
-}
-
-func (s *Server) hijackedOpStream(conn net.Conn, st *lock.OpStream, first []byte) {
-	defer s.openStreams.Done()
-	defer s.metrics.streams.Dec()
-	defer st.Close()
-	defer func() {
-		if p := recover(); p != nil {
-			s.panicked(p, conn.RemoteAddr().String())
-			conn.Close()
-		}
-	}()
-	// As in hijackedStream (sse.go): drain closes the connection, so a
-	// write to a client that does not read fails at once.
-	defer context.AfterFunc(s.drained, func() { conn.Close() })()
-	gone := make(chan struct{})
-	var reader sync.WaitGroup
-	reader.Go(func() {
-		var b [64]byte
-		for {
-			if _, err := conn.Read(b[:]); err != nil {
-				close(gone)
-				return
-			}
-		}
-	})
-	s.opStreamLoop(st, first, gone, func(b []byte) error {
-		_ = conn.SetWriteDeadline(time.Now().Add(s.writeTimeout))
-		_, err := conn.Write(b)
-		return err
-	})
-	conn.Close()
-	reader.Wait()
 }
 
 // opStreamLoop writes first, then the feed's events as they come and a
