@@ -15,7 +15,7 @@ test: deps containerd2 lint
 FUZZTIME ?= 10s
 fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzLeanMatchesNetHTTP$$' -fuzztime $(FUZZTIME) ./server
-	$(GO) test -run '^$$' -fuzz '^FuzzFastMatchesJSON$$' -fuzztime $(FUZZTIME) ./internal/wire
+	$(GO) test -run '^$$' -fuzz '^FuzzFastMatchesJSON$$' -fuzztime $(FUZZTIME) ./api
 
 # deps installs, as root, what some tests run for real: Debian's containerd
 # and docker-registry (three containerd daemons sharing one store),

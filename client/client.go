@@ -26,7 +26,7 @@ import (
 	"time"
 	"unicode/utf8"
 
-	"github.com/dlock/dlock/internal/wire"
+	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/lock"
 )
 
@@ -42,9 +42,9 @@ var (
 	ErrUpdating   = lock.ErrUpdating
 	// ErrNotFound is an unknown path, or a refcount call to a server
 	// without server-side reference counting.
-	ErrNotFound = wire.ErrNotFound
+	ErrNotFound = api.ErrNotFound
 	// ErrUnavailable is a server that is shutting down.
-	ErrUnavailable = wire.ErrUnavailable
+	ErrUnavailable = api.ErrUnavailable
 	// ErrLockLost is the cause of a Result's Lost context: the server no
 	// longer has this node as the holder (expired, session lost, restarted).
 	ErrLockLost = errors.New("dlock: lock lost")
@@ -57,7 +57,7 @@ var (
 	// Refusals for load (429 too_many_sessions and queue_full, 503
 	// overloaded and too_many_keys). They are retried after the answer's
 	// Retry-After; the one that outlasts MaxRetries is returned.
-	ErrOverloaded      = wire.ErrOverloaded
+	ErrOverloaded      = api.ErrOverloaded
 	ErrTooManySessions = lock.ErrTooManySessions
 	ErrQueueFull       = lock.ErrQueueFull
 	ErrTooManyKeys     = lock.ErrTooManyKeys
@@ -356,7 +356,7 @@ func (c *Client) once(ctx context.Context, method, u string, body []byte, out an
 		return netRetry(err), fmt.Errorf("dlock: %s %s: %w", method, u, err)
 	}
 	defer resp.Body.Close()
-	c.sawEpoch(resp.Header.Get(wire.EpochHeader))
+	c.sawEpoch(resp.Header.Get(api.EpochHeader))
 	data, err := readAnswer(resp.Body)
 	if errors.Is(err, ErrAnswerTooLarge) {
 		return retry{}, fmt.Errorf("dlock: %s %s: HTTP %d: %w", method, u, resp.StatusCode, err)
@@ -365,9 +365,9 @@ func (c *Client) once(ctx context.Context, method, u string, body []byte, out an
 		return retry{kind: retryNet}, fmt.Errorf("dlock: %s %s: reading the answer: %w", method, u, err)
 	}
 	if resp.StatusCode != http.StatusOK {
-		var eb wire.Error
+		var eb api.ErrorBody
 		if json.Unmarshal(data, &eb) != nil || eb.Code == "" {
-			eb = wire.Error{Code: "http_" + fmt.Sprint(resp.StatusCode), Message: strings.TrimSpace(string(data))}
+			eb = api.ErrorBody{Code: "http_" + fmt.Sprint(resp.StatusCode), Message: strings.TrimSpace(string(data))}
 		}
 		// An error carries at most 1 KiB of the server's text, as the
 		// server keeps its own (docs/API.md).
@@ -379,7 +379,7 @@ func (c *Client) once(ctx context.Context, method, u string, body []byte, out an
 		case http.StatusBadGateway, http.StatusGatewayTimeout:
 			rt = retry{kind: retryNet}
 		}
-		return rt, wire.ErrorFor(resp.StatusCode, eb)
+		return rt, api.ErrorFromResponse(resp.StatusCode, eb)
 	}
 	if out != nil {
 		if err := json.Unmarshal(data, out); err != nil {

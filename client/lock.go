@@ -7,7 +7,7 @@ import (
 	"net/url"
 	"time"
 
-	"github.com/dlock/dlock/internal/wire"
+	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/lock"
 )
 
@@ -227,27 +227,21 @@ func (c *Client) pollEvery(streamUp bool) time.Duration {
 func (c *Client) abandon(ctx context.Context, k lock.Key) error {
 	cctx, cancel := context.WithTimeout(c.ctx, c.RequestTimeout)
 	defer cancel()
-	var res wire.CancelResponse
-	err := c.call(cctx, "POST", "/cancel", nil, wire.KeyRequest{Type: k.Type.String(), ResourceID: k.Resource, NodeID: c.Node}, &res)
+	var res api.CancelResponse
+	err := c.call(cctx, "POST", "/cancel", nil, api.KeyRequest{Type: k.Type.String(), ResourceID: k.Resource, NodeID: c.Node}, &res)
 	if err != nil {
 		c.Logger.Warn("cancelling a wait failed; the server drops it when its lease ends", "key", k.String(), "err", err)
 	}
 	return context.Cause(ctx)
 }
 
-// LockAnswer is the server's answer to one /lock.
-type LockAnswer = wire.LockResponse
-
-// UnlockAnswer is the server's answer to one /unlock.
-type UnlockAnswer = wire.UnlockResponse
-
 // TryLock sends one /lock and returns the answer: acquired, queued (the node
 // keeps its place until its lease ends; ask again to renew it) or skip. It
 // neither waits nor opens the session stream, so unless req.Lease says
 // otherwise the server gives it a ttl lease when this node has no session.
-func (c *Client) TryLock(ctx context.Context, req Request) (LockAnswer, error) {
+func (c *Client) TryLock(ctx context.Context, req Request) (api.LockResponse, error) {
 	if err := c.prepare(req); err != nil {
-		return LockAnswer{}, err
+		return api.LockResponse{}, err
 	}
 	return c.tryLock(ctx, req)
 }
@@ -255,15 +249,15 @@ func (c *Client) TryLock(ctx context.Context, req Request) (LockAnswer, error) {
 // Release sends one /unlock with the given token (0: not checked): success
 // when opErr is nil. Unlike Unlock it works without a Lock of this Client,
 // for a lock taken by TryLock or by another process of the same node.
-func (c *Client) Release(ctx context.Context, req Request, token uint64, opErr error) (UnlockAnswer, error) {
+func (c *Client) Release(ctx context.Context, req Request, token uint64, opErr error) (api.UnlockResponse, error) {
 	if err := c.prepare(req); err != nil {
-		return UnlockAnswer{}, err
+		return api.UnlockResponse{}, err
 	}
 	return c.release(ctx, req.key(), token, opErr)
 }
 
-func (c *Client) release(ctx context.Context, k lock.Key, token uint64, opErr error) (UnlockAnswer, error) {
-	body := wire.UnlockRequest{Type: k.Type.String(), ResourceID: k.Resource, NodeID: c.Node, Token: token}
+func (c *Client) release(ctx context.Context, k lock.Key, token uint64, opErr error) (api.UnlockResponse, error) {
+	body := api.UnlockRequest{Type: k.Type.String(), ResourceID: k.Resource, NodeID: c.Node, Token: token}
 	success := opErr == nil
 	body.Success = &success
 	if opErr != nil {
@@ -272,29 +266,26 @@ func (c *Client) release(ctx context.Context, k lock.Key, token uint64, opErr er
 			body.Error = body.Error[:1024]
 		}
 	}
-	var res UnlockAnswer
+	var res api.UnlockResponse
 	err := c.call(ctx, "POST", "/unlock", nil, body, &res)
 	return res, err
 }
 
-// CancelAnswer is the server's answer to one /cancel.
-type CancelAnswer = wire.CancelResponse
-
 // Cancel leaves the key's queue, or gives the lock up as a failure if this
 // node holds it.
-func (c *Client) Cancel(ctx context.Context, req Request) (CancelAnswer, error) {
+func (c *Client) Cancel(ctx context.Context, req Request) (api.CancelResponse, error) {
 	if err := c.prepare(req); err != nil {
-		return CancelAnswer{}, err
+		return api.CancelResponse{}, err
 	}
-	var res CancelAnswer
+	var res api.CancelResponse
 	k := req.key()
-	err := c.call(ctx, "POST", "/cancel", nil, wire.KeyRequest{Type: k.Type.String(), ResourceID: k.Resource, NodeID: c.Node}, &res)
+	err := c.call(ctx, "POST", "/cancel", nil, api.KeyRequest{Type: k.Type.String(), ResourceID: k.Resource, NodeID: c.Node}, &res)
 	return res, err
 }
 
-func (c *Client) tryLock(ctx context.Context, req Request) (wire.LockResponse, error) {
-	var res wire.LockResponse
-	body := wire.LockRequest{Type: req.Type.String(), ResourceID: req.Resource, NodeID: c.Node, SkipRecent: req.SkipRecent}
+func (c *Client) tryLock(ctx context.Context, req Request) (api.LockResponse, error) {
+	var res api.LockResponse
+	body := api.LockRequest{Type: req.Type.String(), ResourceID: req.Resource, NodeID: c.Node, SkipRecent: req.SkipRecent}
 	if req.Lease != lock.LeaseAuto {
 		body.Lease = req.Lease.String()
 	}
@@ -328,12 +319,12 @@ func (c *Client) lastCompleter(ctx context.Context, k lock.Key) string {
 	return st.LastCompleted.NodeID
 }
 
-func (c *Client) status(ctx context.Context, k lock.Key, asNode bool) (wire.StatusResponse, error) {
+func (c *Client) status(ctx context.Context, k lock.Key, asNode bool) (api.StatusResponse, error) {
 	q := url.Values{"type": {k.Type.String()}, "resource_id": {k.Resource}}
 	if asNode {
 		q.Set("node_id", c.Node)
 	}
-	var st wire.StatusResponse
+	var st api.StatusResponse
 	err := c.call(ctx, "GET", "/status", q, nil, &st)
 	return st, err
 }

@@ -4,55 +4,46 @@ import (
 	"context"
 	"net/url"
 
-	"github.com/dlock/dlock/internal/wire"
+	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/lock"
 )
 
-// Status is a key's state as GET /status answers it.
-type Status = wire.StatusResponse
-
-// Completion is a key's retained completion record.
-type Completion = wire.Completion
-
 // Status describes a key. As the client's node, it also gets this node's
 // queue position and renews its ttl lease on the key.
-func (c *Client) Status(ctx context.Context, t lock.Type, resource string) (Status, error) {
+func (c *Client) Status(ctx context.Context, t lock.Type, resource string) (api.StatusResponse, error) {
 	if err := c.init(); err != nil {
-		return Status{}, err
+		return api.StatusResponse{}, err
 	}
 	return c.status(ctx, lock.Key{Type: t, Resource: resource}, true)
 }
 
-// RefCount is a resource's references on a server with --refcount=server.
-type RefCount = wire.RefCountResponse
-
 // RefCount returns a resource's references.
-func (c *Client) RefCount(ctx context.Context, resource string) (RefCount, error) {
+func (c *Client) RefCount(ctx context.Context, resource string) (api.RefCountResponse, error) {
 	if err := c.init(); err != nil {
-		return RefCount{}, err
+		return api.RefCountResponse{}, err
 	}
-	var rc RefCount
+	var rc api.RefCountResponse
 	err := c.call(ctx, "GET", "/refcount", url.Values{"resource_id": {resource}}, nil, &rc)
 	return rc, err
 }
 
 // AddRef records that this node uses resource (one it did not pull itself).
-func (c *Client) AddRef(ctx context.Context, resource string) (RefCount, error) {
+func (c *Client) AddRef(ctx context.Context, resource string) (api.RefCountResponse, error) {
 	if err := c.init(); err != nil {
-		return RefCount{}, err
+		return api.RefCountResponse{}, err
 	}
-	var rc RefCount
-	err := c.call(ctx, "POST", "/refcount/add", nil, wire.RefRequest{ResourceID: resource, NodeID: c.Node}, &rc)
+	var rc api.RefCountResponse
+	err := c.call(ctx, "POST", "/refcount/add", nil, api.RefRequest{ResourceID: resource, NodeID: c.Node}, &rc)
 	return rc, err
 }
 
 // ReleaseRef records that this node no longer uses resource.
-func (c *Client) ReleaseRef(ctx context.Context, resource string) (RefCount, error) {
+func (c *Client) ReleaseRef(ctx context.Context, resource string) (api.RefCountResponse, error) {
 	if err := c.init(); err != nil {
-		return RefCount{}, err
+		return api.RefCountResponse{}, err
 	}
-	var rc RefCount
-	err := c.call(ctx, "POST", "/refcount/release", nil, wire.RefRequest{ResourceID: resource, NodeID: c.Node}, &rc)
+	var rc api.RefCountResponse
+	err := c.call(ctx, "POST", "/refcount/release", nil, api.RefRequest{ResourceID: resource, NodeID: c.Node}, &rc)
 	return rc, err
 }
 
@@ -62,7 +53,7 @@ func (c *Client) ReleaseAllRefs(ctx context.Context) (int, error) {
 	if err := c.init(); err != nil {
 		return 0, err
 	}
-	var res wire.ReleaseNodeResponse
-	err := c.call(ctx, "POST", "/refcount/release", nil, wire.RefRequest{NodeID: c.Node}, &res)
+	var res api.ReleaseNodeResponse
+	err := c.call(ctx, "POST", "/refcount/release", nil, api.RefRequest{NodeID: c.Node}, &res)
 	return res.Released, err
 }

@@ -12,7 +12,7 @@ import (
 	"testing/synctest"
 	"time"
 
-	"github.com/dlock/dlock/internal/wire"
+	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/lock"
 )
 
@@ -83,7 +83,7 @@ func fakeServer(t *testing.T, h http.HandlerFunc, cfg func(*Client)) *Client {
 // refuse writes a load refusal as the server does: the error body of err
 // and, when after is not "", a Retry-After header.
 func refuse(w http.ResponseWriter, err error, after string) {
-	status, body := wire.ErrorBody(err)
+	status, body := api.ErrorResponse(err)
 	if after != "" {
 		w.Header().Set("Retry-After", after)
 	}
@@ -171,7 +171,7 @@ func TestRetryLoadRefusals(t *testing.T) {
 			var hits atomic.Int64
 			c := fakeServer(t, func(w http.ResponseWriter, r *http.Request) {
 				hits.Add(1)
-				refuse(w, wire.ErrOverloaded, "10")
+				refuse(w, api.ErrOverloaded, "10")
 			}, nil)
 			ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
 			defer cancel()

@@ -14,7 +14,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/dlock/dlock/internal/wire"
+	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/lock"
 )
 
@@ -150,7 +150,7 @@ func (s *session) stream(ctx context.Context, first *bool) (connected bool, err 
 				continue
 			}
 			if name == "subscribed" {
-				var ev wire.Event
+				var ev api.Event
 				if err := json.Unmarshal([]byte(data), &ev); err != nil {
 					return connected, fmt.Errorf("subscribed event: %w", err)
 				}
@@ -191,7 +191,7 @@ func (e *refusedError) Error() string { return fmt.Sprintf("subscribe: HTTP %d",
 
 // dispatch turns an event into a hint for this node's waiter on the key.
 func (s *session) dispatch(name, data string) {
-	var ev wire.Event
+	var ev api.Event
 	if err := json.Unmarshal([]byte(data), &ev); err != nil {
 		s.c.Logger.Warn("undecodable event", "event", name, "err", err)
 		return
@@ -207,7 +207,7 @@ func (s *session) dispatch(name, data string) {
 		h = hint{kind: hintAssigned}
 	case name == lock.EventOperationCompleted && ev.Success:
 		h = hint{kind: hintDone, by: ev.NodeID}
-	case name == lock.EventOperationCompleted && ev.NodeID == s.c.Node && ev.Error == wire.CodeInUse:
+	case name == lock.EventOperationCompleted && ev.NodeID == s.c.Node && ev.Error == api.CodeInUse:
 		h = hint{kind: hintRefused}
 	default:
 		return

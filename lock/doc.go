@@ -7,5 +7,5 @@
 // queued per shard while the mutex is held and delivered after it is released,
 // in transition order, without ever blocking on a slow subscriber.
 //
-// The manager knows nothing of HTTP: the server package maps it to the wire.
+// The manager knows nothing of HTTP: the server package maps it to the api.
 package lock

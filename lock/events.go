@@ -595,7 +595,7 @@ type Subscription struct {
 	// client can see (docs/API.md).
 	ID uint64
 	// Replay holds, in order, the session's retained events after the last
-	// event id; they take at most Config.SessionLogBytes on the wire.
+	// event id; they take at most Config.SessionLogBytes on the api.
 	Replay []Delivery
 	// Missed reports that events after the last event id are no longer
 	// kept: the log's bounds let them go, or the session ended and began

@@ -11,7 +11,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/dlock/dlock/internal/wire"
+	"github.com/dlock/dlock/api"
 )
 
 // Serve serves the API on ln: the lean loop (leanhttp.go) in front, and hs
@@ -154,13 +154,13 @@ func (s *Server) refuse(c net.Conn) {
 
 // overloadedAnswer is the whole HTTP answer to a refused connection.
 func overloadedAnswer(epoch string) []byte {
-	status, body := wire.ErrorBody(wire.ErrOverloaded)
+	status, body := api.ErrorResponse(api.ErrOverloaded)
 	b, err := jsonLine(body)
 	if err != nil {
 		panic(err) // a fixed value
 	}
 	h := fmt.Sprintf("HTTP/1.1 %d %s\r\nContent-Type: application/json\r\n%s: %s\r\nRetry-After: %d\r\nConnection: close\r\nContent-Length: %d\r\n\r\n",
-		status, http.StatusText(status), wire.EpochHeader, epoch, wire.RetryAfter(wire.ErrOverloaded), len(b))
+		status, http.StatusText(status), api.EpochHeader, epoch, api.RetryAfter(api.ErrOverloaded), len(b))
 	return append([]byte(h), b...)
 }
 

@@ -10,7 +10,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/dlock/dlock/internal/wire"
+	"github.com/dlock/dlock/api"
 	"golang.org/x/net/http/httpguts"
 )
 
@@ -138,14 +138,14 @@ func writeLeanAnswer(bw *bufio.Writer, status int, body []byte, epoch string, cl
 	b = strconv.AppendInt(b, int64(status), 10)
 	b = append(b, ' ')
 	b = append(b, http.StatusText(status)...)
-	b = append(b, "\r\nContent-Type: application/json\r\n"+wire.EpochHeader+": "...)
+	b = append(b, "\r\nContent-Type: application/json\r\n"+api.EpochHeader+": "...)
 	b = append(b, epoch...)
 	if close {
 		b = append(b, "\r\nConnection: close"...)
 	}
 	b = append(b, "\r\nContent-Length: "...)
 	b = strconv.AppendInt(b, int64(len(body)), 10)
-	if ra := wire.RetryAfterStatus(status); ra > 0 {
+	if ra := api.RetryAfterStatus(status); ra > 0 {
 		b = append(b, "\r\nRetry-After: "...)
 		b = strconv.AppendInt(b, int64(ra), 10)
 	}

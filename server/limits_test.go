@@ -12,7 +12,7 @@ import (
 	"time"
 	"unicode/utf8"
 
-	"github.com/dlock/dlock/internal/wire"
+	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/lock"
 )
 
@@ -23,7 +23,7 @@ import (
 func checkRefusal(t *testing.T, what string, r *http.Response, status int, code string) {
 	t.Helper()
 	body := bodyOf(r)
-	var e wire.Error
+	var e api.ErrorBody
 	if err := json.Unmarshal([]byte(body), &e); err != nil {
 		t.Fatalf("%s: body %q: %v", what, body, err)
 	}
@@ -58,8 +58,8 @@ func TestLimitRefusals(t *testing.T) {
 					t.Fatalf("answer %d: %d %s, want %d", i+1, rs[i].StatusCode, bodyOf(rs[i]), want)
 				}
 			}
-			checkRefusal(t, "a second waiter at max-queue 1", rs[2], 429, wire.CodeQueueFull)
-			checkRefusal(t, "a fourth key at max-keys 3", rs[5], 503, wire.CodeTooManyKeys)
+			checkRefusal(t, "a second waiter at max-queue 1", rs[2], 429, api.CodeQueueFull)
+			checkRefusal(t, "a fourth key at max-keys 3", rs[5], 503, api.CodeTooManyKeys)
 			for _, r := range rs[:2] {
 				if r.Header.Get("Retry-After") != "" {
 					t.Fatalf("a 200 with Retry-After: %v", r.Header)
@@ -79,11 +79,11 @@ func TestLimitRefusals(t *testing.T) {
 				resp.Body = nopBody(body)
 				return resp
 			}
-			checkRefusal(t, "a second stream of one node", get("node_id=s1"), 429, wire.CodeTooManySessions)
+			checkRefusal(t, "a second stream of one node", get("node_id=s1"), 429, api.CodeTooManySessions)
 			e.subscribe("node_id=s2", "").next(t)
-			checkRefusal(t, "a third session", get("node_id=s3"), 429, wire.CodeTooManySessions)
+			checkRefusal(t, "a third session", get("node_id=s3"), 429, api.CodeTooManySessions)
 			r := rawExchange(t, addr, lockReq("r2", "s3", `,"lease":"session"`), 1)[0]
-			checkRefusal(t, "a session lease for a third session", r, 429, wire.CodeTooManySessions)
+			checkRefusal(t, "a session lease for a third session", r, 429, api.CodeTooManySessions)
 
 			st := e.m.Stats()
 			if st.RefusedQueue != 1 || st.RefusedKeys != 1 || st.RefusedNodeStreams != 1 || st.RefusedSessions != 2 {
@@ -198,7 +198,7 @@ func TestReplayBoundedHTTP(t *testing.T) {
 	}
 	defer resp.Body.Close()
 	br := bufio.NewReader(resp.Body)
-	// frameBytes reads one frame and returns its id and size on the wire.
+	// frameBytes reads one frame and returns its id and size on the api.
 	frameBytes := func() (id string, size int) {
 		for {
 			line, err := br.ReadString('\n')

@@ -19,7 +19,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/dlock/dlock/internal/wire"
+	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/lock"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -154,7 +154,7 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			panic(http.ErrAbortHandler)
 		}
 	}()
-	w.Header()[wire.EpochHeader] = s.epoch // shared, never modified
+	w.Header()[api.EpochHeader] = s.epoch // shared, never modified
 	s.serveRequest(&request{method: r.Method, path: r.URL.Path, w: w, r: r}, nil)
 }
 
@@ -213,12 +213,12 @@ func (s *Server) serveRequest(rq *request, buf []byte) (int, []byte) {
 	var err error
 	switch {
 	case rt == nil:
-		err = wire.ErrNotFound
+		err = api.ErrNotFound
 	case rq.method != rt.method:
 		if rq.w != nil {
 			rq.w.Header().Set("Allow", rt.method)
 		}
-		err = wire.ErrMethodNotAllowed
+		err = api.ErrMethodNotAllowed
 	case rt.core != nil && rq.w == nil:
 		status, out := rt.core(context.Background(), rq.body, buf)
 		rt.hist.Observe(time.Since(start).Seconds())
@@ -283,7 +283,7 @@ func (s *Server) startDrain() {
 }
 
 func (s *Server) writeError(w http.ResponseWriter, r *http.Request, err error) {
-	status, body := wire.ErrorBody(err)
+	status, body := api.ErrorResponse(err)
 	if status >= 500 {
 		s.log.Error("request failed", "method", r.Method, "path", r.URL.Path, "err", err)
 	}
@@ -313,7 +313,7 @@ func writeRaw(w http.ResponseWriter, status int, b []byte) {
 	h := w.Header()
 	h["Content-Type"] = contentTypeJSON
 	h["Content-Length"] = []string{strconv.Itoa(len(b))}
-	if ra := wire.RetryAfterStatus(status); ra > 0 {
+	if ra := api.RetryAfterStatus(status); ra > 0 {
 		h["Retry-After"] = []string{strconv.Itoa(ra)}
 	}
 	w.WriteHeader(status)
@@ -322,17 +322,17 @@ func writeRaw(w http.ResponseWriter, status int, b []byte) {
 
 var bufPool = sync.Pool{New: func() any { b := make([]byte, 0, 1024); return &b }}
 
-// readBody reads at most wire.MaxBody bytes into a pooled buffer; the caller
+// readBody reads at most api.MaxBody bytes into a pooled buffer; the caller
 // gives it back with putBuf once the request is parsed.
 func readBody(w http.ResponseWriter, r *http.Request) (*[]byte, error) {
 	bp := bufPool.Get().(*[]byte)
 	buf := bytes.NewBuffer((*bp)[:0])
-	_, err := buf.ReadFrom(http.MaxBytesReader(w, r.Body, wire.MaxBody))
+	_, err := buf.ReadFrom(http.MaxBytesReader(w, r.Body, api.MaxBody))
 	*bp = buf.Bytes()
 	if err != nil {
 		putBuf(bp)
 		if _, ok := errors.AsType[*http.MaxBytesError](err); ok {
-			return nil, wire.ErrTooLarge
+			return nil, api.ErrTooLarge
 		}
 		// Malformed chunks, or a client too slow for the read timeout: its
 		// fault, and no words an old client would retry on (docs/API.md).
@@ -366,7 +366,7 @@ func (s *Server) answer(w http.ResponseWriter, r *http.Request, core func(contex
 
 // errorAnswer appends err's JSON body to buf.
 func (s *Server) errorAnswer(err error, buf []byte) (int, []byte) {
-	status, body := wire.ErrorBody(err)
+	status, body := api.ErrorResponse(err)
 	if status >= 500 {
 		s.log.Error("request failed", "err", err)
 	}
@@ -380,7 +380,7 @@ func (s *Server) errorAnswer(err error, buf []byte) (int, []byte) {
 // lockAnswer serves /lock: body is the request, buf the space for the
 // answer (it may share body's memory: body is fully parsed first).
 func (s *Server) lockAnswer(ctx context.Context, body, buf []byte) (int, []byte) {
-	req, err := wire.ParseLock(body)
+	req, err := api.ParseLock(body)
 	if err != nil {
 		return s.errorAnswer(err, buf)
 	}
@@ -388,7 +388,7 @@ func (s *Server) lockAnswer(ctx context.Context, body, buf []byte) (int, []byte)
 	if err != nil {
 		return s.errorAnswer(err, buf)
 	}
-	out := wire.AppendLockResponse(buf, wire.LockResponse{
+	out := api.AppendLockResponse(buf, api.LockResponse{
 		Acquired: res.Acquired, Queued: res.Queued, Skip: res.Skip,
 		Token: res.Token, Holder: res.Holder, Position: res.Position,
 	})
@@ -396,7 +396,7 @@ func (s *Server) lockAnswer(ctx context.Context, body, buf []byte) (int, []byte)
 }
 
 func (s *Server) unlockAnswer(ctx context.Context, body, buf []byte) (int, []byte) {
-	req, err := wire.ParseUnlock(body)
+	req, err := api.ParseUnlock(body)
 	if err != nil {
 		return s.errorAnswer(err, buf)
 	}
@@ -404,12 +404,12 @@ func (s *Server) unlockAnswer(ctx context.Context, body, buf []byte) (int, []byt
 	if err != nil {
 		return s.errorAnswer(err, buf)
 	}
-	out := wire.AppendUnlockResponse(buf, wire.UnlockResponse{Released: true, NextHolder: res.NextHolder, Replayed: res.Replayed})
+	out := api.AppendUnlockResponse(buf, api.UnlockResponse{Released: true, NextHolder: res.NextHolder, Replayed: res.Replayed})
 	return http.StatusOK, append(out, '\n')
 }
 
 func (s *Server) cancelAnswer(ctx context.Context, body, buf []byte) (int, []byte) {
-	k, node, err := wire.ParseKey(body)
+	k, node, err := api.ParseKey(body)
 	if err != nil {
 		return s.errorAnswer(err, buf)
 	}
@@ -417,7 +417,7 @@ func (s *Server) cancelAnswer(ctx context.Context, body, buf []byte) (int, []byt
 	if err != nil {
 		return s.errorAnswer(err, buf)
 	}
-	b, _ := json.Marshal(wire.CancelResponse{Dequeued: res.Dequeued, Released: res.Released})
+	b, _ := json.Marshal(api.CancelResponse{Dequeued: res.Dequeued, Released: res.Released})
 	return http.StatusOK, append(append(buf, b...), '\n')
 }
 
@@ -431,16 +431,16 @@ func (s *Server) handleStatus(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	writeJSON(w, http.StatusOK, wire.Status(st))
+	writeJSON(w, http.StatusOK, api.Status(st))
 	return nil
 }
 
-func refCountBody(rc lock.RefCount) wire.RefCountResponse {
+func refCountBody(rc lock.RefCount) api.RefCountResponse {
 	nodes := rc.Nodes
 	if nodes == nil {
 		nodes = []string{}
 	}
-	return wire.RefCountResponse{ResourceID: rc.Resource, Count: len(nodes), Nodes: nodes}
+	return api.RefCountResponse{ResourceID: rc.Resource, Count: len(nodes), Nodes: nodes}
 }
 
 func (s *Server) handleRefCount(w http.ResponseWriter, r *http.Request) error {
@@ -460,7 +460,7 @@ func (s *Server) handleRefAdd(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	req, err := wire.ParseRef(*data, false)
+	req, err := api.ParseRef(*data, false)
 	putBuf(data)
 	if err != nil {
 		return err
@@ -481,7 +481,7 @@ func (s *Server) handleRefRelease(w http.ResponseWriter, r *http.Request) error 
 	if err != nil {
 		return err
 	}
-	req, err := wire.ParseRef(*data, true)
+	req, err := api.ParseRef(*data, true)
 	putBuf(data)
 	if err != nil {
 		return err
@@ -491,7 +491,7 @@ func (s *Server) handleRefRelease(w http.ResponseWriter, r *http.Request) error 
 		if err != nil {
 			return err
 		}
-		writeJSON(w, http.StatusOK, wire.ReleaseNodeResponse{NodeID: req.NodeID, Released: n})
+		writeJSON(w, http.StatusOK, api.ReleaseNodeResponse{NodeID: req.NodeID, Released: n})
 		return nil
 	}
 	rc, err := s.m.RefRelease(r.Context(), req.ResourceID, req.NodeID)
@@ -504,7 +504,7 @@ func (s *Server) handleRefRelease(w http.ResponseWriter, r *http.Request) error 
 
 func (s *Server) handleHealthz(w http.ResponseWriter, r *http.Request) error {
 	if s.draining.Load() {
-		return wire.ErrUnavailable
+		return api.ErrUnavailable
 	}
 	writeJSON(w, http.StatusOK, map[string]string{"status": "ok", "epoch": s.m.Epoch()})
 	return nil

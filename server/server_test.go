@@ -13,7 +13,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/dlock/dlock/internal/wire"
+	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/lock"
 	"github.com/dlock/dlock/refcount"
 	"go.uber.org/goleak"
@@ -104,8 +104,8 @@ func (e *env) call(method, path, body string) (int, map[string]any) {
 		e.t.Fatal(err)
 	}
 	defer resp.Body.Close()
-	if resp.Header.Get(wire.EpochHeader) != e.m.Epoch() {
-		e.t.Fatalf("%s %s: epoch header %q, want %q", method, path, resp.Header.Get(wire.EpochHeader), e.m.Epoch())
+	if resp.Header.Get(api.EpochHeader) != e.m.Epoch() {
+		e.t.Fatalf("%s %s: epoch header %q, want %q", method, path, resp.Header.Get(api.EpochHeader), e.m.Epoch())
 	}
 	var out map[string]any
 	data, _ := io.ReadAll(resp.Body)

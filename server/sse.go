@@ -8,7 +8,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/dlock/dlock/internal/wire"
+	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/lock"
 )
 
@@ -29,7 +29,7 @@ func (s *Server) handleSubscribe(w http.ResponseWriter, r *http.Request) error {
 		observe = &lock.Key{Type: t, Resource: q.Get("resource_id")}
 	}
 	if s.draining.Load() {
-		return wire.ErrUnavailable
+		return api.ErrUnavailable
 	}
 	var lastID uint64
 	hasLast := false
@@ -44,7 +44,7 @@ func (s *Server) handleSubscribe(w http.ResponseWriter, r *http.Request) error {
 	}
 	first := make([]byte, 0, 512)
 	first = appendFrame(first, sub.ID, "subscribed", func(b []byte) []byte {
-		return wire.AppendSubscribed(b, node, s.m.Epoch())
+		return api.AppendSubscribed(b, node, s.m.Epoch())
 	})
 	for _, d := range sub.Replay {
 		first = appendDelivery(first, d)
@@ -74,7 +74,7 @@ func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byt
 		_ = conn.SetReadDeadline(time.Time{})
 		hdr := append(make([]byte, 0, 256), "HTTP/1.1 200 OK\r\n"+
 			"Content-Type: text/event-stream\r\nCache-Control: no-cache\r\nX-Accel-Buffering: no\r\n"+
-			"Connection: close\r\n"+wire.EpochHeader+": "...)
+			"Connection: close\r\n"+api.EpochHeader+": "...)
 		hdr = append(hdr, s.m.Epoch()...)
 		hdr = append(hdr, "\r\n\r\n"...)
 		go s.hijackedStream(conn, hdr, release, run)
@@ -204,6 +204,6 @@ func appendFrame(b []byte, id uint64, name string, data func([]byte) []byte) []b
 
 func appendDelivery(b []byte, d lock.Delivery) []byte {
 	return appendFrame(b, d.ID, d.Event.Name, func(b []byte) []byte {
-		return append(b, d.Event.Encoded(wire.AppendEventData)...)
+		return append(b, d.Event.Encoded(api.AppendEventData)...)
 	})
 }

@@ -11,7 +11,7 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/dlock/dlock/internal/wire"
+	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/lock"
 )
 
@@ -85,16 +85,16 @@ type uiWaiter struct {
 }
 
 type uiKey struct {
-	Type          string           `json:"type"`
-	ResourceID    string           `json:"resource_id"`
-	Holder        string           `json:"holder"`
-	Token         uint64           `json:"token"`
-	Lease         string           `json:"lease"`
-	AcquiredAt    time.Time        `json:"acquired_at"`
-	Unclaimed     bool             `json:"unclaimed"`
-	Queue         []uiWaiter       `json:"queue"`
-	QueueLength   int              `json:"queue_length"`
-	LastCompleted *wire.Completion `json:"last_completed"`
+	Type          string          `json:"type"`
+	ResourceID    string          `json:"resource_id"`
+	Holder        string          `json:"holder"`
+	Token         uint64          `json:"token"`
+	Lease         string          `json:"lease"`
+	AcquiredAt    time.Time       `json:"acquired_at"`
+	Unclaimed     bool            `json:"unclaimed"`
+	Queue         []uiWaiter      `json:"queue"`
+	QueueLength   int             `json:"queue_length"`
+	LastCompleted *api.Completion `json:"last_completed"`
 }
 
 type uiTotals struct {
@@ -142,7 +142,7 @@ func (s *Server) handleUIKeys(w http.ResponseWriter, r *http.Request) error {
 			v.Queue[i] = uiWaiter{NodeID: q.Node, Lease: q.Lease.String()}
 		}
 		if c := k.LastCompleted; c != nil {
-			v.LastCompleted = &wire.Completion{NodeID: c.Node, Token: c.Token, Success: c.Success, Error: c.Error, CompletedAt: c.CompletedAt.UTC()}
+			v.LastCompleted = &api.Completion{NodeID: c.Node, Token: c.Token, Success: c.Success, Error: c.Error, CompletedAt: c.CompletedAt.UTC()}
 		}
 		out.Keys = append(out.Keys, v)
 	}
@@ -218,7 +218,7 @@ func (s *Server) handleUISessions(w http.ResponseWriter, r *http.Request) error 
 // event ids and no replay: a view that reconnects reads a fresh snapshot.
 func (s *Server) handleUIEvents(w http.ResponseWriter, r *http.Request) error {
 	if s.draining.Load() {
-		return wire.ErrUnavailable
+		return api.ErrUnavailable
 	}
 	st, err := s.m.WatchOps()
 	if err != nil {
@@ -296,7 +296,7 @@ func appendOpEvent(b []byte, ev lock.OpEvent) []byte {
 	case lock.EventQueueJoined, lock.EventQueueLeft:
 		b = append(b, e.Encoded(appendQueueEvent)...)
 	default:
-		b = append(b, e.Encoded(wire.AppendEventData)...)
+		b = append(b, e.Encoded(api.AppendEventData)...)
 	}
 	return append(b, "\n\n"...)
 }

@@ -11,6 +11,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/client"
 	"github.com/dlock/dlock/internal/envflag"
 	"github.com/dlock/dlock/lock"
@@ -218,7 +219,7 @@ func cmdRefcount(ctx context.Context, args []string, getenv func(string) string,
 		}
 		return printJSON(stdout, map[string]any{"node_id": f.node, "released": n})
 	}
-	var rc client.RefCount
+	var rc api.RefCountResponse
 	var err error
 	switch {
 	case *add:

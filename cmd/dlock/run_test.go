@@ -10,7 +10,7 @@ import (
 	"sync/atomic"
 	"testing"
 
-	"github.com/dlock/dlock/internal/wire"
+	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/lock"
 	"github.com/dlock/dlock/server"
 )
@@ -27,7 +27,7 @@ func refusingServer(t *testing.T, refusals int64) (string, *atomic.Int64) {
 	var locks atomic.Int64
 	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path == "/lock" && locks.Add(1) <= refusals {
-			status, body := wire.ErrorBody(lock.ErrQueueFull)
+			status, body := api.ErrorResponse(lock.ErrQueueFull)
 			w.Header().Set("Retry-After", "1")
 			w.Header().Set("Content-Type", "application/json")
 			w.WriteHeader(status)

@@ -1,4 +1,4 @@
-package wire
+package api
 
 import (
 	"errors"
@@ -45,7 +45,7 @@ func TestIDsNeverAlias(t *testing.T) {
 // TestRetryAfterStatus: every 429 and 503 carries Retry-After.
 func TestRetryAfterStatus(t *testing.T) {
 	for _, err := range []error{lock.ErrTooManySessions, lock.ErrQueueFull, lock.ErrTooManyKeys, ErrOverloaded, ErrUnavailable, lock.ErrClosed} {
-		status, _ := ErrorBody(err)
+		status, _ := ErrorResponse(err)
 		if got := RetryAfterStatus(status); got < 1 || got < RetryAfter(err) {
 			t.Errorf("%v (%d): RetryAfterStatus %d, RetryAfter %d", err, status, got, RetryAfter(err))
 		}

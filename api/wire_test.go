@@ -1,4 +1,4 @@
-package wire
+package api
 
 import (
 	"encoding/json"
@@ -52,10 +52,14 @@ func TestParseUnlockSuccessDefault(t *testing.T) {
 
 func TestErrorsRoundTrip(t *testing.T) {
 	for _, err := range []error{lock.ErrInvalid, lock.ErrNotHolder, lock.ErrStaleToken, lock.ErrInUse, lock.ErrDeleting, lock.ErrUpdating, &lock.HeldError{Holder: "n1"}, ErrNotFound} {
-		status, body := ErrorBody(err)
-		back := ErrorFor(status, body)
+		status, body := ErrorResponse(err)
+		back := ErrorFromResponse(status, body)
 		if !errors.Is(back, errors.Unwrap(err)) && !errors.Is(back, err) {
 			t.Errorf("%v → %d %+v → %v: not errors.Is", err, status, body, back)
+		}
+		var ae *Error
+		if !errors.As(back, &ae) || ae.Status != status || ae.Code != body.Code {
+			t.Errorf("%v → %v: errors.As *api.Error gives %+v, want status %d code %s", err, back, ae, status, body.Code)
 		}
 		for _, word := range []string{"timeout", "connection", "network", "EOF", "refused"} {
 			if status < 500 && strings.Contains(body.Error, word) {
@@ -63,7 +67,11 @@ func TestErrorsRoundTrip(t *testing.T) {
 			}
 		}
 	}
-	if status, body := ErrorBody(errors.New("disk on fire")); status != http.StatusInternalServerError || body.Code != CodeInternal {
+	var held *lock.HeldError
+	if status, body := ErrorResponse(&lock.HeldError{Holder: "n1"}); !errors.As(ErrorFromResponse(status, body), &held) || held.Holder != "n1" {
+		t.Errorf("lock_held lost its holder: %+v", held)
+	}
+	if status, body := ErrorResponse(errors.New("disk on fire")); status != http.StatusInternalServerError || body.Code != CodeInternal {
 		t.Errorf("unknown error: %d %+v", status, body)
 	}
 	if _, err := ParseLock([]byte(`{"type":"pull"`)); strings.Contains(err.Error(), "EOF") {

@@ -2,7 +2,7 @@
 // bodies, the parsing and validation of requests, event encoding, and the one
 // table that maps errors to status codes and codes back to errors, shared by
 // the server and the client so an error crosses the wire errors.Is-able.
-package wire
+package api
 
 import (
 	"bytes"
@@ -326,7 +326,7 @@ func appendString(b []byte, s string) []byte {
 
 // Error is every error body: error and message carry the same text (the
 // seeds' client reads message).
-type Error struct {
+type ErrorBody struct {
 	Error   string `json:"error"`
 	Code    string `json:"code"`
 	Message string `json:"message"`
@@ -426,9 +426,9 @@ func RetryAfterStatus(status int) int {
 	return n
 }
 
-// ErrorBody maps err to its status code and body.
-func ErrorBody(err error) (int, Error) {
-	body := Error{Error: err.Error(), Message: err.Error(), Code: CodeInternal}
+// ErrorResponse maps err to its status code and body.
+func ErrorResponse(err error) (int, ErrorBody) {
+	body := ErrorBody{Error: err.Error(), Message: err.Error(), Code: CodeInternal}
 	if he, ok := errors.AsType[*lock.HeldError](err); ok {
 		body.Holder = he.Holder
 	}
@@ -441,35 +441,40 @@ func ErrorBody(err error) (int, Error) {
 	return http.StatusInternalServerError, body
 }
 
-// ErrorFor turns an error body back into an error that matches the sentinel
+// ErrorFromResponse turns an error body back into an error that matches the sentinel
 // of its code with errors.Is and carries the server's message.
-func ErrorFor(status int, body Error) error {
+func ErrorFromResponse(status int, body ErrorBody) error {
 	msg := body.Message
 	if msg == "" {
 		msg = body.Error
 	}
 	if body.Code == CodeLockHeld && body.Holder != "" {
-		return fmt.Errorf("dlock: %w", &lock.HeldError{Holder: body.Holder})
+		return &Error{Status: status, Code: body.Code, Message: msg, Holder: body.Holder, err: &lock.HeldError{Holder: body.Holder}}
 	}
 	for _, c := range codes {
 		if c.code == body.Code {
-			return &RemoteError{Status: status, Code: body.Code, Message: msg, err: c.err}
+			return &Error{Status: status, Code: body.Code, Message: msg, err: c.err}
 		}
 	}
-	return &RemoteError{Status: status, Code: body.Code, Message: msg}
+	return &Error{Status: status, Code: body.Code, Message: msg}
 }
 
-// RemoteError is an error answered by a dlock server.
-type RemoteError struct {
+// Error is an error answered by a dlock server. errors.As gives its HTTP
+// status and code; errors.Is matches the sentinel of its code (lock.ErrLockHeld,
+// lock.ErrQueueFull, ...), and errors.As a *lock.HeldError when the server
+// named the holder.
+type Error struct {
 	Status  int
 	Code    string
 	Message string
-	err     error
+	// Holder is the node holding the lock, for code lock_held.
+	Holder string
+	err    error
 }
 
-func (e *RemoteError) Error() string {
+func (e *Error) Error() string {
 	return fmt.Sprintf("dlock: %s (%d %s)", e.Message, e.Status, e.Code)
 }
 
 // Unwrap returns the sentinel of the error's code.
-func (e *RemoteError) Unwrap() error { return e.err }
+func (e *Error) Unwrap() error { return e.err }
