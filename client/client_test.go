@@ -145,7 +145,7 @@ var pull = Request{Type: lock.Pull, Resource: "sha256:layer"}
 func waitQueued(t testing.TB, ts *testServer, n int) {
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		st, err := ts.m.Status(pull.Type, pull.Resource, "")
+		st, err := ts.m.Status(t.Context(), pull.Type, pull.Resource, "")
 		if err == nil && st.QueueLength == n {
 			return
 		}

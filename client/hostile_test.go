@@ -143,7 +143,7 @@ func TestEndlessEventLine(t *testing.T) {
 		t.Fatalf("the server wrote %d bytes of one line before the client hung up, want at most %d", first.sent, MaxEventLine+slack)
 	}
 	waitFor(t, "b queued", func() bool {
-		st, _ := ts.m.Status(lock.Pull, pull.Resource, "b")
+		st, _ := ts.m.Status(t.Context(), lock.Pull, pull.Resource, "b")
 		return st.Position == 1
 	})
 	if err := a.Unlock(t.Context(), pull, nil); err != nil {

@@ -227,7 +227,7 @@ func TestNoDigestWriterTakesPullLock(t *testing.T) {
 	if err := w.Commit(ctx, int64(len(data)), ""); !errdefs.IsUnavailable(err) {
 		t.Fatalf("commit while b pulls the blob: %v, want ErrUnavailable", err)
 	}
-	if st, _ := e.srv.M.Status(lock.Pull, d.String(), "a"); st.Position != 0 || blobExists(e.root, d) {
+	if st, _ := e.srv.M.Status(t.Context(), lock.Pull, d.String(), "a"); st.Position != 0 || blobExists(e.root, d) {
 		t.Fatalf("after the refused commit: a at position %d, blob there: %v", st.Position, blobExists(e.root, d))
 	}
 	if _, err := e.srv.M.Cancel(context.Background(), lock.Pull, d.String(), "b"); err != nil {

@@ -40,7 +40,7 @@ func (e *storeEnv) store(node string) *Store {
 }
 
 func (e *storeEnv) refs(d digest.Digest) []string {
-	rc, err := e.srv.M.RefCount(d.String())
+	rc, err := e.srv.M.RefCount(e.t.Context(), d.String())
 	if err != nil {
 		e.t.Fatal(err)
 	}
@@ -48,7 +48,7 @@ func (e *storeEnv) refs(d digest.Digest) []string {
 }
 
 func (e *storeEnv) holder(t lock.Type, d digest.Digest) string {
-	st, err := e.srv.M.Status(t, d.String(), "")
+	st, err := e.srv.M.Status(e.t.Context(), t, d.String(), "")
 	if err != nil {
 		e.t.Fatal(err)
 	}
@@ -98,7 +98,7 @@ func TestWriterHandOff(t *testing.T) {
 	if _, err := writerFor(ctx, b, blobDigest); !errdefs.IsUnavailable(err) {
 		t.Fatalf("second node's writer: %v, want ErrUnavailable at once", err)
 	}
-	if st, _ := e.srv.M.Status(lock.Pull, blobDigest.String(), "b"); st.Position != 1 {
+	if st, _ := e.srv.M.Status(t.Context(), lock.Pull, blobDigest.String(), "b"); st.Position != 1 {
 		t.Fatalf("b keeps no place in line: %+v", st)
 	}
 	wa.Write(blob[:5])

@@ -92,10 +92,10 @@ func BenchmarkSessionLoss(b *testing.B) {
 		if _, err := m.TryLock(ctx, LockRequest{Type: Pull, Resource: "hot", Node: "holder", Lease: LeaseTTL}); err != nil {
 			b.Fatal(err)
 		}
-		streams := make([]*Stream, n)
+		streams := make([]Stream, n)
 		for i := range streams {
 			node := "n" + strconv.Itoa(i)
-			st, _, err := m.Subscribe(node, nil, 0, false)
+			st, _, err := m.Subscribe(b.Context(), SubscribeRequest{Node: node})
 			if err != nil {
 				b.Fatal(err)
 			}

@@ -2,6 +2,7 @@ package lock
 
 import (
 	"cmp"
+	"context"
 	"fmt"
 	"slices"
 	"sync"
@@ -187,7 +188,7 @@ type session struct {
 	node string
 
 	mu      sync.Mutex
-	streams []*Stream
+	streams []*stream
 	keys    map[Key]struct{} // keys this session holds or waits for under a session lease
 	ended   bool
 
@@ -236,7 +237,7 @@ func (s *session) startGrace(m *Manager) {
 func (s *session) live() []Delivery { return s.log[s.logHead:] }
 
 func (s *session) push(m *Manager, ev *Event) {
-	var slow []*Stream
+	var slow []*stream
 	s.mu.Lock()
 	if s.ended {
 		s.mu.Unlock()
@@ -458,25 +459,25 @@ const endStep = 256
 
 type observerTable struct {
 	mu sync.RWMutex
-	m  map[Key][]*Stream
+	m  map[Key][]*stream
 	n  atomic.Int64
 }
 
-func (t *observerTable) get(k Key) []*Stream {
+func (t *observerTable) get(k Key) []*stream {
 	t.mu.RLock()
 	l := t.m[k]
 	t.mu.RUnlock()
 	return l // never modified in place: add and remove copy
 }
 
-func (t *observerTable) add(k Key, st *Stream) {
+func (t *observerTable) add(k Key, st *stream) {
 	t.mu.Lock()
 	t.m[k] = append(slices.Clip(t.m[k]), st)
 	t.n.Add(1)
 	t.mu.Unlock()
 }
 
-func (t *observerTable) remove(k Key, st *Stream) {
+func (t *observerTable) remove(k Key, st *stream) {
 	t.mu.Lock()
 	l := t.m[k]
 	if i := slices.Index(l, st); i >= 0 {
@@ -491,10 +492,10 @@ func (t *observerTable) remove(k Key, st *Stream) {
 	t.mu.Unlock()
 }
 
-// Stream is one event stream: a node's session stream, an observer of one
-// key, or both. Wait on Ready, then Take what arrived, until Done is closed;
+// stream is the in-memory Stream: a node's session stream, an observer of
+// one key, or both. Wait on Ready, then Take what arrived, until Done is closed;
 // then call Close.
-type Stream struct {
+type stream struct {
 	m       *Manager
 	sess    *session
 	observe *Key
@@ -511,10 +512,10 @@ type Stream struct {
 }
 
 // Ready receives when events are waiting to be taken.
-func (st *Stream) Ready() <-chan struct{} { return st.ready }
+func (st *stream) Ready() <-chan struct{} { return st.ready }
 
 // Take appends the waiting events, in order, to buf and returns it.
-func (st *Stream) Take(buf []Delivery) []Delivery {
+func (st *stream) Take(buf []Delivery) []Delivery {
 	st.mu.Lock()
 	buf = append(buf, st.queue...)
 	clear(st.queue)
@@ -529,13 +530,13 @@ func (st *Stream) Take(buf []Delivery) []Delivery {
 
 // Done is closed when the stream was closed: by Close, by the manager's
 // Close, or because its buffer filled up (Slow reports true then).
-func (st *Stream) Done() <-chan struct{} { return st.done }
+func (st *stream) Done() <-chan struct{} { return st.done }
 
 // Slow reports whether the stream was closed for not keeping up.
-func (st *Stream) Slow() bool { return st.slow.Load() }
+func (st *stream) Slow() bool { return st.slow.Load() }
 
 // offer queues d unless StreamBuffer events are waiting already.
-func (st *Stream) offer(d Delivery) bool {
+func (st *stream) offer(d Delivery) bool {
 	st.mu.Lock()
 	if len(st.queue) >= st.m.cfg.StreamBuffer {
 		st.mu.Unlock()
@@ -550,7 +551,7 @@ func (st *Stream) offer(d Delivery) bool {
 	return true
 }
 
-func (st *Stream) kill() {
+func (st *stream) kill() {
 	if st.slow.CompareAndSwap(false, true) {
 		st.m.slowStreams.Add(1)
 		node := ""
@@ -564,7 +565,7 @@ func (st *Stream) kill() {
 
 // Close ends the stream. When it was its session's last stream, the
 // session's grace starts.
-func (st *Stream) Close() {
+func (st *stream) Close() {
 	st.once.Do(func() {
 		m := st.m
 		if st.observe != nil {
@@ -603,10 +604,15 @@ type Subscription struct {
 	Missed bool
 }
 
-// Subscribe opens a stream: the session stream of node (when not empty)
-// and/or an observer of one key (when observe is not nil). With hasLast, a
-// session stream first replays the session's retained events after lastID.
-func (m *Manager) Subscribe(node string, observe *Key, lastID uint64, hasLast bool) (*Stream, Subscription, error) {
+// Subscribe opens a stream: the session stream of req.Node (when not empty)
+// and/or an observer of one key (when req.Observe is not nil). With
+// req.HasLast, a session stream first replays the session's retained events
+// after req.LastID.
+func (m *Manager) Subscribe(ctx context.Context, req SubscribeRequest) (Stream, Subscription, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, Subscription{}, err
+	}
+	node, observe, lastID, hasLast := req.Node, req.Observe, req.LastID, req.HasLast
 	if node == "" && observe == nil {
 		return nil, Subscription{}, validateID("node_id", "", MaxNodeLen)
 	}
@@ -628,7 +634,7 @@ func (m *Manager) Subscribe(node string, observe *Key, lastID uint64, hasLast bo
 			return nil, Subscription{}, err
 		}
 	}
-	st := &Stream{m: m, observe: observe, ready: make(chan struct{}, 1), done: make(chan struct{})}
+	st := &stream{m: m, observe: observe, ready: make(chan struct{}, 1), done: make(chan struct{})}
 	var sub Subscription
 	if node != "" {
 		m.sess.mu.Lock()

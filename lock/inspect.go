@@ -2,6 +2,7 @@ package lock
 
 import (
 	"cmp"
+	"context"
 	"encoding/base64"
 	"fmt"
 	"slices"
@@ -136,7 +137,10 @@ func pageLimit(n int) int {
 }
 
 // InspectKeys returns a page of the keys that have a holder or waiters.
-func (m *Manager) InspectKeys(q KeyQuery) (KeyPage, error) {
+func (m *Manager) InspectKeys(ctx context.Context, q KeyQuery) (KeyPage, error) {
+	if err := ctx.Err(); err != nil {
+		return KeyPage{}, err
+	}
 	if m.closed.Load() {
 		return KeyPage{}, ErrClosed
 	}
@@ -253,7 +257,10 @@ type CompletionView struct {
 // that matches q (its Cursor is ignored), newest first, at most q.Limit
 // of them. The work is one pass over the retained records, which
 // Config.CompletedMax bounds, one shard at a time.
-func (m *Manager) RecentCompletions(q KeyQuery) ([]CompletionView, error) {
+func (m *Manager) RecentCompletions(ctx context.Context, q KeyQuery) ([]CompletionView, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
 	if m.closed.Load() {
 		return nil, ErrClosed
 	}
@@ -324,7 +331,10 @@ type SessionPage struct {
 // InspectSessions returns a page of the sessions, streaming or in grace.
 // The work is one pass over the session table's node ids and O(limit)
 // memory; only the sessions on the page are looked into.
-func (m *Manager) InspectSessions(q SessionQuery) (SessionPage, error) {
+func (m *Manager) InspectSessions(ctx context.Context, q SessionQuery) (SessionPage, error) {
+	if err := ctx.Err(); err != nil {
+		return SessionPage{}, err
+	}
 	if m.closed.Load() {
 		return SessionPage{}, ErrClosed
 	}

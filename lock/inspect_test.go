@@ -11,7 +11,7 @@ import (
 
 func inspect(t testing.TB, m *Manager, q KeyQuery) KeyPage {
 	t.Helper()
-	p, err := m.InspectKeys(q)
+	p, err := m.InspectKeys(t.Context(), q)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -75,10 +75,10 @@ func TestInspectKeys(t *testing.T) {
 			t.Errorf("%+v: %v, want %v", c.q, got, c.want)
 		}
 	}
-	if _, err := m.InspectKeys(KeyQuery{Cursor: "bogus!"}); !errors.Is(err, ErrInvalid) {
+	if _, err := m.InspectKeys(t.Context(), KeyQuery{Cursor: "bogus!"}); !errors.Is(err, ErrInvalid) {
 		t.Fatalf("bad cursor: %v", err)
 	}
-	if _, err := m.InspectKeys(KeyQuery{Cursor: keyCursor{shard: 99}.String()}); !errors.Is(err, ErrInvalid) {
+	if _, err := m.InspectKeys(t.Context(), KeyQuery{Cursor: keyCursor{shard: 99}.String()}); !errors.Is(err, ErrInvalid) {
 		t.Fatalf("cursor past the shards: %v", err)
 	}
 }
@@ -153,7 +153,7 @@ func TestRecentCompletions(t *testing.T) {
 		mustLock(t, m, lockReq(Pull, res, fmt.Sprint("n", i%2)))
 		mustUnlock(t, m, Pull, res, fmt.Sprint("n", i%2), i != 3)
 	}
-	got, err := m.RecentCompletions(KeyQuery{Limit: 3})
+	got, err := m.RecentCompletions(t.Context(), KeyQuery{Limit: 3})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -164,11 +164,11 @@ func TestRecentCompletions(t *testing.T) {
 	if want := "r4:n0:true r3:n1:false r2:n0:true"; strings.Join(order, " ") != want {
 		t.Fatalf("completions %v, want %s", order, want)
 	}
-	got, _ = m.RecentCompletions(KeyQuery{Node: "n1"})
+	got, _ = m.RecentCompletions(t.Context(), KeyQuery{Node: "n1"})
 	if len(got) != 2 || got[0].Key.Resource != "r3" || got[1].Key.Resource != "r1" {
 		t.Fatalf("node filter: %+v", got)
 	}
-	got, _ = m.RecentCompletions(KeyQuery{Resource: "2"})
+	got, _ = m.RecentCompletions(t.Context(), KeyQuery{Resource: "2"})
 	if len(got) != 1 || got[0].Key.Resource != "r2" {
 		t.Fatalf("resource filter: %+v", got)
 	}
@@ -176,7 +176,7 @@ func TestRecentCompletions(t *testing.T) {
 
 func TestInspectSessions(t *testing.T) {
 	m := newManager(t, nil)
-	var streams []*Stream
+	var streams []Stream
 	for i := range 7 {
 		streams = append(streams, subscribe(t, m, fmt.Sprint("node-", i), nil))
 	}
@@ -187,7 +187,7 @@ func TestInspectSessions(t *testing.T) {
 	var seen []SessionView
 	cursor := ""
 	for {
-		p, err := m.InspectSessions(SessionQuery{Cursor: cursor, Limit: 3})
+		p, err := m.InspectSessions(t.Context(), SessionQuery{Cursor: cursor, Limit: 3})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -203,15 +203,15 @@ func TestInspectSessions(t *testing.T) {
 		seen[1] != (SessionView{Node: "node-1", Streams: 1, Keys: 1}) || seen[6] != (SessionView{Node: "node-6", InGrace: true}) {
 		t.Fatalf("sessions %+v", seen)
 	}
-	p, _ := m.InspectSessions(SessionQuery{Node: "-5"})
+	p, _ := m.InspectSessions(t.Context(), SessionQuery{Node: "-5"})
 	if len(p.Sessions) != 1 || p.Sessions[0].Node != "node-5" || p.Next != "" {
 		t.Fatalf("filtered %+v", p)
 	}
 }
 
-func watchOps(t testing.TB, m *Manager) *OpStream {
+func watchOps(t testing.TB, m *Manager) OpStream {
 	t.Helper()
-	st, err := m.WatchOps()
+	st, err := m.WatchOps(t.Context())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -307,7 +307,7 @@ func TestOpFeedSlowClosed(t *testing.T) {
 		t.Fatalf("slow=%v stats=%+v watchers=%d", ops.Slow(), m.Stats(), m.ops.n.Load())
 	}
 	_ = m.Close()
-	if _, err := m.WatchOps(); !errors.Is(err, ErrClosed) {
+	if _, err := m.WatchOps(t.Context()); !errors.Is(err, ErrClosed) {
 		t.Fatalf("WatchOps after Close: %v", err)
 	}
 }

@@ -40,7 +40,7 @@ func TestIDRules(t *testing.T) {
 		if _, err := m.TryLock(context.Background(), lockReq(Pull, id, "a")); !errors.Is(err, ErrInvalid) {
 			t.Errorf("resource id with %s (%q): %v, want ErrInvalid", name, id, err)
 		}
-		if _, _, err := m.Subscribe(id, nil, 0, false); !errors.Is(err, ErrInvalid) {
+		if _, _, err := m.Subscribe(t.Context(), SubscribeRequest{Node: id}); !errors.Is(err, ErrInvalid) {
 			t.Errorf("stream of a node id with %s (%q): %v, want ErrInvalid", name, id, err)
 		}
 	}
@@ -114,7 +114,7 @@ func TestErrorTextBounded(t *testing.T) {
 		t.Fatal("no completion record")
 	}
 	check("completion record", st.LastCompleted.Error)
-	for name, s := range map[string]*Stream{"observer": obs, "waiter": waiter} {
+	for name, s := range map[string]Stream{"observer": obs, "waiter": waiter} {
 		var done []*Event
 		for _, d := range events(s) {
 			if d.Event.Name == EventOperationCompleted {
@@ -188,7 +188,7 @@ func TestMaxSessions(t *testing.T) {
 		sa := subscribe(t, m, "a", nil)
 		subscribe(t, m, "b", nil)
 		subscribe(t, m, "a", nil) // another stream of a session that exists
-		if _, _, err := m.Subscribe("c", nil, 0, false); !errors.Is(err, ErrTooManySessions) {
+		if _, _, err := m.Subscribe(t.Context(), SubscribeRequest{Node: "c"}); !errors.Is(err, ErrTooManySessions) {
 			t.Fatalf("third session's stream: %v, want ErrTooManySessions", err)
 		}
 		// A session lease would open a session: refused, and nothing is left.
@@ -216,7 +216,7 @@ func TestMaxSessions(t *testing.T) {
 		}
 		time.Sleep(6 * time.Second)
 		synctest.Wait()
-		st, _, err := m.Subscribe("c", nil, 0, false)
+		st, _, err := m.Subscribe(t.Context(), SubscribeRequest{Node: "c"})
 		if err != nil {
 			t.Fatalf("after a session ended: %v", err)
 		}
@@ -231,7 +231,7 @@ func TestMaxSessionsPerNode(t *testing.T) {
 	m := newManager(t, func(c *Config) { c.MaxSessionsPerNode = 2 })
 	s1 := subscribe(t, m, "a", nil)
 	subscribe(t, m, "a", nil)
-	if _, _, err := m.Subscribe("a", nil, 0, false); !errors.Is(err, ErrTooManySessions) {
+	if _, _, err := m.Subscribe(t.Context(), SubscribeRequest{Node: "a"}); !errors.Is(err, ErrTooManySessions) {
 		t.Fatalf("third stream of a node: %v, want ErrTooManySessions", err)
 	}
 	subscribe(t, m, "b", nil)
@@ -249,7 +249,7 @@ func TestMaxSessionsPerNode(t *testing.T) {
 func TestReplayBoundedInBytes(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		m := newManager(t, func(c *Config) { c.SessionLogBytes = MinSessionLogBytes; c.SessionGrace = 5 * time.Second })
-		st, first, _ := m.Subscribe("w", nil, 0, false)
+		st, first, _ := m.Subscribe(t.Context(), SubscribeRequest{Node: "w"})
 		text := strings.Repeat("<x>", 100) // escaped to 6 bytes a bracket
 		for i := range 60 {
 			r := "r" + strconv.Itoa(i)
@@ -264,7 +264,7 @@ func TestReplayBoundedInBytes(t *testing.T) {
 			t.Fatalf("stream got %d events, want 60", len(seen))
 		}
 		st.Close()
-		_, sub, err := m.Subscribe("w", nil, 0, true)
+		_, sub, err := m.Subscribe(t.Context(), SubscribeRequest{Node: "w", HasLast: true})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -284,13 +284,13 @@ func TestReplayBoundedInBytes(t *testing.T) {
 		}
 		// From the subscribed id, or from within the log, the replay is whole.
 		for _, last := range []uint64{sub.ID, seen[60-n+1].ID} {
-			_, again, _ := m.Subscribe("w", nil, last, true)
+			_, again, _ := m.Subscribe(t.Context(), SubscribeRequest{Node: "w", LastID: last, HasLast: true})
 			if again.Missed || again.ID != last || len(again.Replay) == 0 || again.Replay[0].ID <= last || again.Replay[len(again.Replay)-1].ID != seen[59].ID {
 				t.Fatalf("replay after %d: id %d missed=%v %v", last, again.ID, again.Missed, ids(again.Replay))
 			}
 		}
 		// The first subscription's id is older than what the log keeps.
-		if _, again, _ := m.Subscribe("w", nil, first.ID, true); !again.Missed {
+		if _, again, _ := m.Subscribe(t.Context(), SubscribeRequest{Node: "w", LastID: first.ID, HasLast: true}); !again.Missed {
 			t.Fatal("a replay from before the log's start did not report the gap")
 		}
 		// A session that ended and began anew cannot replay the old one.
@@ -299,7 +299,7 @@ func TestReplayBoundedInBytes(t *testing.T) {
 		}
 		time.Sleep(6 * time.Second)
 		synctest.Wait()
-		s2, again, _ := m.Subscribe("w", nil, seen[59].ID, true)
+		s2, again, _ := m.Subscribe(t.Context(), SubscribeRequest{Node: "w", LastID: seen[59].ID, HasLast: true})
 		defer s2.Close()
 		if !again.Missed || len(again.Replay) != 0 {
 			t.Fatalf("replay into a new session: missed=%v %d events, want missed and none", again.Missed, len(again.Replay))
@@ -329,7 +329,7 @@ func TestMassSessionLoss(t *testing.T) {
 		subscribe(t, m, "A", nil)
 		sb := subscribe(t, m, "B", nil)
 		obs := subscribe(t, m, "", &Key{Pull, "K"})
-		lost := make([]*Stream, n)
+		lost := make([]Stream, n)
 		node := func(i int) string { return "L" + strconv.Itoa(i) }
 		for i := range lost {
 			lost[i] = subscribe(t, m, node(i), nil)
@@ -403,7 +403,7 @@ func TestSessionLossCost(t *testing.T) {
 		m := newManager(t, func(c *Config) { c.SessionGrace = time.Second })
 		k := Key{Pull, "K"}
 		mustLock(t, m, LockRequest{Type: Pull, Resource: "K", Node: "holder", Lease: LeaseTTL})
-		var lost []*Stream
+		var lost []Stream
 		var live []string
 		for i := range n {
 			node := fmt.Sprintf("n%d", i)
@@ -469,24 +469,24 @@ func TestMassExpiry(t *testing.T) {
 func TestMaxWatchers(t *testing.T) {
 	m := newManager(t, func(c *Config) { c.MaxWatchers = 2; c.MaxSessionsPerNode = 1 })
 	o1 := subscribe(t, m, "", &Key{Pull, "r"})
-	ops, err := m.WatchOps()
+	ops, err := m.WatchOps(t.Context())
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, _, err := m.Subscribe("", &Key{Pull, "s"}, 0, false); !errors.Is(err, ErrTooManyWatchers) {
+	if _, _, err := m.Subscribe(t.Context(), SubscribeRequest{Observe: &Key{Pull, "s"}}); !errors.Is(err, ErrTooManyWatchers) {
 		t.Fatalf("third watcher: %v, want ErrTooManyWatchers", err)
 	}
-	if _, err := m.WatchOps(); !errors.Is(err, ErrTooManyWatchers) {
+	if _, err := m.WatchOps(t.Context()); !errors.Is(err, ErrTooManyWatchers) {
 		t.Fatalf("operator feed past the bound: %v, want ErrTooManyWatchers", err)
 	}
 	subscribe(t, m, "a", nil) // a session stream is no watcher
 	o1.Close()
-	if _, _, err := m.Subscribe("a", &Key{Pull, "r"}, 0, false); !errors.Is(err, ErrTooManySessions) {
+	if _, _, err := m.Subscribe(t.Context(), SubscribeRequest{Node: "a", Observe: &Key{Pull, "r"}}); !errors.Is(err, ErrTooManySessions) {
 		t.Fatalf("second stream of a: %v, want ErrTooManySessions", err)
 	}
 	subscribe(t, m, "", &Key{Pull, "r"}) // the refused stream gave its place back
 	ops.Close()
-	if _, err := m.WatchOps(); err != nil {
+	if _, err := m.WatchOps(t.Context()); err != nil {
 		t.Fatalf("after a feed closed: %v", err)
 	}
 	if n := m.Stats().RefusedWatchers; n != 2 {

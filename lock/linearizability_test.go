@@ -154,7 +154,7 @@ func linearizableRun(t *testing.T, seed uint64) {
 		wg.Go(func() {
 			rng := rand.New(rand.NewPCG(seed, uint64(n)))
 			node := fmt.Sprint("n", n)
-			st, _, err := m.Subscribe(node, nil, 0, false)
+			st, _, err := m.Subscribe(t.Context(), SubscribeRequest{Node: node})
 			if err != nil {
 				t.Error(err)
 				return

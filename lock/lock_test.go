@@ -61,7 +61,7 @@ func errText(success bool) string {
 
 func status(t testing.TB, m *Manager, typ Type, res, node string) Status {
 	t.Helper()
-	st, err := m.Status(typ, res, node)
+	st, err := m.Status(t.Context(), typ, res, node)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -69,7 +69,7 @@ func status(t testing.TB, m *Manager, typ Type, res, node string) Status {
 }
 
 // events drains what a stream has received so far.
-func events(st *Stream) []Delivery { return st.Take(nil) }
+func events(st Stream) []Delivery { return st.Take(nil) }
 
 func names(ds []Delivery) []string {
 	var out []string
@@ -79,14 +79,14 @@ func names(ds []Delivery) []string {
 	return out
 }
 
-func subscribe(t testing.TB, m *Manager, node string, observe *Key) *Stream {
+func subscribe(t testing.TB, m *Manager, node string, observe *Key) *stream {
 	t.Helper()
-	st, _, err := m.Subscribe(node, observe, 0, false)
+	st, _, err := m.Subscribe(t.Context(), SubscribeRequest{Node: node, Observe: observe})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(st.Close)
-	return st
+	return st.(*stream)
 }
 
 func TestTryLockRules(t *testing.T) {
@@ -476,8 +476,8 @@ func TestClaimTimeoutAndMaxHold(t *testing.T) {
 func TestSessionLoss(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		m := newManager(t, func(c *Config) { c.SessionGrace = 5 * time.Second })
-		sa, _, _ := m.Subscribe("a", nil, 0, false)
-		sb, _, _ := m.Subscribe("b", nil, 0, false)
+		sa, _, _ := m.Subscribe(t.Context(), SubscribeRequest{Node: "a"})
+		sb, _, _ := m.Subscribe(t.Context(), SubscribeRequest{Node: "b"})
 		defer sb.Close()
 		mustLock(t, m, lockReq(Pull, "r", "a")) // session lease: a has a stream
 		mustLock(t, m, lockReq(Pull, "r", "b"))
@@ -490,7 +490,7 @@ func TestSessionLoss(t *testing.T) {
 			t.Fatalf("hold released within the grace: %+v", st)
 		}
 		// A reconnect within the grace keeps everything.
-		sa2, _, _ := m.Subscribe("a", nil, 0, false)
+		sa2, _, _ := m.Subscribe(t.Context(), SubscribeRequest{Node: "a"})
 		time.Sleep(10 * time.Second)
 		synctest.Wait()
 		if st := status(t, m, Pull, "r", ""); st.Holder != "a" {
@@ -537,7 +537,7 @@ func TestSessionLeaseWithoutStream(t *testing.T) {
 func TestReplay(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		m := newManager(t, nil)
-		st, sub, _ := m.Subscribe("b", nil, 0, false)
+		st, sub, _ := m.Subscribe(t.Context(), SubscribeRequest{Node: "b"})
 		mustLock(t, m, lockReq(Pull, "r", "a"))
 		mustLock(t, m, lockReq(Pull, "r", "b"))
 		mustLock(t, m, lockReq(Pull, "s", "a"))
@@ -545,7 +545,7 @@ func TestReplay(t *testing.T) {
 		st.Close()
 		mustUnlock(t, m, Pull, "r", "a", false) // b gets r while disconnected
 		mustUnlock(t, m, Pull, "s", "a", true)  // s done while disconnected
-		st2, sub2, err := m.Subscribe("b", nil, sub.ID, true)
+		st2, sub2, err := m.Subscribe(t.Context(), SubscribeRequest{Node: "b", LastID: sub.ID, HasLast: true})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -562,7 +562,7 @@ func TestReplay(t *testing.T) {
 		}
 		// Replay from the middle.
 		st2.Close()
-		st3, sub3, _ := m.Subscribe("b", nil, sub2.Replay[0].ID, true)
+		st3, sub3, _ := m.Subscribe(t.Context(), SubscribeRequest{Node: "b", LastID: sub2.Replay[0].ID, HasLast: true})
 		defer st3.Close()
 		if len(sub3.Replay) != 1 || sub3.Replay[0].Event.Name != EventOperationCompleted {
 			t.Fatalf("replay after the first: %v", names(sub3.Replay))
@@ -629,7 +629,7 @@ func refManager(t testing.TB, store *memRefStore, updNoRef bool) *Manager {
 
 func refNodes(t testing.TB, m *Manager, res string) []string {
 	t.Helper()
-	rc, err := m.RefCount(res)
+	rc, err := m.RefCount(t.Context(), res)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -757,7 +757,7 @@ func TestRefCountPromotionRefused(t *testing.T) {
 
 func TestRefCountOff(t *testing.T) {
 	m := newManager(t, nil)
-	if _, err := m.RefCount("r"); !errors.Is(err, ErrRefCountOff) {
+	if _, err := m.RefCount(t.Context(), "r"); !errors.Is(err, ErrRefCountOff) {
 		t.Fatalf("got %v", err)
 	}
 	if _, err := m.RefAdd(context.Background(), "r", "a"); !errors.Is(err, ErrRefCountOff) {
@@ -809,7 +809,7 @@ func TestSessionLogBounded(t *testing.T) {
 	}
 	// A reconnect from 8 events back replays those 8, in order.
 	st.Close()
-	_, sub, _ := m.Subscribe("a", nil, last-8, true)
+	_, sub, _ := m.Subscribe(t.Context(), SubscribeRequest{Node: "a", LastID: last - 8, HasLast: true})
 	if len(sub.Replay) != 8 || sub.Replay[7].ID != last {
 		t.Fatalf("replayed %d events ending at %d, want 8 ending at %d", len(sub.Replay), sub.Replay[len(sub.Replay)-1].ID, last)
 	}

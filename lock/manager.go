@@ -67,7 +67,7 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 		return nil, err
 	}
 	m.sess.m = make(map[string]*session)
-	m.obs.m = make(map[Key][]*Stream)
+	m.obs.m = make(map[Key][]*stream)
 	if cfg.CompletedRetention > 0 && cfg.CompletedMax > 0 {
 		m.recordCap = max(1, cfg.CompletedMax/cfg.Shards)
 	}
@@ -100,15 +100,15 @@ func (m *Manager) wall(t mono) time.Time { return m.start.Add(time.Duration(t)) 
 // micros is t in Unix microseconds, the floor of a fencing token.
 func (m *Manager) micros(t mono) uint64 { return m.startUS + uint64(time.Duration(t)/time.Microsecond) }
 
-// Epoch is a random id chosen when the manager was created: a client that
-// sees it change knows that every hold, queue entry and session is gone.
-func (m *Manager) Epoch() string { return m.epoch }
+// Info describes the manager. Its epoch is a random id chosen when the
+// manager was created: its state lives in this process, and a client that
+// sees the epoch change knows that every hold, queue entry and session is gone.
+func (m *Manager) Info() Info {
+	return Info{Epoch: m.epoch, RefCounting: m.cfg.RefStore != nil, LockTTL: m.cfg.LockTTL}
+}
 
 // Config returns the configuration the manager runs with.
 func (m *Manager) Config() Config { return m.cfg }
-
-// RefCounting reports whether server-side reference counting is on.
-func (m *Manager) RefCounting() bool { return m.cfg.RefStore != nil }
 
 // Close stops every timer and closes every stream. Calls after Close return
 // ErrClosed. It does not close the RefStore.
@@ -133,7 +133,7 @@ func (m *Manager) Close() error {
 	}
 	m.grace.mu.Unlock()
 	m.sess.mu.Lock()
-	var streams []*Stream
+	var streams []*stream
 	for _, s := range m.sess.m {
 		s.mu.Lock()
 		streams = append(streams, s.streams...)
@@ -326,7 +326,10 @@ func (m *Manager) Cancel(ctx context.Context, t Type, resource, node string) (Ca
 
 // Status describes a key. A non-empty node renews that node's ttl lease on
 // the key, as a /lock would, and gets its queue position.
-func (m *Manager) Status(t Type, resource, node string) (Status, error) {
+func (m *Manager) Status(ctx context.Context, t Type, resource, node string) (Status, error) {
+	if err := ctx.Err(); err != nil {
+		return Status{}, err
+	}
 	if err := validateKey(t, resource, "-"); err != nil {
 		return Status{}, err
 	}

@@ -1,6 +1,7 @@
 package lock
 
 import (
+	"context"
 	"fmt"
 	"slices"
 	"sync"
@@ -37,14 +38,14 @@ type SessionChange struct {
 
 type opTable struct {
 	mu   sync.Mutex
-	list []*OpStream // replaced, never modified in place
+	list []*opStream // replaced, never modified in place
 	n    atomic.Int64
 	// built counts the events built or passed on for the feed; it stays
 	// zero while nobody watches (a test checks).
 	built atomic.Uint64
 }
 
-func (t *opTable) streams() []*OpStream {
+func (t *opTable) streams() []*opStream {
 	t.mu.Lock()
 	l := t.list
 	t.mu.Unlock()
@@ -116,11 +117,11 @@ func (m *Manager) opSession(s *session) {
 	m.ops.publish(OpEvent{Session: c})
 }
 
-// OpStream is a subscription to the operator feed. Wait on Ready, then
+// opStream is the in-memory OpStream, a subscription to the operator feed. Wait on Ready, then
 // Take what arrived, until Done is closed; then call Close. It has the
 // bounded buffer of every stream (Config.StreamBuffer): one that does not
 // keep up is closed, and its reader should read a fresh snapshot.
-type OpStream struct {
+type opStream struct {
 	m     *Manager
 	done  chan struct{}
 	once  sync.Once
@@ -132,14 +133,17 @@ type OpStream struct {
 }
 
 // WatchOps subscribes to the operator feed.
-func (m *Manager) WatchOps() (*OpStream, error) {
+func (m *Manager) WatchOps(ctx context.Context) (OpStream, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
 	if m.closed.Load() {
 		return nil, ErrClosed
 	}
 	if err := m.watch(); err != nil {
 		return nil, err
 	}
-	st := &OpStream{m: m, done: make(chan struct{}), ready: make(chan struct{}, 1)}
+	st := &opStream{m: m, done: make(chan struct{}), ready: make(chan struct{}, 1)}
 	m.ops.mu.Lock()
 	m.ops.list = append(slices.Clip(m.ops.list), st)
 	m.ops.n.Add(1)
@@ -153,10 +157,10 @@ func (m *Manager) WatchOps() (*OpStream, error) {
 }
 
 // Ready receives when events are waiting to be taken.
-func (st *OpStream) Ready() <-chan struct{} { return st.ready }
+func (st *opStream) Ready() <-chan struct{} { return st.ready }
 
 // Take appends the waiting events, in order, to buf and returns it.
-func (st *OpStream) Take(buf []OpEvent) []OpEvent {
+func (st *opStream) Take(buf []OpEvent) []OpEvent {
 	st.mu.Lock()
 	buf = append(buf, st.queue...)
 	clear(st.queue)
@@ -171,12 +175,12 @@ func (st *OpStream) Take(buf []OpEvent) []OpEvent {
 
 // Done is closed when the stream was closed: by Close, by the manager's
 // Close, or because it did not keep up (Slow reports true then).
-func (st *OpStream) Done() <-chan struct{} { return st.done }
+func (st *opStream) Done() <-chan struct{} { return st.done }
 
 // Slow reports whether the stream was closed for not keeping up.
-func (st *OpStream) Slow() bool { return st.slow.Load() }
+func (st *opStream) Slow() bool { return st.slow.Load() }
 
-func (st *OpStream) offer(ev OpEvent) bool {
+func (st *opStream) offer(ev OpEvent) bool {
 	st.mu.Lock()
 	if len(st.queue) >= st.m.cfg.StreamBuffer {
 		st.mu.Unlock()
@@ -191,7 +195,7 @@ func (st *OpStream) offer(ev OpEvent) bool {
 	return true
 }
 
-func (st *OpStream) kill() {
+func (st *opStream) kill() {
 	if st.slow.CompareAndSwap(false, true) {
 		st.m.slowStreams.Add(1)
 		st.m.log.Warn("closing an operator stream that does not keep up", "buffer", st.m.cfg.StreamBuffer)
@@ -200,7 +204,7 @@ func (st *OpStream) kill() {
 }
 
 // Close ends the subscription.
-func (st *OpStream) Close() {
+func (st *opStream) Close() {
 	st.once.Do(func() {
 		t := &st.m.ops
 		t.mu.Lock()

@@ -207,7 +207,10 @@ func (s *shard) refCountLocked(resource string) RefCount {
 }
 
 // RefCount returns a resource's references.
-func (m *Manager) RefCount(resource string) (RefCount, error) {
+func (m *Manager) RefCount(ctx context.Context, resource string) (RefCount, error) {
+	if err := ctx.Err(); err != nil {
+		return RefCount{}, err
+	}
 	s, err := m.refShard(resource)
 	if err != nil {
 		return RefCount{}, err

@@ -54,7 +54,7 @@ func TestStress(t *testing.T) {
 		wg.Go(func() {
 			rng := rand.New(rand.NewPCG(uint64(w), 7))
 			node := fmt.Sprint("w", w)
-			st, _, err := m.Subscribe(node, nil, 0, false)
+			st, _, err := m.Subscribe(t.Context(), SubscribeRequest{Node: node})
 			if err != nil {
 				t.Error(err)
 				return
@@ -77,7 +77,7 @@ func TestStress(t *testing.T) {
 				}
 				if res.Queued {
 					last := seen[k]
-					outcome, tok, err := wait(st, k, node, &last, rng, m)
+					outcome, tok, err := wait(st.(*stream), k, node, &last, rng, m)
 					seen[k] = last
 					if err != nil {
 						t.Error(err)
@@ -134,7 +134,7 @@ func TestStress(t *testing.T) {
 }
 
 // wait waits for a queued node's outcome, cancelling now and then.
-func wait(st *Stream, k Key, node string, seen *uint64, rng *rand.Rand, m *Manager) (string, uint64, error) {
+func wait(st *stream, k Key, node string, seen *uint64, rng *rand.Rand, m *Manager) (string, uint64, error) {
 	giveUp := time.After(time.Duration(rng.IntN(20)) * time.Millisecond)
 	deadline := time.After(30 * time.Second)
 	var pending []Delivery
@@ -182,7 +182,7 @@ func wait(st *Stream, k Key, node string, seen *uint64, rng *rand.Rand, m *Manag
 	}
 }
 
-func drainGrant(st *Stream, k Key, node string, seen *uint64) error {
+func drainGrant(st *stream, k Key, node string, seen *uint64) error {
 	deadline := time.After(30 * time.Second)
 	var pending []Delivery
 	for {
@@ -241,7 +241,7 @@ func TestOneKeyRace(t *testing.T) {
 
 // requeue puts events a test took but did not use back in front, so the
 // next wait sees them.
-func (st *Stream) requeue(ds []Delivery) {
+func (st *stream) requeue(ds []Delivery) {
 	if len(ds) == 0 {
 		return
 	}

@@ -83,7 +83,7 @@ func TestServerStoreWithManager(t *testing.T) {
 	m, s = open()
 	defer s.Close()
 	defer m.Close()
-	rc, err := m.RefCount("blob")
+	rc, err := m.RefCount(t.Context(), "blob")
 	if err != nil || !slices.Equal(rc.Nodes, []string{"a", "b"}) {
 		t.Fatalf("after restart: %+v %v", rc, err)
 	}

@@ -119,7 +119,7 @@ func TestMaxConns(t *testing.T) {
 			t.Fatalf("over the limit %d: %v", i, err)
 		}
 		body := bodyOf(r)
-		if r.StatusCode != 503 || !strings.Contains(body, `"code":"overloaded"`) || r.Header.Get("Retry-After") != "1" || r.Header.Get("Dlock-Epoch") != e.m.Epoch() {
+		if r.StatusCode != 503 || !strings.Contains(body, `"code":"overloaded"`) || r.Header.Get("Retry-After") != "1" || r.Header.Get("Dlock-Epoch") != e.m.Info().Epoch {
 			t.Fatalf("over the limit %d: %d %v %s", i, r.StatusCode, r.Header, body)
 		}
 		waitClosed(t, c, "refused connection")

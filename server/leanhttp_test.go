@@ -65,7 +65,7 @@ func TestLeanLoop(t *testing.T) {
 	rs := rawExchange(t, addr, raw, 4)
 	want := []string{`"acquired":true`, `"queued":true`, `"state":"held"`, `"next_holder":"b"`}
 	for i, r := range rs {
-		if body := bodyOf(r); r.StatusCode != 200 || !strings.Contains(body, want[i]) || r.Header.Get("Dlock-Epoch") != e.m.Epoch() {
+		if body := bodyOf(r); r.StatusCode != 200 || !strings.Contains(body, want[i]) || r.Header.Get("Dlock-Epoch") != e.m.Info().Epoch {
 			t.Fatalf("answer %d: %d %s %v", i+1, r.StatusCode, body, r.Header)
 		}
 	}

@@ -15,7 +15,7 @@ type metrics struct {
 	panics       prometheus.Counter
 }
 
-func newMetrics(reg *prometheus.Registry, m *lock.Manager) *metrics {
+func newMetrics(reg *prometheus.Registry, m lock.Backend) *metrics {
 	mt := &metrics{
 		latency: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "dlock_http_request_duration_seconds",
@@ -53,7 +53,7 @@ func (mt *metrics) watchConns(reg *prometheus.Registry, open *atomic.Int64) {
 
 // managerCollector reads the lock manager's gauges and counters when
 // scraped, so the lock hot path never touches a shared metric.
-type managerCollector struct{ m *lock.Manager }
+type managerCollector struct{ m lock.Backend }
 
 var (
 	descHeld         = prometheus.NewDesc("dlock_locks_held", "Keys with a holder.", nil, nil)
@@ -94,7 +94,7 @@ func (c managerCollector) Collect(ch chan<- prometheus.Metric) {
 
 // limitsCollector counts what the lock manager's limits refused or cut
 // (docs/SECURITY.md).
-type limitsCollector struct{ m *lock.Manager }
+type limitsCollector struct{ m lock.Backend }
 
 var (
 	descLimitRefusals = prometheus.NewDesc("dlock_limit_refusals_total",

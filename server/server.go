@@ -53,9 +53,11 @@ const (
 	DefaultWriteTimeout = 10 * time.Second
 )
 
-// Server serves the dlock API for one lock manager.
+// Server serves the dlock API for one lock backend.
 type Server struct {
-	m            *lock.Manager
+	b            lock.Backend
+	info         lock.Info
+	inspect      lock.Inspector // nil: no /ui (ui.go)
 	log          *slog.Logger
 	routes       map[string]*route
 	metrics      *metrics
@@ -89,8 +91,10 @@ type Server struct {
 	leanWG    sync.WaitGroup
 }
 
-// New returns a Server for m.
-func New(m *lock.Manager, opts Options) *Server {
+// New returns a Server for b. The server holds no lock state: every rule is
+// b's (docs/DESIGN.md).
+func New(b lock.Backend, opts Options) *Server {
+	info := b.Info()
 	log := opts.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
@@ -102,22 +106,23 @@ func New(m *lock.Manager, opts Options) *Server {
 	}
 	ping := opts.PingInterval
 	if ping <= 0 {
-		ping = min(15*time.Second, m.Config().LockTTL/4)
+		ping = min(15*time.Second, info.LockTTL/4)
 	}
 	s := &Server{
-		m:            m,
+		b:            b,
+		info:         info,
 		log:          log,
 		routes:       make(map[string]*route),
-		metrics:      newMetrics(reg, m),
+		metrics:      newMetrics(reg, b),
 		ping:         ping,
 		readTimeout:  cmp.Or(opts.ReadTimeout, DefaultReadTimeout),
 		writeTimeout: cmp.Or(opts.WriteTimeout, DefaultWriteTimeout),
 		maxConns:     opts.MaxConns,
-		epoch:        []string{m.Epoch()},
+		epoch:        []string{info.Epoch},
 		closed:       make(chan struct{}),
 	}
 	s.drained, s.drain = context.WithCancel(context.Background())
-	s.overloaded = overloadedAnswer(m.Epoch())
+	s.overloaded = overloadedAnswer(info.Epoch)
 	s.metrics.watchConns(reg, &s.conns)
 	s.core("/lock", s.lockAnswer)
 	s.core("/unlock", s.unlockAnswer)
@@ -384,7 +389,7 @@ func (s *Server) lockAnswer(ctx context.Context, body, buf []byte) (int, []byte)
 	if err != nil {
 		return s.errorAnswer(err, buf)
 	}
-	res, err := s.m.TryLock(ctx, req)
+	res, err := s.b.TryLock(ctx, req)
 	if err != nil {
 		return s.errorAnswer(err, buf)
 	}
@@ -400,7 +405,7 @@ func (s *Server) unlockAnswer(ctx context.Context, body, buf []byte) (int, []byt
 	if err != nil {
 		return s.errorAnswer(err, buf)
 	}
-	res, err := s.m.Unlock(ctx, req)
+	res, err := s.b.Unlock(ctx, req)
 	if err != nil {
 		return s.errorAnswer(err, buf)
 	}
@@ -413,7 +418,7 @@ func (s *Server) cancelAnswer(ctx context.Context, body, buf []byte) (int, []byt
 	if err != nil {
 		return s.errorAnswer(err, buf)
 	}
-	res, err := s.m.Cancel(ctx, k.Type, k.Resource, node)
+	res, err := s.b.Cancel(ctx, k.Type, k.Resource, node)
 	if err != nil {
 		return s.errorAnswer(err, buf)
 	}
@@ -427,7 +432,7 @@ func (s *Server) handleStatus(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	st, err := s.m.Status(t, q.Get("resource_id"), q.Get("node_id"))
+	st, err := s.b.Status(r.Context(), t, q.Get("resource_id"), q.Get("node_id"))
 	if err != nil {
 		return err
 	}
@@ -444,7 +449,7 @@ func refCountBody(rc lock.RefCount) api.RefCountResponse {
 }
 
 func (s *Server) handleRefCount(w http.ResponseWriter, r *http.Request) error {
-	rc, err := s.m.RefCount(r.URL.Query().Get("resource_id"))
+	rc, err := s.b.RefCount(r.Context(), r.URL.Query().Get("resource_id"))
 	if err != nil {
 		return err
 	}
@@ -453,7 +458,7 @@ func (s *Server) handleRefCount(w http.ResponseWriter, r *http.Request) error {
 }
 
 func (s *Server) handleRefAdd(w http.ResponseWriter, r *http.Request) error {
-	if !s.m.RefCounting() {
+	if !s.info.RefCounting {
 		return lock.ErrRefCountOff
 	}
 	data, err := readBody(w, r)
@@ -465,7 +470,7 @@ func (s *Server) handleRefAdd(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	rc, err := s.m.RefAdd(r.Context(), req.ResourceID, req.NodeID)
+	rc, err := s.b.RefAdd(r.Context(), req.ResourceID, req.NodeID)
 	if err != nil {
 		return err
 	}
@@ -474,7 +479,7 @@ func (s *Server) handleRefAdd(w http.ResponseWriter, r *http.Request) error {
 }
 
 func (s *Server) handleRefRelease(w http.ResponseWriter, r *http.Request) error {
-	if !s.m.RefCounting() {
+	if !s.info.RefCounting {
 		return lock.ErrRefCountOff
 	}
 	data, err := readBody(w, r)
@@ -487,14 +492,14 @@ func (s *Server) handleRefRelease(w http.ResponseWriter, r *http.Request) error 
 		return err
 	}
 	if req.ResourceID == "" {
-		n, err := s.m.RefReleaseNode(r.Context(), req.NodeID)
+		n, err := s.b.RefReleaseNode(r.Context(), req.NodeID)
 		if err != nil {
 			return err
 		}
 		writeJSON(w, http.StatusOK, api.ReleaseNodeResponse{NodeID: req.NodeID, Released: n})
 		return nil
 	}
-	rc, err := s.m.RefRelease(r.Context(), req.ResourceID, req.NodeID)
+	rc, err := s.b.RefRelease(r.Context(), req.ResourceID, req.NodeID)
 	if err != nil {
 		return err
 	}
@@ -506,6 +511,6 @@ func (s *Server) handleHealthz(w http.ResponseWriter, r *http.Request) error {
 	if s.draining.Load() {
 		return api.ErrUnavailable
 	}
-	writeJSON(w, http.StatusOK, map[string]string{"status": "ok", "epoch": s.m.Epoch()})
+	writeJSON(w, http.StatusOK, map[string]string{"status": "ok", "epoch": s.info.Epoch})
 	return nil
 }

@@ -104,8 +104,8 @@ func (e *env) call(method, path, body string) (int, map[string]any) {
 		e.t.Fatal(err)
 	}
 	defer resp.Body.Close()
-	if resp.Header.Get(api.EpochHeader) != e.m.Epoch() {
-		e.t.Fatalf("%s %s: epoch header %q, want %q", method, path, resp.Header.Get(api.EpochHeader), e.m.Epoch())
+	if resp.Header.Get(api.EpochHeader) != e.m.Info().Epoch {
+		e.t.Fatalf("%s %s: epoch header %q, want %q", method, path, resp.Header.Get(api.EpochHeader), e.m.Info().Epoch)
 	}
 	var out map[string]any
 	data, _ := io.ReadAll(resp.Body)
@@ -305,7 +305,7 @@ func TestSSE(t *testing.T) {
 	if sub.event != "subscribed" || sub.id == "" {
 		t.Fatalf("first frame %+v", sub)
 	}
-	if d := sub.json(t); len(d) != 3 || d["node_id"] != "b" || d["epoch"] != e.m.Epoch() {
+	if d := sub.json(t); len(d) != 3 || d["node_id"] != "b" || d["epoch"] != e.m.Info().Epoch {
 		t.Fatalf("subscribed data %v: exactly event, node_id and epoch", d)
 	}
 	obs := e.subscribe("type=pull&resource_id=r", "")

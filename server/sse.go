@@ -38,13 +38,13 @@ func (s *Server) handleSubscribe(w http.ResponseWriter, r *http.Request) error {
 			lastID, hasLast = id, true
 		}
 	}
-	st, sub, err := s.m.Subscribe(node, observe, lastID, hasLast)
+	st, sub, err := s.b.Subscribe(r.Context(), lock.SubscribeRequest{Node: node, Observe: observe, LastID: lastID, HasLast: hasLast})
 	if err != nil {
 		return err
 	}
 	first := make([]byte, 0, 512)
 	first = appendFrame(first, sub.ID, "subscribed", func(b []byte) []byte {
-		return api.AppendSubscribed(b, node, s.m.Epoch())
+		return api.AppendSubscribed(b, node, s.info.Epoch)
 	})
 	for _, d := range sub.Replay {
 		first = appendDelivery(first, d)
@@ -75,7 +75,7 @@ func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byt
 		hdr := append(make([]byte, 0, 256), "HTTP/1.1 200 OK\r\n"+
 			"Content-Type: text/event-stream\r\nCache-Control: no-cache\r\nX-Accel-Buffering: no\r\n"+
 			"Connection: close\r\n"+api.EpochHeader+": "...)
-		hdr = append(hdr, s.m.Epoch()...)
+		hdr = append(hdr, s.info.Epoch...)
 		hdr = append(hdr, "\r\n\r\n"...)
 		go s.hijackedStream(conn, hdr, release, run)
 		return
@@ -150,7 +150,7 @@ func (s *Server) hijackedStream(conn net.Conn, hdr []byte, release func(), run f
 
 // streamLoop writes first, then the stream's events as they come and a ping
 // when it has been quiet, until the stream, the peer or the server ends.
-func (s *Server) streamLoop(st *lock.Stream, first []byte, gone <-chan struct{}, write func([]byte) error) {
+func (s *Server) streamLoop(st lock.Stream, first []byte, gone <-chan struct{}, write func([]byte) error) {
 	if err := write(first); err != nil {
 		return
 	}

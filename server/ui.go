@@ -41,9 +41,15 @@ func inlineHash(page []byte, tag string) string {
 	return "'sha256-" + base64.StdEncoding.EncodeToString(sum[:]) + "'"
 }
 
-// routeUI registers the live view. Its routes go through route like every
-// other, so whatever guards the API (an operator token) guards them too.
+// routeUI registers the live view when the backend offers inspection
+// (lock.Inspector). Its routes go through route like every other, so
+// whatever guards the API (an operator token) guards them too.
 func (s *Server) routeUI() {
+	in, ok := s.b.(lock.Inspector)
+	if !ok {
+		return
+	}
+	s.inspect = in
 	s.route("/ui", http.MethodGet, s.handleUI)
 	s.route("/ui/api/keys", http.MethodGet, s.handleUIKeys)
 	s.route("/ui/api/completions", http.MethodGet, s.handleUICompletions)
@@ -119,13 +125,13 @@ func (s *Server) handleUIKeys(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	page, err := s.m.InspectKeys(lock.KeyQuery{Resource: filter, Node: node, Cursor: cursor, Limit: limit})
+	page, err := s.inspect.InspectKeys(r.Context(), lock.KeyQuery{Resource: filter, Node: node, Cursor: cursor, Limit: limit})
 	if err != nil {
 		return err
 	}
-	st := s.m.Stats()
+	st := s.b.Stats()
 	out := uiKeysResponse{
-		Now: time.Now().UTC(), Epoch: s.m.Epoch(), Keys: make([]uiKey, 0, len(page.Keys)),
+		Now: time.Now().UTC(), Epoch: s.info.Epoch, Keys: make([]uiKey, 0, len(page.Keys)),
 		Next: page.Next, Scanned: page.Scanned, Limit: min(max(limit, 0), lock.MaxInspectLimit),
 		Totals: uiTotals{Keys: st.Keys, Held: st.Held, Queued: st.Queued, Sessions: st.Sessions},
 	}
@@ -166,7 +172,7 @@ func (s *Server) handleUICompletions(w http.ResponseWriter, r *http.Request) err
 	if err != nil {
 		return err
 	}
-	list, err := s.m.RecentCompletions(lock.KeyQuery{Resource: filter, Node: node, Limit: limit})
+	list, err := s.inspect.RecentCompletions(r.Context(), lock.KeyQuery{Resource: filter, Node: node, Limit: limit})
 	if err != nil {
 		return err
 	}
@@ -196,7 +202,7 @@ func (s *Server) handleUISessions(w http.ResponseWriter, r *http.Request) error 
 	if err != nil {
 		return err
 	}
-	page, err := s.m.InspectSessions(lock.SessionQuery{Node: node, Cursor: cursor, Limit: limit})
+	page, err := s.inspect.InspectSessions(r.Context(), lock.SessionQuery{Node: node, Cursor: cursor, Limit: limit})
 	if err != nil {
 		return err
 	}
@@ -220,11 +226,11 @@ func (s *Server) handleUIEvents(w http.ResponseWriter, r *http.Request) error {
 	if s.draining.Load() {
 		return api.ErrUnavailable
 	}
-	st, err := s.m.WatchOps()
+	st, err := s.inspect.WatchOps(r.Context())
 	if err != nil {
 		return err
 	}
-	first := fmt.Appendf(nil, "retry: 1000\nevent: subscribed\ndata: {\"event\":\"subscribed\",\"epoch\":%q}\n\n", s.m.Epoch())
+	first := fmt.Appendf(nil, "retry: 1000\nevent: subscribed\ndata: {\"event\":\"subscribed\",\"epoch\":%q}\n\n", s.info.Epoch)
 	s.eventStream(w, r, first, st.Close, func(gone <-chan struct{}, write func([]byte) error) {
 		s.opStreamLoop(st, first, gone, write)
 	})
@@ -233,7 +239,7 @@ func (s *Server) handleUIEvents(w http.ResponseWriter, r *http.Request) error {
 
 // opStreamLoop writes first, then the feed's events as they come and a
 // ping when it has been quiet, until the feed, the peer or the server ends.
-func (s *Server) opStreamLoop(st *lock.OpStream, first []byte, gone <-chan struct{}, write func([]byte) error) {
+func (s *Server) opStreamLoop(st lock.OpStream, first []byte, gone <-chan struct{}, write func([]byte) error) {
 	if err := write(first); err != nil {
 		return
 	}

@@ -295,7 +295,7 @@ func TestUIEvents(t *testing.T) {
 				t.Fatalf("GET /ui/events: %d %s", resp.StatusCode, resp.Header.Get("Content-Type"))
 			}
 			r := bufio.NewReader(resp.Body)
-			if f := readOpFrame(t, r); f.event != "subscribed" || f.data["epoch"] != e.m.Epoch() {
+			if f := readOpFrame(t, r); f.event != "subscribed" || f.data["epoch"] != e.m.Info().Epoch {
 				t.Fatalf("first frame %+v", f)
 			}
 			e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"a"}`)

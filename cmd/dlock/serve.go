@@ -168,7 +168,7 @@ func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {
 		IdleTimeout: 2 * time.Minute,
 		ErrorLog:    slog.NewLogLogger(log.Handler(), slog.LevelWarn),
 	}
-	log.Info("dlock serving", "addr", ln.Addr().String(), "epoch", m.Epoch(), "shards", c.lock.Shards,
+	log.Info("dlock serving", "addr", ln.Addr().String(), "epoch", m.Info().Epoch, "shards", c.lock.Shards,
 		"refcount", c.refcount, "multi_node_download", c.lock.AllowMultiNodeDownload,
 		"max_conns", c.conns.max, "fd_limit", fdLimit, "data_dir", c.dataDir)
 	if c.ready != nil {

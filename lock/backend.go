@@ -1,0 +1,148 @@
+package lock
+
+import (
+	"context"
+	"time"
+)
+
+// Backend holds every piece of lock state and decides every rule of
+// docs/DESIGN.md: who holds a key and who waits, what a success or a failure
+// tells the waiters, which lease ends what, whether a reference refuses a
+// delete, and which events each node's stream receives, with ids a
+// reconnecting stream resumes from. The HTTP server, its event streams and
+// its metrics use a Backend and nothing else.
+//
+// Every method is safe for concurrent use. Calls that can wait (on a lock,
+// on storage, on another server) take a context; its end abandons the wait,
+// never a half-made change. Errors are this package's sentinels (ErrInvalid,
+// ErrLockHeld, ErrNotHolder, ErrQueueFull, ErrClosed, ...), wrapped with
+// detail, so that one table (package api) maps every backend's errors to the
+// same HTTP answers.
+//
+// Two implementations are planned; the in-memory Manager of this package is
+// the first. How the etcd backend maps onto each method, written before the
+// interface was settled so that it does not assume one process:
+//
+//   - TryLock, Unlock, Cancel: one etcd transaction per call on the key's
+//     record ("<prefix>/keys/<type>/<resource>": holder, token, lease, queue)
+//     guarded by its mod revision, retried on conflict. A refusal (delete
+//     while referenced, update while a delete runs) is decided in the same
+//     transaction as the change, by comparing the reference and sibling-type
+//     records' revisions: never on a cache. The events a change makes are
+//     written by the same transaction under each receiving node's session.
+//   - Sessions are etcd leases ("<prefix>/sessions/<node>" attached to a
+//     lease kept alive by whichever server holds one of the node's streams).
+//     LeaseAuto resolves to a session lease when that key exists, wherever
+//     the stream is; a hold with a session lease is attached to the etcd
+//     lease, so its end is etcd's lease expiry, seen by every server.
+//   - Subscribe: a watch on "<prefix>/events/<node>/" from the revision after
+//     the last event id. Event ids are etcd revisions, unique and increasing
+//     across servers, so Last-Event-ID resumes on any server; Missed is a
+//     compacted revision.
+//   - Timers (ttl leases, claim timeouts, max hold) fire once in the cluster:
+//     each is a record with a deadline, and the server holding a per-shard
+//     election runs them.
+//   - Epoch: stored once per data set ("<prefix>/epoch"), so every server
+//     answers the same one and it changes only when the data set does.
+//   - Status and RefCount: linearizable reads. RefAdd, RefRelease,
+//     RefReleaseNode: transactions on "<prefix>/refs/<resource>"; a release
+//     of every reference of a node pages through 128 operations a
+//     transaction (etcd's limit).
+//
+// A backend's test is one call of locktest.Run, the suite every backend
+// passes.
+type Backend interface {
+	// TryLock asks for req's key: it is granted, or the node is queued, or
+	// told to skip the work (a recent success, or a hand-off confirmed).
+	TryLock(ctx context.Context, req LockRequest) (LockResult, error)
+	// Unlock ends the holder's hold with its outcome: a success tells every
+	// waiter to skip, a failure hands the key to the next in line.
+	Unlock(ctx context.Context, req UnlockRequest) (UnlockResult, error)
+	// Cancel takes node out of the key's queue, or releases its hold
+	// without an outcome (the next in line is handed the key).
+	Cancel(ctx context.Context, t Type, resource, node string) (CancelResult, error)
+	// Status describes a key; with node, it also gives node's position and
+	// renews a ttl lease node has on the key.
+	Status(ctx context.Context, t Type, resource, node string) (Status, error)
+
+	// RefCount, RefAdd, RefRelease and RefReleaseNode are the server-side
+	// reference counts; ErrRefCountOff when Info().RefCounting is false.
+	RefCount(ctx context.Context, resource string) (RefCount, error)
+	RefAdd(ctx context.Context, resource, node string) (RefCount, error)
+	RefRelease(ctx context.Context, resource, node string) (RefCount, error)
+	RefReleaseNode(ctx context.Context, node string) (int, error)
+
+	// Subscribe opens a node's session stream and/or an observer of one
+	// key. A session stream keeps the node's session, and the holds leased
+	// to it, alive while it is open.
+	Subscribe(ctx context.Context, req SubscribeRequest) (Stream, Subscription, error)
+
+	// Info describes the backend; it does not change while it is open.
+	Info() Info
+	// Stats returns gauges and counters for metrics.
+	Stats() Stats
+	// Close ends every stream and timer. Calls after it return ErrClosed.
+	Close() error
+}
+
+// Inspector is what a backend offers the operators' live view (/ui): pages of
+// keys and sessions, and a feed of what changes. It is optional: the server
+// serves /ui only for a backend that implements it.
+type Inspector interface {
+	InspectKeys(ctx context.Context, q KeyQuery) (KeyPage, error)
+	RecentCompletions(ctx context.Context, q KeyQuery) ([]CompletionView, error)
+	InspectSessions(ctx context.Context, q SessionQuery) (SessionPage, error)
+	WatchOps(ctx context.Context) (OpStream, error)
+}
+
+// Info describes a backend.
+type Info struct {
+	// Epoch names the backend's lock state: it changes when the state was
+	// lost (a restart of an in-memory backend), and a client that sees it
+	// change knows its holds and queue places are gone.
+	Epoch string
+	// RefCounting reports whether server-side reference counts are kept.
+	RefCounting bool
+	// LockTTL is the lease of a ttl hold; streams ping well within it.
+	LockTTL time.Duration
+}
+
+// SubscribeRequest names what a stream receives.
+type SubscribeRequest struct {
+	// Node, when not empty, opens Node's session stream.
+	Node string
+	// Observe, when not nil, also receives every event of this key.
+	Observe *Key
+	// LastID, when HasLast, replays the session's retained events after it.
+	LastID  uint64
+	HasLast bool
+}
+
+// Feed is a bounded stream of T: wait on Ready, then Take what arrived,
+// until Done is closed; then call Close. A feed that does not keep up is
+// closed by its backend, and Slow reports true.
+type Feed[T any] interface {
+	// Ready receives when items are waiting to be taken.
+	Ready() <-chan struct{}
+	// Take appends the waiting items, in order, to buf and returns it.
+	Take(buf []T) []T
+	// Done is closed when the feed ended: by Close, by the backend's Close,
+	// or because it did not keep up.
+	Done() <-chan struct{}
+	// Slow reports whether the feed was closed for not keeping up.
+	Slow() bool
+	// Close ends the feed. Closing a node's last session stream starts the
+	// session's grace.
+	Close()
+}
+
+// Stream is a session stream or key observer (Backend.Subscribe).
+type Stream = Feed[Delivery]
+
+// OpStream is the operators' feed (Inspector.WatchOps).
+type OpStream = Feed[OpEvent]
+
+var (
+	_ Backend   = (*Manager)(nil)
+	_ Inspector = (*Manager)(nil)
+)
