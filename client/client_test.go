@@ -26,7 +26,7 @@ type testServer struct {
 	t          testing.TB
 	addr       string
 	cfg        func(*lock.Config)
-	m          *lock.Manager
+	m          *lock.Memory
 	srv        *server.Server
 	hs         *http.Server
 	done       chan struct{}
@@ -55,7 +55,7 @@ func (ts *testServer) serve(ln net.Listener) {
 	if ts.cfg != nil {
 		ts.cfg(&c)
 	}
-	m, err := lock.New(context.Background(), c)
+	m, err := lock.NewMemory(context.Background(), c)
 	if err != nil {
 		ts.t.Fatal(err)
 	}

@@ -14,7 +14,7 @@ import (
 // startDlock runs an in-memory dlock server on 127.0.0.1, as
 // `dlock serve --listen 127.0.0.1:0` would, and returns its URL.
 func startDlock() (url string, stop func()) {
-	m, _ := lock.New(context.Background(), lock.DefaultConfig())
+	m, _ := lock.NewMemory(context.Background(), lock.DefaultConfig())
 	srv := server.New(m, server.Options{})
 	ln, _ := net.Listen("tcp", "127.0.0.1:0")
 	hs := &http.Server{Handler: srv}

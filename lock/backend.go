@@ -19,7 +19,7 @@ import (
 // detail, so that one table (package api) maps every backend's errors to the
 // same HTTP answers.
 //
-// Two implementations are planned; the in-memory Manager of this package is
+// Two implementations are planned; Memory, this package's in-process one, is
 // the first. How the etcd backend maps onto each method, written before the
 // interface was settled so that it does not assume one process:
 //
@@ -143,6 +143,6 @@ type Stream = Feed[Delivery]
 type OpStream = Feed[OpEvent]
 
 var (
-	_ Backend   = (*Manager)(nil)
-	_ Inspector = (*Manager)(nil)
+	_ Backend   = (*Memory)(nil)
+	_ Inspector = (*Memory)(nil)
 )

@@ -11,7 +11,7 @@ import (
 // BenchmarkUncontended: lock + unlock(success) pairs on distinct keys, from
 // every core at once. One op is one pair.
 func BenchmarkUncontended(b *testing.B) {
-	m := newManager(b, nil)
+	m := newMemory(b, nil)
 	ctx := context.Background()
 	var next atomic.Int64
 	b.ReportAllocs()
@@ -40,7 +40,7 @@ func BenchmarkUncontended(b *testing.B) {
 // holder and hands the key to it with a failed unlock. The manager keeps a
 // token ceiling (in memory here), as dlock serve does in its data dir.
 func BenchmarkHandoff(b *testing.B) {
-	handoff(b, newManager(b, func(c *Config) { c.TokenCeiling = &memCeiling{} }))
+	handoff(b, newMemory(b, func(c *Config) { c.TokenCeiling = &memCeiling{} }))
 }
 
 // BenchmarkHandoffClockOnly is BenchmarkHandoff without a token ceiling:
@@ -48,10 +48,10 @@ func BenchmarkHandoff(b *testing.B) {
 // microsecond (docs/DESIGN.md, "Fencing tokens"), and this measures that
 // bound as soon as the key has used its startWait of headroom.
 func BenchmarkHandoffClockOnly(b *testing.B) {
-	handoff(b, newManager(b, nil))
+	handoff(b, newMemory(b, nil))
 }
 
-func handoff(b *testing.B, m *Manager) {
+func handoff(b *testing.B, m *Memory) {
 	ctx := context.Background()
 	nodes := [2]string{"a", "b"}
 	if _, err := m.TryLock(ctx, LockRequest{Type: Pull, Resource: "hot", Node: "a"}); err != nil {
@@ -88,7 +88,7 @@ func BenchmarkSessionLoss(b *testing.B) {
 	var worst, idle, total time.Duration
 	for b.Loop() {
 		b.StopTimer()
-		m := newManager(b, func(c *Config) { c.SessionGrace = grace })
+		m := newMemory(b, func(c *Config) { c.SessionGrace = grace })
 		if _, err := m.TryLock(ctx, LockRequest{Type: Pull, Resource: "hot", Node: "holder", Lease: LeaseTTL}); err != nil {
 			b.Fatal(err)
 		}

@@ -7,7 +7,7 @@ import (
 	"time"
 )
 
-// Config configures a Manager. Start from DefaultConfig.
+// Config configures a Memory. Start from DefaultConfig.
 type Config struct {
 	// Shards is the number of shards keys are spread over.
 	Shards int

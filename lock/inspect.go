@@ -137,7 +137,7 @@ func pageLimit(n int) int {
 }
 
 // InspectKeys returns a page of the keys that have a holder or waiters.
-func (m *Manager) InspectKeys(ctx context.Context, q KeyQuery) (KeyPage, error) {
+func (m *Memory) InspectKeys(ctx context.Context, q KeyQuery) (KeyPage, error) {
 	if err := ctx.Err(); err != nil {
 		return KeyPage{}, err
 	}
@@ -220,7 +220,7 @@ func (ks *keyState) hasNode(node string) bool {
 		(ks.hasRec && ks.rec.Node == node)
 }
 
-func (m *Manager) keyView(ks *keyState, now mono) KeyView {
+func (m *Memory) keyView(ks *keyState, now mono) KeyView {
 	v := KeyView{Key: ks.key, QueueLength: ks.qlen()}
 	if h := ks.holder; h != nil {
 		v.Holder, v.Token, v.Lease, v.AcquiredAt, v.Unclaimed = h.node, h.token, h.lease, m.wall(h.grantedAt), h.claimAt != 0
@@ -257,7 +257,7 @@ type CompletionView struct {
 // that matches q (its Cursor is ignored), newest first, at most q.Limit
 // of them. The work is one pass over the retained records, which
 // Config.CompletedMax bounds, one shard at a time.
-func (m *Manager) RecentCompletions(ctx context.Context, q KeyQuery) ([]CompletionView, error) {
+func (m *Memory) RecentCompletions(ctx context.Context, q KeyQuery) ([]CompletionView, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
@@ -331,7 +331,7 @@ type SessionPage struct {
 // InspectSessions returns a page of the sessions, streaming or in grace.
 // The work is one pass over the session table's node ids and O(limit)
 // memory; only the sessions on the page are looked into.
-func (m *Manager) InspectSessions(ctx context.Context, q SessionQuery) (SessionPage, error) {
+func (m *Memory) InspectSessions(ctx context.Context, q SessionQuery) (SessionPage, error) {
 	if err := ctx.Err(); err != nil {
 		return SessionPage{}, err
 	}

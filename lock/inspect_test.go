@@ -9,7 +9,7 @@ import (
 	"testing"
 )
 
-func inspect(t testing.TB, m *Manager, q KeyQuery) KeyPage {
+func inspect(t testing.TB, m *Memory, q KeyQuery) KeyPage {
 	t.Helper()
 	p, err := m.InspectKeys(t.Context(), q)
 	if err != nil {
@@ -36,7 +36,7 @@ func waiterNames(v KeyView) string {
 }
 
 func TestInspectKeys(t *testing.T) {
-	m := newManager(t, nil)
+	m := newMemory(t, nil)
 	mustLock(t, m, lockReq(Pull, "sha256:aa", "h"))
 	for _, n := range []string{"w1", "w2", "w3"} {
 		mustLock(t, m, lockReq(Pull, "sha256:aa", n))
@@ -84,7 +84,7 @@ func TestInspectKeys(t *testing.T) {
 }
 
 func TestInspectQueueCapped(t *testing.T) {
-	m := newManager(t, nil)
+	m := newMemory(t, nil)
 	mustLock(t, m, lockReq(Pull, "r", "h"))
 	for i := range QueueShown + 10 {
 		mustLock(t, m, lockReq(Pull, "r", fmt.Sprint("w", i)))
@@ -98,7 +98,7 @@ func TestInspectQueueCapped(t *testing.T) {
 // TestInspectWalk: a walk visits every held key once, whatever the page
 // size and however short the scan budget makes the pages.
 func TestInspectWalk(t *testing.T) {
-	m := newManager(t, nil)
+	m := newMemory(t, nil)
 	const n = 3000
 	for i := range n {
 		mustLock(t, m, lockReq(Pull, fmt.Sprint("res-", i), "h"))
@@ -147,7 +147,7 @@ func TestInspectWalk(t *testing.T) {
 }
 
 func TestRecentCompletions(t *testing.T) {
-	m := newManager(t, nil)
+	m := newMemory(t, nil)
 	for i := range 5 {
 		res := fmt.Sprint("r", i)
 		mustLock(t, m, lockReq(Pull, res, fmt.Sprint("n", i%2)))
@@ -175,7 +175,7 @@ func TestRecentCompletions(t *testing.T) {
 }
 
 func TestInspectSessions(t *testing.T) {
-	m := newManager(t, nil)
+	m := newMemory(t, nil)
 	var streams []Stream
 	for i := range 7 {
 		streams = append(streams, subscribe(t, m, fmt.Sprint("node-", i), nil))
@@ -209,7 +209,7 @@ func TestInspectSessions(t *testing.T) {
 	}
 }
 
-func watchOps(t testing.TB, m *Manager) OpStream {
+func watchOps(t testing.TB, m *Memory) OpStream {
 	t.Helper()
 	st, err := m.WatchOps(t.Context())
 	if err != nil {
@@ -237,7 +237,7 @@ func opNames(evs []OpEvent) []string {
 // TestOpFeed: the operator feed reports every transition of a key in
 // order, queue joins and leaves included, and session changes.
 func TestOpFeed(t *testing.T) {
-	m := newManager(t, nil)
+	m := newMemory(t, nil)
 	ops := watchOps(t, m)
 	mustLock(t, m, lockReq(Pull, "r", "a"))
 	mustLock(t, m, lockReq(Pull, "r", "b"))
@@ -261,7 +261,7 @@ func TestOpFeed(t *testing.T) {
 // TestOpFeedCostsNothingUnwatched: with nobody watching, no operator event
 // is built, even while sessions make the manager build lock events.
 func TestOpFeedCostsNothingUnwatched(t *testing.T) {
-	m := newManager(t, nil)
+	m := newMemory(t, nil)
 	work := func() {
 		subscribe(t, m, "w", nil).Close()
 		mustLock(t, m, lockReq(Pull, "r", "a"))
@@ -292,7 +292,7 @@ func TestOpFeedCostsNothingUnwatched(t *testing.T) {
 }
 
 func TestOpFeedSlowClosed(t *testing.T) {
-	m := newManager(t, func(c *Config) { c.StreamBuffer = 2 })
+	m := newMemory(t, func(c *Config) { c.StreamBuffer = 2 })
 	ops := watchOps(t, m)
 	for range 3 {
 		mustLock(t, m, lockReq(Pull, "r", "a"))
@@ -317,7 +317,7 @@ func TestOpFeedSlowClosed(t *testing.T) {
 // and keeps the order. It read the slice as if it had none, and a nil waiter
 // panicked under the shard mutex.
 func TestInspectQueueWithHoles(t *testing.T) {
-	m := newManager(t, nil)
+	m := newMemory(t, nil)
 	mustLock(t, m, lockReq(Pull, "r", "h"))
 	for i := range 5 {
 		mustLock(t, m, lockReq(Pull, "r", fmt.Sprint("w", i)))

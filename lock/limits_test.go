@@ -17,7 +17,7 @@ import (
 // logs, sessions, queues, keys, and the cost of a mass session loss.
 
 func TestIDRules(t *testing.T) {
-	m := newManager(t, nil)
+	m := newMemory(t, nil)
 	refused := map[string]string{
 		"U+FFFD (what encoding/json makes of a lone surrogate)": "a\uFFFD",
 		"invalid UTF-8":              "a\xff",
@@ -93,7 +93,7 @@ func TestTruncateError(t *testing.T) {
 // TestErrorTextBounded: an unlock's error text of 60 KiB is kept, in the
 // completion record and in the events, cut to MaxErrorLen.
 func TestErrorTextBounded(t *testing.T) {
-	m := newManager(t, nil)
+	m := newMemory(t, nil)
 	obs := subscribe(t, m, "", &Key{Pull, "r"})
 	waiter := subscribe(t, m, "w", nil)
 	long := strings.Repeat("é", 30<<10)
@@ -137,7 +137,7 @@ func TestErrorTextBounded(t *testing.T) {
 }
 
 func TestMaxKeys(t *testing.T) {
-	m := newManager(t, func(c *Config) { c.Shards = 1; c.MaxKeys = 2; c.CompletedRetention = 0 })
+	m := newMemory(t, func(c *Config) { c.Shards = 1; c.MaxKeys = 2; c.CompletedRetention = 0 })
 	mustLock(t, m, lockReq(Pull, "r1", "a"))
 	mustLock(t, m, lockReq(Update, "r1", "a"))
 	_, err := m.TryLock(context.Background(), lockReq(Pull, "r2", "a"))
@@ -160,7 +160,7 @@ func TestMaxKeys(t *testing.T) {
 }
 
 func TestMaxQueue(t *testing.T) {
-	m := newManager(t, func(c *Config) { c.MaxQueue = 2 })
+	m := newMemory(t, func(c *Config) { c.MaxQueue = 2 })
 	mustLock(t, m, lockReq(Pull, "r", "a"))
 	mustLock(t, m, lockReq(Pull, "r", "b"))
 	mustLock(t, m, lockReq(Pull, "r", "c"))
@@ -184,7 +184,7 @@ func TestMaxQueue(t *testing.T) {
 
 func TestMaxSessions(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		m := newManager(t, func(c *Config) { c.MaxSessions = 2; c.SessionGrace = 5 * time.Second })
+		m := newMemory(t, func(c *Config) { c.MaxSessions = 2; c.SessionGrace = 5 * time.Second })
 		sa := subscribe(t, m, "a", nil)
 		subscribe(t, m, "b", nil)
 		subscribe(t, m, "a", nil) // another stream of a session that exists
@@ -228,7 +228,7 @@ func TestMaxSessions(t *testing.T) {
 }
 
 func TestMaxSessionsPerNode(t *testing.T) {
-	m := newManager(t, func(c *Config) { c.MaxSessionsPerNode = 2 })
+	m := newMemory(t, func(c *Config) { c.MaxSessionsPerNode = 2 })
 	s1 := subscribe(t, m, "a", nil)
 	subscribe(t, m, "a", nil)
 	if _, _, err := m.Subscribe(t.Context(), SubscribeRequest{Node: "a"}); !errors.Is(err, ErrTooManySessions) {
@@ -248,7 +248,7 @@ func TestMaxSessionsPerNode(t *testing.T) {
 // starts, and a replay from within the log is whole.
 func TestReplayBoundedInBytes(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		m := newManager(t, func(c *Config) { c.SessionLogBytes = MinSessionLogBytes; c.SessionGrace = 5 * time.Second })
+		m := newMemory(t, func(c *Config) { c.SessionLogBytes = MinSessionLogBytes; c.SessionGrace = 5 * time.Second })
 		st, first, _ := m.Subscribe(t.Context(), SubscribeRequest{Node: "w"})
 		text := strings.Repeat("<x>", 100) // escaped to 6 bytes a bracket
 		for i := range 60 {
@@ -325,7 +325,7 @@ func ids(ds []Delivery) []uint64 {
 func TestMassSessionLoss(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		const n = 700 // several steps of endStep
-		m := newManager(t, func(c *Config) { c.SessionGrace = 5 * time.Second })
+		m := newMemory(t, func(c *Config) { c.SessionGrace = 5 * time.Second })
 		subscribe(t, m, "A", nil)
 		sb := subscribe(t, m, "B", nil)
 		obs := subscribe(t, m, "", &Key{Pull, "K"})
@@ -388,7 +388,7 @@ func TestMassSessionLoss(t *testing.T) {
 }
 
 // queueWork is the queue work spent on key k so far.
-func queueWork(m *Manager, k Key) uint64 {
+func queueWork(m *Memory, k Key) uint64 {
 	s := m.shardFor(k.Resource)
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -400,7 +400,7 @@ func queueWork(m *Manager, k Key) uint64 {
 func TestSessionLossCost(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		const n = 5000
-		m := newManager(t, func(c *Config) { c.SessionGrace = time.Second })
+		m := newMemory(t, func(c *Config) { c.SessionGrace = time.Second })
 		k := Key{Pull, "K"}
 		mustLock(t, m, LockRequest{Type: Pull, Resource: "K", Node: "holder", Lease: LeaseTTL})
 		var lost []Stream
@@ -442,7 +442,7 @@ func TestSessionLossCost(t *testing.T) {
 func TestMassExpiry(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		const n = 3000
-		m := newManager(t, func(c *Config) { c.LockTTL = 10 * time.Second })
+		m := newMemory(t, func(c *Config) { c.LockTTL = 10 * time.Second })
 		k := Key{Pull, "K"}
 		mustLock(t, m, lockReq(Pull, "K", "holder"))
 		time.Sleep(5 * time.Second)
@@ -467,7 +467,7 @@ func TestMassExpiry(t *testing.T) {
 // TestMaxWatchers: observers of keys and operator feeds share one bound; a
 // refused session stream that also asked to observe gives its place back.
 func TestMaxWatchers(t *testing.T) {
-	m := newManager(t, func(c *Config) { c.MaxWatchers = 2; c.MaxSessionsPerNode = 1 })
+	m := newMemory(t, func(c *Config) { c.MaxWatchers = 2; c.MaxSessionsPerNode = 1 })
 	o1 := subscribe(t, m, "", &Key{Pull, "r"})
 	ops, err := m.WatchOps(t.Context())
 	if err != nil {

@@ -136,7 +136,7 @@ func TestLinearizable(t *testing.T) {
 
 func linearizableRun(t *testing.T, seed uint64) {
 	const nodes, keys, opsPerNode = 6, 2, 150
-	m := newManager(t, func(c *Config) {
+	m := newMemory(t, func(c *Config) {
 		c.AllowMultiNodeDownload = false
 		c.SessionGrace = time.Millisecond
 	})

@@ -16,13 +16,13 @@ import (
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-func newManager(t testing.TB, mod func(*Config)) *Manager {
+func newMemory(t testing.TB, mod func(*Config)) *Memory {
 	t.Helper()
 	cfg := DefaultConfig()
 	if mod != nil {
 		mod(&cfg)
 	}
-	m, err := New(context.Background(), cfg)
+	m, err := NewMemory(context.Background(), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -34,7 +34,7 @@ func lockReq(t Type, res, node string) LockRequest {
 	return LockRequest{Type: t, Resource: res, Node: node}
 }
 
-func mustLock(t testing.TB, m *Manager, req LockRequest) LockResult {
+func mustLock(t testing.TB, m *Memory, req LockRequest) LockResult {
 	t.Helper()
 	res, err := m.TryLock(context.Background(), req)
 	if err != nil {
@@ -43,7 +43,7 @@ func mustLock(t testing.TB, m *Manager, req LockRequest) LockResult {
 	return res
 }
 
-func mustUnlock(t testing.TB, m *Manager, typ Type, res, node string, success bool) UnlockResult {
+func mustUnlock(t testing.TB, m *Memory, typ Type, res, node string, success bool) UnlockResult {
 	t.Helper()
 	r, err := m.Unlock(context.Background(), UnlockRequest{Type: typ, Resource: res, Node: node, Success: success, Error: errText(success)})
 	if err != nil {
@@ -59,7 +59,7 @@ func errText(success bool) string {
 	return "failed"
 }
 
-func status(t testing.TB, m *Manager, typ Type, res, node string) Status {
+func status(t testing.TB, m *Memory, typ Type, res, node string) Status {
 	t.Helper()
 	st, err := m.Status(t.Context(), typ, res, node)
 	if err != nil {
@@ -79,7 +79,7 @@ func names(ds []Delivery) []string {
 	return out
 }
 
-func subscribe(t testing.TB, m *Manager, node string, observe *Key) *stream {
+func subscribe(t testing.TB, m *Memory, node string, observe *Key) *stream {
 	t.Helper()
 	st, _, err := m.Subscribe(t.Context(), SubscribeRequest{Node: node, Observe: observe})
 	if err != nil {
@@ -90,7 +90,7 @@ func subscribe(t testing.TB, m *Manager, node string, observe *Key) *stream {
 }
 
 func TestTryLockRules(t *testing.T) {
-	m := newManager(t, nil)
+	m := newMemory(t, nil)
 	a := mustLock(t, m, lockReq(Pull, "r", "a"))
 	if !a.Acquired || a.Token == 0 || a.Holder != "a" {
 		t.Fatalf("free key: got %+v, want acquired with a token", a)
@@ -117,7 +117,7 @@ func TestTryLockRules(t *testing.T) {
 }
 
 func TestMultiNodeDownloadOff(t *testing.T) {
-	m := newManager(t, func(c *Config) { c.AllowMultiNodeDownload = false })
+	m := newMemory(t, func(c *Config) { c.AllowMultiNodeDownload = false })
 	mustLock(t, m, lockReq(Pull, "r", "a"))
 	_, err := m.TryLock(context.Background(), lockReq(Pull, "r", "b"))
 	var he *HeldError
@@ -147,7 +147,7 @@ func TestUnlockRules(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			m := newManager(t, nil)
+			m := newMemory(t, nil)
 			sb := subscribe(t, m, "b", nil)
 			sc := subscribe(t, m, "c", nil)
 			obs := subscribe(t, m, "", &Key{tc.typ, "r"})
@@ -197,7 +197,7 @@ func TestUnlockRules(t *testing.T) {
 
 func TestUnlockErrors(t *testing.T) {
 	ctx := context.Background()
-	m := newManager(t, nil)
+	m := newMemory(t, nil)
 	a := mustLock(t, m, lockReq(Pull, "r", "a"))
 	mustLock(t, m, lockReq(Pull, "r", "b"))
 	if _, err := m.Unlock(ctx, UnlockRequest{Type: Pull, Resource: "r", Node: "b", Success: true}); !errors.Is(err, ErrNotHolder) {
@@ -223,7 +223,7 @@ func TestUnlockErrors(t *testing.T) {
 
 func TestUnlockReplay(t *testing.T) {
 	ctx := context.Background()
-	m := newManager(t, nil)
+	m := newMemory(t, nil)
 	a := mustLock(t, m, lockReq(Pull, "r", "a"))
 	mustLock(t, m, lockReq(Pull, "r", "b"))
 	first, err := m.Unlock(ctx, UnlockRequest{Type: Pull, Resource: "r", Node: "a", Error: "boom", Token: a.Token})
@@ -255,7 +255,7 @@ func TestUnlockReplay(t *testing.T) {
 
 func TestCancel(t *testing.T) {
 	ctx := context.Background()
-	m := newManager(t, nil)
+	m := newMemory(t, nil)
 	mustLock(t, m, lockReq(Pull, "r", "a"))
 	mustLock(t, m, lockReq(Pull, "r", "b"))
 	mustLock(t, m, lockReq(Pull, "r", "c"))
@@ -279,7 +279,7 @@ func TestCancel(t *testing.T) {
 }
 
 func TestSkipRecent(t *testing.T) {
-	m := newManager(t, nil)
+	m := newMemory(t, nil)
 	skipReq := func(t Type, node string) LockRequest {
 		return LockRequest{Type: t, Resource: "r", Node: node, SkipRecent: true}
 	}
@@ -316,7 +316,7 @@ func TestSkipRecent(t *testing.T) {
 }
 
 func TestTokensIncrease(t *testing.T) {
-	m := newManager(t, nil)
+	m := newMemory(t, nil)
 	var last uint64
 	for i := range 50 {
 		node := string(rune('a' + i%3))
@@ -328,7 +328,7 @@ func TestTokensIncrease(t *testing.T) {
 		mustUnlock(t, m, Pull, "r", node, i%2 == 0)
 	}
 	// A new manager (a restart) still never goes back.
-	m2 := newManager(t, nil)
+	m2 := newMemory(t, nil)
 	if r := mustLock(t, m2, lockReq(Pull, "r", "a")); r.Token <= last {
 		t.Fatalf("token after restart %d, before %d", r.Token, last)
 	}
@@ -336,7 +336,7 @@ func TestTokensIncrease(t *testing.T) {
 
 func TestCompletionRecords(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		m := newManager(t, func(c *Config) { c.Shards = 1; c.CompletedMax = 3; c.CompletedRetention = time.Minute })
+		m := newMemory(t, func(c *Config) { c.Shards = 1; c.CompletedMax = 3; c.CompletedRetention = time.Minute })
 		for _, r := range []string{"r1", "r2", "r3", "r4"} {
 			mustLock(t, m, lockReq(Pull, r, "a"))
 			mustUnlock(t, m, Pull, r, "a", true)
@@ -370,7 +370,7 @@ func TestCompletionRecords(t *testing.T) {
 }
 
 func TestValidation(t *testing.T) {
-	m := newManager(t, nil)
+	m := newMemory(t, nil)
 	long := string(make([]byte, MaxResourceLen+1))
 	bad := []LockRequest{
 		{Type: 0, Resource: "r", Node: "a"},
@@ -407,7 +407,7 @@ func TestShardIndex(t *testing.T) {
 
 func TestTTLExpiry(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		m := newManager(t, func(c *Config) { c.LockTTL = 10 * time.Second })
+		m := newMemory(t, func(c *Config) { c.LockTTL = 10 * time.Second })
 		obs := subscribe(t, m, "", &Key{Pull, "r"})
 		mustLock(t, m, lockReq(Pull, "r", "a"))
 		mustLock(t, m, lockReq(Pull, "r", "b"))
@@ -448,7 +448,7 @@ func TestTTLExpiry(t *testing.T) {
 
 func TestClaimTimeoutAndMaxHold(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		m := newManager(t, func(c *Config) { c.ClaimTimeout = 2 * time.Second; c.MaxHold = 20 * time.Second })
+		m := newMemory(t, func(c *Config) { c.ClaimTimeout = 2 * time.Second; c.MaxHold = 20 * time.Second })
 		mustLock(t, m, lockReq(Pull, "r", "a"))
 		mustLock(t, m, lockReq(Pull, "r", "b"))
 		mustLock(t, m, lockReq(Pull, "r", "c"))
@@ -475,7 +475,7 @@ func TestClaimTimeoutAndMaxHold(t *testing.T) {
 
 func TestSessionLoss(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		m := newManager(t, func(c *Config) { c.SessionGrace = 5 * time.Second })
+		m := newMemory(t, func(c *Config) { c.SessionGrace = 5 * time.Second })
 		sa, _, _ := m.Subscribe(t.Context(), SubscribeRequest{Node: "a"})
 		sb, _, _ := m.Subscribe(t.Context(), SubscribeRequest{Node: "b"})
 		defer sb.Close()
@@ -517,7 +517,7 @@ func TestSessionLoss(t *testing.T) {
 
 func TestSessionLeaseWithoutStream(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		m := newManager(t, func(c *Config) { c.SessionGrace = 5 * time.Second })
+		m := newMemory(t, func(c *Config) { c.SessionGrace = 5 * time.Second })
 		mustLock(t, m, LockRequest{Type: Pull, Resource: "r", Node: "a", Lease: LeaseSession})
 		time.Sleep(6 * time.Second)
 		synctest.Wait()
@@ -536,7 +536,7 @@ func TestSessionLeaseWithoutStream(t *testing.T) {
 
 func TestReplay(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		m := newManager(t, nil)
+		m := newMemory(t, nil)
 		st, sub, _ := m.Subscribe(t.Context(), SubscribeRequest{Node: "b"})
 		mustLock(t, m, lockReq(Pull, "r", "a"))
 		mustLock(t, m, lockReq(Pull, "r", "b"))
@@ -571,7 +571,7 @@ func TestReplay(t *testing.T) {
 }
 
 func TestSlowStreamClosed(t *testing.T) {
-	m := newManager(t, func(c *Config) { c.StreamBuffer = 2 })
+	m := newMemory(t, func(c *Config) { c.StreamBuffer = 2 })
 	st := subscribe(t, m, "", &Key{Pull, "r"})
 	for i := range 3 {
 		mustLock(t, m, lockReq(Pull, "r", "a"))
@@ -623,11 +623,11 @@ func (s *memRefStore) Save(_ context.Context, res string, rec RefRecord) error {
 	return nil
 }
 
-func refManager(t testing.TB, store *memRefStore, updNoRef bool) *Manager {
-	return newManager(t, func(c *Config) { c.RefStore = store; c.UpdateRequiresNoRef = updNoRef })
+func refManager(t testing.TB, store *memRefStore, updNoRef bool) *Memory {
+	return newMemory(t, func(c *Config) { c.RefStore = store; c.UpdateRequiresNoRef = updNoRef })
 }
 
-func refNodes(t testing.TB, m *Manager, res string) []string {
+func refNodes(t testing.TB, m *Memory, res string) []string {
 	t.Helper()
 	rc, err := m.RefCount(t.Context(), res)
 	if err != nil {
@@ -756,7 +756,7 @@ func TestRefCountPromotionRefused(t *testing.T) {
 }
 
 func TestRefCountOff(t *testing.T) {
-	m := newManager(t, nil)
+	m := newMemory(t, nil)
 	if _, err := m.RefCount(t.Context(), "r"); !errors.Is(err, ErrRefCountOff) {
 		t.Fatalf("got %v", err)
 	}
@@ -792,7 +792,7 @@ func TestRefRules(t *testing.T) {
 }
 
 func TestSessionLogBounded(t *testing.T) {
-	m := newManager(t, func(c *Config) { c.SessionLog = 8 })
+	m := newMemory(t, func(c *Config) { c.SessionLog = 8 })
 	st := subscribe(t, m, "a", nil)
 	for range 50 {
 		mustLock(t, m, lockReq(Pull, "r", "a"))

@@ -64,7 +64,7 @@ func (t *opTable) publish(ev OpEvent) {
 // get goes, and every operator-only one (no session, no observers); an
 // event meant for one node alone (a waiter refused on promotion) does
 // not: the feed reports that waiter's queue_left instead.
-func (m *Manager) opDeliver(it item) {
+func (m *Memory) opDeliver(it item) {
 	if m.ops.n.Load() > 0 && (it.observers || len(it.to) == 0) {
 		if it.observers {
 			m.ops.built.Add(1) // operator-only events were counted when built
@@ -106,7 +106,7 @@ func (s *shard) takeOps(items []item) []item {
 
 // opSession reports s's state after a change. Not under a shard mutex:
 // session changes are not ordered with lock events.
-func (m *Manager) opSession(s *session) {
+func (m *Memory) opSession(s *session) {
 	if m.ops.n.Load() == 0 {
 		return
 	}
@@ -122,7 +122,7 @@ func (m *Manager) opSession(s *session) {
 // bounded buffer of every stream (Config.StreamBuffer): one that does not
 // keep up is closed, and its reader should read a fresh snapshot.
 type opStream struct {
-	m     *Manager
+	m     *Memory
 	done  chan struct{}
 	once  sync.Once
 	slow  atomic.Bool
@@ -133,7 +133,7 @@ type opStream struct {
 }
 
 // WatchOps subscribes to the operator feed.
-func (m *Manager) WatchOps(ctx context.Context) (OpStream, error) {
+func (m *Memory) WatchOps(ctx context.Context) (OpStream, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
@@ -219,7 +219,7 @@ func (st *opStream) Close() {
 }
 
 // closeOps ends every operator stream; the manager's Close calls it.
-func (m *Manager) closeOps() {
+func (m *Memory) closeOps() {
 	for _, st := range m.ops.streams() {
 		st.Close()
 	}
@@ -229,7 +229,7 @@ func (m *Manager) closeOps() {
 // observer of a key, an operator feed): each gets every event of what it
 // watches, handed over on the path of the request that made it, so their
 // number is bounded (docs/SECURITY.md).
-func (m *Manager) watch() error {
+func (m *Memory) watch() error {
 	if n := m.watchers.Add(1); m.cfg.MaxWatchers > 0 && n > int64(m.cfg.MaxWatchers) {
 		m.watchers.Add(-1)
 		m.refusedWatchers.Add(1)
@@ -239,7 +239,7 @@ func (m *Manager) watch() error {
 }
 
 // unwatch gives back the place watch took, when took.
-func (m *Manager) unwatch(took bool) {
+func (m *Memory) unwatch(took bool) {
 	if took {
 		m.watchers.Add(-1)
 	}

@@ -76,7 +76,7 @@ type refSave struct {
 	rec      RefRecord
 }
 
-func (m *Manager) loadRefs(ctx context.Context) error {
+func (m *Memory) loadRefs(ctx context.Context) error {
 	refs, maxVersion, err := m.cfg.RefStore.Load(ctx)
 	if err != nil {
 		return fmt.Errorf("lock: loading references: %w", err)
@@ -175,7 +175,7 @@ func (s *shard) refChanged(t *txn, res string, rs *refState) {
 	t.saves = append(t.saves, refSave{res, rec})
 }
 
-func (m *Manager) persist(ctx context.Context, saves []refSave) error {
+func (m *Memory) persist(ctx context.Context, saves []refSave) error {
 	for _, sv := range saves {
 		if err := m.cfg.RefStore.Save(ctx, sv.resource, sv.rec); err != nil {
 			m.log.Error("saving references failed", "resource_id", sv.resource, "err", err)
@@ -185,7 +185,7 @@ func (m *Manager) persist(ctx context.Context, saves []refSave) error {
 	return nil
 }
 
-func (m *Manager) refShard(resource string) (*shard, error) {
+func (m *Memory) refShard(resource string) (*shard, error) {
 	if m.cfg.RefStore == nil {
 		return nil, ErrRefCountOff
 	}
@@ -207,7 +207,7 @@ func (s *shard) refCountLocked(resource string) RefCount {
 }
 
 // RefCount returns a resource's references.
-func (m *Manager) RefCount(ctx context.Context, resource string) (RefCount, error) {
+func (m *Memory) RefCount(ctx context.Context, resource string) (RefCount, error) {
 	if err := ctx.Err(); err != nil {
 		return RefCount{}, err
 	}
@@ -223,7 +223,7 @@ func (m *Manager) RefCount(ctx context.Context, resource string) (RefCount, erro
 // RefAdd records that node uses resource (a blob it did not pull itself). It
 // is refused with ErrDeleting while a delete of the resource is held, and
 // with ErrUpdating while an update is held and UpdateRequiresNoRef is set.
-func (m *Manager) RefAdd(ctx context.Context, resource, node string) (RefCount, error) {
+func (m *Memory) RefAdd(ctx context.Context, resource, node string) (RefCount, error) {
 	s, err := m.refShard(resource)
 	if err != nil {
 		return RefCount{}, err
@@ -255,7 +255,7 @@ func (m *Manager) RefAdd(ctx context.Context, resource, node string) (RefCount, 
 }
 
 // RefRelease records that node no longer uses resource.
-func (m *Manager) RefRelease(ctx context.Context, resource, node string) (RefCount, error) {
+func (m *Memory) RefRelease(ctx context.Context, resource, node string) (RefCount, error) {
 	s, err := m.refShard(resource)
 	if err != nil {
 		return RefCount{}, err
@@ -288,7 +288,7 @@ func (s *shard) releaseRef(t *txn, resource, node string) {
 
 // RefReleaseNode releases every reference of node (a decommissioned node) and
 // returns how many it had.
-func (m *Manager) RefReleaseNode(ctx context.Context, node string) (int, error) {
+func (m *Memory) RefReleaseNode(ctx context.Context, node string) (int, error) {
 	if m.cfg.RefStore == nil {
 		return 0, ErrRefCountOff
 	}

@@ -10,7 +10,7 @@ import (
 // shard owns the keys of the resources that hash to it. Every field below mu
 // is guarded by mu.
 type shard struct {
-	m *Manager
+	m *Memory
 
 	mu      sync.Mutex
 	res     map[string]*resKeys // resource → its keys, one per type

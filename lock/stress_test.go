@@ -16,7 +16,7 @@ import (
 // or cancelled within a bound (none forgotten).
 func TestStress(t *testing.T) {
 	const workers, rounds = 200, 15
-	m := newManager(t, nil)
+	m := newMemory(t, nil)
 	keys := []Key{{Pull, "a"}, {Pull, "b"}, {Update, "a"}, {Delete, "b"}}
 
 	var mu sync.Mutex
@@ -134,7 +134,7 @@ func TestStress(t *testing.T) {
 }
 
 // wait waits for a queued node's outcome, cancelling now and then.
-func wait(st *stream, k Key, node string, seen *uint64, rng *rand.Rand, m *Manager) (string, uint64, error) {
+func wait(st *stream, k Key, node string, seen *uint64, rng *rand.Rand, m *Memory) (string, uint64, error) {
 	giveUp := time.After(time.Duration(rng.IntN(20)) * time.Millisecond)
 	deadline := time.After(30 * time.Second)
 	var pending []Delivery
@@ -208,7 +208,7 @@ func drainGrant(st *stream, k Key, node string, seen *uint64) error {
 func TestOneKeyRace(t *testing.T) {
 	const n = 64
 	for range 20 {
-		m := newManager(t, nil)
+		m := newMemory(t, nil)
 		var wg sync.WaitGroup
 		results := make([]LockResult, n)
 		start := make(chan struct{})

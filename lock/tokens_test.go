@@ -17,7 +17,7 @@ import (
 // with a failure so that nothing is retained or skipped, and checks that
 // every token is above the last and at most the lead ahead of the clock, or,
 // with a ceiling store, at most the stored ceiling.
-func grantLoop(t *testing.T, m *Manager, last uint64, n int) uint64 {
+func grantLoop(t *testing.T, m *Memory, last uint64, n int) uint64 {
 	t.Helper()
 	for i := range n {
 		r := mustLock(t, m, lockReq(Pull, "r", "a"))
@@ -53,7 +53,7 @@ func TestTokensRestartDataDir(t *testing.T) {
 	store := openCeiling(t, t.TempDir())
 	var last uint64
 	for range 5 {
-		m := newManager(t, func(c *Config) { c.TokenCeiling = store })
+		m := newMemory(t, func(c *Config) { c.TokenCeiling = store })
 		last = grantLoop(t, m, last, 50)
 		c, err := store.LoadCeiling()
 		if err != nil || c < last {
@@ -68,7 +68,7 @@ func TestTokensRestartDataDir(t *testing.T) {
 func TestTokensRestartClock(t *testing.T) {
 	var last uint64
 	for range 5 {
-		m := newManager(t, nil)
+		m := newMemory(t, nil)
 		last = grantLoop(t, m, last, 50)
 		m.Close()
 	}
@@ -85,7 +85,7 @@ func TestTokensHotKey(t *testing.T) {
 		}
 		var last uint64
 		for range 2 {
-			m := newManager(t, func(c *Config) { c.tokenLead = 2 * startWait; c.TokenCeiling = store })
+			m := newMemory(t, func(c *Config) { c.tokenLead = 2 * startWait; c.TokenCeiling = store })
 			last = grantLoop(t, m, last, 10000)
 			m.Close()
 		}
@@ -96,7 +96,7 @@ func TestTokensHotKey(t *testing.T) {
 // shard can issue them, until the lead stops them: no token is ever more
 // than the lead ahead, and each still goes up.
 func TestTokensLead(t *testing.T) {
-	m := newManager(t, func(c *Config) { c.tokenLead = 2 * startWait })
+	m := newMemory(t, func(c *Config) { c.tokenLead = 2 * startWait })
 	s := m.shards[0]
 	ks := &keyState{lastToken: s.tokenFloor}
 	s.mu.Lock()
@@ -123,7 +123,7 @@ func TestTokensLead(t *testing.T) {
 // when it is granted faster than the clock ticks. Several goroutines, one
 // per key, share a shard.
 func TestTokensForgottenKey(t *testing.T) {
-	m := newManager(t, func(c *Config) { c.CompletedRetention = 0; c.Shards = 1 })
+	m := newMemory(t, func(c *Config) { c.CompletedRetention = 0; c.Shards = 1 })
 	var wg sync.WaitGroup
 	for _, res := range []string{"r1", "r2", "r3"} {
 		wg.Go(func() {
@@ -155,7 +155,7 @@ func TestTokensCeilingAhead(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		last := uint64(time.Now().Add(time.Hour).UnixMicro())
 		store := &memCeiling{c: last}
-		m := newManager(t, func(c *Config) { c.TokenCeiling = store })
+		m := newMemory(t, func(c *Config) { c.TokenCeiling = store })
 		for range 100 {
 			r := mustLock(t, m, lockReq(Pull, "r", "a"))
 			if r.Token <= last {
@@ -175,7 +175,7 @@ func TestTokensCeilingAhead(t *testing.T) {
 func TestTokensCeilingKept(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		store := &memCeiling{}
-		m := newManager(t, func(c *Config) { c.TokenCeiling = store })
+		m := newMemory(t, func(c *Config) { c.TokenCeiling = store })
 		first := store.load()
 		if first == 0 {
 			t.Fatal("no ceiling stored by New")
@@ -219,7 +219,7 @@ func TestTokensCeilingKept(t *testing.T) {
 func TestTokensCeilingFollowsHotKey(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		store := &memCeiling{}
-		m := newManager(t, func(c *Config) {
+		m := newMemory(t, func(c *Config) {
 			c.TokenCeiling = store
 			c.tokenLead, c.tokenWindow = 2*startWait, time.Millisecond
 		})
@@ -262,7 +262,7 @@ func TestTokensCeilingFollowsHotKey(t *testing.T) {
 func TestTokensCeilingErrors(t *testing.T) {
 	cfg := DefaultConfig()
 	cfg.TokenCeiling = &memCeiling{failing: true}
-	if _, err := New(t.Context(), cfg); !errors.Is(err, errStore) {
+	if _, err := NewMemory(t.Context(), cfg); !errors.Is(err, errStore) {
 		t.Fatalf("New with a store that cannot store: %v", err)
 	}
 	dir := t.TempDir()
@@ -270,7 +270,7 @@ func TestTokensCeilingErrors(t *testing.T) {
 		t.Fatal(err)
 	}
 	cfg.TokenCeiling = openCeiling(t, dir)
-	if _, err := New(t.Context(), cfg); !errors.Is(err, datadir.ErrCorrupt) {
+	if _, err := NewMemory(t.Context(), cfg); !errors.Is(err, datadir.ErrCorrupt) {
 		t.Fatalf("New with a corrupt ceiling file: %v", err)
 	}
 }

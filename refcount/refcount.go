@@ -68,21 +68,21 @@ var (
 	ErrNetworkFS = errors.New("refcount: storage path is on a network filesystem")
 )
 
-// Manager applies the reference-count rules (docs/API.md, "Reference counting") to a Storage. The
+// Counter applies the reference-count rules (docs/API.md, "Reference counting") to a Storage. The
 // rules are the lock package's, which the server applies too, so client-side
 // and server-side counting never disagree.
-type Manager struct {
+type Counter struct {
 	Storage Storage
 	// UpdateRequiresNoRef refuses updates of a referenced resource.
 	UpdateRequiresNoRef bool
 }
 
-// NewManager returns a Manager over s.
-func NewManager(s Storage) *Manager { return &Manager{Storage: s} }
+// NewCounter returns a Counter over s.
+func NewCounter(s Storage) *Counter { return &Counter{Storage: s} }
 
 // ShouldSkipOperation reports whether the operation need not run: a pull of
 // a resource some node already references (the blob is there).
-func (m *Manager) ShouldSkipOperation(t lock.Type, resource string) (bool, string, error) {
+func (m *Counter) ShouldSkipOperation(t lock.Type, resource string) (bool, string, error) {
 	if t != lock.Pull {
 		return false, "", nil
 	}
@@ -99,7 +99,7 @@ func (m *Manager) ShouldSkipOperation(t lock.Type, resource string) (bool, strin
 // CanPerformOperation reports whether the operation may run now: a delete
 // only when nothing references the resource, an update likewise when
 // UpdateRequiresNoRef. The reason says why not.
-func (m *Manager) CanPerformOperation(t lock.Type, resource string) (bool, string, error) {
+func (m *Counter) CanPerformOperation(t lock.Type, resource string) (bool, string, error) {
 	ref, err := m.Storage.Get(resource)
 	if err != nil {
 		return false, "", err
@@ -114,7 +114,7 @@ func (m *Manager) CanPerformOperation(t lock.Type, resource string) (bool, strin
 // a successful delete clears the resource, anything else changes nothing.
 // Call it before unlocking, so that no waiter is told "done" before the
 // reference exists (docs/API.md, "Reference counting").
-func (m *Manager) UpdateRefCount(t lock.Type, resource, node string, success bool) error {
+func (m *Counter) UpdateRefCount(t lock.Type, resource, node string, success bool) error {
 	switch lock.RefEffectOf(t, success) {
 	case lock.RefAddNode:
 		return m.Add(resource, node)
@@ -125,7 +125,7 @@ func (m *Manager) UpdateRefCount(t lock.Type, resource, node string, success boo
 }
 
 // Add records that node uses resource, also one it did not pull itself.
-func (m *Manager) Add(resource, node string) error {
+func (m *Counter) Add(resource, node string) error {
 	if err := validate(resource, node); err != nil {
 		return err
 	}
@@ -133,7 +133,7 @@ func (m *Manager) Add(resource, node string) error {
 }
 
 // Release records that node no longer uses resource.
-func (m *Manager) Release(resource, node string) error {
+func (m *Counter) Release(resource, node string) error {
 	if err := validate(resource, node); err != nil {
 		return err
 	}
@@ -141,7 +141,7 @@ func (m *Manager) Release(resource, node string) error {
 }
 
 // Get returns a resource's references.
-func (m *Manager) Get(resource string) (Ref, error) { return m.Storage.Get(resource) }
+func (m *Counter) Get(resource string) (Ref, error) { return m.Storage.Get(resource) }
 
 func validate(resource, node string) error {
 	if err := lock.ValidateResource(resource); err != nil {

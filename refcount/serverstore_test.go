@@ -48,17 +48,17 @@ func TestServerStore(t *testing.T) {
 }
 
 // A manager restarted over the same database forgets no reference.
-func TestServerStoreWithManager(t *testing.T) {
+func TestServerStoreWithMemory(t *testing.T) {
 	ctx := context.Background()
 	path := filepath.Join(t.TempDir(), "refs.db")
-	open := func() (*lock.Manager, *ServerStore) {
+	open := func() (*lock.Memory, *ServerStore) {
 		s, err := OpenServerStore(path)
 		if err != nil {
 			t.Fatal(err)
 		}
 		cfg := lock.DefaultConfig()
 		cfg.RefStore = s
-		m, err := lock.New(ctx, cfg)
+		m, err := lock.NewMemory(ctx, cfg)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -43,7 +43,7 @@ func helper() int {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
-	m := refcount.NewManager(s)
+	m := refcount.NewCounter(s)
 	for i := range n {
 		if err := m.UpdateRefCount(lock.Pull, "sha256:shared", fmt.Sprintf("p%s-%d", id, i), true); err != nil {
 			fmt.Fprintln(os.Stderr, err)
@@ -136,7 +136,7 @@ func TestCorruptFileIsNotReset(t *testing.T) {
 func TestFileSurvivesReopen(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "refs.json")
 	s, _ := refcount.OpenFile(path, refcount.Options{})
-	refcount.NewManager(s).Add("a", "n1")
+	refcount.NewCounter(s).Add("a", "n1")
 	s2, err := refcount.OpenFile(path, refcount.Options{})
 	if err != nil {
 		t.Fatal(err)
@@ -156,7 +156,7 @@ func BenchmarkUpdateRefCount(b *testing.B) {
 					b.Fatal(err)
 				}
 			}
-			m := refcount.NewManager(s)
+			m := refcount.NewCounter(s)
 			for i := 0; b.Loop(); i++ {
 				if err := m.UpdateRefCount(lock.Pull, fmt.Sprint("sha256:", i%100), fmt.Sprint("n", i%10), true); err != nil {
 					b.Fatal(err)

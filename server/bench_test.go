@@ -19,8 +19,8 @@ import (
 )
 
 // benchServer runs a real server on a loopback listener.
-func benchServer(b *testing.B) (string, *lock.Manager) {
-	m, err := lock.New(context.Background(), lock.DefaultConfig())
+func benchServer(b *testing.B) (string, *lock.Memory) {
+	m, err := lock.NewMemory(context.Background(), lock.DefaultConfig())
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -27,7 +27,7 @@ func TestMain(m *testing.M) {
 
 type env struct {
 	t   testing.TB
-	m   *lock.Manager
+	m   *lock.Memory
 	srv *Server
 	ts  *httptest.Server
 }
@@ -56,7 +56,7 @@ func newEnvWith(t testing.TB, ec envConfig) *env {
 	if ec.mod != nil {
 		ec.mod(&cfg)
 	}
-	m, err := lock.New(context.Background(), cfg)
+	m, err := lock.NewMemory(context.Background(), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

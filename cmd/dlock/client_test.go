@@ -26,7 +26,7 @@ func startServer(t *testing.T, mod func(*lock.Config)) string {
 	if mod != nil {
 		mod(&cfg)
 	}
-	m, err := lock.New(context.Background(), cfg)
+	m, err := lock.NewMemory(context.Background(), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

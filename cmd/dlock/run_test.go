@@ -19,7 +19,7 @@ import (
 // /lock are 429 queue_full with Retry-After: 1, as a server at its limit
 // answers. It returns the URL and the count of /lock requests.
 func refusingServer(t *testing.T, refusals int64) (string, *atomic.Int64) {
-	m, err := lock.New(context.Background(), lock.DefaultConfig())
+	m, err := lock.NewMemory(context.Background(), lock.DefaultConfig())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -145,7 +145,7 @@ func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {
 		defer store.Close()
 		c.lock.RefStore = store
 	}
-	m, err := lock.New(ctx, c.lock)
+	m, err := lock.NewMemory(ctx, c.lock)
 	if err != nil {
 		return err
 	}

@@ -23,7 +23,7 @@ type Server struct {
 	cfg     func(*lock.Config)
 	dataDir string
 
-	M     *lock.Manager
+	M     *lock.Memory
 	srv   *server.Server
 	hs    *http.Server
 	store *refcount.ServerStore
@@ -72,7 +72,7 @@ func (s *Server) serve(ln net.Listener) {
 		s.store = store
 		cfg.RefStore = store
 	}
-	m, err := lock.New(context.Background(), cfg)
+	m, err := lock.NewMemory(context.Background(), cfg)
 	if err != nil {
 		s.t.Fatal(err)
 	}

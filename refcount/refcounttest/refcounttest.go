@@ -83,7 +83,7 @@ func testUpdate(t *testing.T, s refcount.Storage) {
 }
 
 func testRules(t *testing.T, s refcount.Storage) {
-	m := refcount.NewManager(s)
+	m := refcount.NewCounter(s)
 	const blob = "sha256:aaa"
 	check := func(t lock.Type, want bool) func(*testing.T) {
 		return func(tt *testing.T) {
@@ -141,7 +141,7 @@ func testRules(t *testing.T, s refcount.Storage) {
 
 func testConcurrent(t *testing.T, s refcount.Storage) {
 	const workers, each = 16, 12
-	m := refcount.NewManager(s)
+	m := refcount.NewCounter(s)
 	var wg sync.WaitGroup
 	for w := range workers {
 		wg.Go(func() {

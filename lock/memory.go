@@ -11,8 +11,9 @@ import (
 	"time"
 )
 
-// Manager is the sharded in-memory lock manager. It is safe for concurrent use.
-type Manager struct {
+// Memory is the in-memory Backend: a sharded lock manager whose state lives in
+// this process. It is safe for concurrent use.
+type Memory struct {
 	cfg       Config
 	log       *slog.Logger
 	epoch     string
@@ -45,8 +46,8 @@ type Manager struct {
 	closed  atomic.Bool
 }
 
-// New returns a Manager. With cfg.RefStore set it loads the stored references.
-func New(ctx context.Context, cfg Config) (*Manager, error) {
+// NewMemory returns a Memory. With cfg.RefStore set it loads the stored references.
+func NewMemory(ctx context.Context, cfg Config) (*Memory, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("lock: %w", err)
 	}
@@ -56,7 +57,7 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 	}
 	var b [8]byte
 	_, _ = rand.Read(b[:])
-	m := &Manager{
+	m := &Memory{
 		cfg:    cfg,
 		log:    log,
 		epoch:  hex.EncodeToString(b[:]),
@@ -87,32 +88,32 @@ func New(ctx context.Context, cfg Config) (*Manager, error) {
 }
 
 // mono is a time on the manager's monotonic clock: the time since
-// Manager.start. Reading it costs half of time.Now, which reads the wall
+// Memory.start. Reading it costs half of time.Now, which reads the wall
 // clock too, and the hot path reads it on every call.
 type mono time.Duration
 
 func (t mono) add(d time.Duration) mono { return t + mono(d) }
 
-func (m *Manager) now() mono { return mono(time.Since(m.start)) }
+func (m *Memory) now() mono { return mono(time.Since(m.start)) }
 
-func (m *Manager) wall(t mono) time.Time { return m.start.Add(time.Duration(t)) }
+func (m *Memory) wall(t mono) time.Time { return m.start.Add(time.Duration(t)) }
 
 // micros is t in Unix microseconds, the floor of a fencing token.
-func (m *Manager) micros(t mono) uint64 { return m.startUS + uint64(time.Duration(t)/time.Microsecond) }
+func (m *Memory) micros(t mono) uint64 { return m.startUS + uint64(time.Duration(t)/time.Microsecond) }
 
 // Info describes the manager. Its epoch is a random id chosen when the
 // manager was created: its state lives in this process, and a client that
 // sees the epoch change knows that every hold, queue entry and session is gone.
-func (m *Manager) Info() Info {
+func (m *Memory) Info() Info {
 	return Info{Epoch: m.epoch, RefCounting: m.cfg.RefStore != nil, LockTTL: m.cfg.LockTTL}
 }
 
 // Config returns the configuration the manager runs with.
-func (m *Manager) Config() Config { return m.cfg }
+func (m *Memory) Config() Config { return m.cfg }
 
 // Close stops every timer and closes every stream. Calls after Close return
 // ErrClosed. It does not close the RefStore.
-func (m *Manager) Close() error {
+func (m *Memory) Close() error {
 	m.closeMu.Lock()
 	already := m.closed.Swap(true)
 	m.closeMu.Unlock()
@@ -152,7 +153,7 @@ func (m *Manager) Close() error {
 	return nil
 }
 
-func (m *Manager) shardFor(resource string) *shard {
+func (m *Memory) shardFor(resource string) *shard {
 	if len(m.shards) == 1 {
 		return m.shards[0]
 	}
@@ -172,7 +173,7 @@ func ShardIndex(resource string, n int) int {
 
 // TryLock grants, queues or refuses a lock request (docs/API.md). It blocks only
 // to make a reference change durable, never to wait for the lock.
-func (m *Manager) TryLock(ctx context.Context, req LockRequest) (LockResult, error) {
+func (m *Memory) TryLock(ctx context.Context, req LockRequest) (LockResult, error) {
 	if err := req.Validate(); err != nil {
 		return LockResult{}, err
 	}
@@ -264,7 +265,7 @@ func (m *Manager) TryLock(ctx context.Context, req LockRequest) (LockResult, err
 // Unlock ends a hold (docs/API.md): success of a pull or delete clears the queue
 // and tells every waiter the work is done; anything else hands the lock to
 // the queue head.
-func (m *Manager) Unlock(ctx context.Context, req UnlockRequest) (UnlockResult, error) {
+func (m *Memory) Unlock(ctx context.Context, req UnlockRequest) (UnlockResult, error) {
 	if err := req.Validate(); err != nil {
 		return UnlockResult{}, err
 	}
@@ -299,7 +300,7 @@ func (m *Manager) Unlock(ctx context.Context, req UnlockRequest) (UnlockResult, 
 
 // Cancel removes node from the key's queue, or, if node holds the key,
 // releases it as a failure with error "cancelled".
-func (m *Manager) Cancel(ctx context.Context, t Type, resource, node string) (CancelResult, error) {
+func (m *Memory) Cancel(ctx context.Context, t Type, resource, node string) (CancelResult, error) {
 	if err := validateKey(t, resource, node); err != nil {
 		return CancelResult{}, err
 	}
@@ -326,7 +327,7 @@ func (m *Manager) Cancel(ctx context.Context, t Type, resource, node string) (Ca
 
 // Status describes a key. A non-empty node renews that node's ttl lease on
 // the key, as a /lock would, and gets its queue position.
-func (m *Manager) Status(ctx context.Context, t Type, resource, node string) (Status, error) {
+func (m *Memory) Status(ctx context.Context, t Type, resource, node string) (Status, error) {
 	if err := ctx.Err(); err != nil {
 		return Status{}, err
 	}
@@ -394,7 +395,7 @@ type Stats struct {
 }
 
 // Stats returns current gauges and counters.
-func (m *Manager) Stats() Stats {
+func (m *Memory) Stats() Stats {
 	var st Stats
 	for _, s := range m.shards {
 		s.mu.Lock()
@@ -424,7 +425,7 @@ func (m *Manager) Stats() Stats {
 // shard mutex (lock order: shard, session table, session, grace heap). A
 // session lease that would open a session beyond Config.MaxSessions is
 // refused, and e is left as it was.
-func (m *Manager) attach(e *entry, want Lease) error {
+func (m *Memory) attach(e *entry, want Lease) error {
 	if want == LeaseTTL || (want == LeaseAuto && m.sess.n.Load() == 0) {
 		e.lease = LeaseTTL
 		return nil
@@ -454,7 +455,7 @@ func (m *Manager) attach(e *entry, want Lease) error {
 	return nil
 }
 
-func (m *Manager) detach(e *entry) {
+func (m *Memory) detach(e *entry) {
 	if s := e.sess; s != nil {
 		s.mu.Lock()
 		delete(s.keys, e.ks.key)

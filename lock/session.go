@@ -1,0 +1,299 @@
+package lock
+
+import (
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Sessions: a node's event log, kept while it streams and through a grace
+// after its last stream closed (docs/DESIGN.md, "Sessions and events").
+
+type sessionTable struct {
+	mu sync.Mutex
+	m  map[string]*session
+	n  atomic.Int64 // len(m), read without mu on the hot path
+}
+
+func (t *sessionTable) get(node string) *session {
+	t.mu.Lock()
+	s := t.m[node]
+	t.mu.Unlock()
+	return s
+}
+
+// session is a node's event-stream session. It outlives its last stream by
+// Config.SessionGrace and keeps its recent events for replay.
+type session struct {
+	node string
+
+	mu      sync.Mutex
+	streams []*stream
+	keys    map[Key]struct{} // keys this session holds or waits for under a session lease
+	ended   bool
+
+	// The replay log: the session's recent events from logHead on, oldest
+	// first, at most Config.SessionLog of them and Config.SessionLogBytes
+	// of wire size (logBytes).
+	log      []Delivery
+	logHead  int
+	logBytes int
+	// lost is the id of the newest event the log let go, or the last id
+	// issued before the session began: a replay from an older id misses
+	// events.
+	lost uint64
+
+	// graceAt is when the session's grace ends: written under
+	// Memory.grace.mu and s.mu (or the session table's mutex while no
+	// stream has s), so it can be read under either. gidx places s in the
+	// grace heap, guarded by Memory.grace.mu.
+	graceAt mono
+	gidx    int
+}
+
+func (m *Memory) newSessionLocked(node string) *session {
+	s := &session{node: node, keys: make(map[Key]struct{}), lost: m.seq.Load(), gidx: -1}
+	m.sess.m[node] = s
+	m.sess.n.Add(1)
+	return s
+}
+
+// sessionRoom reports ErrTooManySessions when no session may be added.
+// Called with m.sess.mu held.
+func (m *Memory) sessionRoom() error {
+	if max := m.cfg.MaxSessions; max > 0 && len(m.sess.m) >= max {
+		m.refusedSessions.Add(1)
+		return fmt.Errorf("%w: %d sessions are open, at most %d are allowed", ErrTooManySessions, len(m.sess.m), max)
+	}
+	return nil
+}
+
+// startGrace arms the session's end. Called with s.mu held or s unpublished.
+func (s *session) startGrace(m *Memory) {
+	m.grace.set(m, s, m.now().add(m.cfg.SessionGrace))
+}
+
+// live is the replay log's events.
+func (s *session) live() []Delivery { return s.log[s.logHead:] }
+
+func (s *session) push(m *Memory, ev *Event) {
+	var slow []*stream
+	s.mu.Lock()
+	if s.ended {
+		s.mu.Unlock()
+		return
+	}
+	d := Delivery{ID: m.seq.Add(1), Event: ev}
+	s.logAppend(&m.cfg, d)
+	for _, st := range s.streams {
+		if !st.offer(d) {
+			slow = append(slow, st)
+		}
+	}
+	s.mu.Unlock()
+	for _, st := range slow {
+		st.kill()
+	}
+}
+
+// logAppend adds d to the replay log, letting the oldest events go beyond
+// the log's bounds. Dropping from the head and compacting once the head is
+// half the slice costs O(1) amortized an event.
+func (s *session) logAppend(cfg *Config, d Delivery) {
+	size := d.Event.WireSize()
+	for s.logHead < len(s.log) && (len(s.log)-s.logHead >= cfg.SessionLog || s.logBytes+size > cfg.SessionLogBytes) {
+		old := &s.log[s.logHead]
+		s.lost = old.ID
+		s.logBytes -= old.Event.WireSize()
+		*old = Delivery{}
+		s.logHead++
+	}
+	if s.logHead > 0 && 2*s.logHead >= len(s.log) {
+		n := copy(s.log, s.log[s.logHead:])
+		clear(s.log[n:])
+		s.log = s.log[:n]
+		s.logHead = 0
+	}
+	s.log = append(s.log, d)
+	s.logBytes += size
+}
+
+// graceHeap holds the sessions in grace by the end of their grace: one
+// timer for the manager serves them all, where a timer each cost a
+// goroutine each when a mass of sessions ran out at once (docs/DESIGN.md).
+type graceHeap struct {
+	mu      sync.Mutex
+	h       []*session
+	timer   *time.Timer
+	timerAt mono // when timer fires; zero when idle
+}
+
+func (g *graceHeap) less(i, j int) bool { return g.h[i].graceAt < g.h[j].graceAt }
+
+func (g *graceHeap) swap(i, j int) {
+	g.h[i], g.h[j] = g.h[j], g.h[i]
+	g.h[i].gidx = i
+	g.h[j].gidx = j
+}
+
+func (g *graceHeap) up(i int) {
+	for i > 0 {
+		p := (i - 1) / 2
+		if !g.less(i, p) {
+			return
+		}
+		g.swap(i, p)
+		i = p
+	}
+}
+
+func (g *graceHeap) down(i int) bool {
+	start := i
+	for {
+		l := 2*i + 1
+		if l >= len(g.h) {
+			break
+		}
+		c := l
+		if r := l + 1; r < len(g.h) && g.less(r, l) {
+			c = r
+		}
+		if !g.less(c, i) {
+			break
+		}
+		g.swap(i, c)
+		i = c
+	}
+	return i > start
+}
+
+func (g *graceHeap) removeLocked(s *session) {
+	i := s.gidx
+	if i < 0 {
+		return
+	}
+	last := len(g.h) - 1
+	if i != last {
+		g.swap(i, last)
+	}
+	g.h[last] = nil
+	g.h = g.h[:last]
+	s.gidx = -1
+	if i != last && !g.down(i) {
+		g.up(i)
+	}
+}
+
+// set puts s in the heap to end at at, arming the timer if it fires later.
+func (g *graceHeap) set(m *Memory, s *session, at mono) {
+	g.mu.Lock()
+	s.graceAt = at
+	if s.gidx < 0 {
+		s.gidx = len(g.h)
+		g.h = append(g.h, s)
+		g.up(s.gidx)
+	} else if !g.down(s.gidx) {
+		g.up(s.gidx)
+	}
+	if g.timerAt == 0 || at < g.timerAt {
+		g.armLocked(m, at)
+	}
+	g.mu.Unlock()
+}
+
+// stop takes s out of the heap: a stream opened.
+func (g *graceHeap) stop(s *session) {
+	g.mu.Lock()
+	g.removeLocked(s)
+	g.mu.Unlock()
+}
+
+func (g *graceHeap) armLocked(m *Memory, at mono) {
+	g.timerAt = at
+	d := time.Duration(at - m.now())
+	if g.timer == nil {
+		g.timer = time.AfterFunc(d, m.graceExpired)
+		return
+	}
+	g.timer.Reset(d)
+}
+
+// graceExpired is the grace timer's callback: it ends every session whose
+// grace ran out. It takes them from the heap endStep at a time: the heap's
+// mutex is taken by every stream that opens or closes.
+func (m *Memory) graceExpired() {
+	m.closeMu.RLock()
+	defer m.closeMu.RUnlock()
+	if m.closed.Load() {
+		return
+	}
+	g := &m.grace
+	now := m.now()
+	drops := make(map[*shard][]sessionDrop)
+	due := make([]*session, 0, endStep)
+	for first, more := true, true; more; first = false {
+		due = due[:0]
+		g.mu.Lock()
+		if first {
+			g.timerAt = 0
+		}
+		for len(g.h) > 0 && g.h[0].graceAt <= now && len(due) < endStep {
+			s := g.h[0]
+			g.removeLocked(s)
+			due = append(due, s)
+		}
+		more = len(g.h) > 0 && g.h[0].graceAt <= now
+		if !more && len(g.h) > 0 && (g.timerAt == 0 || g.h[0].graceAt < g.timerAt) {
+			g.armLocked(m, g.h[0].graceAt)
+		}
+		g.mu.Unlock()
+		m.endSessions(due, now, drops)
+	}
+	for sh, ds := range drops {
+		sh.dropSessions(ds)
+	}
+}
+
+// sessionDrop is one key of a lost session.
+type sessionDrop struct {
+	key  Key
+	sess *session
+}
+
+// endSessions ends sessions whose grace ran out at now, unless a stream
+// came since, and adds their keys to drops. Each session's entries are then
+// found by its keys, without a scan of any queue (dropSessions), and the
+// work goes in steps: the session table and each shard are taken for at
+// most endStep sessions or entries at a time, so that other requests wait
+// for one step, never for the whole mass.
+func (m *Memory) endSessions(due []*session, now mono, drops map[*shard][]sessionDrop) {
+	m.sess.mu.Lock()
+	defer m.sess.mu.Unlock()
+	for _, s := range due {
+		s.mu.Lock()
+		if s.ended || len(s.streams) > 0 || s.graceAt > now {
+			s.mu.Unlock() // a stream is open, or came and went since
+			continue
+		}
+		s.ended = true
+		if m.sess.m[s.node] == s {
+			delete(m.sess.m, s.node)
+			m.sess.n.Add(-1)
+		}
+		keys := s.keys
+		s.keys, s.log, s.logHead, s.logBytes = nil, nil, 0, 0
+		s.mu.Unlock()
+		m.sessionsLost.Add(1)
+		m.opSession(s)
+		m.log.Info("session lost", "node", s.node, "keys", len(keys))
+		for k := range keys {
+			sh := m.shardFor(k.Resource)
+			drops[sh] = append(drops[sh], sessionDrop{k, s})
+		}
+	}
+}
+
+// endStep is how many sessions or entries one step of a mass session loss
+// handles under one mutex.
+const endStep = 256
