@@ -11,6 +11,7 @@ package client
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -110,6 +111,18 @@ type Client struct {
 	LongClient *http.Client
 	// Logger receives stream reconnects and lost locks; nil discards.
 	Logger *slog.Logger
+	// TLSConfig is the TLS of an https:// Server: the CA that signed the
+	// server's certificate (RootCAs; nil: the system's roots) and, for a
+	// server that asks for one, this node's certificate (docs/SECURITY.md).
+	// TLSConfigFromFiles builds one. It is used by the default ShortClient
+	// and LongClient; a caller that sets those configures their TLS itself.
+	// Setting it for an http:// Server is an error.
+	TLSConfig *tls.Config
+	// Token is this node's bearer token, sent as "Authorization: Bearer
+	// Token" on every request and on the session stream, to a server run
+	// with a token file. It appears in no error and no log line.
+	// ReadTokenFile reads one from a file.
+	Token string
 
 	initOnce sync.Once
 	initErr  error
@@ -139,6 +152,14 @@ func (c *Client) init() error {
 			return
 		}
 		c.base = u
+		if c.TLSConfig != nil && u.Scheme != "https" {
+			c.initErr = fmt.Errorf("dlock: server %q: a TLS configuration needs an https:// URL", c.Server)
+			return
+		}
+		if err := validToken(c.Token); err != nil {
+			c.initErr = fmt.Errorf("%w: Token: %v", ErrBadCredentials, err)
+			return
+		}
 		if err := lock.ValidateNode(c.Node); err != nil {
 			c.initErr = fmt.Errorf("dlock: client node: %w", err)
 			return
@@ -159,10 +180,10 @@ func (c *Client) init() error {
 			c.RenewInterval = 10 * time.Second
 		}
 		if c.ShortClient == nil {
-			c.ShortClient = &http.Client{Transport: defaultTransport()}
+			c.ShortClient = &http.Client{Transport: defaultTransport(c.TLSConfig)}
 		}
 		if c.LongClient == nil {
-			c.LongClient = &http.Client{Transport: defaultTransport()}
+			c.LongClient = &http.Client{Transport: defaultTransport(c.TLSConfig)}
 		}
 		if c.Logger == nil {
 			c.Logger = slog.New(slog.DiscardHandler)
@@ -184,10 +205,20 @@ func (c *Client) init() error {
 	return nil
 }
 
-func defaultTransport() *http.Transport {
+func defaultTransport(tlsConfig *tls.Config) *http.Transport {
 	t := http.DefaultTransport.(*http.Transport).Clone()
 	t.MaxIdleConnsPerHost = 64
+	if tlsConfig != nil {
+		t.TLSClientConfig = tlsConfig.Clone()
+	}
 	return t
+}
+
+// authorize adds the node's token to a request.
+func (c *Client) authorize(req *http.Request) {
+	if c.Token != "" {
+		req.Header.Set("Authorization", "Bearer "+c.Token)
+	}
 }
 
 // Close stops the session stream and the held-lock monitor. It does not
@@ -351,6 +382,7 @@ func (c *Client) once(ctx context.Context, method, u string, body []byte, out an
 	if body != nil {
 		req.Header.Set("Content-Type", "application/json")
 	}
+	c.authorize(req)
 	resp, err := c.ShortClient.Do(req)
 	if err != nil {
 		return netRetry(err), fmt.Errorf("dlock: %s %s: %w", method, u, err)
@@ -410,11 +442,24 @@ func netRetry(err error) retry {
 }
 
 // retryable reports network errors and timeouts; a cancelled caller is not.
+// Neither is a TLS refusal, the same at every attempt.
 func retryable(err error) bool {
-	if errors.Is(err, context.Canceled) {
+	if errors.Is(err, context.Canceled) || tlsRefused(err) {
 		return false
 	}
 	var ne net.Error
 	return errors.As(err, &ne) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
 		errors.Is(err, context.DeadlineExceeded)
+}
+
+// tlsRefused reports a handshake that failed for the credentials: the
+// server's certificate does not verify, or the server refused this
+// node's certificate (a TLS alert from the server: none, unknown CA,
+// expired).
+func tlsRefused(err error) bool {
+	if _, ok := errors.AsType[*tls.CertificateVerificationError](err); ok {
+		return true
+	}
+	oe, ok := errors.AsType[*net.OpError](err)
+	return ok && oe.Op == "remote error"
 }

@@ -6,6 +6,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"log/slog"
 	"math/rand/v2"
 	"net/http"
 	"net/url"
@@ -29,6 +31,7 @@ type session struct {
 	changed chan struct{} // closed and replaced whenever up changes
 	lastID  uint64
 	hasLast bool
+	lastErr error // why the stream is down; nil while up
 }
 
 // ensureSession starts the stream if needed and waits for its first
@@ -73,11 +76,25 @@ func (s *session) run() {
 	first := true
 	for {
 		connected, err := s.stream(ctx, &first)
+		s.mu.Lock()
+		s.lastErr = err
+		s.mu.Unlock()
 		s.setUp(false)
 		pause := time.Duration(float64(backoff) * (0.8 + 0.4*rand.Float64()))
-		if ra, ok := errors.AsType[*refusedError](err); ok && ra.after > 0 {
+		level := slog.LevelInfo
+		ra, isRefusal := errors.AsType[*refusedError](err)
+		switch {
+		case isRefusal && ra.after > 0:
 			// A refusal for load (too many sessions): come back when asked.
 			pause = max(pause, min(ra.after, MaxRetryAfter)+time.Duration(rand.Int64N(int64(ra.after)/5+1)))
+		case isRefusal && (ra.status == http.StatusUnauthorized || ra.status == http.StatusForbidden), tlsRefused(err):
+			// Refused credentials stay refused until an operator
+			// changes the server's token file or certificates: ask
+			// again seldom, and say so loudly. Requests meet the same
+			// refusal and return it.
+			backoff = maxStreamBackoff
+			pause = jitter(maxStreamBackoff)
+			level = slog.LevelWarn
 		}
 		if first {
 			first = false
@@ -89,15 +106,18 @@ func (s *session) run() {
 		if connected {
 			backoff = 50 * time.Millisecond
 		}
-		s.c.Logger.Info("session stream broken, reconnecting", "node", s.c.Node, "err", err, "in", pause)
+		s.c.Logger.Log(ctx, level, "session stream broken, reconnecting", "node", s.c.Node, "err", err, "in", pause)
 		select {
 		case <-time.After(pause):
 		case <-ctx.Done():
 			return
 		}
-		backoff = min(2*backoff, 5*time.Second)
+		backoff = min(2*backoff, maxStreamBackoff)
 	}
 }
+
+// maxStreamBackoff is the longest pause between two attempts to open the stream.
+const maxStreamBackoff = 5 * time.Second
 
 // stream holds one connection until it breaks.
 func (s *session) stream(ctx context.Context, first *bool) (connected bool, err error) {
@@ -119,6 +139,7 @@ func (s *session) stream(ctx context.Context, first *bool) (connected bool, err 
 	}
 	s.mu.Unlock()
 	req.Header.Set("Accept", "text/event-stream")
+	c.authorize(req)
 	resp, err := c.LongClient.Do(req)
 	if !timer.Stop() && err == nil {
 		resp.Body.Close()
@@ -129,7 +150,7 @@ func (s *session) stream(ctx context.Context, first *bool) (connected bool, err 
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		return false, &refusedError{status: resp.StatusCode, after: retryAfter(resp.Header)}
+		return false, refused(resp)
 	}
 	// The buffer is the bound on a line: a longer one is a broken stream,
 	// dropped and reopened like any other.
@@ -185,9 +206,24 @@ func (s *session) stream(ctx context.Context, first *bool) (connected bool, err 
 type refusedError struct {
 	status int
 	after  time.Duration // its Retry-After
+	err    error         // the server's error body, as an *api.Error
 }
 
-func (e *refusedError) Error() string { return fmt.Sprintf("subscribe: HTTP %d", e.status) }
+func (e *refusedError) Error() string { return "subscribe: " + e.err.Error() }
+
+// Unwrap gives the *api.Error, so that errors.Is matches its code's sentinel.
+func (e *refusedError) Unwrap() error { return e.err }
+
+// refused reads a refusal's error body (its first KiB is all an error keeps).
+func refused(resp *http.Response) *refusedError {
+	data, _ := io.ReadAll(io.LimitReader(resp.Body, 4<<10))
+	var eb api.ErrorBody
+	if json.Unmarshal(data, &eb) != nil || eb.Code == "" {
+		eb = api.ErrorBody{Code: "http_" + strconv.Itoa(resp.StatusCode), Message: strings.TrimSpace(string(data))}
+	}
+	eb.Message, eb.Error = clip(eb.Message), clip(eb.Error)
+	return &refusedError{status: resp.StatusCode, after: retryAfter(resp.Header), err: api.ErrorFromResponse(resp.StatusCode, eb)}
+}
 
 // dispatch turns an event into a hint for this node's waiter on the key.
 func (s *session) dispatch(name, data string) {
@@ -227,7 +263,13 @@ func (c *Client) Connect(ctx context.Context) error {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		return fmt.Errorf("dlock: no session stream to %s", c.Server)
+		s.mu.Lock()
+		why := s.lastErr
+		s.mu.Unlock()
+		if why == nil {
+			return fmt.Errorf("dlock: no session stream to %s", c.Server)
+		}
+		return fmt.Errorf("dlock: no session stream to %s: %w", c.Server, why)
 	}
 	return nil
 }

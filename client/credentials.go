@@ -1,0 +1,165 @@
+package client
+
+import (
+	"bufio"
+	"bytes"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+	"time"
+)
+
+// ErrBadCredentials is a credential file that cannot be used: missing,
+// unreadable, empty, or not what it should hold. The error names the file
+// and why, never a token.
+var ErrBadCredentials = errors.New("dlock: bad credentials")
+
+// ReadTokenFile reads a node's bearer token from a file (docs/SECURITY.md):
+// the file holds one token, alone or as a server's token-file line
+// "TOKEN NODE_ID", so that the line an operator adds to the server's file
+// can be handed to the node as it is. Blank lines and lines starting with
+// "#" are skipped; only the first field of the one remaining line is the
+// token. The token is kept out of every error.
+func ReadTokenFile(path string) (string, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return "", fmt.Errorf("%w: token file: %w", ErrBadCredentials, err)
+	}
+	var token string
+	lines := 0
+	sc := bufio.NewScanner(bytes.NewReader(data))
+	for sc.Scan() {
+		line := strings.TrimSpace(sc.Text())
+		if line == "" || strings.HasPrefix(line, "#") {
+			continue
+		}
+		lines++
+		token = strings.Fields(line)[0]
+	}
+	if err := sc.Err(); err != nil {
+		return "", fmt.Errorf("%w: token file %s: %w", ErrBadCredentials, path, err)
+	}
+	switch {
+	case lines == 0:
+		return "", fmt.Errorf("%w: token file %s holds no token", ErrBadCredentials, path)
+	case lines > 1:
+		return "", fmt.Errorf("%w: token file %s holds %d lines, a node's token file holds one token (is it the server's token file?)", ErrBadCredentials, path, lines)
+	}
+	if err := validToken(token); err != nil {
+		return "", fmt.Errorf("%w: token file %s: %v", ErrBadCredentials, path, err)
+	}
+	return token, nil
+}
+
+// validToken checks that a token can travel in an Authorization header:
+// printable ASCII without spaces. The message never quotes it.
+func validToken(token string) error {
+	for i := 0; i < len(token); i++ {
+		if c := token[i]; c <= ' ' || c >= 0x7f {
+			return fmt.Errorf("the token has a space, a control or a non-ASCII character at byte %d", i)
+		}
+	}
+	return nil
+}
+
+// TLSConfigFromFiles builds the TLS configuration of a Client from PEM
+// files: ca, the certificate authority that signed the server's
+// certificate ("": the system's roots), and certFile and keyFile, this
+// node's certificate and key for a server that requires one (mTLS; both
+// or neither). Every file is read now, so a missing, unreadable or
+// mismatched one is an error at start-up. The certificate and key are
+// read again at a new connection's handshake when either file changed
+// since, so a rotated certificate is used without a restart (the server
+// re-reads its own on SIGHUP); a pair that fails to load then keeps the
+// previous one in use.
+func TLSConfigFromFiles(ca, certFile, keyFile string) (*tls.Config, error) {
+	cfg := &tls.Config{MinVersion: tls.VersionTLS12}
+	if ca != "" {
+		data, err := os.ReadFile(ca)
+		if err != nil {
+			return nil, fmt.Errorf("%w: CA file: %w", ErrBadCredentials, err)
+		}
+		pool := x509.NewCertPool()
+		if !pool.AppendCertsFromPEM(data) {
+			return nil, fmt.Errorf("%w: CA file %s holds no PEM certificate", ErrBadCredentials, ca)
+		}
+		cfg.RootCAs = pool
+	}
+	switch {
+	case certFile == "" && keyFile == "":
+		return cfg, nil
+	case certFile == "":
+		return nil, fmt.Errorf("%w: a client key (%s) needs its certificate", ErrBadCredentials, keyFile)
+	case keyFile == "":
+		return nil, fmt.Errorf("%w: a client certificate (%s) needs its key", ErrBadCredentials, certFile)
+	}
+	kp := &keyPair{certFile: certFile, keyFile: keyFile}
+	if err := kp.load(); err != nil {
+		return nil, err
+	}
+	cfg.GetClientCertificate = kp.get
+	return cfg, nil
+}
+
+// keyPair is a client certificate read from files, read again when they change.
+type keyPair struct {
+	certFile, keyFile string
+
+	mu        sync.Mutex
+	cert      *tls.Certificate
+	certStamp fileStamp
+	keyStamp  fileStamp
+}
+
+// fileStamp tells whether a file changed since it was read.
+type fileStamp struct {
+	mod  time.Time
+	size int64
+}
+
+func stamp(path string) (fileStamp, error) {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return fileStamp{}, err
+	}
+	return fileStamp{mod: fi.ModTime(), size: fi.Size()}, nil
+}
+
+// load reads the pair if either file changed since the last load.
+func (kp *keyPair) load() error {
+	cs, err := stamp(kp.certFile)
+	if err != nil {
+		return fmt.Errorf("%w: client certificate: %w", ErrBadCredentials, err)
+	}
+	ks, err := stamp(kp.keyFile)
+	if err != nil {
+		return fmt.Errorf("%w: client key: %w", ErrBadCredentials, err)
+	}
+	kp.mu.Lock()
+	defer kp.mu.Unlock()
+	if kp.cert != nil && cs == kp.certStamp && ks == kp.keyStamp {
+		return nil
+	}
+	cert, err := tls.LoadX509KeyPair(kp.certFile, kp.keyFile)
+	if err != nil {
+		// tls says which of the two is wrong ("private key does not
+		// match public key", "failed to find any PEM data in key input").
+		return fmt.Errorf("%w: client certificate %s and key %s: %w", ErrBadCredentials, kp.certFile, kp.keyFile, err)
+	}
+	kp.cert, kp.certStamp, kp.keyStamp = &cert, cs, ks
+	return nil
+}
+
+// get is the handshake's GetClientCertificate: the current pair, reloaded
+// if it changed; the previous one if the new files do not load (a rotation
+// caught half-written is read again at the next handshake).
+func (kp *keyPair) get(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
+	_ = kp.load()
+	kp.mu.Lock()
+	defer kp.mu.Unlock()
+	return kp.cert, nil
+}
