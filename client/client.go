@@ -127,6 +127,7 @@ type Client struct {
 	initOnce sync.Once
 	initErr  error
 	base     *url.URL
+	owned    []*http.Client // the default clients, whose connections Close ends
 
 	mu      sync.Mutex
 	closed  bool
@@ -181,9 +182,11 @@ func (c *Client) init() error {
 		}
 		if c.ShortClient == nil {
 			c.ShortClient = &http.Client{Transport: defaultTransport(c.TLSConfig)}
+			c.owned = append(c.owned, c.ShortClient)
 		}
 		if c.LongClient == nil {
 			c.LongClient = &http.Client{Transport: defaultTransport(c.TLSConfig)}
+			c.owned = append(c.owned, c.LongClient)
 		}
 		if c.Logger == nil {
 			c.Logger = slog.New(slog.DiscardHandler)
@@ -221,7 +224,8 @@ func (c *Client) authorize(req *http.Request) {
 	}
 }
 
-// Close stops the session stream and the held-lock monitor. It does not
+// Close stops the session stream and the held-lock monitor, and closes the
+// idle connections of the default ShortClient and LongClient. It does not
 // unlock anything: held locks are released by the server when the session's
 // grace or their ttl runs out.
 func (c *Client) Close() error {
@@ -233,6 +237,9 @@ func (c *Client) Close() error {
 	c.mu.Unlock()
 	c.cancel()
 	c.wg.Wait()
+	for _, hc := range c.owned {
+		hc.CloseIdleConnections()
+	}
 	return nil
 }
 

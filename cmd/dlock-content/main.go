@@ -5,6 +5,7 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"flag"
 	"fmt"
@@ -27,6 +28,7 @@ import (
 
 	"github.com/dlock/dlock/client"
 	"github.com/dlock/dlock/content"
+	"github.com/dlock/dlock/internal/credflag"
 	"github.com/dlock/dlock/internal/envflag"
 )
 
@@ -43,6 +45,10 @@ func main() {
 type config struct {
 	socket, socketGroup, root, ingest, node, server string
 	logLevel                                        slog.Level
+	cred                                            credflag.Flags
+	// What cred's files hold, read by parse.
+	tls   *tls.Config
+	token string
 }
 
 func parse(args []string, getenv func(string) string, stderr io.Writer) (config, error) {
@@ -57,6 +63,7 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (config,
 	fs.StringVar(&c.node, "node", host, "this node's id")
 	fs.StringVar(&c.server, "server", "http://127.0.0.1:7380", "dlock server URL (it must run with --refcount=server)")
 	fs.TextVar(&c.logLevel, "log-level", slog.LevelInfo, "log level")
+	c.cred.Register(fs)
 	if err := fs.Parse(args); err != nil {
 		return c, err
 	}
@@ -70,6 +77,10 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (config,
 		if _, err := lookupGroup(c.socketGroup); err != nil {
 			return c, fmt.Errorf("--socket-group: %w", err)
 		}
+	}
+	var err error
+	if c.tls, c.token, err = c.cred.Load(c.server); err != nil {
+		return c, err
 	}
 	return c, nil
 }
@@ -140,6 +151,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: c.logLevel}))
 	cl := &client.Client{
 		Server: c.server, Node: c.node, Logger: log,
+		TLSConfig: c.tls, Token: c.token,
 		// Every call is one attempt of at most 500 ms: the store answers
 		// containerd's calls inside its metadata transaction.
 		MaxRetries: -1, RequestTimeout: 500 * time.Millisecond,

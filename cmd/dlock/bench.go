@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"github.com/dlock/dlock/internal/bench"
+	"github.com/dlock/dlock/internal/credflag"
+	"github.com/dlock/dlock/internal/rawhttp"
 )
 
 // cmdBench is the load generator: scenarios against a running dlock server
@@ -32,6 +34,8 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	compare := fs.String("compare", "", "also run pairs and handoff against: redis, etcd (comma-separated; started on 127.0.0.1)")
 	asJSON := fs.Bool("json", false, "print the results as JSON")
 	asMarkdown := fs.Bool("markdown", false, "print the results as a Markdown table (make bench appends it to docs/BENCHMARKS.md)")
+	var cred credflag.Flags
+	cred.Register(fs)
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return err
@@ -63,7 +67,15 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	if *concurrency < 1 || *waiters < 1 || *duration <= 0 || *heldN < 0 || *sessionsN < 0 {
 		return usageError{errors.New("--concurrency, --waiters and --duration must be positive, --held and --sessions not negative")}
 	}
-	opts := bench.Options{Duration: *duration, Concurrency: *concurrency, Waiters: *waiters}
+	tlsConfig, token, err := cred.Load(*server)
+	if errors.Is(err, credflag.ErrNeedHTTPS) {
+		return usageError{err}
+	}
+	if err != nil {
+		return err
+	}
+	dialer := rawhttp.Dialer{TLS: tlsConfig, Token: token}
+	opts := bench.Options{Duration: *duration, Concurrency: *concurrency, Waiters: *waiters, Dialer: dialer}
 	run := func(label string, f func(context.Context, bench.Options) (bench.Result, error)) (bench.Result, error) {
 		o := opts
 		start := time.Now()
@@ -82,10 +94,10 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 			// leaves one out.
 			var fs []func() (bench.Result, error)
 			if *sessionsN > 0 {
-				fs = append(fs, func() (bench.Result, error) { return bench.OpenSessions(ctx, *server, *sessionsN) })
+				fs = append(fs, func() (bench.Result, error) { return bench.OpenSessions(ctx, *server, dialer, *sessionsN) })
 			}
 			if *heldN > 0 {
-				fs = append(fs, func() (bench.Result, error) { return bench.HeldLocks(ctx, *server, *heldN, *concurrency) })
+				fs = append(fs, func() (bench.Result, error) { return bench.HeldLocks(ctx, *server, dialer, *heldN, *concurrency) })
 			}
 			for _, f := range fs {
 				r, err := f()

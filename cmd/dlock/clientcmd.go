@@ -13,6 +13,7 @@ import (
 
 	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/client"
+	"github.com/dlock/dlock/internal/credflag"
 	"github.com/dlock/dlock/internal/envflag"
 	"github.com/dlock/dlock/lock"
 )
@@ -38,6 +39,7 @@ type clientFlags struct {
 	typ      string
 	resource string
 	human    bool
+	cred     credflag.Flags
 }
 
 func newClientFlags(name, defaultNode string, stderr io.Writer) *clientFlags {
@@ -48,6 +50,7 @@ func newClientFlags(name, defaultNode string, stderr io.Writer) *clientFlags {
 	f.fs.StringVar(&f.typ, "type", "pull", "operation type: pull, update or delete")
 	f.fs.StringVar(&f.resource, "resource", "", "resource id, e.g. a blob digest")
 	f.fs.BoolVar(&f.human, "human", false, "print a short line instead of JSON")
+	f.cred.Register(f.fs)
 	return f
 }
 
@@ -72,8 +75,17 @@ func (f *clientFlags) parse(args []string, getenv func(string) string, needResou
 	return client.Request{Type: t, Resource: f.resource}, nil
 }
 
-func (f *clientFlags) client() *client.Client {
-	return &client.Client{Server: f.server, Node: f.node}
+// client is the command's Client, its credentials read: a missing or
+// unusable credential file stops the command before any request.
+func (f *clientFlags) client() (*client.Client, error) {
+	c := &client.Client{Server: f.server, Node: f.node}
+	if err := f.cred.Apply(c); err != nil {
+		if errors.Is(err, credflag.ErrNeedHTTPS) {
+			return nil, usageError{err}
+		}
+		return nil, err
+	}
+	return c, nil
 }
 
 func hostname() string {
@@ -102,7 +114,10 @@ func cmdLock(ctx context.Context, args []string, getenv func(string) string, std
 		return err
 	}
 	req.Lease, req.SkipRecent = lock.LeaseTTL, *skipRecent
-	c := f.client()
+	c, err := f.client()
+	if err != nil {
+		return err
+	}
 	defer c.Close()
 	ctx, cancel := requestContext(ctx)
 	defer cancel()
@@ -137,7 +152,10 @@ func cmdUnlock(ctx context.Context, args []string, getenv func(string) string, s
 	if *fail != "" {
 		opErr = errors.New(*fail)
 	}
-	c := f.client()
+	c, err := f.client()
+	if err != nil {
+		return err
+	}
 	defer c.Close()
 	ctx, cancel := requestContext(ctx)
 	defer cancel()
@@ -163,7 +181,10 @@ func cmdStatus(ctx context.Context, args []string, getenv func(string) string, s
 	if err != nil {
 		return err
 	}
-	c := f.client()
+	c, err := f.client()
+	if err != nil {
+		return err
+	}
 	defer c.Close()
 	ctx, cancel := requestContext(ctx)
 	defer cancel()
@@ -204,7 +225,10 @@ func cmdRefcount(ctx context.Context, args []string, getenv func(string) string,
 	if f.resource == "" && !*release {
 		return usageError{errors.New("--resource is required")}
 	}
-	c := f.client()
+	c, err := f.client()
+	if err != nil {
+		return err
+	}
 	defer c.Close()
 	ctx, cancel := requestContext(ctx)
 	defer cancel()
@@ -220,7 +244,6 @@ func cmdRefcount(ctx context.Context, args []string, getenv func(string) string,
 		return printJSON(stdout, map[string]any{"node_id": f.node, "released": n})
 	}
 	var rc api.RefCountResponse
-	var err error
 	switch {
 	case *add:
 		rc, err = c.AddRef(ctx, f.resource)

@@ -41,7 +41,8 @@ const usage = `usage: dlock <command> [flags]
 server:
   serve      run the lock server
 
-client (flags: --server, --node, --type, --resource, --human; env DLOCK_<FLAG>):
+client (flags: --server, --node, --type, --resource, --human, and the credentials
+        --ca, --cert, --key, --token-file; env DLOCK_<FLAG>):
   lock       take a lock, or join its queue, with a ttl lease (repeat to renew)
   unlock     release a lock: success, or --fail MESSAGE
   status     show a lock's holder, queue and last completion

@@ -30,6 +30,18 @@ func cmdRun(ctx context.Context, args []string, getenv func(string) string, stdi
 		return usageError{errors.New("run needs a command: dlock run [flags] -- CMD [ARGS...]")}
 	}
 	req.SkipRecent = !*always
+	c, err := f.client()
+	if err != nil {
+		return err
+	}
+	c.RenewInterval = *renew
+	// A run waits as long as it takes: a server refusing for load is
+	// asked again when it says, up to --max-retries times per request.
+	c.MaxRetries = *retries
+	if *retries <= 0 {
+		c.MaxRetries = -1
+	}
+	defer c.Close()
 
 	// Signals: while waiting they cancel the wait (ctx); while the command
 	// runs they are passed on to it.
@@ -48,15 +60,6 @@ func cmdRun(ctx context.Context, args []string, getenv func(string) string, stdi
 		}
 	}()
 
-	c := f.client()
-	c.RenewInterval = *renew
-	// A run waits as long as it takes: a server refusing for load is
-	// asked again when it says, up to --max-retries times per request.
-	c.MaxRetries = *retries
-	if *retries <= 0 {
-		c.MaxRetries = -1
-	}
-	defer c.Close()
 	res, err := c.Lock(waitCtx, req)
 	cancelWait(nil)
 	<-watching // from here on signals go to the command

@@ -11,6 +11,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/dlock/dlock/internal/rawhttp"
 )
 
 // Options of a run.
@@ -20,6 +22,9 @@ type Options struct {
 	Waiters     int // fanout: waiters queued on the key
 	// Progress, if set, is called about once a second with the operations so far.
 	Progress func(ops int64)
+	// Dialer connects to a dlock server: TLS for an https:// one, and the
+	// token of a server with a token file. Redis and etcd ignore it.
+	Dialer rawhttp.Dialer
 }
 
 // Result is one scenario on one system.

@@ -36,11 +36,11 @@ func TestScenarios(t *testing.T) {
 
 func TestMemory(t *testing.T) {
 	srv := dlocktest.Start(t, dlocktest.Options{})
-	r, err := HeldLocks(context.Background(), srv.URL(), 500, 4)
+	r, err := HeldLocks(context.Background(), srv.URL(), Options{}.Dialer, 500, 4)
 	if err != nil || r.RSSMiB <= 0 || srv.M.Stats().Held != 500 {
 		t.Fatalf("held locks: %+v %v (held %d)", r, err, srv.M.Stats().Held)
 	}
-	r, err = OpenSessions(context.Background(), srv.URL(), 50)
+	r, err = OpenSessions(context.Background(), srv.URL(), Options{}.Dialer, 50)
 	if err != nil || r.RSSMiB <= 0 {
 		t.Fatalf("open sessions: %+v %v", r, err)
 	}

@@ -16,7 +16,7 @@ import (
 func Pairs(ctx context.Context, base string, opts Options) (Result, error) {
 	id := runID()
 	lat, elapsed, err := runWorkers(ctx, opts, opts.Concurrency, func(ctx context.Context, w int, ops *atomic.Int64, lat *[]time.Duration) error {
-		c, err := rawhttp.Dial(base)
+		c, err := opts.Dialer.Dial(base)
 		if err != nil {
 			return err
 		}
@@ -48,12 +48,12 @@ func Handoff(ctx context.Context, base string, opts Options) (Result, error) {
 	start := time.Now()
 	lat, elapsed, err := runWorkers(ctx, opts, opts.Concurrency, func(ctx context.Context, w int, ops *atomic.Int64, lat *[]time.Duration) error {
 		node := fmt.Sprint("h", w)
-		s, err := rawhttp.Subscribe(base, node)
+		s, err := opts.Dialer.Subscribe(base, node)
 		if err != nil {
 			return err
 		}
 		context.AfterFunc(ctx, func() { s.Close() })
-		c, err := rawhttp.Dial(base)
+		c, err := opts.Dialer.Dial(base)
 		if err != nil {
 			return err
 		}
@@ -135,7 +135,7 @@ func Fanout(ctx context.Context, base string, opts Options) (Result, error) {
 		}
 	}()
 	if err := parallel(min(64, n), n, func(i int) error {
-		s, err := rawhttp.Subscribe(base, fmt.Sprintf("f%s-%d", id, i))
+		s, err := opts.Dialer.Subscribe(base, fmt.Sprintf("f%s-%d", id, i))
 		streams[i] = s
 		return err
 	}); err != nil {
@@ -143,7 +143,7 @@ func Fanout(ctx context.Context, base string, opts Options) (Result, error) {
 	}
 	conns := make([]*rawhttp.Conn, min(32, n))
 	for i := range conns {
-		c, err := rawhttp.Dial(base)
+		c, err := opts.Dialer.Dial(base)
 		if err != nil {
 			return Result{}, err
 		}
@@ -233,7 +233,7 @@ func Sessions(ctx context.Context, base string, opts Options) (Result, error) {
 	lat, elapsed, err := runWorkers(ctx, opts, opts.Concurrency, func(ctx context.Context, w int, ops *atomic.Int64, lat *[]time.Duration) error {
 		for i := 0; ctx.Err() == nil; i++ {
 			t0 := time.Now()
-			s, err := rawhttp.Subscribe(base, fmt.Sprintf("s%s-%d-%d", id, w, i))
+			s, err := opts.Dialer.Subscribe(base, fmt.Sprintf("s%s-%d-%d", id, w, i))
 			if err != nil {
 				return err
 			}

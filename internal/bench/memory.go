@@ -13,12 +13,24 @@ import (
 )
 
 // ServerRSS reads the server's resident memory from its /metrics.
-func ServerRSS(base string) (float64, error) {
-	resp, err := http.Get(base + "/metrics")
+func ServerRSS(base string, d rawhttp.Dialer) (float64, error) {
+	req, err := http.NewRequest(http.MethodGet, base+"/metrics", nil)
+	if err != nil {
+		return 0, err
+	}
+	if d.Token != "" {
+		req.Header.Set("Authorization", "Bearer "+d.Token)
+	}
+	tr := &http.Transport{TLSClientConfig: d.TLS}
+	defer tr.CloseIdleConnections()
+	resp, err := (&http.Client{Transport: tr, Timeout: 30 * time.Second}).Do(req)
 	if err != nil {
 		return 0, err
 	}
 	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return 0, fmt.Errorf("%s/metrics: %s", base, resp.Status)
+	}
 	sc := bufio.NewScanner(resp.Body)
 	for sc.Scan() {
 		if v, ok := strings.CutPrefix(sc.Text(), "process_resident_memory_bytes "); ok {
@@ -31,15 +43,15 @@ func ServerRSS(base string) (float64, error) {
 
 // HeldLocks takes n locks on distinct keys (ttl leases) and reports the
 // server's resident memory while they are held.
-func HeldLocks(ctx context.Context, base string, n, conns int) (Result, error) {
+func HeldLocks(ctx context.Context, base string, d rawhttp.Dialer, n, conns int) (Result, error) {
 	id := runID()
-	before, err := ServerRSS(base)
+	before, err := ServerRSS(base, d)
 	if err != nil {
 		return Result{}, err
 	}
 	cs := make([]*rawhttp.Conn, conns)
 	for i := range cs {
-		if cs[i], err = rawhttp.Dial(base); err != nil {
+		if cs[i], err = d.Dial(base); err != nil {
 			return Result{}, err
 		}
 		defer cs[i].Close()
@@ -64,7 +76,7 @@ func HeldLocks(ctx context.Context, base string, n, conns int) (Result, error) {
 		return Result{}, err
 	}
 	elapsed := time.Since(start)
-	after, err := ServerRSS(base)
+	after, err := ServerRSS(base, d)
 	if err != nil {
 		return Result{}, err
 	}
@@ -75,9 +87,9 @@ func HeldLocks(ctx context.Context, base string, n, conns int) (Result, error) {
 
 // OpenSessions opens n session streams, keeps them open while it reads the
 // server's resident memory, then closes them.
-func OpenSessions(ctx context.Context, base string, n int) (Result, error) {
+func OpenSessions(ctx context.Context, base string, d rawhttp.Dialer, n int) (Result, error) {
 	id := runID()
-	before, err := ServerRSS(base)
+	before, err := ServerRSS(base, d)
 	if err != nil {
 		return Result{}, err
 	}
@@ -91,14 +103,14 @@ func OpenSessions(ctx context.Context, base string, n int) (Result, error) {
 	}()
 	start := time.Now()
 	if err := parallel(64, n, func(i int) error {
-		s, err := rawhttp.Subscribe(base, fmt.Sprintf("idle-%s-%d", id, i))
+		s, err := d.Subscribe(base, fmt.Sprintf("idle-%s-%d", id, i))
 		streams[i] = s
 		return err
 	}); err != nil {
 		return Result{}, err
 	}
 	elapsed := time.Since(start)
-	after, err := ServerRSS(base)
+	after, err := ServerRSS(base, d)
 	if err != nil {
 		return Result{}, err
 	}

@@ -107,10 +107,12 @@ func (p *PKI) ServerCert() (certFile, keyFile string) {
 	})
 }
 
-// ClientCert issues node's client certificate: Subject CN node.
-func (p *PKI) ClientCert(node string) (certFile, keyFile string) {
+// ClientCert issues node's client certificate: Subject CN node, and the
+// other nodes it may act as, if any, as DNS SANs.
+func (p *PKI) ClientCert(node string, others ...string) (certFile, keyFile string) {
 	return p.issue("client-"+node, &x509.Certificate{
 		Subject:     pkix.Name{CommonName: node},
+		DNSNames:    others,
 		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
 	})
 }

@@ -7,12 +7,64 @@ package rawhttp
 import (
 	"bufio"
 	"bytes"
+	"crypto/tls"
 	"fmt"
 	"net"
 	"net/http"
+	"net/url"
 	"strconv"
-	"strings"
 )
+
+// Dialer opens connections to a dlock server with its transport and
+// credentials. The zero value dials plain http:// servers without a token.
+type Dialer struct {
+	// TLS is the TLS configuration of an https:// server (nil: the
+	// system's roots and no client certificate).
+	TLS *tls.Config
+	// Token, when set, is sent as "Authorization: Bearer Token" on every
+	// request.
+	Token string
+}
+
+// dial connects to base ("http://host:port" or "https://host:port"),
+// completing the TLS handshake of an https:// base, so that a refused
+// certificate is an error here rather than on the first request.
+func (d Dialer) dial(base string) (net.Conn, string, error) {
+	u, err := url.Parse(base)
+	if err != nil || u.Host == "" || (u.Scheme != "http" && u.Scheme != "https") {
+		return nil, "", fmt.Errorf("rawhttp: %q is not an http:// or https:// URL", base)
+	}
+	addr := u.Host
+	if u.Port() == "" {
+		addr = net.JoinHostPort(u.Hostname(), map[string]string{"http": "80", "https": "443"}[u.Scheme])
+	}
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		return nil, "", err
+	}
+	if u.Scheme == "http" {
+		return c, u.Host, nil
+	}
+	cfg := &tls.Config{}
+	if d.TLS != nil {
+		cfg = d.TLS.Clone()
+	}
+	if cfg.ServerName == "" {
+		cfg.ServerName = u.Hostname()
+	}
+	tc := tls.Client(c, cfg)
+	if err := tc.Handshake(); err != nil {
+		c.Close()
+		return nil, "", fmt.Errorf("rawhttp: TLS handshake with %s: %w", addr, err)
+	}
+	return tc, u.Host, nil
+}
+
+// Dial connects to a dlock server at base without credentials.
+func Dial(base string) (*Conn, error) { return Dialer{}.Dial(base) }
+
+// Subscribe opens node's session stream at base without credentials.
+func Subscribe(base, node string) (*Stream, error) { return Dialer{}.Subscribe(base, node) }
 
 // Conn is a minimal HTTP/1.1 keep-alive client for one connection: a load
 // generator on the same two cores as the server must cost less than
@@ -20,20 +72,25 @@ import (
 type Conn struct {
 	net.Conn
 	host string
+	auth string // the Authorization header line, or ""
 	r    *bufio.Reader
 	buf  []byte
 	// Body is the last answer's body, valid until the next call.
 	Body []byte
 }
 
-// Dial connects to a dlock server at base ("http://host:port").
-func Dial(base string) (*Conn, error) {
-	host := strings.TrimPrefix(base, "http://")
-	c, err := net.Dial("tcp", host)
+// Dial connects to a dlock server at base ("http://host:port" or
+// "https://host:port").
+func (d Dialer) Dial(base string) (*Conn, error) {
+	c, host, err := d.dial(base)
 	if err != nil {
 		return nil, err
 	}
-	return &Conn{Conn: c, host: host, r: bufio.NewReaderSize(c, 8192)}, nil
+	conn := &Conn{Conn: c, host: host, r: bufio.NewReaderSize(c, 8192)}
+	if d.Token != "" {
+		conn.auth = "Authorization: Bearer " + d.Token + "\r\n"
+	}
+	return conn, nil
 }
 
 // Post sends one POST and reads the answer; it returns the status code.
@@ -42,7 +99,9 @@ func (c *Conn) Post(path string, body []byte) (int, error) {
 	c.buf = append(c.buf, path...)
 	c.buf = append(c.buf, " HTTP/1.1\r\nHost: "...)
 	c.buf = append(c.buf, c.host...)
-	c.buf = append(c.buf, "\r\nContent-Type: application/json\r\nContent-Length: "...)
+	c.buf = append(c.buf, "\r\n"...)
+	c.buf = append(c.buf, c.auth...)
+	c.buf = append(c.buf, "Content-Type: application/json\r\nContent-Length: "...)
 	c.buf = strconv.AppendInt(c.buf, int64(len(body)), 10)
 	c.buf = append(c.buf, "\r\n\r\n"...)
 	c.buf = append(c.buf, body...)
@@ -105,13 +164,19 @@ type Stream struct {
 }
 
 // Subscribe opens node's session stream and reads up to its subscribed event.
-func Subscribe(base, node string) (*Stream, error) {
-	host := strings.TrimPrefix(base, "http://")
-	c, err := net.Dial("tcp", host)
+func (d Dialer) Subscribe(base, node string) (*Stream, error) {
+	c, _, err := d.dial(base)
 	if err != nil {
 		return nil, err
 	}
-	req, _ := http.NewRequest(http.MethodGet, base+"/subscribe?node_id="+node, nil)
+	req, err := http.NewRequest(http.MethodGet, base+"/subscribe?node_id="+url.QueryEscape(node), nil)
+	if err != nil {
+		c.Close()
+		return nil, err
+	}
+	if d.Token != "" {
+		req.Header.Set("Authorization", "Bearer "+d.Token)
+	}
 	if err := req.Write(c); err != nil {
 		c.Close()
 		return nil, err

@@ -1,0 +1,109 @@
+package content
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/containerd/containerd/v2/core/metadata"
+	bolt "go.etcd.io/bbolt"
+
+	"github.com/dlock/dlock/client"
+	"github.com/dlock/dlock/internal/dlocktest"
+)
+
+// TestSharedPullWithCredentials: three nodes, each with its own client
+// certificate and token, share one store through a dlock server behind
+// HTTPS, mTLS and bearer tokens (docs/SECURITY.md): every blob is
+// downloaded once, every node reads every blob, and once every node
+// removed the image its blobs are gone.
+func TestSharedPullWithCredentials(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	pki := dlocktest.NewPKI(t)
+	srv := dlocktest.Start(t, dlocktest.Options{RefCount: true})
+	tokens := map[string]string{}
+	for i := range 3 {
+		tokens[fmt.Sprint("tok-", i)] = fmt.Sprint("node-", i)
+	}
+	proxy := dlocktest.StartAuthProxy(t, srv, pki, tokens)
+	reg := newRegistry()
+	rs := httptest.NewServer(reg)
+	defer rs.Close()
+	host := strings.TrimPrefix(rs.URL, "http://")
+	root := t.TempDir()
+	var nodes []*node
+	for i := range 3 {
+		name := fmt.Sprint("node-", i)
+		cert, key := pki.ClientCert(name)
+		cfg, err := client.TLSConfigFromFiles(pki.CAFile, cert, key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := &client.Client{Server: proxy.URL, Node: name, TLSConfig: cfg, Token: fmt.Sprint("tok-", i),
+			MaxRetries: -1, RequestTimeout: 2 * time.Second, PollInterval: 50 * time.Millisecond}
+		nodes = append(nodes, newNodeWithClient(t, root, c))
+	}
+
+	ref, blobs, _ := pushImage(t, host, "test/creds", 3, 128<<10)
+	for i, err := range pullAll(ctx, nodes, ref) {
+		if err != nil {
+			t.Fatalf("node-%d pull: %v", i, err)
+		}
+	}
+	for _, d := range blobs {
+		if full, partial := reg.counts(d.String()); full != 1 || partial != 0 {
+			t.Errorf("blob %s served fully %d times (partially %d), want once", d, full, partial)
+		}
+	}
+	for _, n := range nodes {
+		if err := n.readAll(ctx, blobs); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, n := range nodes {
+		if err := n.remove(ctx, ref); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, d := range blobs {
+		if blobExists(root, d) {
+			t.Errorf("blob %s of an image no node has any more is still there", d)
+		}
+	}
+	if n := proxy.Answered(http.StatusUnauthorized) + proxy.Answered(http.StatusForbidden); n != 0 {
+		t.Fatalf("%d requests refused", n)
+	}
+	if proxy.Requests("/lock") == 0 || proxy.Requests("/refcount/add") == 0 {
+		t.Fatal("the nodes did not lock or count references through the proxy")
+	}
+}
+
+// newNodeWithClient is newNode with a Client the test configured.
+func newNodeWithClient(t testing.TB, root string, c *client.Client) *node {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	s, err := New(ctx, Config{Root: root, Client: c})
+	if err != nil {
+		t.Fatal(err)
+	}
+	bdb, err := bolt.Open(filepath.Join(t.TempDir(), "meta.db"), 0o600, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	db := metadata.NewDB(bdb, s, nil)
+	if err := db.Init(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		s.Close()
+		c.Close()
+		bdb.Close()
+	})
+	return &node{name: c.Node, c: c, store: s, db: db, bdb: bdb}
+}
