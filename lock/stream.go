@@ -226,6 +226,14 @@ func (m *Memory) Subscribe(ctx context.Context, req SubscribeRequest) (Stream, S
 			// that ended had (a stream with a last event id that finds no
 			// session lost it to the grace): the subscribed event's id
 			// then says where the replay starts.
+			if anew && lastID >= s.lost {
+				// Nothing was numbered since the old session's last
+				// event: take an id, which no event carries, so that
+				// the gap shows on the wire, where a client sees only
+				// ids. Events of this session are numbered under s.mu,
+				// held here, so none falls below it.
+				s.lost = m.seq.Add(1)
+			}
 			if lastID < s.lost || anew {
 				sub.ID, sub.Missed = s.lost, true
 			}
