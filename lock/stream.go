@@ -87,7 +87,9 @@ func (st *stream) Done() <-chan struct{} { return st.done }
 // Slow reports whether the stream was closed for not keeping up.
 func (st *stream) Slow() bool { return st.slow.Load() }
 
-// offer queues d unless StreamBuffer events are waiting already.
+// offer queues d unless StreamBuffer events are waiting already: a stream
+// that does not keep up is closed, never waited for (docs/DESIGN.md, "Slow
+// streams").
 func (st *stream) offer(d Delivery) bool {
 	st.mu.Lock()
 	if len(st.queue) >= st.m.cfg.StreamBuffer {
@@ -145,7 +147,7 @@ type Subscription struct {
 	// last event id replays everything after it. After a Last-Event-ID it
 	// is that id, unless events after it were let go (Missed): then it is
 	// the id of the newest one let go, so the replay starts after a gap the
-	// client can see (docs/API.md).
+	// client can see (docs/DESIGN.md, "Event ids and replay").
 	ID uint64
 	// Replay holds, in order, the session's retained events after the last
 	// event id; they take at most Config.SessionLogBytes on the api.
