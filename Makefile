@@ -1,7 +1,7 @@
 GO ?= go
 STATICCHECK ?= honnef.co/go/tools/cmd/staticcheck@v0.8.2
 
-.PHONY: test deps vet lint bench fuzz build containerd2
+.PHONY: packagemap test deps vet lint bench fuzz build containerd2
 
 # test is what CI runs (.ci/run): the test dependencies, formatting, vet,
 # staticcheck, then every test with the race detector.
@@ -58,8 +58,16 @@ vet:
 	if [ -n "$$unformatted" ]; then echo "gofmt would change: $$unformatted"; exit 1; fi
 	$(GO) vet ./...
 
-lint: vet
+lint: vet packagemap
 	$(GO) run $(STATICCHECK) ./...
+
+# packagemap holds README's "Map of the packages" to the tree: one row for
+# every package, and no row for a package that is gone.
+packagemap:
+	@set -e; pkgs=$$($(GO) list ./... | sed 's|^github.com/dlock/dlock/||'); \
+	for p in $$pkgs; do grep -q "^| \`$$p\` |" README.md || { echo "README.md's map of the packages has no row for $$p"; exit 1; }; done; \
+	for p in $$(sed -n '/^### Map of the packages/,/^How the parts fit/s/^| `\([a-z][a-z/-]*\)` |.*/\1/p' README.md); do \
+	  echo "$$pkgs" | grep -qx "$$p" || { echo "README.md's map of the packages names $$p, which is not a package"; exit 1; }; done
 
 # bench runs the Go benchmarks, then dlock bench against a fresh local
 # server (and Redis and etcd, which it starts), and appends the numbers,

@@ -2,7 +2,8 @@ package api
 
 import "strconv"
 
-// fastFields parses the flat JSON objects of /lock, /unlock and /cancel
+// fastFields parses the flat JSON objects of /lock and /unlock (docs/DESIGN.md,
+// "The fast path and its guarantees")
 // without reflection: string values without escapes, booleans, unsigned
 // integers. It reports ok=false for anything else (escapes, nesting, other
 // value types, duplicate keys, malformed input), and the caller then takes

@@ -324,7 +324,7 @@ func appendString(b []byte, s string) []byte {
 	return append(b, '"')
 }
 
-// Error is every error body: error and message carry the same text (the
+// ErrorBody is every error body: error and message carry the same text (the
 // seeds' client reads message).
 type ErrorBody struct {
 	Error   string `json:"error"`

@@ -10,7 +10,8 @@ import (
 // tells the waiters, which lease ends what, whether a reference refuses a
 // delete, and which events each node's stream receives, with ids a
 // reconnecting stream resumes from. The HTTP server, its event streams and
-// its metrics use a Backend and nothing else.
+// its metrics use a Backend and nothing else (docs/DESIGN.md, "The Backend
+// seam"; the etcd mapping below is expanded in "An etcd backend").
 //
 // Every method is safe for concurrent use. Calls that can wait (on a lock,
 // on storage, on another server) take a context; its end abandons the wait,
@@ -33,8 +34,10 @@ import (
 //   - Sessions are etcd leases ("<prefix>/sessions/<node>" attached to a
 //     lease kept alive by whichever server holds one of the node's streams).
 //     LeaseAuto resolves to a session lease when that key exists, wherever
-//     the stream is; a hold with a session lease is attached to the etcd
-//     lease, so its end is etcd's lease expiry, seen by every server.
+//     the stream is. Only the session record is attached to the lease: its
+//     deletion, seen by a watch, makes one server hand the session's holds
+//     on, as Memory does; a key record attached to the lease would vanish
+//     with its queue and token and tell no one.
 //   - Subscribe: a watch on "<prefix>/events/<node>/" from the revision after
 //     the last event id. Event ids are etcd revisions, unique and increasing
 //     across servers, so Last-Event-ID resumes on any server; Missed is a

@@ -96,7 +96,8 @@ type item struct {
 }
 
 // batch is one transition's events. It is not delivered before it is ready:
-// a transition that changed references is ready once they are durable.
+// a transition that changed references is ready once they are durable
+// (docs/DESIGN.md, "The outbox").
 type batch struct {
 	items []item
 	ready bool

@@ -171,7 +171,7 @@ func ShardIndex(resource string, n int) int {
 	return int(h % uint32(n))
 }
 
-// TryLock grants, queues or refuses a lock request (docs/API.md). It blocks only
+// TryLock grants, queues or refuses a lock request (docs/DESIGN.md, "TryLock"). It blocks only
 // to make a reference change durable, never to wait for the lock.
 func (m *Memory) TryLock(ctx context.Context, req LockRequest) (LockResult, error) {
 	if err := req.Validate(); err != nil {
@@ -262,7 +262,7 @@ func (m *Memory) TryLock(ctx context.Context, req LockRequest) (LockResult, erro
 	return res, nil
 }
 
-// Unlock ends a hold (docs/API.md): success of a pull or delete clears the queue
+// Unlock ends a hold (docs/DESIGN.md, "Unlock"): success of a pull or delete clears the queue
 // and tells every waiter the work is done; anything else hands the lock to
 // the queue head.
 func (m *Memory) Unlock(ctx context.Context, req UnlockRequest) (UnlockResult, error) {
@@ -299,7 +299,7 @@ func (m *Memory) Unlock(ctx context.Context, req UnlockRequest) (UnlockResult, e
 }
 
 // Cancel removes node from the key's queue, or, if node holds the key,
-// releases it as a failure with error "cancelled".
+// releases it as a failure with error "cancelled" (docs/DESIGN.md, "Cancel").
 func (m *Memory) Cancel(ctx context.Context, t Type, resource, node string) (CancelResult, error) {
 	if err := validateKey(t, resource, node); err != nil {
 		return CancelResult{}, err
@@ -325,7 +325,7 @@ func (m *Memory) Cancel(ctx context.Context, t Type, resource, node string) (Can
 	return res, err
 }
 
-// Status describes a key. A non-empty node renews that node's ttl lease on
+// Status describes a key (docs/DESIGN.md, "Status"). A non-empty node renews that node's ttl lease on
 // the key, as a /lock would, and gets its queue position.
 func (m *Memory) Status(ctx context.Context, t Type, resource, node string) (Status, error) {
 	if err := ctx.Err(); err != nil {

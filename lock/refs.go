@@ -32,7 +32,7 @@ type RefCount struct {
 // Count is the number of nodes referencing the resource.
 func (r RefCount) Count() int { return len(r.Nodes) }
 
-// RefPermits is the reference-count rule for starting an operation (docs/API.md, "Reference counting"):
+// RefPermits is the reference-count rule for starting an operation (docs/DESIGN.md, "Reference rules"):
 // delete only when nothing references the resource; update likewise when
 // updateRequiresNoRef; pull always.
 func RefPermits(t Type, count int, updateRequiresNoRef bool) error {
@@ -42,7 +42,7 @@ func RefPermits(t Type, count int, updateRequiresNoRef bool) error {
 	return nil
 }
 
-// RefEffect is the reference-count rule for a completed operation (docs/API.md, "Reference counting"):
+// RefEffect is the reference-count rule for a completed operation (docs/DESIGN.md, "Reference rules"):
 // a successful pull adds its node, a successful delete clears the resource,
 // anything else changes nothing.
 type RefEffect uint8
@@ -107,7 +107,7 @@ func (s *shard) refCount(resource string) int {
 	return 0
 }
 
-// refConflict applies the exclusions of docs/API.md ("Reference counting") to a new lock of k: a delete must
+// refConflict applies the exclusions of docs/DESIGN.md ("Reference rules") to a new lock of k: a delete must
 // never run beside a pull or an update of its resource, and with
 // UpdateRequiresNoRef neither may an update beside a pull.
 func (s *shard) refConflict(k Key) error {

@@ -85,7 +85,7 @@ type keyState struct {
 	// middle leaves a nil slot (qdead counts them) and the slots are
 	// compacted once they are half the slice, so that removing any waiter
 	// costs O(1) amortized: a mass session loss removes N waiters in O(N),
-	// not O(N²) (docs/DESIGN.md).
+	// not O(N²) (docs/DESIGN.md, "How Memory keeps the rules").
 	queue     []*entry
 	qhead     int
 	qdead     int
@@ -114,7 +114,8 @@ func (ks *keyState) recentSuccess(now mono, retention time.Duration) bool {
 	return ks.hasRec && ks.rec.Success && ks.rec.retained(now, retention)
 }
 
-// replays reports whether req repeats the unlock that wrote the retained record.
+// replays reports whether req repeats the unlock that wrote the retained record
+// (docs/DESIGN.md, "Unlock").
 func (ks *keyState) replays(req UnlockRequest, now mono, retention time.Duration) bool {
 	r := ks.rec
 	return ks.hasRec && r.viaUnlock && r.Node == req.Node && r.Success == req.Success &&
@@ -253,7 +254,7 @@ func (s *shard) begin() txn {
 }
 
 // commit releases the shard mutex, then makes the transition's reference
-// changes durable, then lets its events go out, in that order (docs/API.md, "Reference counting").
+// changes durable, then lets its events go out, in that order (docs/DESIGN.md, "The outbox").
 func (s *shard) commit(ctx context.Context, t txn) error {
 	t.items = s.takeOps(t.items)
 	var b *batch
@@ -398,7 +399,8 @@ func (s *shard) arm(at mono) {
 }
 
 // release ends ks's hold. Success of a pull or delete clears the queue and
-// tells each waiter; anything else hands the key to the next eligible waiter.
+// tells each waiter; anything else hands the key to the next eligible waiter
+// (docs/DESIGN.md, "Unlock").
 // It returns the node the key went to, "" if it became free.
 func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUnlock bool) string {
 	h := ks.holder
@@ -561,7 +563,7 @@ func (s *shard) dropSessions(drops []sessionDrop) {
 	}
 }
 
-// record retains ks's completion record, dropping the shard's oldest records
+// record retains ks's completion record (docs/DESIGN.md, "Completion records"), dropping the shard's oldest records
 // beyond its share of CompletedMax and those past CompletedRetention.
 //
 // The queue holds one entry per key: a key completed again keeps its place
@@ -613,7 +615,8 @@ func (s *shard) eraseRecord(k Key) {
 }
 
 // maybeDrop forgets a key that has nothing left to say. Its next token still
-// goes forward: the shard keeps its last token as a floor.
+// goes forward: the shard keeps its last token as a floor (docs/DESIGN.md,
+// "Fencing tokens").
 func (s *shard) maybeDrop(ks *keyState) {
 	if ks.holder == nil && ks.qlen() == 0 && !ks.hasRec {
 		r := s.res[ks.key.Resource]

@@ -87,7 +87,9 @@ func (st *stream) Done() <-chan struct{} { return st.done }
 // Slow reports whether the stream was closed for not keeping up.
 func (st *stream) Slow() bool { return st.slow.Load() }
 
-// offer queues d unless StreamBuffer events are waiting already.
+// offer queues d unless StreamBuffer events are waiting already: a stream
+// that does not keep up is closed, never waited for (docs/DESIGN.md, "Slow
+// streams").
 func (st *stream) offer(d Delivery) bool {
 	st.mu.Lock()
 	if len(st.queue) >= st.m.cfg.StreamBuffer {
@@ -145,7 +147,7 @@ type Subscription struct {
 	// last event id replays everything after it. After a Last-Event-ID it
 	// is that id, unless events after it were let go (Missed): then it is
 	// the id of the newest one let go, so the replay starts after a gap the
-	// client can see (docs/API.md).
+	// client can see (docs/DESIGN.md, "Event ids and replay").
 	ID uint64
 	// Replay holds, in order, the session's retained events after the last
 	// event id; they take at most Config.SessionLogBytes on the api.
@@ -226,6 +228,14 @@ func (m *Memory) Subscribe(ctx context.Context, req SubscribeRequest) (Stream, S
 			// that ended had (a stream with a last event id that finds no
 			// session lost it to the grace): the subscribed event's id
 			// then says where the replay starts.
+			if anew && lastID >= s.lost {
+				// Nothing was numbered since the old session's last
+				// event: take an id, which no event carries, so that
+				// the gap shows on the wire, where a client sees only
+				// ids. Events of this session are numbered under s.mu,
+				// held here, so none falls below it.
+				s.lost = m.seq.Add(1)
+			}
 			if lastID < s.lost || anew {
 				sub.ID, sub.Missed = s.lost, true
 			}

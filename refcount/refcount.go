@@ -68,7 +68,7 @@ var (
 	ErrNetworkFS = errors.New("refcount: storage path is on a network filesystem")
 )
 
-// Counter applies the reference-count rules (docs/API.md, "Reference counting") to a Storage. The
+// Counter applies the reference-count rules (docs/DESIGN.md, "Reference rules") to a Storage. The
 // rules are the lock package's, which the server applies too, so client-side
 // and server-side counting never disagree.
 type Counter struct {
@@ -113,7 +113,7 @@ func (m *Counter) CanPerformOperation(t lock.Type, resource string) (bool, strin
 // UpdateRefCount records a completed operation: a successful pull adds node,
 // a successful delete clears the resource, anything else changes nothing.
 // Call it before unlocking, so that no waiter is told "done" before the
-// reference exists (docs/API.md, "Reference counting").
+// reference exists (docs/DESIGN.md, "Reference rules").
 func (m *Counter) UpdateRefCount(t lock.Type, resource, node string, success bool) error {
 	switch lock.RefEffectOf(t, success) {
 	case lock.RefAddNode:

@@ -1,5 +1,5 @@
 // Command dlock is the dlock lock server (dlock serve) and its command-line
-// client (lock, unlock, status, refcount, run).
+// client (lock, unlock, status, refcount, run), with a load generator (bench).
 package main
 
 import (
