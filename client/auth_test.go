@@ -208,8 +208,14 @@ func TestTLSRefusals(t *testing.T) {
 		t.Fatal(err)
 	}
 	c := &Client{Server: "http://127.0.0.1:1", Node: "a", TLSConfig: cfg}
-	if _, err := c.TryLock(ctx, pull); err == nil || !strings.Contains(err.Error(), "https://") {
+	if _, err := c.TryLock(ctx, pull); !errors.Is(err, ErrNotHTTPS) {
 		t.Fatalf("TLS with an http:// server: %v", err)
+	}
+	if _, _, err := (CredentialFiles{CA: e.pki.CAFile}).Load("http://127.0.0.1:1"); !errors.Is(err, ErrNotHTTPS) {
+		t.Fatalf("a CA file for an http:// server: %v", err)
+	}
+	if cfg, tok, err := (CredentialFiles{}).Load("http://127.0.0.1:1"); cfg != nil || tok != "" || err != nil {
+		t.Fatalf("no credentials, http://: %v %q %v", cfg, tok, err)
 	}
 }
 

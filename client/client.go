@@ -154,7 +154,7 @@ func (c *Client) init() error {
 		}
 		c.base = u
 		if c.TLSConfig != nil && u.Scheme != "https" {
-			c.initErr = fmt.Errorf("dlock: server %q: a TLS configuration needs an https:// URL", c.Server)
+			c.initErr = fmt.Errorf("%w: a TLS configuration given for %s", ErrNotHTTPS, c.Server)
 			return
 		}
 		if err := validToken(c.Token); err != nil {

@@ -7,16 +7,66 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"net/url"
 	"os"
 	"strings"
 	"sync"
 	"time"
 )
 
-// ErrBadCredentials is a credential file that cannot be used: missing,
-// unreadable, empty, or not what it should hold. The error names the file
-// and why, never a token.
-var ErrBadCredentials = errors.New("dlock: bad credentials")
+var (
+	// ErrBadCredentials is a credential file that cannot be used:
+	// missing, unreadable, empty, or not what it should hold. The error
+	// names the file and why, never a token.
+	ErrBadCredentials = errors.New("dlock: bad credentials")
+	// ErrNotHTTPS is a TLS configuration, a CA, a certificate or a key
+	// for a plain http:// server: it would not be used, and the token
+	// would cross the network in clear.
+	ErrNotHTTPS = errors.New("dlock: TLS settings need an https:// server")
+)
+
+// CredentialFiles name the files a node's credentials are read from (docs/SECURITY.md):
+// what the dlock commands and dlock-content take as --ca, --cert, --key and
+// --token-file. A token is only ever read from a file, so that it never
+// shows in a process's arguments.
+type CredentialFiles struct {
+	// CA is the PEM file of the CA that signed the server's certificate
+	// ("": the system's roots).
+	CA string
+	// Cert and Key are the PEM files of this node's client certificate,
+	// for a server that requires one; both or neither.
+	Cert, Key string
+	// TokenFile holds this node's bearer token (see ReadTokenFile).
+	TokenFile string
+}
+
+// Load reads the files for a client of server (an http:// or https://
+// URL): the TLS configuration, nil for an http:// server, and the token,
+// "" without a TokenFile. Every file is read now: a missing, unreadable
+// or unusable one is an error naming it, so that a command stops before
+// its first request.
+func (f CredentialFiles) Load(server string) (*tls.Config, string, error) {
+	u, err := url.Parse(server)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return nil, "", fmt.Errorf("dlock: server %q is not an http:// or https:// URL", server)
+	}
+	var cfg *tls.Config
+	switch {
+	case u.Scheme == "https":
+		if cfg, err = TLSConfigFromFiles(f.CA, f.Cert, f.Key); err != nil {
+			return nil, "", err
+		}
+	case f.CA != "" || f.Cert != "" || f.Key != "":
+		return nil, "", fmt.Errorf("%w: a CA, certificate or key given for %s", ErrNotHTTPS, server)
+	}
+	var token string
+	if f.TokenFile != "" {
+		if token, err = ReadTokenFile(f.TokenFile); err != nil {
+			return nil, "", err
+		}
+	}
+	return cfg, token, nil
+}
 
 // ReadTokenFile reads a node's bearer token from a file (docs/SECURITY.md):
 // the file holds one token, alone or as a server's token-file line

@@ -28,7 +28,6 @@ import (
 
 	"github.com/dlock/dlock/client"
 	"github.com/dlock/dlock/content"
-	"github.com/dlock/dlock/internal/credflag"
 	"github.com/dlock/dlock/internal/envflag"
 )
 
@@ -45,7 +44,7 @@ func main() {
 type config struct {
 	socket, socketGroup, root, ingest, node, server string
 	logLevel                                        slog.Level
-	cred                                            credflag.Flags
+	cred                                            client.CredentialFiles
 	// What cred's files hold, read by parse.
 	tls   *tls.Config
 	token string
@@ -63,7 +62,10 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (config,
 	fs.StringVar(&c.node, "node", host, "this node's id")
 	fs.StringVar(&c.server, "server", "http://127.0.0.1:7380", "dlock server URL (it must run with --refcount=server)")
 	fs.TextVar(&c.logLevel, "log-level", slog.LevelInfo, "log level")
-	c.cred.Register(fs)
+	fs.StringVar(&c.cred.CA, "ca", "", "PEM file of the CA that signed the dlock server's certificate, for an https:// server (default: the system's roots)")
+	fs.StringVar(&c.cred.Cert, "cert", "", "PEM file of this node's client certificate, for a server that requires one (with --key)")
+	fs.StringVar(&c.cred.Key, "key", "", "PEM file of the client certificate's private key (with --cert)")
+	fs.StringVar(&c.cred.TokenFile, "token-file", "", "file holding this node's bearer token: the token alone, or the server's \"TOKEN NODE_ID\" line")
 	if err := fs.Parse(args); err != nil {
 		return c, err
 	}

@@ -15,7 +15,6 @@ import (
 	"time"
 
 	"github.com/dlock/dlock/internal/bench"
-	"github.com/dlock/dlock/internal/credflag"
 	"github.com/dlock/dlock/internal/rawhttp"
 )
 
@@ -34,8 +33,7 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	compare := fs.String("compare", "", "also run pairs and handoff against: redis, etcd (comma-separated; started on 127.0.0.1)")
 	asJSON := fs.Bool("json", false, "print the results as JSON")
 	asMarkdown := fs.Bool("markdown", false, "print the results as a Markdown table (make bench appends it to docs/BENCHMARKS.md)")
-	var cred credflag.Flags
-	cred.Register(fs)
+	cred := credentialFlags(fs)
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return err
@@ -67,10 +65,7 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	if *concurrency < 1 || *waiters < 1 || *duration <= 0 || *heldN < 0 || *sessionsN < 0 {
 		return usageError{errors.New("--concurrency, --waiters and --duration must be positive, --held and --sessions not negative")}
 	}
-	tlsConfig, token, err := cred.Load(*server)
-	if errors.Is(err, credflag.ErrNeedHTTPS) {
-		return usageError{err}
-	}
+	tlsConfig, token, err := loadCredentials(cred, *server)
 	if err != nil {
 		return err
 	}

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -13,7 +14,6 @@ import (
 
 	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/client"
-	"github.com/dlock/dlock/internal/credflag"
 	"github.com/dlock/dlock/internal/envflag"
 	"github.com/dlock/dlock/lock"
 )
@@ -39,7 +39,7 @@ type clientFlags struct {
 	typ      string
 	resource string
 	human    bool
-	cred     credflag.Flags
+	cred     *client.CredentialFiles
 }
 
 func newClientFlags(name, defaultNode string, stderr io.Writer) *clientFlags {
@@ -50,7 +50,7 @@ func newClientFlags(name, defaultNode string, stderr io.Writer) *clientFlags {
 	f.fs.StringVar(&f.typ, "type", "pull", "operation type: pull, update or delete")
 	f.fs.StringVar(&f.resource, "resource", "", "resource id, e.g. a blob digest")
 	f.fs.BoolVar(&f.human, "human", false, "print a short line instead of JSON")
-	f.cred.Register(f.fs)
+	f.cred = credentialFlags(f.fs)
 	return f
 }
 
@@ -78,14 +78,31 @@ func (f *clientFlags) parse(args []string, getenv func(string) string, needResou
 // client is the command's Client, its credentials read: a missing or
 // unusable credential file stops the command before any request.
 func (f *clientFlags) client() (*client.Client, error) {
-	c := &client.Client{Server: f.server, Node: f.node}
-	if err := f.cred.Apply(c); err != nil {
-		if errors.Is(err, credflag.ErrNeedHTTPS) {
-			return nil, usageError{err}
-		}
+	tlsConfig, token, err := loadCredentials(f.cred, f.server)
+	if err != nil {
 		return nil, err
 	}
-	return c, nil
+	return &client.Client{Server: f.server, Node: f.node, TLSConfig: tlsConfig, Token: token}, nil
+}
+
+// credentialFlags adds --ca, --cert, --key and --token-file to fs.
+func credentialFlags(fs *flag.FlagSet) *client.CredentialFiles {
+	var f client.CredentialFiles
+	fs.StringVar(&f.CA, "ca", "", "PEM file of the CA that signed the server's certificate, for an https:// server (default: the system's roots)")
+	fs.StringVar(&f.Cert, "cert", "", "PEM file of this node's client certificate, for a server that requires one (with --key)")
+	fs.StringVar(&f.Key, "key", "", "PEM file of the client certificate's private key (with --cert)")
+	fs.StringVar(&f.TokenFile, "token-file", "", "file holding this node's bearer token: the token alone, or the server's \"TOKEN NODE_ID\" line")
+	return &f
+}
+
+// loadCredentials reads the credential files for server; TLS flags for a
+// plain http:// server are a bad command line.
+func loadCredentials(f *client.CredentialFiles, server string) (*tls.Config, string, error) {
+	tlsConfig, token, err := f.Load(server)
+	if errors.Is(err, client.ErrNotHTTPS) {
+		return nil, "", usageError{err}
+	}
+	return tlsConfig, token, err
 }
 
 func hostname() string {
