@@ -31,7 +31,7 @@ type session struct {
 	changed chan struct{} // closed and replaced whenever up changes
 	lastID  uint64
 	hasLast bool
-	lastErr error // why the stream is down; nil while up
+	lastErr error // why the stream last went down
 }
 
 // ensureSession starts the stream if needed and waits for its first
