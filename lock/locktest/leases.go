@@ -17,6 +17,7 @@ import (
 
 var leaseTests = []test{
 	{name: "TTLExpiry", fakeTime: true, run: testTTLExpiry},
+	{name: "TTLRenewedByStatus", fakeTime: true, run: testTTLRenewedByStatus},
 	{name: "ClaimTimeoutAndMaxHold", fakeTime: true, run: testClaimTimeoutAndMaxHold},
 	{name: "ClaimTimeoutOff", fakeTime: true, run: testClaimTimeoutOff},
 	{name: "SessionLoss", fakeTime: true, run: testSessionLoss},
@@ -65,6 +66,33 @@ func testTTLExpiry(t *testing.T, s *suite) {
 	}
 	if n := m.Stats().Expiries; n != 2 {
 		t.Fatalf("expiries %d, want 2", n)
+	}
+}
+
+// testTTLRenewedByStatus: a /status naming the node renews its ttl hold
+// and its ttl queue entry on the key, with no /lock; one without the node
+// renews nothing.
+func testTTLRenewedByStatus(t *testing.T, s *suite) {
+	m := s.open(t, func(c *lock.Config) { c.LockTTL = 10 * time.Second })
+	mustLock(t, m, lockReq(lock.Pull, "r", "a"))
+	mustLock(t, m, lockReq(lock.Pull, "r", "b"))
+	for range 4 {
+		time.Sleep(8 * time.Second)
+		status(t, m, lock.Pull, "r", "a")
+		status(t, m, lock.Pull, "r", "b")
+		status(t, m, lock.Pull, "r", "")
+	}
+	synctest.Wait()
+	if st := status(t, m, lock.Pull, "r", "b"); st.Holder != "a" || st.Position != 1 {
+		t.Fatalf("after 32 s renewed by status alone: %+v, want a holding and b waiting", st)
+	}
+	time.Sleep(5 * time.Second)
+	status(t, m, lock.Pull, "r", "b") // b's entry lasts until 47 s, a's hold until 42 s
+	time.Sleep(6 * time.Second)
+	synctest.Wait()
+	st := status(t, m, lock.Pull, "r", "")
+	if st.Holder != "b" || st.LastCompleted == nil || st.LastCompleted.Node != "a" || st.LastCompleted.Error != "lock expired" {
+		t.Fatalf("a status without a node renewed a's hold: %+v %+v", st, st.LastCompleted)
 	}
 }
 
