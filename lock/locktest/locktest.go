@@ -98,7 +98,10 @@
 // WithoutFakeTime with the reason, and those subtests are skipped with
 // t.Skip and a message that says NOT TESTED and names the reason; `go test
 // -v` lists them. The timer rules are then not checked for that backend,
-// and it needs tests of its own for them.
+// and it needs tests of its own for them: those of Rules/SkipRecentRetention,
+// Rules/CompletionRecords, every Leases subtest, Events/ReplayBoundedInBytes
+// (its end: a session begun anew replays nothing) and Limits/MaxSessions (a
+// session that ended makes room).
 //
 // Events: the suite waits, at most EventWait, for the events it expects
 // on a stream, so a backend may deliver a call's events after the call
