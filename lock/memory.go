@@ -339,6 +339,9 @@ func (m *Memory) Status(ctx context.Context, t Type, resource, node string) (Sta
 			return Status{}, err
 		}
 	}
+	if m.closed.Load() {
+		return Status{}, ErrClosed
+	}
 	k := Key{t, resource}
 	s := m.shardFor(resource)
 	s.mu.Lock()

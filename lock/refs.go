@@ -295,6 +295,9 @@ func (m *Memory) RefReleaseNode(ctx context.Context, node string) (int, error) {
 	if err := ValidateNode(node); err != nil {
 		return 0, err
 	}
+	if m.closed.Load() {
+		return 0, ErrClosed
+	}
 	n := 0
 	for _, s := range m.shards {
 		s.mu.Lock()

@@ -1,16 +1,26 @@
-package lock
+package locktest
 
 import (
 	"context"
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"os"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/anishathalye/porcupine"
+
+	"github.com/dlock/dlock/lock"
 )
+
+// Linearizability: concurrent histories of one backend, checked with
+// porcupine against a model of one key.
+
+var linearizableTests = []test{
+	{name: "Histories", run: testLinearizable},
+}
 
 // The model of one key, for porcupine: who holds it, the last token granted,
 // the last completion (for replayed unlocks), and which nodes' sessions were
@@ -73,14 +83,14 @@ func pStep(s pState, in pIn, out pOut) []any {
 					next = append(next, c)
 				}
 			default:
-				if errors.Is(out.err, ErrLockHeld) && out.holder == c.holder {
+				if errors.Is(out.err, lock.ErrLockHeld) && out.holder == c.holder {
 					next = append(next, c)
 				}
 			}
 		case opUnlock:
 			switch {
 			case c.holder == in.node && in.token != 0 && in.token != c.token:
-				if errors.Is(out.err, ErrStaleToken) {
+				if errors.Is(out.err, lock.ErrStaleToken) {
 					next = append(next, c)
 				}
 			case c.holder == in.node:
@@ -93,7 +103,7 @@ func pStep(s pState, in pIn, out pOut) []any {
 					next = append(next, c)
 				}
 			default:
-				if errors.Is(out.err, ErrNotHolder) {
+				if errors.Is(out.err, lock.ErrNotHolder) {
 					next = append(next, c)
 				}
 			}
@@ -125,18 +135,18 @@ var lockModel = porcupine.NondeterministicModel{
 	},
 }
 
-// TestLinearizable records concurrent histories of lock, unlock (right,
+// testLinearizable records concurrent histories of lock, unlock (right,
 // stale and repeated) and dropped sessions on a few keys, and checks them
 // against the model with porcupine.
-func TestLinearizable(t *testing.T) {
+func testLinearizable(t *testing.T, s *suite) {
 	for run := range 4 {
-		t.Run(fmt.Sprint(run), func(t *testing.T) { linearizableRun(t, uint64(run)) })
+		t.Run(fmt.Sprint(run), func(t *testing.T) { linearizableRun(t, s, uint64(run)) })
 	}
 }
 
-func linearizableRun(t *testing.T, seed uint64) {
+func linearizableRun(t *testing.T, s *suite, seed uint64) {
 	const nodes, keys, opsPerNode = 6, 2, 150
-	m := newMemory(t, func(c *Config) {
+	m := s.open(t, func(c *lock.Config) {
 		c.AllowMultiNodeDownload = false
 		c.SessionGrace = time.Millisecond
 	})
@@ -154,7 +164,7 @@ func linearizableRun(t *testing.T, seed uint64) {
 		wg.Go(func() {
 			rng := rand.New(rand.NewPCG(seed, uint64(n)))
 			node := fmt.Sprint("n", n)
-			st, _, err := m.Subscribe(t.Context(), SubscribeRequest{Node: node})
+			st, _, err := m.Subscribe(t.Context(), lock.SubscribeRequest{Node: node})
 			if err != nil {
 				t.Error(err)
 				return
@@ -178,9 +188,9 @@ func linearizableRun(t *testing.T, seed uint64) {
 					}
 					return
 				case p < 50:
-					r, err := m.TryLock(ctx, LockRequest{Type: Pull, Resource: res, Node: node})
+					r, err := m.TryLock(ctx, lock.LockRequest{Type: lock.Pull, Resource: res, Node: node})
 					out := pOut{acquired: r.Acquired, token: r.Token, err: err, holder: -1}
-					var he *HeldError
+					var he *lock.HeldError
 					if errors.As(err, &he) {
 						fmt.Sscanf(he.Holder, "n%d", &out.holder)
 					}
@@ -199,7 +209,7 @@ func linearizableRun(t *testing.T, seed uint64) {
 						}
 					}
 					success := rng.IntN(2) == 0
-					r, err := m.Unlock(ctx, UnlockRequest{Type: Pull, Resource: res, Node: node, Success: success, Token: tok})
+					r, err := m.Unlock(ctx, lock.UnlockRequest{Type: lock.Pull, Resource: res, Node: node, Success: success, Token: tok})
 					record(n, pIn{key: k, op: opUnlock, node: int8(n), token: tok, success: success}, call, pOut{err: err, replayed: r.Replayed})
 				}
 			}
@@ -208,8 +218,13 @@ func linearizableRun(t *testing.T, seed uint64) {
 	wg.Wait()
 	res, info := porcupine.CheckOperationsVerbose(lockModel.ToModel(), history, 30*time.Second)
 	if res != porcupine.Ok {
-		path := t.TempDir() + "/history.html"
-		_ = porcupine.VisualizePath(lockModel.ToModel(), info, path)
+		// Not t.TempDir: the visualization must outlive the test.
+		path := "(none)"
+		if f, err := os.CreateTemp("", "locktest-history-*.html"); err == nil {
+			path = f.Name()
+			_ = porcupine.Visualize(lockModel.ToModel(), info, f)
+			_ = f.Close()
+		}
 		t.Fatalf("history of %d operations is %s (visualization: %s)", len(history), res, path)
 	}
 }

@@ -1,4 +1,4 @@
-package lock
+package locktest
 
 import (
 	"context"
@@ -8,21 +8,30 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/dlock/dlock/lock"
 )
 
-// TestStress races hundreds of nodes for a few keys with random success,
+// Stress: many goroutines at once, in real time; run with -race.
+
+var stressTests = []test{
+	{name: "ManyNodes", run: testStress},
+	{name: "OneKeyRace", run: testOneKeyRace},
+}
+
+// testStress races hundreds of nodes for a few keys with random success,
 // failure and cancellation. After every step it checks that no key has two
 // holders and tokens only increase; every wait must end acquired, skipped
 // or cancelled within a bound (none forgotten).
-func TestStress(t *testing.T) {
+func testStress(t *testing.T, s *suite) {
 	const workers, rounds = 200, 15
-	m := newMemory(t, nil)
-	keys := []Key{{Pull, "a"}, {Pull, "b"}, {Update, "a"}, {Delete, "b"}}
+	m := s.open(t, nil)
+	keys := []lock.Key{{Type: lock.Pull, Resource: "a"}, {Type: lock.Pull, Resource: "b"}, {Type: lock.Update, Resource: "a"}, {Type: lock.Delete, Resource: "b"}}
 
 	var mu sync.Mutex
-	owner := map[Key]string{}
-	lastToken := map[Key]uint64{}
-	claim := func(k Key, node string, token uint64) error {
+	owner := map[lock.Key]string{}
+	lastToken := map[lock.Key]uint64{}
+	claim := func(k lock.Key, node string, token uint64) error {
 		mu.Lock()
 		defer mu.Unlock()
 		if o := owner[k]; o != "" {
@@ -34,7 +43,7 @@ func TestStress(t *testing.T) {
 		owner[k], lastToken[k] = node, token
 		return nil
 	}
-	disown := func(k Key, node string) error {
+	disown := func(k lock.Key, node string) error {
 		mu.Lock()
 		defer mu.Unlock()
 		if owner[k] != node {
@@ -54,18 +63,16 @@ func TestStress(t *testing.T) {
 		wg.Go(func() {
 			rng := rand.New(rand.NewPCG(uint64(w), 7))
 			node := fmt.Sprint("w", w)
-			st, _, err := m.Subscribe(t.Context(), SubscribeRequest{Node: node})
+			st, _, err := m.Subscribe(t.Context(), lock.SubscribeRequest{Node: node})
 			if err != nil {
 				t.Error(err)
 				return
 			}
 			defer st.Close()
-			// The highest token of each key this node was granted: older
-			// grants are stale events. Tokens are ordered per key only.
-			seen := make(map[Key]uint64)
+			wk := &worker{m: m, st: st, node: node, rng: rng, seen: make(map[lock.Key]uint64)}
 			for range rounds {
 				k := keys[rng.IntN(len(keys))]
-				res, err := m.TryLock(ctx, LockRequest{Type: k.Type, Resource: k.Resource, Node: node})
+				res, err := m.TryLock(ctx, lock.LockRequest{Type: k.Type, Resource: k.Resource, Node: node})
 				if err != nil {
 					t.Error(err)
 					return
@@ -73,12 +80,10 @@ func TestStress(t *testing.T) {
 				acquired := res.Acquired
 				token := res.Token
 				if acquired {
-					seen[k] = max(seen[k], token)
+					wk.seen[k] = max(wk.seen[k], token)
 				}
 				if res.Queued {
-					last := seen[k]
-					outcome, tok, err := wait(st.(*stream), k, node, &last, rng, m)
-					seen[k] = last
+					outcome, tok, err := wk.wait(k)
 					if err != nil {
 						t.Error(err)
 						return
@@ -115,7 +120,7 @@ func TestStress(t *testing.T) {
 						return
 					}
 				default:
-					if _, err := m.Unlock(ctx, UnlockRequest{Type: k.Type, Resource: k.Resource, Node: node, Success: p < 4, Token: token}); err != nil {
+					if _, err := m.Unlock(ctx, lock.UnlockRequest{Type: k.Type, Resource: k.Resource, Node: node, Success: p < 4, Token: token}); err != nil {
 						t.Errorf("unlock by holder %s of %v: %v", node, k, err)
 						return
 					}
@@ -133,89 +138,106 @@ func TestStress(t *testing.T) {
 	}
 }
 
+// worker is one node of testStress: its session stream, and the events it
+// took from the stream but has not looked at yet. A wait looks at those
+// first and leaves the ones after its outcome for the next wait.
+type worker struct {
+	m       lock.Backend
+	st      lock.Stream
+	node    string
+	rng     *rand.Rand
+	pending []lock.Delivery
+	// The highest token of each key this node was granted: older grants
+	// are stale events. Tokens are ordered per key only.
+	seen map[lock.Key]uint64
+}
+
+// next takes the first pending event; nil when none is pending.
+func (w *worker) next() *lock.Event {
+	if len(w.pending) == 0 {
+		return nil
+	}
+	ev := w.pending[0].Event
+	w.pending[0] = lock.Delivery{}
+	w.pending = w.pending[1:]
+	return ev
+}
+
 // wait waits for a queued node's outcome, cancelling now and then.
-func wait(st *stream, k Key, node string, seen *uint64, rng *rand.Rand, m *Memory) (string, uint64, error) {
-	giveUp := time.After(time.Duration(rng.IntN(20)) * time.Millisecond)
+func (w *worker) wait(k lock.Key) (string, uint64, error) {
+	giveUp := time.After(time.Duration(w.rng.IntN(20)) * time.Millisecond)
 	deadline := time.After(30 * time.Second)
-	var pending []Delivery
 	for {
-		for len(pending) > 0 {
-			ev := pending[0].Event
-			pending = pending[1:]
+		for ev := w.next(); ev != nil; ev = w.next() {
 			if ev.Key != k {
 				continue
 			}
 			switch {
-			case ev.Name == EventLockAssigned && ev.Node == node && ev.Token > *seen:
-				*seen = ev.Token
-				st.requeue(pending)
+			case ev.Name == lock.EventLockAssigned && ev.Node == w.node && ev.Token > w.seen[k]:
+				w.seen[k] = ev.Token
 				return "acquired", ev.Token, nil
-			case ev.Name == EventOperationCompleted && ev.Success:
-				st.requeue(pending)
+			case ev.Name == lock.EventOperationCompleted && ev.Success:
 				return "skipped", 0, nil
 			}
 		}
 		select {
-		case <-st.Ready():
-			pending = st.Take(pending)
+		case <-w.st.Ready():
+			w.pending = w.st.Take(w.pending)
 		case <-giveUp:
-			r, err := m.Cancel(context.Background(), k.Type, k.Resource, node)
+			r, err := w.m.Cancel(context.Background(), k.Type, k.Resource, w.node)
 			if err != nil {
 				return "", 0, err
 			}
 			if r.Dequeued {
-				st.requeue(pending)
 				return "cancelled", 0, nil
 			}
 			if r.Released {
 				// The cancel raced a grant: its event is on its way and
 				// must not be taken for a later grant.
-				st.requeue(pending)
-				return "cancelled", 0, drainGrant(st, k, node, seen)
+				return "cancelled", 0, w.drainGrant(k)
 			}
 			giveUp = nil // the outcome is already on its way
-		case <-st.Done():
-			return "", 0, fmt.Errorf("%s: stream closed", node)
+		case <-w.st.Done():
+			return "", 0, fmt.Errorf("%s: stream closed", w.node)
 		case <-deadline:
-			return "", 0, fmt.Errorf("%s waiting for %v: forgotten", node, k)
+			return "", 0, fmt.Errorf("%s waiting for %v: forgotten", w.node, k)
 		}
 	}
 }
 
-func drainGrant(st *stream, k Key, node string, seen *uint64) error {
+// drainGrant consumes the event of a grant the node's cancel released.
+func (w *worker) drainGrant(k lock.Key) error {
 	deadline := time.After(30 * time.Second)
-	var pending []Delivery
 	for {
-		for i, d := range pending {
-			if ev := d.Event; ev.Key == k && ev.Name == EventLockAssigned && ev.Node == node && ev.Token > *seen {
-				*seen = ev.Token
-				st.requeue(pending[i+1:])
+		for ev := w.next(); ev != nil; ev = w.next() {
+			if ev.Key == k && ev.Name == lock.EventLockAssigned && ev.Node == w.node && ev.Token > w.seen[k] {
+				w.seen[k] = ev.Token
 				return nil
 			}
 		}
-		pending = pending[:0]
 		select {
-		case <-st.Ready():
-			pending = st.Take(pending)
+		case <-w.st.Ready():
+			w.pending = w.st.Take(w.pending)
 		case <-deadline:
-			return fmt.Errorf("%s: no event for the grant its cancel released", node)
+			return fmt.Errorf("%s: no event for the grant its cancel released", w.node)
 		}
 	}
 }
 
-// TestOneKeyRace: N goroutines asking for one key at once get exactly one
+// testOneKeyRace: N goroutines asking for one key at once get exactly one
 // holder; the rest are queued in some FIFO order with distinct positions.
-func TestOneKeyRace(t *testing.T) {
+func testOneKeyRace(t *testing.T, s *suite) {
 	const n = 64
-	for range 20 {
-		m := newMemory(t, nil)
+	m := s.open(t, nil)
+	for round := range 20 {
 		var wg sync.WaitGroup
-		results := make([]LockResult, n)
+		results := make([]lock.LockResult, n)
 		start := make(chan struct{})
+		res := fmt.Sprint("one-", round)
 		for i := range n {
 			wg.Go(func() {
 				<-start
-				r, err := m.TryLock(context.Background(), LockRequest{Type: Pull, Resource: "one", Node: fmt.Sprint("n", i)})
+				r, err := m.TryLock(context.Background(), lock.LockRequest{Type: lock.Pull, Resource: res, Node: fmt.Sprint("n", i)})
 				if err != nil {
 					t.Error(err)
 				}
@@ -235,21 +257,5 @@ func TestOneKeyRace(t *testing.T) {
 		if holders != 1 || len(positions) != n-1 {
 			t.Fatalf("%d holders and %d distinct queue positions, want 1 and %d", holders, len(positions), n-1)
 		}
-		m.Close()
-	}
-}
-
-// requeue puts events a test took but did not use back in front, so the
-// next wait sees them.
-func (st *stream) requeue(ds []Delivery) {
-	if len(ds) == 0 {
-		return
-	}
-	st.mu.Lock()
-	st.queue = append(append([]Delivery(nil), ds...), st.queue...)
-	st.mu.Unlock()
-	select {
-	case st.ready <- struct{}{}:
-	default:
 	}
 }
