@@ -1,19 +1,18 @@
 package server
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"fmt"
 	"io"
 	"net/http"
 	"slices"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/internal/rawhttp"
 	"github.com/dlock/dlock/lock"
 )
@@ -95,14 +94,9 @@ func BenchmarkHTTPHandoff(b *testing.B) {
 	base, _ := benchServer(b)
 	c := benchClient(4)
 	nodes := []string{"a", "b"}
-	streams := make([]*bufio.Reader, 2)
+	streams := make([]*kit.Stream, 2)
 	for i, n := range nodes {
-		resp, err := http.Get(base + "/subscribe?node_id=" + n)
-		if err != nil {
-			b.Fatal(err)
-		}
-		b.Cleanup(func() { resp.Body.Close() })
-		streams[i] = bufio.NewReader(resp.Body)
+		streams[i] = kit.OpenStream(b, base+"/subscribe?node_id="+n, "")
 		readEvent(b, streams[i], "subscribed")
 	}
 	lockBody := func(n string) []byte {
@@ -144,23 +138,8 @@ func BenchmarkHTTPHandoff(b *testing.B) {
 	}
 }
 
-func readEvent(b *testing.B, r *bufio.Reader, name string) {
-	for {
-		line, err := r.ReadString('\n')
-		if err != nil {
-			b.Fatal(err)
-		}
-		if strings.HasPrefix(line, "event: ") && strings.TrimSpace(line[7:]) == name {
-			// consume data and the blank line
-			for {
-				l, err := r.ReadString('\n')
-				if err != nil {
-					b.Fatal(err)
-				}
-				if l == "\n" {
-					return
-				}
-			}
-		}
+// readEvent reads s up to the next event called name.
+func readEvent(b *testing.B, s *kit.Stream, name string) {
+	for s.Next(b).Event != name {
 	}
 }

@@ -143,7 +143,7 @@ func TestUIBrowser(t *testing.T) {
 	// hand-off is pushed to them; the holder holds under a ttl lease.
 	for _, n := range []string{"node-b", "node-c", "node-e"} {
 		s := e.subscribe("node_id="+n, "")
-		s.next(t)
+		s.Next(t)
 	}
 	lockAs("pull", layer, "node-a")
 	lockAs("pull", layer, "node-b")
