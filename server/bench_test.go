@@ -2,7 +2,6 @@ package server
 
 import (
 	"bytes"
-	"context"
 	"fmt"
 	"io"
 	"net/http"
@@ -14,29 +13,13 @@ import (
 
 	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/internal/rawhttp"
-	"github.com/dlock/dlock/lock"
 )
 
-// benchServer runs a real server on a loopback listener.
-func benchServer(b *testing.B) (string, *lock.Memory) {
-	m, err := lock.NewMemory(context.Background(), lock.DefaultConfig())
-	if err != nil {
-		b.Fatal(err)
-	}
-	srv := New(m, Options{})
-	ln, err := Listen(context.Background(), "127.0.0.1:0", 15*time.Second)
-	if err != nil {
-		b.Fatal(err)
-	}
-	hs := &http.Server{Handler: srv}
-	go srv.Serve(ln, hs)
-	b.Cleanup(func() {
-		srv.Drain()
-		srv.Close()
-		hs.Close()
-		m.Close()
-	})
-	return "http://" + ln.Addr().String(), m
+// benchServer runs a real server on a loopback listener, with the ping
+// interval of a default dlock serve.
+func benchServer(b *testing.B) string {
+	e := newEnvWith(b, envConfig{opts: Options{PingInterval: 15 * time.Second}})
+	return e.ts.URL
 }
 
 func benchClient(conns int) *http.Client {
@@ -61,7 +44,7 @@ func post(c *http.Client, url string, body []byte) error {
 // comes from a minimal HTTP/1.1 client (internal/rawhttp) so that the numbers
 // measure the server rather than net/http's client, which shares the cores.
 func BenchmarkHTTPPairs(b *testing.B) {
-	base, _ := benchServer(b)
+	base := benchServer(b)
 	const clients = 32
 	var next atomic.Int64
 	b.SetParallelism((clients + 1) / 2) // GOMAXPROCS is 2 here: 32 goroutines
@@ -91,7 +74,7 @@ func BenchmarkHTTPPairs(b *testing.B) {
 // holder's /unlock being sent to the waiter's lock_assigned read off its
 // SSE stream. It reports p50 and p99 of that latency.
 func BenchmarkHTTPHandoff(b *testing.B) {
-	base, _ := benchServer(b)
+	base := benchServer(b)
 	c := benchClient(4)
 	nodes := []string{"a", "b"}
 	streams := make([]*kit.Stream, 2)
