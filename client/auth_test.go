@@ -51,10 +51,7 @@ func (e *authEnv) client(t *testing.T, node, certNode, token string) *Client {
 
 func (e *authEnv) waitQueued(t *testing.T, n int) {
 	t.Helper()
-	waitFor(t, "waiters", func() bool {
-		st, err := e.backend.M.Status(t.Context(), pull.Type, pull.Resource, "")
-		return err == nil && st.QueueLength == n
-	})
+	e.backend.WaitQueued(t, pull.key(), n)
 }
 
 // TestCredentialsHonestFlows: with a certificate and a token, the flows

@@ -11,165 +11,65 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
+	"github.com/dlock/dlock/internal/dlocktest"
+	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/lock"
-	"github.com/dlock/dlock/server"
 	"go.uber.org/goleak"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-// testServer is a real dlock server on 127.0.0.1 that a test can restart on
-// the same address and whose event streams it can block.
-type testServer struct {
-	t          testing.TB
-	addr       string
-	cfg        func(*lock.Config)
-	m          *lock.Memory
-	srv        *server.Server
-	hs         *http.Server
-	done       chan struct{}
-	noStreams  atomic.Bool
-	mu         sync.Mutex
-	conns      map[net.Conn]struct{}
-	streamHits atomic.Int64
+// startServer runs a real dlock server on 127.0.0.1 for the test.
+func startServer(t testing.TB, cfg func(*lock.Config)) *dlocktest.Server {
+	return dlocktest.Start(t, dlocktest.Options{Config: cfg})
 }
 
-func startServer(t testing.TB, cfg func(*lock.Config)) *testServer {
-	ts := &testServer{t: t, cfg: cfg}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ts.addr = ln.Addr().String()
-	ts.serve(ln)
-	t.Cleanup(ts.stop)
-	return ts
+// startInMemory runs one on in-memory connections, inside the test's
+// synctest bubble: for the tests whose outcome depends on the client's
+// timing (deadlines, leases, polls), which then run in fake time.
+func startInMemory(t testing.TB, cfg func(*lock.Config)) *dlocktest.Server {
+	return dlocktest.Start(t, dlocktest.Options{Config: cfg, InMemory: true})
 }
 
-func (ts *testServer) url() string { return "http://" + ts.addr }
-
-func (ts *testServer) serve(ln net.Listener) {
-	c := lock.DefaultConfig()
-	if ts.cfg != nil {
-		ts.cfg(&c)
-	}
-	m, err := lock.NewMemory(context.Background(), c)
-	if err != nil {
-		ts.t.Fatal(err)
-	}
-	srv := server.New(m, server.Options{PingInterval: 100 * time.Millisecond})
-	ts.mu.Lock()
-	ts.conns = map[net.Conn]struct{}{}
-	ts.mu.Unlock()
-	ts.m, ts.srv = m, srv
-	ts.hs = &http.Server{
-		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			if r.URL.Path == "/subscribe" {
-				ts.streamHits.Add(1)
-				if ts.noStreams.Load() {
-					http.Error(w, `{"error":"no streams today","code":"unavailable","message":"no streams today"}`, http.StatusServiceUnavailable)
-					return
-				}
-			}
-			srv.ServeHTTP(w, r)
-		}),
-		ConnState: func(c net.Conn, s http.ConnState) {
-			ts.mu.Lock()
-			defer ts.mu.Unlock()
-			// Hijacked connections (event streams) stay: killConns
-			// must break them too.
-			if s == http.StateNew {
-				ts.conns[c] = struct{}{}
-			} else if s == http.StateClosed {
-				delete(ts.conns, c)
-			}
-		},
-	}
-	ts.done = make(chan struct{})
-	go func() {
-		defer close(ts.done)
-		ts.hs.Serve(ln)
-	}()
-}
-
-// killConns drops every connection: open streams break mid-wait.
-func (ts *testServer) killConns() {
-	ts.mu.Lock()
-	defer ts.mu.Unlock()
-	for c := range ts.conns {
-		c.Close()
-	}
-}
-
-func (ts *testServer) stop() {
-	if ts.m == nil {
-		return
-	}
-	ts.srv.Drain()
-	ts.hs.Close()
-	<-ts.done
-	ts.m.Close()
-	ts.m = nil
-}
-
-// restart replaces the server by a new one (a new epoch) on the same address.
-func (ts *testServer) restart() {
-	ts.stop()
-	var ln net.Listener
-	var err error
-	for range 50 {
-		if ln, err = net.Listen("tcp", ts.addr); err == nil {
-			break
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	if err != nil {
-		ts.t.Fatal(err)
-	}
-	ts.serve(ln)
-}
-
-func newClient(t testing.TB, ts *testServer, node string) *Client {
-	c := &Client{Server: ts.url(), Node: node, RetryInterval: 20 * time.Millisecond, PollInterval: 50 * time.Millisecond, RenewInterval: 100 * time.Millisecond}
+func newClient(t testing.TB, srv *dlocktest.Server, node string) *Client {
+	hc := srv.HTTPClient()
+	c := &Client{Server: srv.URL(), Node: node, ShortClient: hc, LongClient: hc,
+		RetryInterval: 20 * time.Millisecond, PollInterval: 50 * time.Millisecond, RenewInterval: 100 * time.Millisecond}
 	t.Cleanup(func() { c.Close() })
 	return c
 }
 
 var pull = Request{Type: lock.Pull, Resource: "sha256:layer"}
 
-// waitQueued waits until n nodes wait for pull on the server: a barrier, so
-// that no node can come late and find the key free. It runs inside a
-// callback, off the test goroutine, so it reports with Error, not Fatal.
-func waitQueued(t testing.TB, ts *testServer, n int) {
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		st, err := ts.m.Status(t.Context(), pull.Type, pull.Resource, "")
-		if err == nil && st.QueueLength == n {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Errorf("timed out waiting for %d waiters (last: %+v, %v)", n, st, err)
-			return
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+// heldWork keeps the work of a Do waiting until the test opens it. Open it at the
+// latest when the test ends (defer): a test that fails must not leave
+// the work waiting.
+func heldWork() (wait <-chan struct{}, open func()) {
+	ch := make(chan struct{})
+	return ch, sync.OnceFunc(func() { close(ch) })
 }
 
 // TestEightNodesOneLayer: eight nodes want one layer at once. Exactly one
-// downloads; when it succeeds the others skip.
+// downloads; when it succeeds the others skip. The download lasts until
+// every other node is queued (a barrier on the server's state), so no node
+// can come late and find the key free, however loaded the machine.
 func TestEightNodesOneLayer(t *testing.T) {
-	ts := startServer(t, nil)
+	srv := startServer(t, nil)
 	var runs atomic.Int64
 	var wg sync.WaitGroup
+	defer wg.Wait()
+	work, done := heldWork()
+	defer done()
 	skipped := make([]bool, 8)
 	for i := range 8 {
-		c := newClient(t, ts, fmt.Sprint("node-", i))
+		c := newClient(t, srv, fmt.Sprint("node-", i))
 		wg.Go(func() {
 			s, err := c.Do(t.Context(), pull, func(ctx context.Context) error {
 				runs.Add(1)
-				waitQueued(t, ts, 7) // every other node asked before the work is done
+				<-work
 				return nil
 			})
 			if err != nil {
@@ -178,6 +78,8 @@ func TestEightNodesOneLayer(t *testing.T) {
 			skipped[i] = s
 		})
 	}
+	srv.WaitQueued(t, pull.key(), 7) // every other node asked before the work is done
+	done()
 	wg.Wait()
 	n := 0
 	for _, s := range skipped {
@@ -190,18 +92,21 @@ func TestEightNodesOneLayer(t *testing.T) {
 	}
 }
 
-// TestFailureTakenOver: the first download fails; the next in line takes
-// over, succeeds, and the rest skip.
+// TestFailureTakenOver: the first download fails once every other node is
+// queued; the next in line takes over, succeeds, and the rest skip.
 func TestFailureTakenOver(t *testing.T) {
-	ts := startServer(t, nil)
+	srv := startServer(t, nil)
 	var runs atomic.Int64
 	var wg sync.WaitGroup
+	defer wg.Wait()
+	work, done := heldWork()
+	defer done()
 	for i := range 8 {
-		c := newClient(t, ts, fmt.Sprint("node-", i))
+		c := newClient(t, srv, fmt.Sprint("node-", i))
 		wg.Go(func() {
 			_, err := c.Do(t.Context(), pull, func(ctx context.Context) error {
 				if runs.Add(1) == 1 {
-					waitQueued(t, ts, 7)
+					<-work
 					return errors.New("registry said 500")
 				}
 				return nil
@@ -211,83 +116,94 @@ func TestFailureTakenOver(t *testing.T) {
 			}
 		})
 	}
+	srv.WaitQueued(t, pull.key(), 7)
+	done()
 	wg.Wait()
 	if runs.Load() != 2 {
 		t.Fatalf("%d runs, want 2 (one failure, one takeover)", runs.Load())
 	}
 }
 
+// TestCancelWaiter: a waiter whose deadline passes leaves the queue. In
+// fake time: the deadline comes when b has been queued and waits, never
+// while its /lock is on the way.
 func TestCancelWaiter(t *testing.T) {
-	ts := startServer(t, nil)
-	a, b := newClient(t, ts, "a"), newClient(t, ts, "b")
-	if r, err := a.Lock(t.Context(), pull); err != nil || !r.Acquired {
-		t.Fatal(r, err)
-	}
-	ctx, cancel := context.WithTimeout(t.Context(), 200*time.Millisecond)
-	defer cancel()
-	_, err := b.Lock(ctx, pull)
-	if !errors.Is(err, context.DeadlineExceeded) {
-		t.Fatalf("cancelled wait: %v", err)
-	}
-	st, _ := a.Status(t.Context(), lock.Pull, pull.Resource)
-	if st.QueueLength != 0 {
-		t.Fatalf("the cancelled waiter is still queued: %+v", st)
-	}
-	if err := a.Unlock(t.Context(), pull, errors.New("failed")); err != nil {
-		t.Fatal(err)
-	}
-	if st, _ := a.Status(t.Context(), lock.Pull, pull.Resource); st.State != "free" {
-		t.Fatalf("failure with nobody waiting: %+v", st)
-	}
+	synctest.Test(t, func(t *testing.T) {
+		srv := startInMemory(t, nil)
+		a, b := newClient(t, srv, "a"), newClient(t, srv, "b")
+		if r, err := a.Lock(t.Context(), pull); err != nil || !r.Acquired {
+			t.Fatal(r, err)
+		}
+		ctx, cancel := context.WithTimeout(t.Context(), 200*time.Millisecond)
+		defer cancel()
+		_, err := b.Lock(ctx, pull)
+		if !errors.Is(err, context.DeadlineExceeded) {
+			t.Fatalf("cancelled wait: %v", err)
+		}
+		st, _ := a.Status(t.Context(), lock.Pull, pull.Resource)
+		if st.QueueLength != 0 {
+			t.Fatalf("the cancelled waiter is still queued: %+v", st)
+		}
+		if err := a.Unlock(t.Context(), pull, errors.New("failed")); err != nil {
+			t.Fatal(err)
+		}
+		if st, _ := a.Status(t.Context(), lock.Pull, pull.Resource); st.State != "free" {
+			t.Fatalf("failure with nobody waiting: %+v", st)
+		}
+	})
 }
 
 // TestSameClientSerialized: one Client is one node; two of its callers on
 // one key never hold it at once, and the second skips the first's success.
+// In fake time, synctest.Wait shows the second caller waiting for good.
 func TestSameClientSerialized(t *testing.T) {
-	ts := startServer(t, nil)
-	c := newClient(t, ts, "a")
-	r1, err := c.Lock(t.Context(), pull)
-	if err != nil || !r1.Acquired {
-		t.Fatal(r1, err)
-	}
-	got := make(chan Result, 1)
-	go func() {
-		r, err := c.Lock(t.Context(), pull)
-		if err != nil {
-			t.Error(err)
+	synctest.Test(t, func(t *testing.T) {
+		srv := startInMemory(t, nil)
+		c := newClient(t, srv, "a")
+		r1, err := c.Lock(t.Context(), pull)
+		if err != nil || !r1.Acquired {
+			t.Fatal(r1, err)
 		}
-		got <- r
-	}()
-	select {
-	case r := <-got:
-		t.Fatalf("second caller got %+v while the first holds the key", r)
-	case <-time.After(100 * time.Millisecond):
-	}
-	if err := c.Unlock(t.Context(), pull, nil); err != nil {
-		t.Fatal(err)
-	}
-	if r := <-got; !r.Skipped || r.SkippedBy != "a" {
-		t.Fatalf("second caller after the first's success: %+v", r)
-	}
-	// After a failure the next caller gets the lock.
-	r1, _ = c.Lock(t.Context(), pull)
-	go func() {
-		r, _ := c.Lock(t.Context(), pull)
-		got <- r
-	}()
-	time.Sleep(50 * time.Millisecond)
-	c.Unlock(t.Context(), pull, errors.New("x"))
-	if r := <-got; !r.Acquired || r.Token <= r1.Token {
-		t.Fatalf("after a failure: %+v", r)
-	}
-	c.Unlock(t.Context(), pull, nil)
+		got := make(chan Result, 1)
+		go func() {
+			r, err := c.Lock(t.Context(), pull)
+			if err != nil {
+				t.Error(err)
+			}
+			got <- r
+		}()
+		synctest.Wait()
+		select {
+		case r := <-got:
+			t.Fatalf("second caller got %+v while the first holds the key", r)
+		default:
+		}
+		if err := c.Unlock(t.Context(), pull, nil); err != nil {
+			t.Fatal(err)
+		}
+		if r := <-got; !r.Skipped || r.SkippedBy != "a" {
+			t.Fatalf("second caller after the first's success: %+v", r)
+		}
+		// After a failure the next caller gets the lock.
+		r1, _ = c.Lock(t.Context(), pull)
+		go func() {
+			r, _ := c.Lock(t.Context(), pull)
+			got <- r
+		}()
+		synctest.Wait() // the second caller waits for the first
+		c.Unlock(t.Context(), pull, errors.New("x"))
+		if r := <-got; !r.Acquired || r.Token <= r1.Token {
+			t.Fatalf("after a failure: %+v", r)
+		}
+		c.Unlock(t.Context(), pull, nil)
+	})
 }
 
 // TestStreamKilledMidWait: the stream breaks and cannot be reopened; the
 // waiter polls /status and still learns of its grant.
 func TestStreamKilledMidWait(t *testing.T) {
-	ts := startServer(t, nil)
-	a, b := newClient(t, ts, "a"), newClient(t, ts, "b")
+	srv := startServer(t, nil)
+	a, b := newClient(t, srv, "a"), newClient(t, srv, "b")
 	a.Lock(t.Context(), pull)
 	got := make(chan Result, 1)
 	go func() {
@@ -297,14 +213,11 @@ func TestStreamKilledMidWait(t *testing.T) {
 		}
 		got <- r
 	}()
-	waitFor(t, "b queued", func() bool {
-		st, _ := a.Status(t.Context(), lock.Pull, pull.Resource)
-		return st.QueueLength == 1
-	})
-	ts.noStreams.Store(true)
-	ts.killConns()
-	hits := ts.streamHits.Load()
-	waitFor(t, "b's stream refused", func() bool { return ts.streamHits.Load() > hits })
+	srv.WaitQueued(t, pull.key(), 1)
+	opened := srv.StreamsOpened("b")
+	srv.RefuseStreams("b")
+	srv.KillAll()
+	kit.WaitFor(t, "b's stream refused", func() bool { return srv.StreamsOpened("b") > opened })
 	a.Unlock(t.Context(), pull, errors.New("failed"))
 	r := <-got
 	if !r.Acquired {
@@ -316,11 +229,62 @@ func TestStreamKilledMidWait(t *testing.T) {
 	}
 }
 
+// TestStreamStalled: b's stream stays open but delivers nothing (a stalled
+// network path), so lock_assigned never reaches b; the poll b keeps up as a
+// safety net while its stream is up finds the grant. In fake time: the
+// poll (ten times PollInterval) comes long before the server's write
+// timeout would break the stream.
+func TestStreamStalled(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		srv := startInMemory(t, nil)
+		a, b := newClient(t, srv, "a"), newClient(t, srv, "b")
+		if r, err := a.Lock(t.Context(), pull); err != nil || !r.Acquired {
+			t.Fatal(r, err)
+		}
+		got := make(chan Result, 1)
+		go func() {
+			r, err := b.Lock(t.Context(), pull)
+			if err != nil {
+				t.Error(err)
+			}
+			got <- r
+		}()
+		srv.WaitQueued(t, pull.key(), 1)
+		release := srv.BlockStreams("b")
+		defer release()
+		start := time.Now()
+		if err := a.Unlock(t.Context(), pull, errors.New("failed")); err != nil {
+			t.Fatal(err)
+		}
+		synctest.Wait()
+		select {
+		case r := <-got:
+			t.Fatalf("b got %+v at once, through a stream that delivers nothing", r)
+		default:
+		}
+		r := <-got
+		if !r.Acquired {
+			t.Fatalf("b got %+v, want the lock found by its poll", r)
+		}
+		if d := time.Since(start); d > 10*b.PollInterval {
+			t.Fatalf("b learned of its grant after %v, want by its poll within %v", d, 10*b.PollInterval)
+		}
+		st, _ := b.Status(t.Context(), lock.Pull, pull.Resource)
+		if st.Holder != "b" || st.Token != r.Token {
+			t.Fatalf("status %+v", st)
+		}
+		if n := srv.StreamsOpened("b"); n != 1 {
+			t.Fatalf("b opened %d streams: the grant came by a reconnect, not by the poll", n)
+		}
+		b.Unlock(t.Context(), pull, nil)
+	})
+}
+
 // TestServerRestartWhileWaiting: the server restarts while b waits behind
 // a. b recovers (the new server forgot a's hold) and a learns its lock is lost.
 func TestServerRestartWhileWaiting(t *testing.T) {
-	ts := startServer(t, nil)
-	a, b := newClient(t, ts, "a"), newClient(t, ts, "b")
+	srv := startServer(t, nil)
+	a, b := newClient(t, srv, "a"), newClient(t, srv, "b")
 	ra, err := a.Lock(t.Context(), pull)
 	if err != nil {
 		t.Fatal(err)
@@ -333,22 +297,19 @@ func TestServerRestartWhileWaiting(t *testing.T) {
 		}
 		got <- err
 	}()
-	waitFor(t, "b queued", func() bool {
-		st, _ := a.Status(t.Context(), lock.Pull, pull.Resource)
-		return st.QueueLength == 1
-	})
-	ts.restart()
+	srv.WaitQueued(t, pull.key(), 1)
+	srv.Restart()
 	select {
 	case err := <-got:
 		if err != nil {
 			t.Fatal(err)
 		}
-	case <-time.After(20 * time.Second):
+	case <-time.After(kit.Patience):
 		t.Fatal("b hangs after the restart")
 	}
 	select {
 	case <-ra.Lost:
-	case <-time.After(20 * time.Second):
+	case <-time.After(kit.Patience):
 		t.Fatal("a was never told its lock was lost")
 	}
 	if err := a.Unlock(t.Context(), pull, nil); !errors.Is(err, ErrNotHolder) {
@@ -357,25 +318,31 @@ func TestServerRestartWhileWaiting(t *testing.T) {
 }
 
 // TestDoLockLost: when the lock is lost while fn runs, fn's context ends
-// with ErrLockLost.
+// with ErrLockLost. The hold runs out in fake time.
 func TestDoLockLost(t *testing.T) {
-	ts := startServer(t, func(c *lock.Config) { c.MaxHold = 300 * time.Millisecond })
-	a := newClient(t, ts, "a")
-	_, err := a.Do(t.Context(), pull, func(ctx context.Context) error {
-		<-ctx.Done()
-		if !errors.Is(context.Cause(ctx), ErrLockLost) {
-			t.Errorf("fn's context ended with %v", context.Cause(ctx))
+	synctest.Test(t, func(t *testing.T) {
+		srv := startInMemory(t, func(c *lock.Config) { c.MaxHold = 300 * time.Millisecond })
+		a := newClient(t, srv, "a")
+		start := time.Now()
+		_, err := a.Do(t.Context(), pull, func(ctx context.Context) error {
+			<-ctx.Done()
+			if !errors.Is(context.Cause(ctx), ErrLockLost) {
+				t.Errorf("fn's context ended with %v", context.Cause(ctx))
+			}
+			return ctx.Err()
+		})
+		if !errors.Is(err, ErrLockLost) {
+			t.Fatalf("Do after losing the lock: %v", err)
 		}
-		return ctx.Err()
+		if d := time.Since(start); d < 300*time.Millisecond {
+			t.Fatalf("the lock was lost after %v, before its max hold of 300ms", d)
+		}
 	})
-	if !errors.Is(err, ErrLockLost) {
-		t.Fatalf("Do after losing the lock: %v", err)
-	}
 }
 
 func TestErrorClasses(t *testing.T) {
-	ts := startServer(t, func(c *lock.Config) { c.AllowMultiNodeDownload = false })
-	a, b := newClient(t, ts, "a"), newClient(t, ts, "b")
+	srv := startServer(t, func(c *lock.Config) { c.AllowMultiNodeDownload = false })
+	a, b := newClient(t, srv, "a"), newClient(t, srv, "b")
 	a.Lock(t.Context(), pull)
 	_, err := b.Lock(t.Context(), pull)
 	var he *lock.HeldError
@@ -391,7 +358,7 @@ func TestErrorClasses(t *testing.T) {
 	if _, err := b.Lock(t.Context(), Request{Type: lock.Pull}); !errors.Is(err, ErrInvalid) {
 		t.Fatalf("no resource: %v", err)
 	}
-	bad := &Client{Server: ts.url()}
+	bad := &Client{Server: srv.URL()}
 	if _, err := bad.Lock(t.Context(), pull); !errors.Is(err, ErrInvalid) {
 		t.Fatalf("client without a node: %v", err)
 	}
@@ -421,8 +388,8 @@ func TestRetries(t *testing.T) {
 }
 
 func TestRefCounts(t *testing.T) {
-	ts := startServer(t, func(c *lock.Config) { c.RefStore = &memStore{} })
-	a, b := newClient(t, ts, "a"), newClient(t, ts, "b")
+	srv := startServer(t, func(c *lock.Config) { c.RefStore = &memStore{} })
+	a, b := newClient(t, srv, "a"), newClient(t, srv, "b")
 	if _, err := a.Do(t.Context(), pull, func(context.Context) error { return nil }); err != nil {
 		t.Fatal(err)
 	}
@@ -475,16 +442,5 @@ func TestDependencies(t *testing.T) {
 				t.Errorf("client depends on %s", dep)
 			}
 		}
-	}
-}
-
-func waitFor(t testing.TB, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/lock"
 )
 
@@ -95,13 +96,13 @@ func hostileServer(t *testing.T, handler http.HandlerFunc) string {
 // cannot grow the client: the client drops the stream after MaxEventLine
 // bytes, reconnects, and meanwhile waits by polling /status.
 func TestEndlessEventLine(t *testing.T) {
-	ts := startServer(t, nil)
+	srv := startServer(t, nil)
 	var mu sync.Mutex
 	var streams []floodResult
 	firstDone := make(chan struct{})
 	url := hostileServer(t, func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path != "/subscribe" {
-			ts.srv.ServeHTTP(w, r)
+			srv.Handler.ServeHTTP(w, r)
 			return
 		}
 		w.Header().Set("Content-Type", "text/event-stream")
@@ -115,7 +116,7 @@ func TestEndlessEventLine(t *testing.T) {
 		mu.Unlock()
 	})
 
-	a := newClient(t, ts, "a")
+	a := newClient(t, srv, "a")
 	if res, err := a.Lock(t.Context(), pull); err != nil || !res.Acquired {
 		t.Fatalf("a: %+v %v", res, err)
 	}
@@ -142,8 +143,8 @@ func TestEndlessEventLine(t *testing.T) {
 	if first.sent > MaxEventLine+slack {
 		t.Fatalf("the server wrote %d bytes of one line before the client hung up, want at most %d", first.sent, MaxEventLine+slack)
 	}
-	waitFor(t, "b queued", func() bool {
-		st, _ := ts.m.Status(t.Context(), lock.Pull, pull.Resource, "b")
+	kit.WaitFor(t, "b queued", func() bool {
+		st, _ := srv.Backend.Status(t.Context(), lock.Pull, pull.Resource, "b")
 		return st.Position == 1
 	})
 	if err := a.Unlock(t.Context(), pull, nil); err != nil {

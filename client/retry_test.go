@@ -3,70 +3,29 @@ package client
 import (
 	"context"
 	"errors"
-	"net"
 	"net/http"
 	"strconv"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"testing/synctest"
 	"time"
 
 	"github.com/dlock/dlock/api"
+	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/lock"
 )
-
-// pipeListener is an in-memory listener whose connections are net.Pipes,
-// so that a server and a client run inside a synctest bubble, in fake time.
-type pipeListener struct {
-	conns chan net.Conn
-	done  chan struct{}
-	once  sync.Once
-}
-
-func newPipeListener() *pipeListener {
-	return &pipeListener{conns: make(chan net.Conn), done: make(chan struct{})}
-}
-
-func (l *pipeListener) Accept() (net.Conn, error) {
-	select {
-	case c := <-l.conns:
-		return c, nil
-	case <-l.done:
-		return nil, net.ErrClosed
-	}
-}
-
-func (l *pipeListener) Close() error {
-	l.once.Do(func() { close(l.done) })
-	return nil
-}
-
-func (l *pipeListener) Addr() net.Addr { return &net.UnixAddr{Name: "pipe", Net: "pipe"} }
-
-func (l *pipeListener) dial(ctx context.Context, _, _ string) (net.Conn, error) {
-	c, s := net.Pipe()
-	select {
-	case l.conns <- s:
-		return c, nil
-	case <-l.done:
-		return nil, net.ErrClosed
-	case <-ctx.Done():
-		return nil, ctx.Err()
-	}
-}
 
 // fakeServer serves h inside the current synctest bubble and returns a
 // client of it; everything is closed when the test's bubble ends.
 func fakeServer(t *testing.T, h http.HandlerFunc, cfg func(*Client)) *Client {
-	l := newPipeListener()
+	l := kit.NewPipeListener()
 	hs := &http.Server{Handler: h}
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
 		hs.Serve(l)
 	}()
-	tr := &http.Transport{DialContext: l.dial}
+	tr := &http.Transport{DialContext: l.Dial}
 	c := &Client{Server: "http://dlock", Node: "a", ShortClient: &http.Client{Transport: tr}, LongClient: &http.Client{Transport: tr}}
 	if cfg != nil {
 		cfg(c)
@@ -199,7 +158,7 @@ func TestRetryLoadRefusals(t *testing.T) {
 // TestLockRetriesQueueFull: Lock itself rides out 429s on /lock and
 // /subscribe (too_many_sessions), waiting as asked.
 func TestLockRetriesQueueFull(t *testing.T) {
-	ts := startServer(t, nil)
+	srv := startServer(t, nil)
 	var locks, subs atomic.Int64
 	url := hostileServer(t, func(w http.ResponseWriter, r *http.Request) {
 		switch {
@@ -208,7 +167,7 @@ func TestLockRetriesQueueFull(t *testing.T) {
 		case r.URL.Path == "/lock" && locks.Add(1) <= 2:
 			refuse(w, lock.ErrQueueFull, "1")
 		default:
-			ts.srv.ServeHTTP(w, r)
+			srv.Handler.ServeHTTP(w, r)
 		}
 	})
 	c := &Client{Server: url, Node: "a", RetryInterval: time.Millisecond}
@@ -220,7 +179,7 @@ func TestLockRetriesQueueFull(t *testing.T) {
 	if n := locks.Load(); n != 3 {
 		t.Fatalf("%d /lock requests, want 3 (two refused)", n)
 	}
-	waitFor(t, "the session stream, after its refusal", func() bool { return subs.Load() >= 2 })
+	kit.WaitFor(t, "the session stream, after its refusal", func() bool { return subs.Load() >= 2 })
 	if err := c.Unlock(t.Context(), pull, nil); err != nil {
 		t.Fatal(err)
 	}

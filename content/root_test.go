@@ -198,7 +198,7 @@ func TestNoDigestWriterTakesPullLock(t *testing.T) {
 	data := []byte("a blob whose ref has no digest")
 	d := digest.FromBytes(data)
 
-	gc, err := e.srv.M.TryLock(ctx, lock.LockRequest{Type: lock.Delete, Resource: d.String(), Node: "gc", Lease: lock.LeaseTTL})
+	gc, err := e.srv.Backend.TryLock(ctx, lock.LockRequest{Type: lock.Delete, Resource: d.String(), Node: "gc", Lease: lock.LeaseTTL})
 	if err != nil || !gc.Acquired {
 		t.Fatalf("gc's delete lock: %+v %v", gc, err)
 	}
@@ -214,23 +214,23 @@ func TestNoDigestWriterTakesPullLock(t *testing.T) {
 	if blobExists(e.root, d) {
 		t.Fatal("the blob entered the shared folder while gc held its delete lock")
 	}
-	if _, err := e.srv.M.Unlock(ctx, lock.UnlockRequest{Type: lock.Delete, Resource: d.String(), Node: "gc", Success: false, Error: "not deleted"}); err != nil {
+	if _, err := e.srv.Backend.Unlock(ctx, lock.UnlockRequest{Type: lock.Delete, Resource: d.String(), Node: "gc", Success: false, Error: "not deleted"}); err != nil {
 		t.Fatal(err)
 	}
 
 	// Another node pulls it: the commit fails at once, and a leaves no
 	// queue entry behind.
-	b, err := e.srv.M.TryLock(ctx, lock.LockRequest{Type: lock.Pull, Resource: d.String(), Node: "b", Lease: lock.LeaseTTL})
+	b, err := e.srv.Backend.TryLock(ctx, lock.LockRequest{Type: lock.Pull, Resource: d.String(), Node: "b", Lease: lock.LeaseTTL})
 	if err != nil || !b.Acquired {
 		t.Fatalf("b's pull lock: %+v %v", b, err)
 	}
 	if err := w.Commit(ctx, int64(len(data)), ""); !errdefs.IsUnavailable(err) {
 		t.Fatalf("commit while b pulls the blob: %v, want ErrUnavailable", err)
 	}
-	if st, _ := e.srv.M.Status(t.Context(), lock.Pull, d.String(), "a"); st.Position != 0 || blobExists(e.root, d) {
+	if st, _ := e.srv.Backend.Status(t.Context(), lock.Pull, d.String(), "a"); st.Position != 0 || blobExists(e.root, d) {
 		t.Fatalf("after the refused commit: a at position %d, blob there: %v", st.Position, blobExists(e.root, d))
 	}
-	if _, err := e.srv.M.Cancel(context.Background(), lock.Pull, d.String(), "b"); err != nil {
+	if _, err := e.srv.Backend.Cancel(context.Background(), lock.Pull, d.String(), "b"); err != nil {
 		t.Fatal(err)
 	}
 

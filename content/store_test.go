@@ -40,7 +40,7 @@ func (e *storeEnv) store(node string) *Store {
 }
 
 func (e *storeEnv) refs(d digest.Digest) []string {
-	rc, err := e.srv.M.RefCount(e.t.Context(), d.String())
+	rc, err := e.srv.Backend.RefCount(e.t.Context(), d.String())
 	if err != nil {
 		e.t.Fatal(err)
 	}
@@ -48,7 +48,7 @@ func (e *storeEnv) refs(d digest.Digest) []string {
 }
 
 func (e *storeEnv) holder(t lock.Type, d digest.Digest) string {
-	st, err := e.srv.M.Status(e.t.Context(), t, d.String(), "")
+	st, err := e.srv.Backend.Status(e.t.Context(), t, d.String(), "")
 	if err != nil {
 		e.t.Fatal(err)
 	}
@@ -98,7 +98,7 @@ func TestWriterHandOff(t *testing.T) {
 	if _, err := writerFor(ctx, b, blobDigest); !errdefs.IsUnavailable(err) {
 		t.Fatalf("second node's writer: %v, want ErrUnavailable at once", err)
 	}
-	if st, _ := e.srv.M.Status(t.Context(), lock.Pull, blobDigest.String(), "b"); st.Position != 1 {
+	if st, _ := e.srv.Backend.Status(t.Context(), lock.Pull, blobDigest.String(), "b"); st.Position != 1 {
 		t.Fatalf("b keeps no place in line: %+v", st)
 	}
 	wa.Write(blob[:5])
@@ -204,7 +204,7 @@ func TestDeleteNotConfirmed(t *testing.T) {
 	d := commitBlob(t, a, []byte("precious"))
 	a.afterTrash = func() {
 		// The server takes the lock back (as an expiry would).
-		if _, err := e.srv.M.Cancel(context.Background(), lock.Delete, d.String(), "a"); err != nil {
+		if _, err := e.srv.Backend.Cancel(context.Background(), lock.Delete, d.String(), "a"); err != nil {
 			t.Error(err)
 		}
 	}
@@ -245,7 +245,7 @@ func TestUpdateLabels(t *testing.T) {
 	if _, err := a.Update(t.Context(), content.Info{Digest: d, Labels: map[string]string{"k": "v"}}, "labels.k"); !errdefs.IsFailedPrecondition(err) {
 		t.Fatalf("update of a referenced blob with update_requires_no_ref: %v", err)
 	}
-	if _, err := e.srv.M.RefRelease(t.Context(), d.String(), "a"); err != nil {
+	if _, err := e.srv.Backend.RefRelease(t.Context(), d.String(), "a"); err != nil {
 		t.Fatal(err)
 	}
 	info, err := a.Update(t.Context(), content.Info{Digest: d, Labels: map[string]string{"k": "v"}}, "labels.k")

@@ -1,43 +1,25 @@
 package server
 
 import (
-	"bufio"
 	"bytes"
-	"context"
 	"fmt"
 	"io"
 	"net/http"
 	"slices"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/internal/rawhttp"
-	"github.com/dlock/dlock/lock"
 )
 
-// benchServer runs a real server on a loopback listener.
-func benchServer(b *testing.B) (string, *lock.Memory) {
-	m, err := lock.NewMemory(context.Background(), lock.DefaultConfig())
-	if err != nil {
-		b.Fatal(err)
-	}
-	srv := New(m, Options{})
-	ln, err := Listen(context.Background(), "127.0.0.1:0", 15*time.Second)
-	if err != nil {
-		b.Fatal(err)
-	}
-	hs := &http.Server{Handler: srv}
-	go srv.Serve(ln, hs)
-	b.Cleanup(func() {
-		srv.Drain()
-		srv.Close()
-		hs.Close()
-		m.Close()
-	})
-	return "http://" + ln.Addr().String(), m
+// benchServer runs a real server on a loopback listener, with the ping
+// interval of a default dlock serve.
+func benchServer(b *testing.B) string {
+	e := newEnvWith(b, envConfig{opts: Options{PingInterval: 15 * time.Second}})
+	return e.ts.URL
 }
 
 func benchClient(conns int) *http.Client {
@@ -62,7 +44,7 @@ func post(c *http.Client, url string, body []byte) error {
 // comes from a minimal HTTP/1.1 client (internal/rawhttp) so that the numbers
 // measure the server rather than net/http's client, which shares the cores.
 func BenchmarkHTTPPairs(b *testing.B) {
-	base, _ := benchServer(b)
+	base := benchServer(b)
 	const clients = 32
 	var next atomic.Int64
 	b.SetParallelism((clients + 1) / 2) // GOMAXPROCS is 2 here: 32 goroutines
@@ -92,17 +74,12 @@ func BenchmarkHTTPPairs(b *testing.B) {
 // holder's /unlock being sent to the waiter's lock_assigned read off its
 // SSE stream. It reports p50 and p99 of that latency.
 func BenchmarkHTTPHandoff(b *testing.B) {
-	base, _ := benchServer(b)
+	base := benchServer(b)
 	c := benchClient(4)
 	nodes := []string{"a", "b"}
-	streams := make([]*bufio.Reader, 2)
+	streams := make([]*kit.Stream, 2)
 	for i, n := range nodes {
-		resp, err := http.Get(base + "/subscribe?node_id=" + n)
-		if err != nil {
-			b.Fatal(err)
-		}
-		b.Cleanup(func() { resp.Body.Close() })
-		streams[i] = bufio.NewReader(resp.Body)
+		streams[i] = kit.OpenStream(b, base+"/subscribe?node_id="+n, "")
 		readEvent(b, streams[i], "subscribed")
 	}
 	lockBody := func(n string) []byte {
@@ -144,23 +121,8 @@ func BenchmarkHTTPHandoff(b *testing.B) {
 	}
 }
 
-func readEvent(b *testing.B, r *bufio.Reader, name string) {
-	for {
-		line, err := r.ReadString('\n')
-		if err != nil {
-			b.Fatal(err)
-		}
-		if strings.HasPrefix(line, "event: ") && strings.TrimSpace(line[7:]) == name {
-			// consume data and the blank line
-			for {
-				l, err := r.ReadString('\n')
-				if err != nil {
-					b.Fatal(err)
-				}
-				if l == "\n" {
-					return
-				}
-			}
-		}
+// readEvent reads s up to the next event called name.
+func readEvent(b *testing.B, s *kit.Stream, name string) {
+	for s.Next(b).Event != name {
 	}
 }

@@ -17,6 +17,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/dlock/dlock/internal/dlocktest/kit"
 )
 
 // addr is the server's host:port.
@@ -128,7 +130,7 @@ func TestMaxConns(t *testing.T) {
 		t.Fatalf("a refused connection's request was served: %+v", st)
 	}
 	held[0].Close()
-	waitFor(t, "the closed connection to be counted out", func() bool { return e.srv.conns.Load() == 1 })
+	kit.WaitFor(t, "the closed connection to be counted out", func() bool { return e.srv.conns.Load() == 1 })
 	if got := e.metric("dlock_connections_refused_total"); got != 2 {
 		t.Fatalf("dlock_connections_refused_total %v, want 2", got)
 	}
@@ -195,8 +197,8 @@ func TestNonReadingClientTimesOut(t *testing.T) {
 	c := e.dial()
 	// Blocked, our writes go on failing by our deadline until the server
 	// gives up and closes; then they fail for that.
-	waitFor(t, "a write to fail on a closed connection", func() bool { return !pipelineUntilBlocked(t, c) })
-	waitFor(t, "the connection to be closed", func() bool { return e.srv.conns.Load() == 0 })
+	kit.WaitFor(t, "a write to fail on a closed connection", func() bool { return !pipelineUntilBlocked(t, c) })
+	kit.WaitFor(t, "the connection to be closed", func() bool { return e.srv.conns.Load() == 0 })
 }
 
 // TestShutdownBounded: Shutdown ends within its context whatever clients
@@ -216,7 +218,7 @@ func TestShutdownBounded(t *testing.T) {
 	if !pipelineUntilBlocked(t, pipe) {
 		t.Fatal("the server closed the pipelining connection before shutdown")
 	}
-	waitFor(t, "three connections", func() bool { return e.srv.conns.Load() == 3 })
+	kit.WaitFor(t, "three connections", func() bool { return e.srv.conns.Load() == 3 })
 	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 	defer cancel()
 	done := make(chan error, 1)
@@ -313,27 +315,20 @@ func TestPanicRecovered(t *testing.T) {
 func TestStreamOutlivesReadTimeout(t *testing.T) {
 	e := newEnvWith(t, envConfig{opts: Options{ReadTimeout: 50 * time.Millisecond, WriteTimeout: 50 * time.Millisecond}})
 	s := e.subscribe("node_id=a", "")
-	s.next(t)
+	s.Next(t)
 	// The operator feed is served by the same plumbing (eventStream).
-	resp, err := http.Get(e.ts.URL + "/ui/events")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	ops := &sse{resp: resp, r: bufio.NewReader(resp.Body)}
+	ops := kit.OpenStream(t, e.ts.URL+"/ui/events", "")
 	// Pings come every 50 ms: read them for several read timeouts.
-	for _, st := range []*sse{s, ops} {
+	for _, st := range []*kit.Stream{s, ops} {
 		for start := time.Now(); time.Since(start) < 300*time.Millisecond; {
-			if line, err := st.r.ReadString('\n'); err != nil {
-				t.Fatalf("the stream ended: %v", err)
-			} else if line != ": ping\n" && line != "\n" && !strings.HasPrefix(line, "retry:") &&
+			if line := st.Line(t); line != ": ping\n" && line != "\n" && !strings.HasPrefix(line, "retry:") &&
 				!strings.HasPrefix(line, "event: subscribed") && !strings.HasPrefix(line, `data: {"event":"subscribed"`) {
 				t.Fatalf("unexpected line %q", line)
 			}
 		}
 	}
 	e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"a","lease":"session"}`)
-	if f := s.next(t); f.event != "lock_assigned" {
+	if f := s.Next(t); f.Event != "lock_assigned" {
 		t.Fatalf("got %+v", f)
 	}
 }
@@ -384,7 +379,7 @@ func TestPipelinedFloodNeverReadTimesOut(t *testing.T) {
 		_ = c.SetWriteDeadline(time.Now().Add(20 * time.Second))
 		_, _ = c.Write(flood)
 	}()
-	waitFor(t, "the connection to be closed", func() bool { return e.srv.conns.Load() == 0 })
+	kit.WaitFor(t, "the connection to be closed", func() bool { return e.srv.conns.Load() == 0 })
 	c.Close()
 	<-wrote
 }

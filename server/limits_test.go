@@ -1,7 +1,6 @@
 package server
 
 import (
-	"bufio"
 	"encoding/json"
 	"fmt"
 	"math"
@@ -67,7 +66,7 @@ func TestLimitRefusals(t *testing.T) {
 			}
 
 			// Sessions: one stream per node, two sessions in all.
-			e.subscribe("node_id=s1", "").next(t)
+			e.subscribe("node_id=s1", "").Next(t)
 			get := func(query string) *http.Response {
 				t.Helper()
 				resp, err := http.Get(e.ts.URL + "/subscribe?" + query)
@@ -80,7 +79,7 @@ func TestLimitRefusals(t *testing.T) {
 				return resp
 			}
 			checkRefusal(t, "a second stream of one node", get("node_id=s1"), 429, api.CodeTooManySessions)
-			e.subscribe("node_id=s2", "").next(t)
+			e.subscribe("node_id=s2", "").Next(t)
 			checkRefusal(t, "a third session", get("node_id=s3"), 429, api.CodeTooManySessions)
 			r := rawExchange(t, addr, lockReq("r2", "s3", `,"lease":"session"`), 1)[0]
 			checkRefusal(t, "a session lease for a third session", r, 429, api.CodeTooManySessions)
@@ -166,7 +165,7 @@ func TestReplayBoundedHTTP(t *testing.T) {
 	const logBytes = lock.MinSessionLogBytes
 	e := newEnv(t, func(c *lock.Config) { c.SessionLogBytes = logBytes })
 	w := e.subscribe("node_id=w", "")
-	w.next(t)
+	w.Next(t)
 	long := strings.Repeat("é", 30<<10)
 	const n = 40
 	var seen []string
@@ -178,26 +177,20 @@ func TestReplayBoundedHTTP(t *testing.T) {
 		if status != 200 {
 			t.Fatalf("unlock: %d", status)
 		}
-		f := w.next(t)
-		msg, _ := f.json(t)["error"].(string)
-		if f.event != "operation_completed" || len(msg) > lock.MaxErrorLen || !strings.HasSuffix(msg, "…") || !utf8.ValidString(msg) {
-			t.Fatalf("event %d: %s with an error of %d bytes", i, f.event, len(msg))
+		f := w.Next(t)
+		msg, _ := f.JSON(t)["error"].(string)
+		if f.Event != "operation_completed" || len(msg) > lock.MaxErrorLen || !strings.HasSuffix(msg, "…") || !utf8.ValidString(msg) {
+			t.Fatalf("event %d: %s with an error of %d bytes", i, f.Event, len(msg))
 		}
-		seen = append(seen, f.id)
+		seen = append(seen, f.ID)
 	}
 	_, st := e.call("GET", "/status?type=pull&resource_id=r0", "")
 	if c, _ := st["last_completed"].(map[string]any); c == nil || len(c["error"].(string)) > lock.MaxErrorLen {
 		t.Fatalf("completion record: %v", st["last_completed"])
 	}
 
-	req, _ := http.NewRequest("GET", e.ts.URL+"/subscribe?node_id=w", nil)
-	req.Header.Set("Last-Event-ID", "0")
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	br := bufio.NewReader(resp.Body)
+	replay := e.subscribe("node_id=w", "0")
+	br := replay.R
 	// frameBytes reads one frame and returns its id and size on the api.
 	frameBytes := func() (id string, size int) {
 		for {

@@ -15,10 +15,18 @@ func TestListenSetsUserTimeout(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer ln.Close()
+	// The client's end stays open until the accepted end has been read.
+	dialed := make(chan net.Conn, 1)
 	go func() {
 		c, err := net.Dial("tcp", ln.Addr().String())
-		if err == nil {
-			time.Sleep(100 * time.Millisecond)
+		if err != nil {
+			t.Error(err)
+			ln.Close() // Accept must not wait for it
+		}
+		dialed <- c
+	}()
+	defer func() {
+		if c := <-dialed; c != nil {
 			c.Close()
 		}
 	}()

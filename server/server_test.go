@@ -1,7 +1,6 @@
 package server
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -14,6 +13,7 @@ import (
 	"time"
 
 	"github.com/dlock/dlock/api"
+	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/lock"
 	"github.com/dlock/dlock/refcount"
 	"go.uber.org/goleak"
@@ -231,112 +231,52 @@ func TestHTTPRefCount(t *testing.T) {
 	}
 }
 
-// sse reads a Server-Sent Events stream frame by frame.
-type sse struct {
-	resp *http.Response
-	r    *bufio.Reader
-}
-
-type frame struct {
-	id, event, data string
-}
-
-func (e *env) subscribe(query string, lastID string) *sse {
+// subscribe opens an event stream of /subscribe with query, with a
+// Last-Event-ID header unless lastID is "".
+func (e *env) subscribe(query string, lastID string) *kit.Stream {
 	e.t.Helper()
-	req, _ := http.NewRequest("GET", e.ts.URL+"/subscribe?"+query, nil)
-	if lastID != "" {
-		req.Header.Set("Last-Event-ID", lastID)
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		e.t.Fatal(err)
-	}
-	if resp.StatusCode != 200 || resp.Header.Get("Content-Type") != "text/event-stream" {
-		e.t.Fatalf("subscribe: %d %s", resp.StatusCode, resp.Header.Get("Content-Type"))
-	}
-	s := &sse{resp: resp, r: bufio.NewReader(resp.Body)}
-	e.t.Cleanup(func() { resp.Body.Close() })
-	return s
-}
-
-// next returns the next event, skipping pings.
-func (s *sse) next(t testing.TB) frame {
-	t.Helper()
-	var f frame
-	for {
-		line, err := s.r.ReadString('\n')
-		if err != nil {
-			t.Fatalf("reading stream: %v", err)
-		}
-		line = strings.TrimSuffix(line, "\n")
-		switch {
-		case line == "":
-			if f.event != "" {
-				return f
-			}
-		case strings.HasPrefix(line, ":"):
-		case strings.HasPrefix(line, "id: "):
-			f.id = line[4:]
-		case strings.HasPrefix(line, "event: "):
-			f.event = line[7:]
-		case strings.HasPrefix(line, "data: "):
-			f.data = line[6:]
-		default:
-			t.Fatalf("unexpected line %q", line)
-		}
-	}
-}
-
-func (f frame) json(t testing.TB) map[string]any {
-	var m map[string]any
-	if err := json.Unmarshal([]byte(f.data), &m); err != nil {
-		t.Fatalf("data %q: %v", f.data, err)
-	}
-	if m["event"] != f.event {
-		t.Fatalf("data event %v, frame event %s", m["event"], f.event)
-	}
-	return m
+	return kit.OpenStream(e.t, e.ts.URL+"/subscribe?"+query, lastID)
 }
 
 func TestSSE(t *testing.T) {
 	e := newEnv(t, nil)
 	b := e.subscribe("node_id=b", "")
-	sub := b.next(t)
-	if sub.event != "subscribed" || sub.id == "" {
+	sub := b.Next(t)
+	if sub.Event != "subscribed" || sub.ID == "" {
 		t.Fatalf("first frame %+v", sub)
 	}
-	if d := sub.json(t); len(d) != 3 || d["node_id"] != "b" || d["epoch"] != e.m.Info().Epoch {
+	if d := sub.JSON(t); len(d) != 3 || d["node_id"] != "b" || d["epoch"] != e.m.Info().Epoch {
 		t.Fatalf("subscribed data %v: exactly event, node_id and epoch", d)
 	}
 	obs := e.subscribe("type=pull&resource_id=r", "")
-	obs.next(t)
+	obs.Next(t)
 	e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"a"}`)
 	e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"b"}`)
 	e.call("POST", "/unlock", `{"type":"pull","resource_id":"r","node_id":"a","error":"boom"}`)
-	got := b.next(t)
-	d := got.json(t)
-	if got.event != "lock_assigned" || d["node_id"] != "b" || d["type"] != "pull" || d["resource_id"] != "r" || d["token"] == nil {
+	got := b.Next(t)
+	d := got.JSON(t)
+	if got.Event != "lock_assigned" || d["node_id"] != "b" || d["type"] != "pull" || d["resource_id"] != "r" || d["token"] == nil {
 		t.Fatalf("b got %+v", got)
 	}
 	var order []string
 	for range 3 {
-		f := obs.next(t)
-		order = append(order, f.event+":"+f.json(t)["node_id"].(string))
+		f := obs.Next(t)
+		order = append(order, f.Event+":"+f.JSON(t)["node_id"].(string))
 	}
 	if want := "lock_assigned:a lock_assigned:b operation_completed:a"; strings.Join(order, " ") != want {
 		t.Fatalf("observer order %v, want %s", order, want)
 	}
 	// b's stream breaks; while it is away the lock is handed back and forth.
-	b.resp.Body.Close()
+	b.Close()
 	e.call("POST", "/lock", `{"type":"pull","resource_id":"s","node_id":"a"}`)
 	e.call("POST", "/lock", `{"type":"pull","resource_id":"s","node_id":"b"}`)
 	e.call("POST", "/unlock", `{"type":"pull","resource_id":"s","node_id":"a","success":true}`)
-	b2 := e.subscribe("node_id=b", got.id)
-	if f := b2.next(t); f.event != "subscribed" || f.id != got.id {
-		t.Fatalf("reconnect: first frame %+v, want subscribed with id %s", f, got.id)
+	b2 := e.subscribe("node_id=b", got.ID)
+	if f := b2.Next(t); f.Event != "subscribed" || f.ID != got.ID {
+		t.Fatalf("reconnect: first frame %+v, want subscribed with id %s", f, got.ID)
 	}
-	missed := b2.next(t)
-	if md := missed.json(t); missed.event != "operation_completed" || md["success"] != true || md["node_id"] != "a" || md["resource_id"] != "s" {
+	missed := b2.Next(t)
+	if md := missed.JSON(t); missed.Event != "operation_completed" || md["success"] != true || md["node_id"] != "a" || md["resource_id"] != "s" {
 		t.Fatalf("replayed %+v", missed)
 	}
 }
@@ -353,11 +293,11 @@ func TestSSEBadRequests(t *testing.T) {
 func TestDrain(t *testing.T) {
 	e := newEnv(t, nil)
 	s := e.subscribe("node_id=a", "")
-	s.next(t)
+	s.Next(t)
 	e.srv.Drain() // returns once every stream has ended
 	ended := make(chan error, 1)
 	go func() {
-		_, err := io.ReadAll(s.r) // pings may still be in flight
+		_, err := io.ReadAll(s.R) // pings may still be in flight
 		ended <- err
 	}()
 	select {
@@ -366,7 +306,7 @@ func TestDrain(t *testing.T) {
 			t.Fatalf("stream ended with %v, want a clean end", err)
 		}
 	case <-time.After(10 * time.Second):
-		s.resp.Body.Close()
+		s.Close()
 		t.Fatal("Drain returned but the event stream did not end")
 	}
 	if status, got := e.call("GET", "/healthz", ""); status != 503 || got["code"] != "unavailable" {
@@ -390,45 +330,32 @@ func TestMetrics(t *testing.T) {
 	}
 }
 
-// waitFor polls cond until it holds; the deadline only bounds a broken run.
-func waitFor(t testing.TB, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 // TestSessionLostOverHTTP: closing a session stream is noticed through the
 // request context, and after the grace the node's hold passes on.
 func TestSessionLostOverHTTP(t *testing.T) {
 	e := newEnv(t, func(c *lock.Config) { c.SessionGrace = 100 * time.Millisecond })
 	a := e.subscribe("node_id=a", "")
-	a.next(t)
+	a.Next(t)
 	b := e.subscribe("node_id=b", "")
-	b.next(t)
+	b.Next(t)
 	e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"a"}`)
 	e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"b"}`)
-	a.resp.Body.Close()
-	if f := b.next(t); f.event != "lock_assigned" {
+	a.Close()
+	if f := b.Next(t); f.Event != "lock_assigned" {
 		t.Fatalf("b got %+v, want lock_assigned after a's session was lost", f)
 	}
 	_, st := e.call("GET", "/status?type=pull&resource_id=r", "")
 	if lc := st["last_completed"].(map[string]any); st["holder"] != "b" || lc["error"] != "session lost" || lc["node_id"] != "a" {
 		t.Fatalf("status %v", st)
 	}
-	waitFor(t, "one session left", func() bool { return e.m.Stats().Sessions == 1 })
+	kit.WaitFor(t, "one session left", func() bool { return e.m.Stats().Sessions == 1 })
 }
 
 func TestPing(t *testing.T) {
 	e := newEnv(t, nil) // PingInterval 50ms
 	s := e.subscribe("node_id=a", "")
-	s.next(t)
-	line, err := s.r.ReadString('\n')
-	if err != nil || line != ": ping\n" {
-		t.Fatalf("after a silent interval got %q %v, want a ping comment", line, err)
+	s.Next(t)
+	if line := s.Line(t); line != ": ping\n" {
+		t.Fatalf("after a silent interval got %q, want a ping comment", line)
 	}
 }

@@ -3,12 +3,16 @@ package server
 import (
 	"context"
 	"fmt"
+	"maps"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -16,6 +20,8 @@ import (
 	"github.com/chromedp/cdproto/emulation"
 	"github.com/chromedp/chromedp"
 	"github.com/chromedp/chromedp/kb"
+
+	"github.com/dlock/dlock/lock"
 )
 
 // screenshotEnv names the file TestUIBrowser saves its screenshot to, for
@@ -114,8 +120,45 @@ type uiRow struct {
 // a reload, and the filter narrows what is shown.
 func TestUIBrowser(t *testing.T) {
 	ctx, closeBrowser := browser(t)
-	e := newEnv(t, nil)
+	// The page's first reads of the completions are answered only once
+	// node-a's failure has arrived on the live feed, each with the state of
+	// when it was asked: the worst order, made certain. An answer read
+	// before an event must not undo it (the page once lost the event so,
+	// when a loaded machine answered late).
+	snapshotsHeld := make(chan struct{})
+	release := sync.OnceFunc(func() { close(snapshotsHeld) })
+	e := newEnvWith(t, envConfig{
+		// What the test shows must hold still however long a loaded
+		// machine takes to start chromium: no lease or claim runs out.
+		mod: func(c *lock.Config) { c.LockTTL = time.Hour; c.ClaimTimeout = 0 },
+		prep: func(s *Server) {
+			rt := s.routes["/ui/api/completions"]
+			h := rt.h
+			rt.h = func(w http.ResponseWriter, r *http.Request) error {
+				select {
+				case <-snapshotsHeld:
+					return h(w, r)
+				default:
+				}
+				snap := httptest.NewRecorder()
+				err := h(snap, r)
+				select {
+				case <-snapshotsHeld:
+				case <-r.Context().Done():
+				}
+				maps.Copy(w.Header(), snap.Header())
+				w.WriteHeader(snap.Code)
+				w.Write(snap.Body.Bytes())
+				return err
+			}
+		},
+	})
+	defer release()
 	defer closeBrowser() // before the server's cleanup, and before goleak looks
+	// Chromium starts before the locks are taken, not in the middle.
+	if err := chromedp.Do(ctx); err != nil {
+		t.Fatal(err)
+	}
 
 	lockAs := func(typ, res, node string) {
 		t.Helper()
@@ -143,7 +186,7 @@ func TestUIBrowser(t *testing.T) {
 	// hand-off is pushed to them; the holder holds under a ttl lease.
 	for _, n := range []string{"node-b", "node-c", "node-e"} {
 		s := e.subscribe("node_id="+n, "")
-		s.next(t)
+		s.Next(t)
 	}
 	lockAs("pull", layer, "node-a")
 	lockAs("pull", layer, "node-b")
@@ -184,10 +227,17 @@ func TestUIBrowser(t *testing.T) {
 	if !slices.Equal(row.Queue, []string{"node-c"}) {
 		t.Fatalf("after the hand-off: %+v, want node-c alone waiting", row)
 	}
-	done := pollUI[string](t, ctx, "node-a's failure among the completions", fmt.Sprintf(`(() => {
+	completionJS := fmt.Sprintf(`(() => {
 		const r = document.querySelector('#completions tr[data-key=' + JSON.stringify(%q) + ']');
 		return r ? r.innerText : null;
-	})()`, "pull:"+layer))
+	})()`, "pull:"+layer)
+	done := pollUI[string](t, ctx, "node-a's failure among the completions", completionJS)
+	// The page's reads of the completions, from before the failure, land.
+	release()
+	pollUI[bool](t, ctx, "the completions read at load", fmt.Sprintf(`document.querySelector('#completions tr[data-key=' + JSON.stringify(%q) + ']') !== null`, "pull:"+gone))
+	if after := uiEval[string](t, ctx, completionJS+` || ""`); after != done {
+		t.Fatalf("node-a's failure %q became %q once the completions read before it landed", done, after)
+	}
 	for _, want := range []string{"node-a", "failed", "disk full", "node-b"} {
 		if !strings.Contains(done, want) {
 			t.Fatalf("completion row %q lacks %q", done, want)

@@ -1,7 +1,6 @@
 package server
 
 import (
-	"bufio"
 	"context"
 	"crypto/sha256"
 	"encoding/base64"
@@ -14,6 +13,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/lock"
 )
 
@@ -222,7 +222,7 @@ func TestUIKeysAndCompletions(t *testing.T) {
 func TestUISessions(t *testing.T) {
 	e := newEnv(t, nil)
 	for _, n := range []string{"n1", "n2", "n3"} {
-		e.subscribe("node_id="+n, "").next(t)
+		e.subscribe("node_id="+n, "").Next(t)
 	}
 	e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"n2"}`)
 	type sessions struct {
@@ -247,56 +247,15 @@ func TestUISessions(t *testing.T) {
 	}
 }
 
-// opFrame is one frame of the operator stream.
-type opFrame struct {
-	event string
-	data  map[string]any
-}
-
-func readOpFrame(t testing.TB, r *bufio.Reader) opFrame {
-	t.Helper()
-	var f opFrame
-	for {
-		line, err := r.ReadString('\n')
-		if err != nil {
-			t.Fatalf("reading the operator stream: %v", err)
-		}
-		line = strings.TrimSuffix(line, "\n")
-		switch {
-		case line == "":
-			if f.event != "" {
-				return f
-			}
-		case strings.HasPrefix(line, ":"), strings.HasPrefix(line, "retry: "):
-		case strings.HasPrefix(line, "event: "):
-			f.event = line[7:]
-		case strings.HasPrefix(line, "data: "):
-			if err := json.Unmarshal([]byte(line[6:]), &f.data); err != nil {
-				t.Fatalf("data %q: %v", line, err)
-			}
-		default:
-			t.Fatalf("unexpected line %q", line)
-		}
-	}
-}
-
 // TestUIEvents: one operator stream carries every key's transitions in
 // order, queue joins and leaves and session changes included.
 func TestUIEvents(t *testing.T) {
 	for _, lean := range []bool{true, false} {
 		t.Run(fmt.Sprint("lean=", lean), func(t *testing.T) {
 			e := newEnvMode(t, nil, lean)
-			resp, err := http.Get(e.ts.URL + "/ui/events")
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer resp.Body.Close()
-			if resp.StatusCode != 200 || resp.Header.Get("Content-Type") != "text/event-stream" {
-				t.Fatalf("GET /ui/events: %d %s", resp.StatusCode, resp.Header.Get("Content-Type"))
-			}
-			r := bufio.NewReader(resp.Body)
-			if f := readOpFrame(t, r); f.event != "subscribed" || f.data["epoch"] != e.m.Info().Epoch {
-				t.Fatalf("first frame %+v", f)
+			ops := kit.OpenStream(t, e.ts.URL+"/ui/events", "")
+			if f := ops.Next(t); f.Event != "subscribed" || f.JSON(t)["epoch"] != e.m.Info().Epoch {
+				t.Fatalf("first frame %v", f)
 			}
 			e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"a"}`)
 			e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"b"}`)
@@ -304,16 +263,14 @@ func TestUIEvents(t *testing.T) {
 			e.call("POST", "/cancel", `{"type":"pull","resource_id":"r","node_id":"c"}`)
 			e.call("POST", "/lock", `{"type":"update","resource_id":"s","node_id":"x"}`)
 			e.call("POST", "/unlock", `{"type":"pull","resource_id":"r","node_id":"a","error":"boom"}`)
-			e.subscribe("node_id=n", "").next(t)
+			e.subscribe("node_id=n", "").Next(t)
 			var got []string
 			for range 8 {
-				f := readOpFrame(t, r)
-				if f.data["event"] != f.event {
-					t.Fatalf("frame %+v: data names another event", f)
-				}
-				s := f.event + ":" + f.data["node_id"].(string)
-				if f.event != "session" {
-					s += "@" + f.data["type"].(string) + ":" + f.data["resource_id"].(string)
+				f := ops.Next(t)
+				d := f.JSON(t) // fails unless the data names the frame's event
+				s := f.Event + ":" + d["node_id"].(string)
+				if f.Event != "session" {
+					s += "@" + d["type"].(string) + ":" + d["resource_id"].(string)
 				}
 				got = append(got, s)
 			}

@@ -24,6 +24,7 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 
 	"github.com/dlock/dlock/internal/dlocktest"
+	"github.com/dlock/dlock/internal/dlocktest/kit"
 )
 
 // containerd2Env names the directory holding the containerd 2.x daemon
@@ -261,7 +262,7 @@ http:
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
-	waitUntil(t, "the registry answers", func() bool {
+	kit.WaitFor(t, "the registry answers", func() bool {
 		resp, err := http.Get("http://" + addr + "/v2/")
 		if err == nil {
 			resp.Body.Close()
@@ -384,7 +385,7 @@ func (n *ctrNode) start(t *testing.T, bin, shared, server string) {
 			t.Logf("%s dlock-content log:\n%s", n.name, dcLog.String())
 		}
 	})
-	waitUntil(t, n.name+"'s dlock-content socket", func() bool { _, err := os.Stat(contentSock); return err == nil })
+	kit.WaitFor(t, n.name+"'s dlock-content socket", func() bool { _, err := os.Stat(contentSock); return err == nil })
 
 	n.sock = filepath.Join(n.dir, "containerd.sock")
 	cfg := filepath.Join(n.dir, "containerd.toml")
@@ -426,7 +427,7 @@ disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.content.v1.conte
 			t.Logf("%s containerd log:\n%s", n.name, cdLog.String())
 		}
 	})
-	waitUntil(t, n.name+"'s containerd", func() bool {
+	kit.WaitFor(t, n.name+"'s containerd", func() bool {
 		_, err := n.ctr(context.Background(), "version")
 		return err == nil
 	})
@@ -439,15 +440,4 @@ func (n *ctrNode) ctr(ctx context.Context, args ...string) (string, error) {
 		return string(out), fmt.Errorf("ctr %s: %v: %s", strings.Join(args, " "), err, out)
 	}
 	return string(out), nil
-}
-
-func waitUntil(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
 }

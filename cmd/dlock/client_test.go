@@ -5,7 +5,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -16,29 +15,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/dlock/dlock/internal/dlocktest"
+	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/lock"
-	"github.com/dlock/dlock/server"
 )
 
 // startServer runs an in-process dlock server on 127.0.0.1 for the binary.
-func startServer(t *testing.T, mod func(*lock.Config)) string {
-	cfg := lock.DefaultConfig()
-	if mod != nil {
-		mod(&cfg)
-	}
-	m, err := lock.NewMemory(context.Background(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := server.New(m, server.Options{})
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	hs := &http.Server{Handler: srv}
-	go hs.Serve(ln)
-	t.Cleanup(func() { srv.Drain(); hs.Close(); m.Close() })
-	return "http://" + ln.Addr().String()
+func startServer(t *testing.T, mod func(*lock.Config)) *dlocktest.Server {
+	return dlocktest.Start(t, dlocktest.Options{Config: mod})
 }
 
 // dlock runs the binary and returns stdout, stderr and the exit status.
@@ -56,15 +40,33 @@ func dlock(t *testing.T, server string, args ...string) (string, string, int) {
 	return out.String(), errb.String(), cmd.ProcessState.ExitCode()
 }
 
-// raceRun starts n `dlock run` processes at once on one resource.
-func raceRun(t *testing.T, server string, n int, script string) (statuses []int, stderrs []string) {
+// layer is the key the racing processes of raceRun want.
+var layer = lock.Key{Type: lock.Pull, Resource: "sha256:layer"}
+
+// raceRun starts n `dlock run` processes at once on one resource. Their
+// script, made by script, may wait with the shell it is given; raceRun
+// lets that wait end once the other n-1 processes are queued on the
+// server, a barrier: however slow the machine is to start them, none comes
+// late and finds the key free.
+func raceRun(t *testing.T, srv *dlocktest.Server, n int, script func(wait string) string) (statuses []int, stderrs []string) {
 	statuses, stderrs = make([]int, n), make([]string, n)
+	goFile := filepath.Join(t.TempDir(), "go")
+	wait := "until [ -e " + goFile + " ]; do sleep 0.01; done"
 	var wg sync.WaitGroup
+	defer wg.Wait()
+	release := sync.OnceFunc(func() {
+		if err := os.WriteFile(goFile, nil, 0o600); err != nil {
+			t.Error(err)
+		}
+	})
+	defer release() // a failed wait must not leave the scripts waiting
 	for i := range n {
 		wg.Go(func() {
-			_, stderrs[i], statuses[i] = dlock(t, server, "run", "--resource", "sha256:layer", "--", "sh", "-c", script)
+			_, stderrs[i], statuses[i] = dlock(t, srv.URL(), "run", "--resource", layer.Resource, "--", "sh", "-c", script(wait))
 		})
 	}
+	srv.WaitQueued(t, layer, n-1)
+	release()
 	wg.Wait()
 	return statuses, stderrs
 }
@@ -82,7 +84,7 @@ func lines(t *testing.T, path string) int {
 func TestRunOnceOnSuccess(t *testing.T) {
 	srv := startServer(t, nil)
 	log := filepath.Join(t.TempDir(), "runs")
-	statuses, stderrs := raceRun(t, srv, 8, `echo run >> `+log+`; sleep 0.2`)
+	statuses, stderrs := raceRun(t, srv, 8, func(wait string) string { return `echo run >> ` + log + `; ` + wait })
 	if n := lines(t, log); n != 1 {
 		t.Fatalf("the command ran %d times, want 1", n)
 	}
@@ -99,11 +101,11 @@ func TestRunOnceOnSuccess(t *testing.T) {
 		t.Fatalf("%d processes said they skipped, want 7: %q", skips, stderrs)
 	}
 	// Moments later the work is still done: skipped, with --skip-exit-code.
-	if _, errOut, st := dlock(t, srv, "run", "--resource", "sha256:layer", "--skip-exit-code", "9", "--", "sh", "-c", "echo run >> "+log); st != 9 || lines(t, log) != 1 {
+	if _, errOut, st := dlock(t, srv.URL(), "run", "--resource", layer.Resource, "--skip-exit-code", "9", "--", "sh", "-c", "echo run >> "+log); st != 9 || lines(t, log) != 1 {
 		t.Fatalf("late run: status %d (%s), %d runs", st, errOut, lines(t, log))
 	}
 	// --always runs it.
-	if _, _, st := dlock(t, srv, "run", "--resource", "sha256:layer", "--always", "--", "sh", "-c", "echo run >> "+log); st != 0 || lines(t, log) != 2 {
+	if _, _, st := dlock(t, srv.URL(), "run", "--resource", layer.Resource, "--always", "--", "sh", "-c", "echo run >> "+log); st != 0 || lines(t, log) != 2 {
 		t.Fatalf("--always: status %d, %d runs", st, lines(t, log))
 	}
 }
@@ -114,8 +116,10 @@ func TestRunTwiceOnFailure(t *testing.T) {
 	srv := startServer(t, nil)
 	dir := t.TempDir()
 	log := filepath.Join(dir, "runs")
-	script := `echo run >> ` + log + `; sleep 0.1; if mkdir ` + filepath.Join(dir, "failed") + ` 2>/dev/null; then exit 3; fi`
-	statuses, stderrs := raceRun(t, srv, 8, script)
+	// The first run fails once the others are queued; the second succeeds.
+	statuses, stderrs := raceRun(t, srv, 8, func(wait string) string {
+		return `echo run >> ` + log + `; if mkdir ` + filepath.Join(dir, "failed") + ` 2>/dev/null; then ` + wait + `; exit 3; fi`
+	})
 	if n := lines(t, log); n != 2 {
 		t.Fatalf("the command ran %d times, want 2: %q", n, stderrs)
 	}
@@ -133,7 +137,7 @@ func TestRunTwiceOnFailure(t *testing.T) {
 }
 
 func TestRunSignalReleasesAsFailure(t *testing.T) {
-	srv := startServer(t, nil)
+	srv := startServer(t, nil).URL()
 	started := filepath.Join(t.TempDir(), "started")
 	cmd := exec.Command(dlockBinary(t), "run", "--resource", "r", "--node", "sig", "--", "sh", "-c", "touch "+started+"; exec sleep 30")
 	cmd.Env = append(os.Environ(), "DLOCK_SERVER="+srv)
@@ -142,7 +146,7 @@ func TestRunSignalReleasesAsFailure(t *testing.T) {
 	}
 	// The command runs: a signal now goes to it. (Seeing the lock held is
 	// not enough: until dlock has the answer, a signal cancels the wait.)
-	waitFile(t, started)
+	kit.WaitFor(t, "the command to start", func() bool { _, err := os.Stat(started); return err == nil })
 	cmd.Process.Signal(syscall.SIGTERM)
 	err := cmd.Wait()
 	if cmd.ProcessState.ExitCode() != 128+15 {
@@ -155,23 +159,10 @@ func TestRunSignalReleasesAsFailure(t *testing.T) {
 }
 
 func TestRunLockLost(t *testing.T) {
-	srv := startServer(t, func(c *lock.Config) { c.MaxHold = 300 * time.Millisecond })
+	srv := startServer(t, func(c *lock.Config) { c.MaxHold = 300 * time.Millisecond }).URL()
 	_, errOut, st := dlock(t, srv, "run", "--resource", "r", "--renew-interval", "100ms", "--", "sleep", "30")
 	if st != 1 || !strings.Contains(errOut, "lock lost") {
 		t.Fatalf("status %d, stderr %q: want 1 and 'lock lost'", st, errOut)
-	}
-}
-
-func waitFile(t *testing.T, path string) {
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		if _, err := os.Stat(path); err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s never appeared", path)
-		}
-		time.Sleep(10 * time.Millisecond)
 	}
 }
 
@@ -199,7 +190,7 @@ func status(t *testing.T, srv, res string) statusAnswer {
 }
 
 func TestClientSubcommands(t *testing.T) {
-	srv := startServer(t, func(c *lock.Config) { c.RefStore = memRefs{} })
+	srv := startServer(t, func(c *lock.Config) { c.RefStore = memRefs{} }).URL()
 	out, errOut, st := dlock(t, srv, "lock", "--resource", "r", "--node", "a")
 	var lr struct {
 		Acquired bool

@@ -1,8 +1,6 @@
 package main
 
 import (
-	"context"
-	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -11,39 +9,29 @@ import (
 	"testing"
 
 	"github.com/dlock/dlock/api"
+	"github.com/dlock/dlock/internal/dlocktest"
 	"github.com/dlock/dlock/lock"
-	"github.com/dlock/dlock/server"
 )
 
 // refusingServer runs a dlock server whose first `refusals` answers to
 // /lock are 429 queue_full with Retry-After: 1, as a server at its limit
 // answers. It returns the URL and the count of /lock requests.
 func refusingServer(t *testing.T, refusals int64) (string, *atomic.Int64) {
-	m, err := lock.NewMemory(context.Background(), lock.DefaultConfig())
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := server.New(m, server.Options{})
 	var locks atomic.Int64
-	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.URL.Path == "/lock" && locks.Add(1) <= refusals {
-			status, body := api.ErrorResponse(lock.ErrQueueFull)
-			w.Header().Set("Retry-After", "1")
-			w.Header().Set("Content-Type", "application/json")
-			w.WriteHeader(status)
-			w.Write([]byte(`{"error":"` + body.Error + `","code":"` + body.Code + `","message":"` + body.Message + `"}`))
-			return
-		}
-		srv.ServeHTTP(w, r)
-	})
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	hs := &http.Server{Handler: h}
-	go hs.Serve(ln)
-	t.Cleanup(func() { srv.Drain(); hs.Close(); m.Close() })
-	return "http://" + ln.Addr().String(), &locks
+	srv := dlocktest.Start(t, dlocktest.Options{Wrap: func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path == "/lock" && locks.Add(1) <= refusals {
+				status, body := api.ErrorResponse(lock.ErrQueueFull)
+				w.Header().Set("Retry-After", "1")
+				w.Header().Set("Content-Type", "application/json")
+				w.WriteHeader(status)
+				w.Write([]byte(`{"error":"` + body.Error + `","code":"` + body.Code + `","message":"` + body.Message + `"}`))
+				return
+			}
+			next.ServeHTTP(w, r)
+		})
+	}})
+	return srv.URL(), &locks
 }
 
 // TestRunRetriesLoadRefusals: `dlock run` rides out 429s with Retry-After

@@ -29,7 +29,7 @@ func TestScenarios(t *testing.T) {
 			t.Fatalf("%s: implausible result %+v", name, r)
 		}
 	}
-	if st := srv.M.Stats(); st.Queued != 0 {
+	if st := srv.Memory.Stats(); st.Queued != 0 {
 		t.Fatalf("scenarios left %d waiters queued", st.Queued)
 	}
 }
@@ -37,8 +37,8 @@ func TestScenarios(t *testing.T) {
 func TestMemory(t *testing.T) {
 	srv := dlocktest.Start(t, dlocktest.Options{})
 	r, err := HeldLocks(context.Background(), srv.URL(), Options{}.Dialer, 500, 4)
-	if err != nil || r.RSSMiB <= 0 || srv.M.Stats().Held != 500 {
-		t.Fatalf("held locks: %+v %v (held %d)", r, err, srv.M.Stats().Held)
+	if err != nil || r.RSSMiB <= 0 || srv.Memory.Stats().Held != 500 {
+		t.Fatalf("held locks: %+v %v (held %d)", r, err, srv.Memory.Stats().Held)
 	}
 	r, err = OpenSessions(context.Background(), srv.URL(), Options{}.Dialer, 50)
 	if err != nil || r.RSSMiB <= 0 {

@@ -37,7 +37,7 @@ func TestScenariosOverTLS(t *testing.T) {
 	if n := proxy.Handshakes(); n != 2+2*2 {
 		t.Errorf("%d TLS handshakes, want 6: one per pairs worker, two (stream, requests) per handoff node", n)
 	}
-	if r, err := HeldLocks(ctx, proxy.URL, d, 20, 2); err != nil || r.RSSMiB <= 0 || srv.M.Stats().Held != 20 {
+	if r, err := HeldLocks(ctx, proxy.URL, d, 20, 2); err != nil || r.RSSMiB <= 0 || srv.Memory.Stats().Held != 20 {
 		t.Fatalf("held locks over TLS: %+v %v", r, err)
 	}
 

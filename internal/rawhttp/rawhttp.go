@@ -8,6 +8,7 @@ import (
 	"bufio"
 	"bytes"
 	"crypto/tls"
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -161,6 +162,7 @@ type Stream struct {
 	conn net.Conn
 	resp *http.Response
 	r    *bufio.Reader
+	ev   Event
 }
 
 // Subscribe opens node's session stream and reads up to its subscribed event.
@@ -204,25 +206,75 @@ func (d Dialer) Subscribe(base, node string) (*Stream, error) {
 	}
 }
 
-// Next returns the next event's name and data line, skipping pings.
+// Next returns the next event's name and data, skipping pings. data is
+// valid until the next call.
 func (s *Stream) Next() (name string, data []byte, err error) {
-	for {
-		line, err := s.r.ReadSlice('\n')
-		if err != nil {
-			return "", nil, err
-		}
-		switch {
-		case len(line) <= 1:
-			if name != "" {
-				return name, data, nil
-			}
-		case bytes.HasPrefix(line, []byte("event: ")):
-			name = string(bytes.TrimSpace(line[7:]))
-		case bytes.HasPrefix(line, []byte("data: ")):
-			data = append(data[:0], bytes.TrimSpace(line[6:])...)
-		}
+	if err := ReadEvent(s.r, &s.ev); err != nil {
+		return "", nil, err
 	}
+	return s.ev.Name, s.ev.Data, nil
 }
 
 // Close ends the stream.
 func (s *Stream) Close() error { return s.conn.Close() }
+
+// Event is one Server-Sent Event.
+type Event struct {
+	ID, Name string
+	// Data is the event's data lines, joined by "\n". ReadEvent reuses
+	// its array.
+	Data []byte
+	// Retry is the reconnection delay the event carried, "" if none.
+	Retry string
+}
+
+// ReadEvent reads the next event of a Server-Sent Events stream into ev,
+// skipping comments (the server's pings). It is the one parser of the
+// tests and the load generator. A line of another field than id, event,
+// data and retry is an error: dlock's servers send no other, and a test
+// must see a stray line rather than have it ignored.
+func ReadEvent(r *bufio.Reader, ev *Event) error {
+	ev.ID, ev.Name, ev.Retry, ev.Data = "", "", "", ev.Data[:0]
+	fields, data := 0, 0
+	for {
+		line, err := r.ReadSlice('\n')
+		if errors.Is(err, bufio.ErrBufferFull) {
+			return fmt.Errorf("rawhttp: an event line over %d bytes", r.Size())
+		}
+		if err != nil {
+			return err
+		}
+		line = bytes.TrimSuffix(bytes.TrimSuffix(line, []byte("\n")), []byte("\r"))
+		if len(line) == 0 {
+			if fields > 0 {
+				return nil
+			}
+			continue
+		}
+		field, value, ok := bytes.Cut(line, []byte(":"))
+		if !ok {
+			return fmt.Errorf("rawhttp: unexpected event stream line %q", line)
+		}
+		if len(field) == 0 {
+			continue // a comment: a ping
+		}
+		value = bytes.TrimPrefix(value, []byte(" "))
+		switch string(field) {
+		case "id":
+			ev.ID = string(value)
+		case "event":
+			ev.Name = string(value)
+		case "retry":
+			ev.Retry = string(value)
+		case "data":
+			if data > 0 {
+				ev.Data = append(ev.Data, '\n')
+			}
+			ev.Data = append(ev.Data, value...)
+			data++
+		default:
+			return fmt.Errorf("rawhttp: unexpected event stream line %q", line)
+		}
+		fields++
+	}
+}
