@@ -95,8 +95,24 @@ func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byt
 	h.Set("Cache-Control", "no-cache")
 	h.Set("X-Accel-Buffering", "no")
 	w.WriteHeader(http.StatusOK)
-	// Drain must not wait for a write to a client that does not read.
-	defer context.AfterFunc(s.drained, func() { _ = rc.SetWriteDeadline(time.Now()) })()
+	// Drain must not wait for a write to a client that does not read. The
+	// deadline is never set once the handler has returned: the
+	// ResponseWriter is net/http's again then (HTTP/2 reuses it).
+	var deadlineMu sync.Mutex
+	handlerDone := false
+	stopDrain := context.AfterFunc(s.drained, func() {
+		deadlineMu.Lock()
+		defer deadlineMu.Unlock()
+		if !handlerDone {
+			_ = rc.SetWriteDeadline(time.Now())
+		}
+	})
+	defer func() {
+		stopDrain()
+		deadlineMu.Lock()
+		handlerDone = true
+		deadlineMu.Unlock()
+	}()
 	gone := r.Context().Done()
 	if revoked := revocation(r.Context()); revoked != nil {
 		// The token that opened the stream was removed (docs/SECURITY.md).
