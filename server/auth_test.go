@@ -45,7 +45,7 @@ type authSetup struct {
 // and c and of the operator.
 type authEnv struct {
 	*env
-	t          *testing.T
+	t          testing.TB
 	dir        string
 	addr       string
 	tokensPath string
@@ -57,7 +57,7 @@ type authEnv struct {
 	tls        bool
 }
 
-func newAuthEnv(t *testing.T, as authSetup) *authEnv {
+func newAuthEnv(t testing.TB, as authSetup) *authEnv {
 	t.Helper()
 	ae := &authEnv{t: t, dir: t.TempDir(), tls: as.tls || as.mtls}
 	var opts Options
@@ -247,7 +247,7 @@ func (s *sse) ended() bool {
 // refusal checks an answer: status and code, the JSON error shape, a
 // message the seeds' client does not retry on (docs/API.md), and the
 // challenge on a 401.
-func refusal(t *testing.T, what string, a answer, status int, code string) {
+func refusal(t testing.TB, what string, a answer, status int, code string) {
 	t.Helper()
 	if a.status != status || a.code() != code {
 		t.Fatalf("%s: %d %s, want %d %s", what, a.status, a.raw, status, code)
@@ -272,7 +272,7 @@ func refusal(t *testing.T, what string, a answer, status int, code string) {
 }
 
 // allowed checks that the identity checks let an answer through.
-func allowed(t *testing.T, what string, a answer) {
+func allowed(t testing.TB, what string, a answer) {
 	t.Helper()
 	if a.status == http.StatusUnauthorized || a.code() == api.CodeUnauthorized || a.code() == api.CodeForbidden {
 		t.Fatalf("%s: %d %s: the identity checks should let it through", what, a.status, a.raw)
@@ -1104,5 +1104,70 @@ func TestAuthOffAnswersAsBefore(t *testing.T) {
 	resp.Body.Close()
 	if resp.StatusCode != 200 || strings.Contains(string(data), "dlock_auth_") || strings.Contains(string(data), "dlock_tls_") {
 		t.Fatalf("/metrics without auth: %d, identity metrics present: %v", resp.StatusCode, strings.Contains(string(data), "dlock_auth_"))
+	}
+}
+
+// TestAuthPipelinedEachChecked: the lean loop checks every request of a
+// pipelined batch on its own: a token on the first does not carry over to
+// the next, nor does a connection passed to net/http keep one.
+func TestAuthPipelinedEachChecked(t *testing.T) {
+	ae := newAuthEnv(t, authSetup{tokens: true})
+	lockA := `{"type":"pull","resource_id":"r","node_id":"a"}`
+	raw := rawPost("/lock", lockA, "Authorization: Bearer "+tokA) +
+		rawPost("/lock", lockA) +
+		rawPost("/unlock", lockA, "Authorization: Bearer "+tokB) +
+		"GET " + statusOf + "&node_id=a HTTP/1.1\r\nHost: x\r\n\r\n" + // passed to net/http
+		"GET " + statusOf + "&node_id=a HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + tokA + "\r\n\r\n" +
+		rawPost("/unlock", lockA, "Connection: close")
+	want := []int{200, 401, 403, 401, 200, 401}
+	for i, resp := range rawExchange(t, ae.addr, raw, len(want)) {
+		if resp.StatusCode != want[i] {
+			t.Fatalf("request %d: %d %s, want %d", i+1, resp.StatusCode, bodyOf(resp), want[i])
+		}
+	}
+}
+
+// BenchmarkAuthLockUnlock: one keep-alive connection sending /lock and
+// /unlock pairs through the lean loop, without identities, with a bearer
+// token, and over mTLS with a token. One op is one pair.
+func BenchmarkAuthLockUnlock(b *testing.B) {
+	for _, bc := range []struct {
+		name  string
+		setup authSetup
+		w     who
+	}{
+		{"off", authSetup{}, who{}},
+		{"token", authSetup{tokens: true}, who{token: tokA}},
+		{"tls", authSetup{tls: true}, who{}},
+		{"mtls+token", authSetup{tokens: true, mtls: true}, who{tokA, "a"}},
+	} {
+		b.Run(bc.name, func(b *testing.B) {
+			ae := newAuthEnv(b, bc.setup)
+			c := ae.dial(bc.w)
+			auth := ""
+			if bc.w.token != "" {
+				auth = "Authorization: Bearer " + bc.w.token + "\r\n"
+			}
+			body := `{"type":"pull","resource_id":"r","node_id":"a"}`
+			req := func(path string) string {
+				return "POST " + path + " HTTP/1.1\r\nHost: x\r\nContent-Length: " + strconv.Itoa(len(body)) + "\r\n" + auth + "\r\n" + body
+			}
+			pair := []byte(req("/lock") + req("/unlock"))
+			_ = c.c.SetDeadline(time.Time{})
+			b.ReportAllocs()
+			b.ResetTimer()
+			for b.Loop() {
+				if _, err := c.c.Write(pair); err != nil {
+					b.Fatal(err)
+				}
+				for range 2 {
+					resp, err := http.ReadResponse(c.br, nil)
+					if err != nil || resp.StatusCode != 200 {
+						b.Fatalf("%v %v", resp, err)
+					}
+					_, _ = io.Copy(io.Discard, resp.Body)
+				}
+			}
+		})
 	}
 }
