@@ -19,7 +19,7 @@ var ErrCertificate = errors.New("certificate")
 // Errors of Certs.Identify.
 var (
 	// ErrNoCertificate is a connection without a client certificate.
-	ErrNoCertificate = errors.New("no client certificate (mTLS: --client-ca is set)")
+	ErrNoCertificate = errors.New("no client certificate")
 	// ErrUntrusted is a client certificate that the current client CA
 	// does not sign (it did when the connection began).
 	ErrUntrusted = errors.New("the client certificate is not signed by the current client CA")
