@@ -16,16 +16,18 @@ FUZZTIME ?= 10s
 fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzLeanMatchesNetHTTP$$' -fuzztime $(FUZZTIME) ./server
 	$(GO) test -run '^$$' -fuzz '^FuzzFastMatchesJSON$$' -fuzztime $(FUZZTIME) ./api
+	$(GO) test -run '^$$' -fuzz '^FuzzAuthorization$$' -fuzztime $(FUZZTIME) ./internal/auth
 
 # deps installs, as root, what some tests run for real: Debian's containerd
 # and docker-registry (three containerd daemons sharing one store),
 # redis-server and etcd-server (dlock bench --compare), chromium (the live
 # view's browser test) and systemd for systemd-analyze (deploy/systemd's
-# units). Without root those tests skip, saying so.
-DEB_PACKAGES = containerd docker-registry redis-server etcd-server chromium systemd
+# units), and openssl and curl (docs/mkcerts.sh, served and called with mTLS).
+# Without root those tests skip, saying so.
+DEB_PACKAGES = containerd docker-registry redis-server etcd-server chromium systemd openssl curl
 deps:
 	@if [ "$$(id -u)" = 0 ]; then \
-		missing=; for b in containerd ctr docker-registry redis-server etcd chromium systemd-analyze; do command -v $$b >/dev/null || missing=yes; done; \
+		missing=; for b in containerd ctr docker-registry redis-server etcd chromium systemd-analyze openssl curl; do command -v $$b >/dev/null || missing=yes; done; \
 		if [ -n "$$missing" ]; then \
 			echo "installing $(DEB_PACKAGES) for the tests that run them"; \
 			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(DEB_PACKAGES) >/dev/null; \

@@ -352,6 +352,8 @@ const (
 	CodeQueueFull        = "queue_full"
 	CodeTooManyKeys      = "too_many_keys"
 	CodeTooManyWatchers  = "too_many_watchers"
+	CodeUnauthorized     = "unauthorized"
+	CodeForbidden        = "forbidden"
 )
 
 // ErrNotFound is an unknown path, or a refcount endpoint with refcount off.
@@ -368,6 +370,15 @@ var ErrUnavailable = errors.New("server is shutting down")
 
 // ErrOverloaded is a server at its connection limit.
 var ErrOverloaded = errors.New("server has too many open connections")
+
+// ErrUnauthorized is a request without a valid credential where the server
+// checks identities: no or an unknown bearer token, no client certificate
+// (docs/SECURITY.md).
+var ErrUnauthorized = errors.New("unauthorized")
+
+// ErrForbidden is a request whose credential may not do what it asks: act
+// as another node, or use an operator's endpoint (docs/SECURITY.md).
+var ErrForbidden = errors.New("forbidden")
 
 // codes maps errors to their code and status. retryAfter, in seconds, is
 // sent as the Retry-After header: the refusal is one of load, and the same
@@ -396,6 +407,8 @@ var codes = []struct {
 	{lock.ErrQueueFull, CodeQueueFull, http.StatusTooManyRequests, 1},
 	{lock.ErrTooManyKeys, CodeTooManyKeys, http.StatusServiceUnavailable, 1},
 	{lock.ErrTooManyWatchers, CodeTooManyWatchers, http.StatusTooManyRequests, 1},
+	{ErrUnauthorized, CodeUnauthorized, http.StatusUnauthorized, 0},
+	{ErrForbidden, CodeForbidden, http.StatusForbidden, 0},
 }
 
 // RetryAfter is the Retry-After header value, in seconds, that answers err;

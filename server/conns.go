@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"net"
@@ -72,7 +73,13 @@ func (s *Server) Serve(ln net.Listener, hs *http.Server) error {
 			continue
 		}
 		s.conns.Add(1)
-		lc := &leanConn{Conn: &trackedConn{Conn: c, open: &s.conns}}
+		var conn net.Conn = &trackedConn{Conn: c, open: &s.conns}
+		if s.certs != nil {
+			// The handshake runs in the connection's goroutine
+			// (serveLean), never in this accept loop.
+			conn = tls.Server(conn, s.certs.Config())
+		}
+		lc := &leanConn{Conn: conn}
 		if !s.trackLean(lc, true) {
 			lc.Close()
 			continue
@@ -92,6 +99,9 @@ func (s *Server) configure(hs *http.Server) {
 	}
 	if hs.WriteTimeout == 0 {
 		hs.WriteTimeout = s.writeTimeout
+	}
+	if s.mtls {
+		hs.ConnContext = s.connContext(hs.ConnContext)
 	}
 }
 
@@ -128,6 +138,12 @@ const maxRefusing = 64
 // briefly, for the client to finish as net/http does.
 func (s *Server) refuse(c net.Conn) {
 	s.metrics.refused.Inc()
+	if s.certs != nil {
+		// A plain-text answer means nothing to a TLS client, and a
+		// handshake is the work an over-full server must not do.
+		c.Close()
+		return
+	}
 	_ = c.SetWriteDeadline(time.Now().Add(time.Second))
 	if _, err := c.Write(s.overloaded); err != nil || s.refusing.Add(1) > maxRefusing {
 		if err == nil {

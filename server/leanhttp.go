@@ -3,6 +3,8 @@ package server
 import (
 	"bufio"
 	"bytes"
+	"context"
+	"crypto/tls"
 	"net"
 	"net/http"
 	"strconv"
@@ -11,6 +13,7 @@ import (
 	"time"
 
 	"github.com/dlock/dlock/api"
+	"github.com/dlock/dlock/internal/auth"
 	"golang.org/x/net/http/httpguts"
 )
 
@@ -33,6 +36,8 @@ const leanBufSize = 4096
 type leanConn struct {
 	net.Conn
 	idle atomic.Bool // waiting for the next request
+	// peer is the client certificate of a TLS connection (auth.go).
+	peer *auth.Peer
 }
 
 // leanPaths are the paths the lean loop answers, all POSTs with a core
@@ -53,6 +58,24 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server) {
 		}
 		s.trackLean(lc, false)
 	}()
+	if tc, ok := lc.Conn.(*tls.Conn); ok {
+		h2, ok := s.handshake(lc, tc)
+		if !ok {
+			return
+		}
+		if h2 {
+			// net/http serves HTTP/2, on the *tls.Conn itself.
+			if lc.peer != nil {
+				s.h2Peers.Store(tc, lc.peer)
+			}
+			if !pass.give(tc) {
+				s.h2Peers.Delete(tc)
+				return
+			}
+			passed = true
+			return
+		}
+	}
 	br := bufio.NewReaderSize(lc, leanBufSize)
 	bw := bufio.NewWriterSize(lc, leanBufSize)
 	var scratch []byte
@@ -102,13 +125,17 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server) {
 			// net/http sets its own deadlines, but only those it is
 			// configured for: ours must not linger.
 			_ = lc.SetDeadline(time.Time{})
-			if !pass.give(&passedConn{Conn: lc.Conn, r: br}) {
+			var pc net.Conn = &passedConn{Conn: lc.Conn, r: br, peer: lc.peer}
+			if tc, ok := lc.Conn.(*tls.Conn); ok {
+				pc = passedTLSConn{passedConn: pc.(*passedConn), tc: tc}
+			}
+			if !pass.give(pc) {
 				return
 			}
 			passed = true
 			return
 		}
-		rq := request{method: http.MethodPost, path: req.path, head: req.head, body: req.body, conn: lc.Conn}
+		rq := request{method: http.MethodPost, path: req.path, head: req.head, body: req.body, conn: lc.Conn, peer: lc.peer}
 		status, body := s.serveRequest(&rq, scratch[:0])
 		writeLeanAnswer(bw, status, body, s.epoch[0], req.close)
 		scratch = body[:0]
@@ -148,6 +175,9 @@ func writeLeanAnswer(bw *bufio.Writer, status int, body []byte, epoch string, cl
 	if ra := api.RetryAfterStatus(status); ra > 0 {
 		b = append(b, "\r\nRetry-After: "...)
 		b = strconv.AppendInt(b, int64(ra), 10)
+	}
+	if status == http.StatusUnauthorized {
+		b = append(b, "\r\nWWW-Authenticate: "+wwwAuthenticateValue...)
 	}
 	b = append(b, "\r\n\r\n"...)
 	_, _ = bw.Write(b)
@@ -446,7 +476,8 @@ func (l *passListener) Addr() net.Addr { return l.addr }
 // passedConn gives net/http the bytes the lean loop had read, then the rest.
 type passedConn struct {
 	net.Conn
-	r *bufio.Reader
+	r    *bufio.Reader
+	peer *auth.Peer // the client certificate, over TLS
 }
 
 func (c *passedConn) Read(p []byte) (int, error) {
@@ -467,4 +498,25 @@ func (c *passedConn) CloseWrite() error {
 		return cw.CloseWrite()
 	}
 	return nil
+}
+
+// handshake runs the TLS handshake of a connection the lean loop took,
+// within the read timeout, and reports whether ALPN chose h2. While it
+// runs the connection counts as idle: a shutdown ends it at once.
+func (s *Server) handshake(lc *leanConn, tc *tls.Conn) (h2, ok bool) {
+	lc.idle.Store(true)
+	defer lc.idle.Store(false)
+	if s.closing.Load() {
+		return false, false
+	}
+	_ = tc.SetDeadline(time.Now().Add(s.readTimeout))
+	peer, err := s.certs.Handshake(context.Background(), tc)
+	if err != nil {
+		s.am.handshakeErrors.Inc()
+		s.log.Debug("TLS handshake failed", "remote", tc.RemoteAddr().String(), "err", err)
+		return false, false
+	}
+	_ = tc.SetDeadline(time.Time{})
+	lc.peer = peer
+	return tc.ConnectionState().NegotiatedProtocol == "h2", true
 }

@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/dlock/dlock/api"
+	"github.com/dlock/dlock/internal/auth"
 	"github.com/dlock/dlock/lock"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -45,6 +46,14 @@ type Options struct {
 	// may block: an answer, or an event on a stream. Zero means
 	// DefaultWriteTimeout.
 	WriteTimeout time.Duration
+	// Tokens, when set, is the token file: every request but GET /healthz
+	// needs one of its bearer tokens, and may name only its token's node
+	// (docs/SECURITY.md).
+	Tokens *auth.Tokens
+	// TLS, when set, makes Serve speak HTTPS only, with its certificates;
+	// when it has a client CA, every request but GET /healthz needs a
+	// client certificate, and may name only a node the certificate names.
+	TLS *auth.Certs
 }
 
 // Defaults of the Options' timeouts.
@@ -68,6 +77,16 @@ type Server struct {
 	epoch        []string
 	overloaded   []byte // the answer to a connection over MaxConns
 	draining     atomic.Bool
+
+	// Identities (auth.go): guarded when tokens or mtls is on.
+	tokens  *auth.Tokens
+	certs   *auth.Certs
+	mtls    bool
+	guarded bool
+	am      *authMetrics
+	// h2Peers holds the client certificate of an h2 connection from the
+	// lean loop's handshake until net/http takes the connection.
+	h2Peers sync.Map // *tls.Conn → *auth.Peer
 
 	// drained is cancelled by Drain: every open event stream ends.
 	drained     context.Context
@@ -120,6 +139,13 @@ func New(b lock.Backend, opts Options) *Server {
 		maxConns:     opts.MaxConns,
 		epoch:        []string{info.Epoch},
 		closed:       make(chan struct{}),
+		tokens:       opts.Tokens,
+		certs:        opts.TLS,
+	}
+	s.mtls = s.certs != nil && s.certs.ClientAuth()
+	s.guarded = s.tokens != nil || s.mtls
+	if s.tokens != nil || s.certs != nil {
+		s.am = newAuthMetrics(reg)
 	}
 	s.drained, s.drain = context.WithCancel(context.Background())
 	s.overloaded = overloadedAnswer(info.Epoch)
@@ -140,6 +166,7 @@ func New(b lock.Backend, opts Options) *Server {
 		metricsHandler.ServeHTTP(w, r)
 		return nil
 	})
+	s.setAccess()
 	for p := range leanPaths {
 		if rt := s.routes[p]; rt == nil || rt.core == nil || rt.method != http.MethodPost {
 			panic("server: lean path " + p + " has no POST core")
@@ -160,7 +187,11 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 	}()
 	w.Header()[api.EpochHeader] = s.epoch // shared, never modified
-	s.serveRequest(&request{method: r.Method, path: r.URL.Path, w: w, r: r}, nil)
+	rq := request{method: r.Method, path: r.URL.Path, w: w, r: r}
+	if s.mtls {
+		rq.peer = peerOf(r)
+	}
+	s.serveRequest(&rq, nil)
 }
 
 // request is what the entry point sees of a request, whichever loop read
@@ -177,6 +208,8 @@ type request struct {
 	head []byte
 	body []byte
 	conn net.Conn
+	// peer is the client certificate, with mTLS.
+	peer *auth.Peer
 }
 
 // header returns the first value of the named header.
@@ -216,7 +249,19 @@ func (s *Server) serveRequest(rq *request, buf []byte) (int, []byte) {
 	start := time.Now()
 	rt := s.routes[rq.path]
 	var err error
+	ctx := context.Background()
+	if s.guarded && (rt == nil || rt.access != accessOpen) {
+		var who *caller
+		if who, err = s.identify(rq, rt); err == nil {
+			if rq.r != nil {
+				rq.r = rq.r.WithContext(context.WithValue(rq.r.Context(), callerKey{}, who))
+			} else {
+				ctx = context.WithValue(ctx, callerKey{}, who)
+			}
+		}
+	}
 	switch {
+	case err != nil:
 	case rt == nil:
 		err = api.ErrNotFound
 	case rq.method != rt.method:
@@ -225,7 +270,7 @@ func (s *Server) serveRequest(rq *request, buf []byte) (int, []byte) {
 		}
 		err = api.ErrMethodNotAllowed
 	case rt.core != nil && rq.w == nil:
-		status, out := rt.core(context.Background(), rq.body, buf)
+		status, out := rt.core(ctx, rq.body, buf)
 		rt.hist.Observe(time.Since(start).Seconds())
 		return status, out
 	case rt.core != nil:
@@ -239,6 +284,9 @@ func (s *Server) serveRequest(rq *request, buf []byte) (int, []byte) {
 	var out []byte
 	if err != nil {
 		if rq.w != nil {
+			if errors.Is(err, api.ErrUnauthorized) {
+				rq.w.Header().Set("WWW-Authenticate", wwwAuthenticateValue)
+			}
 			s.writeError(rq.w, rq.r, err)
 		} else {
 			status, out = s.errorAnswer(err, buf)
@@ -263,6 +311,7 @@ type route struct {
 	core   func(ctx context.Context, body, buf []byte) (int, []byte)
 	h      handler
 	hist   prometheus.Observer
+	access access // who may use it when identities are checked (auth.go)
 }
 
 // route registers h for path and method; another method gets a JSON 405.
@@ -386,6 +435,9 @@ func (s *Server) errorAnswer(err error, buf []byte) (int, []byte) {
 // answer (it may share body's memory: body is fully parsed first).
 func (s *Server) lockAnswer(ctx context.Context, body, buf []byte) (int, []byte) {
 	req, err := api.ParseLock(body)
+	if err == nil {
+		err = s.mayActAs(ctx, req.Node)
+	}
 	if err != nil {
 		return s.errorAnswer(err, buf)
 	}
@@ -402,6 +454,9 @@ func (s *Server) lockAnswer(ctx context.Context, body, buf []byte) (int, []byte)
 
 func (s *Server) unlockAnswer(ctx context.Context, body, buf []byte) (int, []byte) {
 	req, err := api.ParseUnlock(body)
+	if err == nil {
+		err = s.mayActAs(ctx, req.Node)
+	}
 	if err != nil {
 		return s.errorAnswer(err, buf)
 	}
@@ -415,6 +470,9 @@ func (s *Server) unlockAnswer(ctx context.Context, body, buf []byte) (int, []byt
 
 func (s *Server) cancelAnswer(ctx context.Context, body, buf []byte) (int, []byte) {
 	k, node, err := api.ParseKey(body)
+	if err == nil {
+		err = s.mayActAs(ctx, node)
+	}
 	if err != nil {
 		return s.errorAnswer(err, buf)
 	}
@@ -432,7 +490,14 @@ func (s *Server) handleStatus(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	st, err := s.b.Status(r.Context(), t, q.Get("resource_id"), q.Get("node_id"))
+	node := q.Get("node_id")
+	if node != "" {
+		// A /status naming a node renews its ttl leases (docs/API.md).
+		if err := s.mayActAs(r.Context(), node); err != nil {
+			return err
+		}
+	}
+	st, err := s.b.Status(r.Context(), t, q.Get("resource_id"), node)
 	if err != nil {
 		return err
 	}
@@ -467,6 +532,9 @@ func (s *Server) handleRefAdd(w http.ResponseWriter, r *http.Request) error {
 	}
 	req, err := api.ParseRef(*data, false)
 	putBuf(data)
+	if err == nil {
+		err = s.mayActAs(r.Context(), req.NodeID)
+	}
 	if err != nil {
 		return err
 	}
@@ -488,6 +556,9 @@ func (s *Server) handleRefRelease(w http.ResponseWriter, r *http.Request) error 
 	}
 	req, err := api.ParseRef(*data, true)
 	putBuf(data)
+	if err == nil {
+		err = s.mayActAs(r.Context(), req.NodeID)
+	}
 	if err != nil {
 		return err
 	}

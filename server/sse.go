@@ -31,6 +31,12 @@ func (s *Server) handleSubscribe(w http.ResponseWriter, r *http.Request) error {
 	if s.draining.Load() {
 		return api.ErrUnavailable
 	}
+	if node != "" {
+		// A node's stream keeps its session alive and replays its events.
+		if err := s.mayActAs(r.Context(), node); err != nil {
+			return err
+		}
+	}
 	var lastID uint64
 	hasLast := false
 	if v := r.Header.Get("Last-Event-ID"); v != "" {
@@ -77,7 +83,7 @@ func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byt
 			"Connection: close\r\n"+api.EpochHeader+": "...)
 		hdr = append(hdr, s.info.Epoch...)
 		hdr = append(hdr, "\r\n\r\n"...)
-		go s.hijackedStream(conn, hdr, release, run)
+		go s.hijackedStream(conn, hdr, revocation(r.Context()), release, run)
 		return
 	}
 	defer s.openStreams.Done()
@@ -89,9 +95,36 @@ func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byt
 	h.Set("Cache-Control", "no-cache")
 	h.Set("X-Accel-Buffering", "no")
 	w.WriteHeader(http.StatusOK)
-	// Drain must not wait for a write to a client that does not read.
-	defer context.AfterFunc(s.drained, func() { _ = rc.SetWriteDeadline(time.Now()) })()
-	run(r.Context().Done(), func(b []byte) error {
+	// Drain must not wait for a write to a client that does not read. The
+	// deadline is never set once the handler has returned: the
+	// ResponseWriter is net/http's again then (HTTP/2 reuses it).
+	var deadlineMu sync.Mutex
+	handlerDone := false
+	stopDrain := context.AfterFunc(s.drained, func() {
+		deadlineMu.Lock()
+		defer deadlineMu.Unlock()
+		if !handlerDone {
+			_ = rc.SetWriteDeadline(time.Now())
+		}
+	})
+	defer func() {
+		stopDrain()
+		deadlineMu.Lock()
+		handlerDone = true
+		deadlineMu.Unlock()
+	}()
+	gone := r.Context().Done()
+	if revoked := revocation(r.Context()); revoked != nil {
+		// The token that opened the stream was removed (docs/SECURITY.md).
+		ctx, cancel := context.WithCancel(r.Context())
+		defer cancel()
+		defer context.AfterFunc(revoked, func() {
+			s.am.revokedStreams.Inc()
+			cancel()
+		})()
+		gone = ctx.Done()
+	}
+	run(gone, func(b []byte) error {
 		_ = rc.SetWriteDeadline(time.Now().Add(s.writeTimeout))
 		if _, err := w.Write(b); err != nil {
 			return err
@@ -102,7 +135,7 @@ func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byt
 
 // hijackedStream serves a stream on a connection taken over from net/http:
 // the response header goes out with the stream's first write.
-func (s *Server) hijackedStream(conn net.Conn, hdr []byte, release func(), run func(gone <-chan struct{}, write func([]byte) error)) {
+func (s *Server) hijackedStream(conn net.Conn, hdr []byte, revoked context.Context, release func(), run func(gone <-chan struct{}, write func([]byte) error)) {
 	defer s.openStreams.Done()
 	defer s.metrics.streams.Dec()
 	defer release()
@@ -115,6 +148,13 @@ func (s *Server) hijackedStream(conn net.Conn, hdr []byte, release func(), run f
 	// Drain must not wait for a write to a client that does not read: the
 	// connection closes, and the write fails, at once.
 	defer context.AfterFunc(s.drained, func() { conn.Close() })()
+	if revoked != nil {
+		// The token that opened the stream was removed (docs/SECURITY.md).
+		defer context.AfterFunc(revoked, func() {
+			s.am.revokedStreams.Inc()
+			conn.Close()
+		})()
+	}
 	gone := make(chan struct{})
 	var reader sync.WaitGroup
 	reader.Go(func() {

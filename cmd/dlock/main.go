@@ -40,6 +40,7 @@ const usage = `usage: dlock <command> [flags]
 
 server:
   serve      run the lock server
+  token      token new NODE_ID: a line for the server's --token-file
 
 client (flags: --server, --node, --type, --resource, --human, and the credentials
         --ca, --cert, --key, --token-file; env DLOCK_<FLAG>):
@@ -66,6 +67,8 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdin i
 		ctx, stop := signal.NotifyContext(ctx, syscall.SIGINT, syscall.SIGTERM)
 		defer stop()
 		return serve(ctx, args, getenv, stderr)
+	case "token":
+		return cmdToken(args, stdout, stderr)
 	case "lock":
 		return cmdLock(ctx, args, getenv, stdout, stderr)
 	case "unlock":

@@ -37,8 +37,12 @@ type serveConfig struct {
 	logLevel slog.Level
 	debug    string // pprof listen address, "" for none
 	conns    connConfig
+	creds    credConfig
 	// ready, when set, receives the bound address once the server accepts.
 	ready func(net.Addr)
+	// reload, when set, replaces SIGHUP as the signal to re-read the
+	// credentials (tests).
+	reload <-chan os.Signal
 }
 
 func defaultDataDir() string {
@@ -83,6 +87,10 @@ func parseServe(args []string, getenv func(string) string, stderr io.Writer) (se
 	fs.IntVar(&c.conns.max, "max-conns", 0, fmt.Sprintf("most open client connections; past it a new one is answered 503 overloaded (0: the open-file limit minus %d, at most %d)", connsReserve, maxConnsCap))
 	fs.DurationVar(&c.conns.read, "read-timeout", server.DefaultReadTimeout, "time a request's headers and body have to arrive")
 	fs.DurationVar(&c.conns.write, "write-timeout", server.DefaultWriteTimeout, "longest a write (an answer or an event) waits for a client that does not read")
+	fs.StringVar(&c.creds.tokenFile, "token-file", "", "file of bearer tokens, lines \"TOKEN NODE_ID\" (NODE_ID * for an operator); every request but /healthz then needs one (re-read on SIGHUP)")
+	fs.StringVar(&c.creds.tlsCert, "tls-cert", "", "serve HTTPS only, with this certificate chain (PEM; re-read on SIGHUP)")
+	fs.StringVar(&c.creds.tlsKey, "tls-key", "", "the private key (PEM) of --tls-cert")
+	fs.StringVar(&c.creds.clientCA, "client-ca", "", "CA certificates (PEM) that sign client certificates: every request but /healthz then needs one, and acts only as a node it names (CN or DNS SAN; re-read on SIGHUP)")
 	fs.DurationVar(&c.conns.shutdown, "shutdown-timeout", 10*time.Second, "longest a shutdown waits for requests in progress before it closes every connection")
 	if err := fs.Parse(args); err != nil {
 		return c, err
@@ -104,6 +112,9 @@ func parseServe(args []string, getenv func(string) string, stderr io.Writer) (se
 	}
 	if c.conns.max < 0 || c.conns.read <= 0 || c.conns.write <= 0 || c.conns.shutdown <= 0 {
 		return c, errors.New("--max-conns must not be negative, and --read-timeout, --write-timeout and --shutdown-timeout must be positive")
+	}
+	if err := c.creds.validate(); err != nil {
+		return c, err
 	}
 	if err := c.lock.Validate(); err != nil {
 		return c, err
@@ -157,7 +168,13 @@ func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {
 	if c.conns.max == 0 {
 		c.conns.max = defaultMaxConns(fdLimit)
 	}
-	srv := server.New(m, server.Options{Logger: log, MaxConns: c.conns.max, ReadTimeout: c.conns.read, WriteTimeout: c.conns.write})
+	tokens, certs, err := c.creds.load(log)
+	if err != nil {
+		return err
+	}
+	srv := server.New(m, server.Options{Logger: log, MaxConns: c.conns.max, ReadTimeout: c.conns.read, WriteTimeout: c.conns.write, Tokens: tokens, TLS: certs})
+	stopReload := reloadOn(c.reload, srv, log)
+	defer stopReload()
 	ping := min(15*time.Second, c.lock.LockTTL/4)
 	ln, err := server.Listen(ctx, c.listen, ping)
 	if err != nil {
@@ -170,7 +187,8 @@ func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {
 	}
 	log.Info("dlock serving", "addr", ln.Addr().String(), "epoch", m.Info().Epoch, "shards", c.lock.Shards,
 		"refcount", c.refcount, "multi_node_download", c.lock.AllowMultiNodeDownload,
-		"max_conns", c.conns.max, "fd_limit", fdLimit, "data_dir", c.dataDir)
+		"max_conns", c.conns.max, "fd_limit", fdLimit, "data_dir", c.dataDir,
+		"tls", certs != nil, "client_ca", c.creds.clientCA != "", "token_file", c.creds.tokenFile)
 	if c.ready != nil {
 		c.ready(ln.Addr())
 	}

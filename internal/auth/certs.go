@@ -1,0 +1,234 @@
+package auth
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// ErrCertificate is a certificate, key or CA file that cannot be used.
+var ErrCertificate = errors.New("certificate")
+
+// Errors of Certs.Identify.
+var (
+	// ErrNoCertificate is a connection without a client certificate.
+	ErrNoCertificate = errors.New("no client certificate")
+	// ErrUntrusted is a client certificate that the current client CA
+	// does not sign (it did when the connection began).
+	ErrUntrusted = errors.New("the client certificate is not signed by the current client CA")
+)
+
+// Certs is the server's TLS configuration read from files: its
+// certificate and key, and optionally the CA that signs client
+// certificates (mTLS). Reload reads them again; connections made after it
+// use the new files.
+type Certs struct {
+	certFile, keyFile, caFile string
+	mu                        sync.Mutex // serialises Reload
+	cur                       atomic.Pointer[certState]
+	outer                     *tls.Config
+}
+
+// certState is one reading of the files.
+type certState struct {
+	config *tls.Config
+	leaf   *x509.Certificate
+	// roots is the client CA pool, nil without mTLS.
+	roots *x509.CertPool
+}
+
+// LoadCerts reads the server's certificate chain and key (PEM) and, when
+// caFile is not empty, the CA certificates (PEM) that client certificates
+// must chain to.
+func LoadCerts(certFile, keyFile, caFile string) (*Certs, error) {
+	c := &Certs{certFile: certFile, keyFile: keyFile, caFile: caFile}
+	st, err := c.read()
+	if err != nil {
+		return nil, err
+	}
+	c.cur.Store(st)
+	// The listener's configuration only picks the current one: a
+	// handshake reads the files' latest good reading.
+	c.outer = &tls.Config{
+		MinVersion: tls.VersionTLS12,
+		GetConfigForClient: func(*tls.ClientHelloInfo) (*tls.Config, error) {
+			return c.cur.Load().config, nil
+		},
+	}
+	return c, nil
+}
+
+// Reload reads the files again. On an error the old certificates stay.
+func (c *Certs) Reload() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	st, err := c.read()
+	if err != nil {
+		return err
+	}
+	c.cur.Store(st)
+	return nil
+}
+
+// Config is the configuration to serve TLS with. A client certificate is
+// asked for and verified when one is sent, but not required by the
+// handshake: the HTTP layer answers its absence with 401 (so GET /healthz
+// stays open to probes that have no certificate).
+func (c *Certs) Config() *tls.Config { return c.outer }
+
+// ClientAuth reports whether client certificates are checked (mTLS).
+func (c *Certs) ClientAuth() bool { return c.caFile != "" }
+
+// Leaf is the server's current certificate.
+func (c *Certs) Leaf() *x509.Certificate { return c.cur.Load().leaf }
+
+func (c *Certs) read() (*certState, error) {
+	kp, err := tls.LoadX509KeyPair(c.certFile, c.keyFile)
+	if err != nil {
+		return nil, fmt.Errorf("%w: --tls-cert %s, --tls-key %s: %w", ErrCertificate, c.certFile, c.keyFile, err)
+	}
+	leaf := kp.Leaf
+	if now := time.Now(); now.After(leaf.NotAfter) {
+		return nil, fmt.Errorf("%w: --tls-cert %s expired at %s", ErrCertificate, c.certFile, leaf.NotAfter.UTC().Format(time.RFC3339))
+	}
+	st := &certState{leaf: leaf}
+	st.config = &tls.Config{
+		MinVersion:   tls.VersionTLS12,
+		Certificates: []tls.Certificate{kp},
+		// The lean loop serves HTTP/1.1; net/http serves h2.
+		NextProtos: []string{"h2", "http/1.1"},
+	}
+	if c.caFile != "" {
+		pem, err := os.ReadFile(c.caFile)
+		if err != nil {
+			return nil, fmt.Errorf("%w: --client-ca: %w", ErrCertificate, err)
+		}
+		st.roots = x509.NewCertPool()
+		if !st.roots.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("%w: --client-ca %s holds no PEM certificate", ErrCertificate, c.caFile)
+		}
+		st.config.ClientCAs = st.roots
+		st.config.ClientAuth = tls.VerifyClientCertIfGiven
+	}
+	return st, nil
+}
+
+// CertIdentity is who a verified client certificate says a client is.
+type CertIdentity struct {
+	// Names are the certificate's Subject common name and DNS SANs.
+	Names []string
+}
+
+// Operator reports whether the certificate names the operator, "*".
+func (id *CertIdentity) Operator() bool { return slices.Contains(id.Names, Operator) }
+
+// MayActAs reports whether the certificate names node (exactly: no
+// wildcard matching, no case folding; node ids are byte strings).
+func (id *CertIdentity) MayActAs(node string) bool {
+	return id.Operator() || slices.Contains(id.Names, node)
+}
+
+// Names returns the node names of a certificate: its Subject common name
+// and its DNS SANs.
+func Names(cert *x509.Certificate) []string {
+	names := make([]string, 0, 1+len(cert.DNSNames))
+	if cert.Subject.CommonName != "" {
+		names = append(names, cert.Subject.CommonName)
+	}
+	for _, n := range cert.DNSNames {
+		if !slices.Contains(names, n) {
+			names = append(names, n)
+		}
+	}
+	return names
+}
+
+// Peer is one connection's client certificate. Its identity is worked out
+// once per client CA: when a reload changes the CA, the next request on
+// the connection checks the certificate against the new one, so a
+// keep-alive connection does not outlive its CA's trust.
+type Peer struct {
+	leaf          *x509.Certificate
+	intermediates *x509.CertPool
+	// roots verified the certificate in the handshake; nil when unknown.
+	roots   *x509.CertPool
+	checked atomic.Pointer[peerCheck]
+}
+
+type peerCheck struct {
+	roots *x509.CertPool
+	id    *CertIdentity
+	err   error
+}
+
+// NewPeer takes the client certificate of a finished handshake; nil when
+// the client sent none or the handshake did not verify it. Which CA
+// verified it is not known: Identify verifies it again, once.
+func NewPeer(st *tls.ConnectionState) *Peer {
+	if st == nil || len(st.PeerCertificates) == 0 || len(st.VerifiedChains) == 0 {
+		return nil
+	}
+	p := &Peer{leaf: st.PeerCertificates[0]}
+	if len(st.PeerCertificates) > 1 {
+		p.intermediates = x509.NewCertPool()
+		for _, c := range st.PeerCertificates[1:] {
+			p.intermediates.AddCert(c)
+		}
+	}
+	return p
+}
+
+// Handshake runs the server side of tc's handshake and returns the
+// client certificate's Peer, nil when the client sent none. When no
+// reload ran meanwhile, the CA that verified the certificate is known and
+// Identify need not verify it again.
+func (c *Certs) Handshake(ctx context.Context, tc *tls.Conn) (*Peer, error) {
+	before := c.cur.Load()
+	if err := tc.HandshakeContext(ctx); err != nil {
+		return nil, err
+	}
+	st := tc.ConnectionState()
+	p := NewPeer(&st)
+	// GetConfigForClient read c.cur between the two loads, and every
+	// reload stores a new pointer: the same pointer means its roots.
+	if p != nil && c.cur.Load() == before {
+		p.roots = before.roots
+	}
+	return p, nil
+}
+
+// Identify returns the identity of p's certificate under the current
+// client CA: ErrNoCertificate for a nil p, ErrUntrusted when the current
+// CA does not sign it (a reload replaced the CA since the handshake).
+func (c *Certs) Identify(p *Peer) (*CertIdentity, error) {
+	if p == nil {
+		return nil, ErrNoCertificate
+	}
+	roots := c.cur.Load().roots
+	if ch := p.checked.Load(); ch != nil && ch.roots == roots {
+		return ch.id, ch.err
+	}
+	ch := &peerCheck{roots: roots}
+	if p.roots != roots {
+		_, err := p.leaf.Verify(x509.VerifyOptions{
+			Roots:         roots,
+			Intermediates: p.intermediates,
+			KeyUsages:     []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
+		})
+		if err != nil {
+			ch.err = ErrUntrusted
+		}
+	}
+	if ch.err == nil {
+		ch.id = &CertIdentity{Names: Names(p.leaf)}
+	}
+	p.checked.Store(ch)
+	return ch.id, ch.err
+}

@@ -1,0 +1,243 @@
+package auth
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+
+	"github.com/dlock/dlock/internal/auth/authtest"
+)
+
+type certFiles struct{ cert, key, ca string }
+
+func writeCerts(t *testing.T, dir string, ca *authtest.CA) certFiles {
+	t.Helper()
+	cert, key := ca.Server(t).Write(t, dir, "server")
+	caFile := filepath.Join(dir, "ca.crt")
+	authtest.WriteFile(t, caFile, ca.PEM)
+	return certFiles{cert, key, caFile}
+}
+
+// handshake runs a TLS handshake over a pipe: the server side with c, the
+// client with cfg. It returns the server's Peer and the client's view; the
+// error is the server's, else the client's (in TLS 1.3 a refused client
+// certificate reaches the client after its side of the handshake is done:
+// it reads until the server closes).
+func handshake(t *testing.T, c *Certs, cfg *tls.Config) (*Peer, tls.ConnectionState, error) {
+	t.Helper()
+	sc, cc := net.Pipe()
+	defer cc.Close()
+	client := tls.Client(cc, cfg)
+	type result struct {
+		st  tls.ConnectionState
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		err := client.HandshakeContext(context.Background())
+		st := client.ConnectionState()
+		if err == nil {
+			var b [1]byte
+			if _, err = client.Read(b[:]); errors.Is(err, io.EOF) {
+				err = nil
+			}
+		}
+		cc.Close()
+		done <- result{st, err}
+	}()
+	server := tls.Server(sc, c.Config())
+	p, err := c.Handshake(context.Background(), server)
+	server.Close()
+	r := <-done
+	if err == nil {
+		err = r.err
+	}
+	return p, r.st, err
+}
+
+// clientConfig trusts ca for the server and sends the first of certs,
+// whoever signed it (Go's client would otherwise send only a certificate
+// of a CA the server names).
+func clientConfig(ca *authtest.CA, certs ...tls.Certificate) *tls.Config {
+	return &tls.Config{
+		RootCAs: ca.Pool(), ServerName: "localhost", NextProtos: []string{"h2", "http/1.1"},
+		GetClientCertificate: func(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
+			if len(certs) == 0 {
+				return &tls.Certificate{}, nil
+			}
+			return &certs[0], nil
+		},
+	}
+}
+
+func TestNames(t *testing.T) {
+	ca := authtest.NewCA(t, "ca")
+	for _, tc := range []struct {
+		cn   string
+		dns  []string
+		want []string
+	}{
+		{"node-a", []string{"node-a"}, []string{"node-a"}},
+		{"node-a", []string{"node-b", "node-c"}, []string{"node-a", "node-b", "node-c"}},
+		{"", []string{"node-b"}, []string{"node-b"}},
+		{"*", nil, []string{"*"}},
+	} {
+		c := ca.Node(t, tc.cn, tc.dns...).TLS(t)
+		if got := Names(c.Leaf); !slices.Equal(got, tc.want) {
+			t.Errorf("CN %q DNS %v: names %v, want %v", tc.cn, tc.dns, got, tc.want)
+		}
+	}
+	id := &CertIdentity{Names: []string{"node-a", "node-b"}}
+	if !id.MayActAs("node-a") || !id.MayActAs("node-b") || id.MayActAs("Node-A") || id.MayActAs("node") || id.MayActAs("*") || id.Operator() {
+		t.Error("MayActAs must match names exactly")
+	}
+	if op := (&CertIdentity{Names: []string{"*"}}); !op.Operator() || !op.MayActAs("anyone") {
+		t.Error("a certificate named * is an operator")
+	}
+}
+
+func TestLoadCertsErrors(t *testing.T) {
+	dir := t.TempDir()
+	ca := authtest.NewCA(t, "ca")
+	f := writeCerts(t, dir, ca)
+	other, _ := authtest.NewCA(t, "other").Server(t).Write(t, dir, "other")
+	empty := filepath.Join(dir, "empty")
+	authtest.WriteFile(t, empty, []byte("no PEM here\n"))
+	for _, tc := range []struct {
+		name           string
+		cert, key, cas string
+		notExist       bool
+	}{
+		{"missing cert", filepath.Join(dir, "nope"), f.key, "", true},
+		{"missing key", f.cert, filepath.Join(dir, "nope"), "", true},
+		{"key of another cert", other, f.key, "", false},
+		{"missing CA", f.cert, f.key, filepath.Join(dir, "nope"), true},
+		{"CA without a certificate", f.cert, f.key, empty, false},
+	} {
+		_, err := LoadCerts(tc.cert, tc.key, tc.cas)
+		if !errors.Is(err, ErrCertificate) || tc.notExist != errors.Is(err, os.ErrNotExist) {
+			t.Errorf("%s: %v", tc.name, err)
+		}
+	}
+	if c, err := LoadCerts(f.cert, f.key, ""); err != nil || c.ClientAuth() {
+		t.Fatalf("TLS without mTLS: %v", err)
+	}
+}
+
+// TestCertsMTLS: the node's names come from a verified certificate; no
+// certificate is no peer; another CA's certificate fails the handshake;
+// a reload that replaces the CA makes a connection's certificate
+// untrusted on its next request, and one that brings the CA back trusts
+// it again.
+func TestCertsMTLS(t *testing.T) {
+	dir := t.TempDir()
+	ca := authtest.NewCA(t, "ca")
+	f := writeCerts(t, dir, ca)
+	c, err := LoadCerts(f.cert, f.key, f.ca)
+	if err != nil {
+		t.Fatal(err)
+	}
+	nodeA := ca.Node(t, "node-a", "node-a", "alias-a").TLS(t)
+	p, st, err := handshake(t, c, clientConfig(ca, nodeA))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.NegotiatedProtocol != "h2" {
+		t.Errorf("ALPN %q: the server offers h2 and http/1.1", st.NegotiatedProtocol)
+	}
+	id, err := c.Identify(p)
+	if err != nil || !slices.Equal(id.Names, []string{"node-a", "alias-a"}) {
+		t.Fatalf("identity %+v %v", id, err)
+	}
+	if p.roots == nil {
+		t.Error("a handshake without a reload meanwhile knows the CA that verified it")
+	}
+
+	p0, _, err := handshake(t, c, clientConfig(ca))
+	if err != nil || p0 != nil {
+		t.Fatalf("no certificate: peer %v, %v", p0, err)
+	}
+	if _, err := c.Identify(p0); !errors.Is(err, ErrNoCertificate) {
+		t.Fatalf("no certificate: %v", err)
+	}
+
+	stranger := authtest.NewCA(t, "stranger")
+	if _, _, err := handshake(t, c, clientConfig(ca, stranger.Node(t, "node-a").TLS(t))); err == nil {
+		t.Fatal("a certificate of another CA passed the handshake")
+	}
+	serverOnly := ca.Server(t).TLS(t) // no clientAuth key usage
+	if _, _, err := handshake(t, c, clientConfig(ca, serverOnly)); err == nil {
+		t.Fatal("a certificate without the clientAuth usage passed the handshake")
+	}
+
+	ca2 := authtest.NewCA(t, "ca2")
+	authtest.WriteFile(t, f.ca, ca2.PEM)
+	if err := c.Reload(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Identify(p); !errors.Is(err, ErrUntrusted) {
+		t.Fatalf("after the CA was replaced: %v", err)
+	}
+	if _, _, err := handshake(t, c, clientConfig(ca, nodeA)); err == nil {
+		t.Fatal("a new connection with the old CA's certificate passed the handshake")
+	}
+	p2, _, err := handshake(t, c, clientConfig(ca, ca2.Node(t, "node-b").TLS(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if id, err := c.Identify(p2); err != nil || !id.MayActAs("node-b") {
+		t.Fatalf("new CA's certificate: %+v %v", id, err)
+	}
+
+	authtest.WriteFile(t, f.ca, append(append([]byte{}, ca.PEM...), ca2.PEM...))
+	if err := c.Reload(); err != nil {
+		t.Fatal(err)
+	}
+	if id, err := c.Identify(p); err != nil || !id.MayActAs("node-a") {
+		t.Fatalf("the old CA back in the bundle: %+v %v", id, err)
+	}
+}
+
+// TestCertsRotate: a reload serves the new server certificate to the next
+// handshake; a reload of broken files keeps the last good ones.
+func TestCertsRotate(t *testing.T) {
+	dir := t.TempDir()
+	ca := authtest.NewCA(t, "ca")
+	f := writeCerts(t, dir, ca)
+	c, err := LoadCerts(f.cert, f.key, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, st, err := handshake(t, c, clientConfig(ca))
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := st.PeerCertificates[0].SerialNumber
+	ca.Server(t).Write(t, dir, "server")
+	if err := c.Reload(); err != nil {
+		t.Fatal(err)
+	}
+	_, st, err = handshake(t, c, clientConfig(ca))
+	if err != nil {
+		t.Fatal(err)
+	}
+	second := st.PeerCertificates[0].SerialNumber
+	if second.Cmp(first) == 0 || c.Leaf().SerialNumber.Cmp(second) != 0 {
+		t.Fatalf("after a reload the server still shows serial %v", first)
+	}
+	// Half a rotation: a new certificate whose key is not there yet.
+	cert2 := ca.Server(t)
+	authtest.WriteFile(t, f.cert, cert2.CertPEM)
+	if err := c.Reload(); !errors.Is(err, ErrCertificate) {
+		t.Fatalf("a certificate without its key reloaded: %v", err)
+	}
+	if _, st, err = handshake(t, c, clientConfig(ca)); err != nil || st.PeerCertificates[0].SerialNumber.Cmp(second) != 0 {
+		t.Fatalf("a failed reload changed what the server shows: %v", err)
+	}
+}

@@ -1,0 +1,286 @@
+package server
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"strings"
+
+	"github.com/dlock/dlock/api"
+	"github.com/dlock/dlock/internal/auth"
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Identities (docs/SECURITY.md). With a token file or a client CA, every
+// request but GET /healthz is identified once, in serveRequest, before it
+// is routed: 401 without a valid credential. Every place a request names a
+// node then asks mayActAs before the backend sees the node: 403 when the
+// credential is another node's. Without either, none of this runs and the
+// server answers as it always did.
+
+// access is who may use a route when identities are checked.
+type access uint8
+
+const (
+	accessNode     access = iota // any credential; a named node must be its own
+	accessOpen                   // anyone: GET /healthz, for probes
+	accessOperator               // an operator credential ("*"): /metrics, /ui
+)
+
+// setAccess marks the routes that are not node routes.
+func (s *Server) setAccess() {
+	for p, rt := range s.routes {
+		switch {
+		case p == "/healthz":
+			rt.access = accessOpen
+		case p == "/metrics" || p == "/ui" || strings.HasPrefix(p, "/ui/"):
+			rt.access = accessOperator
+		}
+	}
+}
+
+// caller is who a request comes from: what its token and its client
+// certificate allow. A nil part is a check that is off.
+type caller struct {
+	grant *auth.Grant
+	cert  *auth.CertIdentity
+}
+
+func (c *caller) operator() bool {
+	return (c.grant == nil || c.grant.Operator()) && (c.cert == nil || c.cert.Operator())
+}
+
+// mayActAs: with both a token and a certificate, both must allow it.
+func (c *caller) mayActAs(node string) bool {
+	return (c.grant == nil || c.grant.Operator() || c.grant.Node == node) && (c.cert == nil || c.cert.MayActAs(node))
+}
+
+type callerKey struct{}
+
+func callerOf(ctx context.Context) *caller {
+	c, _ := ctx.Value(callerKey{}).(*caller)
+	return c
+}
+
+// Refusal reasons, the label of dlock_auth_refusals_total.
+const (
+	reasonNoToken        = "no_token"
+	reasonBadHeader      = "bad_header"
+	reasonUnknownToken   = "unknown_token"
+	reasonNoCertificate  = "no_certificate"
+	reasonUntrusted      = "untrusted_certificate"
+	reasonOtherNode      = "other_node"
+	reasonOperatorOnly   = "operator_only"
+	wwwAuthenticateValue = `Bearer realm="dlock"`
+)
+
+type authMetrics struct {
+	refusals        *prometheus.CounterVec
+	handshakeErrors prometheus.Counter
+	reloads         *prometheus.CounterVec
+	revokedStreams  prometheus.Counter
+}
+
+// newAuthMetrics registers the identity metrics; only a server that
+// checks identities or serves TLS has them.
+func newAuthMetrics(reg *prometheus.Registry) *authMetrics {
+	am := &authMetrics{
+		refusals: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "dlock_auth_refusals_total",
+			Help: "Requests answered 401 or 403 by the identity checks, by reason: no_token, bad_header, unknown_token, no_certificate, untrusted_certificate (401); other_node, operator_only (403).",
+		}, []string{"reason"}),
+		handshakeErrors: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "dlock_tls_handshake_errors_total",
+			Help: "TLS handshakes that failed: a client certificate the client CA does not sign, plain HTTP sent to the TLS port, a client too slow for the read timeout, ...",
+		}),
+		reloads: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "dlock_credential_reloads_total",
+			Help: "Reloads (SIGHUP) of the token file and the TLS files, by what and result (ok, error: the last good version stays).",
+		}, []string{"what", "result"}),
+		revokedStreams: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "dlock_auth_revoked_streams_total",
+			Help: "Event streams closed because a reload removed the token that opened them.",
+		}),
+	}
+	for _, r := range []string{reasonNoToken, reasonBadHeader, reasonUnknownToken, reasonNoCertificate, reasonUntrusted, reasonOtherNode, reasonOperatorOnly} {
+		am.refusals.WithLabelValues(r)
+	}
+	reg.MustRegister(am.refusals, am.handshakeErrors, am.reloads, am.revokedStreams)
+	return am
+}
+
+func (s *Server) refuse401(reason string, err error) error {
+	s.am.refusals.WithLabelValues(reason).Inc()
+	return fmt.Errorf("%w: %w", api.ErrUnauthorized, err)
+}
+
+// identify returns who rq comes from, or why it may not be served: 401
+// without a valid credential, 403 for a node's credential on an
+// operator's route.
+func (s *Server) identify(rq *request, rt *route) (*caller, error) {
+	who := &caller{}
+	if s.tokens != nil {
+		v, dup := rq.authorization()
+		if dup {
+			// Two headers: which one would a proxy in front have checked?
+			return nil, s.refuse401(reasonBadHeader, errors.New("more than one Authorization header"))
+		}
+		tok, err := auth.ParseAuthorization(v)
+		switch {
+		case errors.Is(err, auth.ErrNoToken):
+			return nil, s.refuse401(reasonNoToken, errors.New("this server needs \"Authorization: Bearer TOKEN\" (a token of its token file)"))
+		case err != nil:
+			return nil, s.refuse401(reasonBadHeader, err)
+		}
+		g, ok := s.tokens.Lookup(tok)
+		if !ok {
+			return nil, s.refuse401(reasonUnknownToken, errors.New("the bearer token is not in the server's token file"))
+		}
+		who.grant = g
+	}
+	if s.mtls {
+		id, err := s.certs.Identify(rq.peer)
+		switch {
+		case errors.Is(err, auth.ErrNoCertificate):
+			return nil, s.refuse401(reasonNoCertificate, errors.New("this server needs a client certificate signed by its client CA"))
+		case err != nil:
+			return nil, s.refuse401(reasonUntrusted, err)
+		}
+		who.cert = id
+	}
+	if rt != nil && rt.access == accessOperator && !who.operator() {
+		s.am.refusals.WithLabelValues(reasonOperatorOnly).Inc()
+		return nil, fmt.Errorf("%w: %s needs an operator credential (node \"*\")", api.ErrForbidden, rq.path)
+	}
+	return who, nil
+}
+
+// mayActAs answers whether the request whose context is ctx may name node
+// (its body's node_id, /subscribe's or /status's node_id, /refcount/*'s).
+// Every handler that reads a node id asks it before the backend sees the
+// node.
+func (s *Server) mayActAs(ctx context.Context, node string) error {
+	if !s.guarded {
+		return nil
+	}
+	who := callerOf(ctx)
+	if who != nil && who.mayActAs(node) {
+		return nil
+	}
+	s.am.refusals.WithLabelValues(reasonOtherNode).Inc()
+	if who == nil {
+		// Unreachable: serveRequest identified the request. Fail closed.
+		return fmt.Errorf("%w: the request was not identified", api.ErrForbidden)
+	}
+	var held []string
+	if who.grant != nil && !who.grant.Operator() {
+		held = append(held, fmt.Sprintf("the token is node %q's", who.grant.Node))
+	}
+	if who.cert != nil && !who.cert.MayActAs(node) {
+		held = append(held, fmt.Sprintf("the client certificate names %q", who.cert.Names))
+	}
+	return fmt.Errorf("%w: this credential may not act as node_id %q: %s", api.ErrForbidden, node, strings.Join(held, ", "))
+}
+
+// authorization is the request's Authorization header; dup when it has
+// more than one (the lean loop passes those to net/http).
+func (rq *request) authorization() (v []byte, dup bool) {
+	if rq.r != nil {
+		vs := rq.r.Header["Authorization"]
+		if len(vs) == 0 {
+			return nil, false
+		}
+		return []byte(vs[0]), len(vs) > 1
+	}
+	return leanHeader(rq.head, "Authorization"), false
+}
+
+// revocation is the context cancelled when the token of the request whose
+// context is ctx is removed; nil when no token opened it.
+func revocation(ctx context.Context) context.Context {
+	if who := callerOf(ctx); who != nil && who.grant != nil {
+		return who.grant.Revoked()
+	}
+	return nil
+}
+
+// Reload reads the token file and the TLS files again (dlock serve does it
+// on SIGHUP). What fails to read keeps its last good version, and the
+// error says which; event streams opened with a token that is gone end
+// now, and so does every request that carries one.
+func (s *Server) Reload() error {
+	var errs []error
+	if s.tokens != nil {
+		added, removed, err := s.tokens.Reload()
+		if err != nil {
+			s.am.reloads.WithLabelValues("tokens", "error").Inc()
+			errs = append(errs, err)
+		} else {
+			s.am.reloads.WithLabelValues("tokens", "ok").Inc()
+			s.log.Info("token file reloaded", "path", s.tokens.Path(), "tokens", s.tokens.Len(), "added", added, "removed", removed)
+		}
+	}
+	if s.certs != nil {
+		if err := s.certs.Reload(); err != nil {
+			s.am.reloads.WithLabelValues("tls", "error").Inc()
+			errs = append(errs, err)
+		} else {
+			s.am.reloads.WithLabelValues("tls", "ok").Inc()
+			leaf := s.certs.Leaf()
+			s.log.Info("TLS certificates reloaded", "subject", leaf.Subject.String(), "not_after", leaf.NotAfter, "client_ca", s.mtls)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// peerKey holds, in a net/http connection's context, its client
+// certificate's auth.Peer.
+type peerKey struct{}
+
+// peerOf is the client certificate of a request net/http read.
+func peerOf(r *http.Request) *auth.Peer {
+	if p, ok := r.Context().Value(peerKey{}).(*auth.Peer); ok {
+		return p
+	}
+	// Not served through Serve (which handshakes itself): the handshake's
+	// CA is not known, Identify verifies the certificate again.
+	return auth.NewPeer(r.TLS)
+}
+
+// connContext gives each connection net/http serves the client
+// certificate the lean loop's handshake took: from the passed
+// connection, or from h2Peers for an h2 connection handed over whole.
+func (s *Server) connContext(prev func(context.Context, net.Conn) context.Context) func(context.Context, net.Conn) context.Context {
+	return func(ctx context.Context, c net.Conn) context.Context {
+		if prev != nil {
+			ctx = prev(ctx, c)
+		}
+		var p *auth.Peer
+		switch c := c.(type) {
+		case *passedConn:
+			p = c.peer
+		case passedTLSConn:
+			p = c.peer
+		case *tls.Conn:
+			if v, ok := s.h2Peers.LoadAndDelete(c); ok {
+				p = v.(*auth.Peer)
+			}
+		}
+		if p != nil {
+			ctx = context.WithValue(ctx, peerKey{}, p)
+		}
+		return ctx
+	}
+}
+
+// passedTLSConn is a passed connection over TLS: net/http fills
+// Request.TLS from its ConnectionState.
+type passedTLSConn struct {
+	*passedConn
+	tc *tls.Conn
+}
+
+func (c passedTLSConn) ConnectionState() tls.ConnectionState { return c.tc.ConnectionState() }
