@@ -19,6 +19,7 @@ import (
 	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/internal/auth"
 	"github.com/dlock/dlock/internal/auth/authtest"
+	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/lock"
 	"github.com/dlock/dlock/refcount"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -216,7 +217,7 @@ func (ae *authEnv) do(w who, method, path, body string, headers ...string) answe
 
 // stream opens an event stream as w; the answer's status is returned, and
 // the stream when it is 200.
-func (ae *authEnv) stream(w who, path string, headers ...string) (*sse, int) {
+func (ae *authEnv) stream(w who, path string, headers ...string) (*kit.Stream, int) {
 	ae.t.Helper()
 	c := ae.dial(w)
 	_ = c.c.SetDeadline(time.Time{})
@@ -228,15 +229,15 @@ func (ae *authEnv) stream(w who, path string, headers ...string) (*sse, int) {
 	}
 	// Reading a stream that should go on is bounded, for a broken run.
 	_ = c.c.SetReadDeadline(time.Now().Add(10 * time.Second))
-	return &sse{resp: resp, r: bufio.NewReader(resp.Body)}, 200
+	return &kit.Stream{Resp: resp, R: bufio.NewReader(resp.Body)}, 200
 }
 
 // ended reports whether the server ends the stream: it reads, skipping
 // events, until the stream ends (true) or the read deadline of a broken
 // run passes (false).
-func (s *sse) ended() bool {
+func ended(s *kit.Stream) bool {
 	for {
-		_, err := s.r.ReadString('\n')
+		_, err := s.R.ReadString('\n')
 		if err != nil {
 			te, ok := err.(interface{ Timeout() bool })
 			return !ok || !te.Timeout()
@@ -448,12 +449,12 @@ func TestAuthAttackSubscribeAsOtherReplay(t *testing.T) {
 	attack(t, false,
 		func(ae *authEnv, m authMode) {
 			s, _ := ae.stream(m.b, "/subscribe?node_id=b")
-			s.next(ae.t)
+			s.Next(ae.t)
 			ae.do(m.b, "POST", "/lock", lockB)
-			if f := s.next(ae.t); f.event != "lock_assigned" {
+			if f := s.Next(ae.t); f.Event != "lock_assigned" {
 				ae.t.Fatalf("b's grant: %+v", f)
 			}
-			s.resp.Body.Close()
+			s.Close()
 		},
 		func(ae *authEnv, m authMode) answer {
 			for _, p := range []string{"/subscribe?node_id=b", "/lock/subscribe?node_id=b", "/subscribe?node_id=b&type=pull&resource_id=r"} {
@@ -469,8 +470,8 @@ func TestAuthAttackSubscribeAsOtherReplay(t *testing.T) {
 			if s == nil {
 				ae.t.Fatalf("b's own replay: %d", status)
 			}
-			s.next(ae.t)
-			if f := s.next(ae.t); f.event != "lock_assigned" || f.json(ae.t)["node_id"] != "b" {
+			s.Next(ae.t)
+			if f := s.Next(ae.t); f.Event != "lock_assigned" || f.JSON(ae.t)["node_id"] != "b" {
 				ae.t.Fatalf("b's replay: %+v", f)
 			}
 			return answer{status: status}
@@ -554,7 +555,7 @@ func TestAuthMatrix(t *testing.T) {
 				t.Helper()
 				if c.stream {
 					if s, status := ae.stream(w, c.path); s != nil {
-						s.resp.Body.Close()
+						s.Close()
 						return answer{status: status}
 					}
 				}
@@ -717,10 +718,10 @@ func TestAuthHostileBodies(t *testing.T) {
 			if s == nil {
 				t.Fatalf("node_id=a&node_id=b: %d", status)
 			}
-			if f := s.next(t); f.json(t)["node_id"] != "a" {
-				t.Fatalf("node_id=a&node_id=b subscribed %s", f.data)
+			if f := s.Next(t); f.JSON(t)["node_id"] != "a" {
+				t.Fatalf("node_id=a&node_id=b subscribed %s", f.Data)
 			}
-			s.resp.Body.Close()
+			s.Close()
 			if _, status := ae.stream(a, "/subscribe?node_id=b&node_id=a"); status != 403 {
 				t.Fatalf("node_id=b&node_id=a: %d", status)
 			}
@@ -739,37 +740,37 @@ func TestAuthReplayIsOwnOnly(t *testing.T) {
 	ae := newAuthEnv(t, authSetup{tokens: true})
 	a, b := who{token: tokA}, who{token: tokB}
 	sb, _ := ae.stream(b, "/subscribe?node_id=b")
-	sb.next(t)
+	sb.Next(t)
 	sa, _ := ae.stream(a, "/subscribe?node_id=a")
-	first := sa.next(t)
+	first := sa.Next(t)
 	for i := range 3 {
 		ae.do(b, "POST", "/lock", `{"type":"pull","resource_id":"b`+strconv.Itoa(i)+`","node_id":"b"}`)
-		sb.next(t)
+		sb.Next(t)
 	}
 	ae.do(a, "POST", "/lock", `{"type":"pull","resource_id":"mine","node_id":"a"}`)
-	sa.next(t)
-	sa.resp.Body.Close()
-	sb.resp.Body.Close()
-	for _, last := range []string{"0", first.id, "1", "2", "3", "18446744073709551615", "-1", "x"} {
+	sa.Next(t)
+	sa.Close()
+	sb.Close()
+	for _, last := range []string{"0", first.ID, "1", "2", "3", "18446744073709551615", "-1", "x"} {
 		s, status := ae.stream(a, "/subscribe?node_id=a", "Last-Event-ID: "+last)
 		if s == nil {
 			t.Fatalf("Last-Event-ID %s: %d", last, status)
 		}
-		s.next(t)
+		s.Next(t)
 		// A sentinel grant ends what the replay could hold.
 		res := "sentinel-" + last
 		ae.do(a, "POST", "/lock", `{"type":"pull","resource_id":"`+res+`","node_id":"a"}`)
 		for {
-			f := s.next(t)
-			d := f.json(t)
+			f := s.Next(t)
+			d := f.JSON(t)
 			if d["node_id"] != "a" {
-				t.Fatalf("Last-Event-ID %s: a's stream replayed %s", last, f.data)
+				t.Fatalf("Last-Event-ID %s: a's stream replayed %s", last, f.Data)
 			}
 			if d["resource_id"] == res {
 				break
 			}
 		}
-		s.resp.Body.Close()
+		s.Close()
 	}
 }
 
@@ -784,17 +785,17 @@ func TestAuthRevokedTokenEndsStream(t *testing.T) {
 			ae := newAuthEnv(t, s)
 			a, b, op := who{token: tokA}, who{token: tokB}, who{token: tokOp}
 			sa, _ := ae.stream(a, "/subscribe?node_id=a")
-			sa.next(t)
+			sa.Next(t)
 			sb, _ := ae.stream(b, "/subscribe?node_id=b")
-			sb.next(t)
+			sb.Next(t)
 			so, _ := ae.stream(op, "/ui/events")
-			if _, err := so.r.ReadString('\n'); err != nil {
+			if _, err := so.R.ReadString('\n'); err != nil {
 				t.Fatal(err)
 			}
-			var h2a *sse
+			var h2a *kit.Stream
 			if s.tls {
 				h2a = ae.h2Stream(a, "/subscribe?node_id=a")
-				h2a.next(t)
+				h2a.Next(t)
 			}
 			keep := ae.dial(a)
 			if r := keep.do("GET", statusOf, ""); r.status != 200 {
@@ -805,16 +806,16 @@ func TestAuthRevokedTokenEndsStream(t *testing.T) {
 			if err := ae.srv.Reload(); err != nil {
 				t.Fatal(err)
 			}
-			if !sa.ended() || !so.ended() {
+			if !ended(sa) || !ended(so) {
 				t.Fatal("a stream of a removed token goes on")
 			}
-			if h2a != nil && !h2a.ended() {
+			if h2a != nil && !ended(h2a) {
 				t.Fatal("an HTTP/2 stream of a removed token goes on")
 			}
 			refusal(t, "a removed token", ae.do(a, "GET", statusOf, ""), 401, api.CodeUnauthorized)
 			refusal(t, "a removed token on a keep-alive connection", keep.do("GET", statusOf, ""), 401, api.CodeUnauthorized)
 			ae.do(b, "POST", "/lock", lockB)
-			if f := sb.next(t); f.event != "lock_assigned" {
+			if f := sb.Next(t); f.Event != "lock_assigned" {
 				t.Fatalf("b's stream after the reload: %+v", f)
 			}
 			want := 2.0
@@ -841,7 +842,7 @@ func TestAuthRevokedTokenEndsStream(t *testing.T) {
 
 // h2Stream opens an event stream over HTTP/2 (TLS with ALPN h2): net/http
 // serves it through its ResponseWriter.
-func (ae *authEnv) h2Stream(w who, path string) *sse {
+func (ae *authEnv) h2Stream(w who, path string) *kit.Stream {
 	ae.t.Helper()
 	tr := &http.Transport{TLSClientConfig: ae.clientTLS(w, true), ForceAttemptHTTP2: true}
 	ae.t.Cleanup(tr.CloseIdleConnections)
@@ -858,7 +859,7 @@ func (ae *authEnv) h2Stream(w who, path string) *sse {
 	if resp.StatusCode != 200 || resp.ProtoMajor != 2 {
 		ae.t.Fatalf("HTTP/2 stream: %d %s", resp.StatusCode, resp.Proto)
 	}
-	return &sse{resp: resp, r: bufio.NewReader(resp.Body)}
+	return &kit.Stream{Resp: resp, R: bufio.NewReader(resp.Body)}
 }
 
 // h2Do sends one request over HTTP/2.
@@ -964,9 +965,9 @@ func TestAuthCertRotation(t *testing.T) {
 	ae := newAuthEnv(t, authSetup{mtls: true})
 	a := who{cert: "a"}
 	s1, _ := ae.stream(a, "/subscribe?node_id=a")
-	s1.next(t)
+	s1.Next(t)
 	h2 := ae.h2Stream(a, "/subscribe?node_id=a")
-	h2.next(t)
+	h2.Next(t)
 	keep := ae.dial(a)
 	if r := keep.do("GET", statusOf, ""); r.status != 200 {
 		t.Fatalf("status: %d", r.status)
@@ -980,8 +981,8 @@ func TestAuthCertRotation(t *testing.T) {
 	grant := func(res string) {
 		t.Helper()
 		ae.do(a, "POST", "/lock", `{"type":"pull","resource_id":"`+res+`","node_id":"a"}`)
-		for _, s := range []*sse{s1, h2} {
-			if f := s.next(t); f.event != "lock_assigned" || f.json(t)["resource_id"] != res {
+		for _, s := range []*kit.Stream{s1, h2} {
+			if f := s.Next(t); f.Event != "lock_assigned" || f.JSON(t)["resource_id"] != res {
 				t.Fatalf("stream after rotation: %+v", f)
 			}
 		}
@@ -1060,7 +1061,7 @@ func TestAuthTLSWithoutClientCA(t *testing.T) {
 	if resp != nil && resp.StatusCode == 200 {
 		t.Fatal("plain HTTP served on the TLS port")
 	}
-	waitFor(t, "the failed handshake counted", func() bool { return testutil.ToFloat64(ae.srv.am.handshakeErrors) == 1 })
+	kit.WaitFor(t, "the failed handshake counted", func() bool { return testutil.ToFloat64(ae.srv.am.handshakeErrors) == 1 })
 }
 
 // rawExchangeOrClosed writes raw and reads one answer, nil when the
