@@ -46,6 +46,13 @@ var (
 	ErrNotFound = api.ErrNotFound
 	// ErrUnavailable is a server that is shutting down.
 	ErrUnavailable = api.ErrUnavailable
+	// ErrUnauthorized (401) is a request without a credential the server
+	// knows: no token, an unknown one, no client certificate.
+	// ErrForbidden (403) is a credential of another node than the one
+	// named, or a node's credential on an operator's route. Neither is
+	// retried (docs/SECURITY.md).
+	ErrUnauthorized = api.ErrUnauthorized
+	ErrForbidden    = api.ErrForbidden
 	// ErrLockLost is the cause of a Result's Lost context: the server no
 	// longer has this node as the holder (expired, session lost, restarted).
 	ErrLockLost = errors.New("dlock: lock lost")
