@@ -149,6 +149,12 @@ func (c *Client) lock(ctx context.Context, req Request) (Result, error) {
 	defer c.removeWaiter(k, w)
 	res, err := c.tryLock(ctx, req)
 	if err != nil {
+		if ctx.Err() != nil {
+			// The caller gave up with the /lock on the wire: the server
+			// may have queued or granted it. Cancel, or the node keeps a
+			// place nobody waits on in front of the nodes behind it.
+			return Result{}, c.abandon(ctx, k)
+		}
 		return Result{}, err
 	}
 	switch {
