@@ -47,13 +47,14 @@ func TestParseCredentials(t *testing.T) {
 	}
 }
 
-// TestRunWithCredentials: dlock-content starts against a server behind
-// HTTPS, mTLS and tokens with its node's credentials, and refuses to start,
-// saying why, with a token the server does not know.
+// TestRunWithCredentials: dlock-content starts against a server that
+// checks identities (HTTPS, client certificates, tokens; docs/SECURITY.md)
+// with its node's credentials, and refuses to start, saying why, with a
+// token the server does not know.
 func TestRunWithCredentials(t *testing.T) {
+	const token = "token-of-node-n-0123456789"
 	pki := dlocktest.NewPKI(t)
-	srv := dlocktest.Start(t, dlocktest.Options{RefCount: true})
-	proxy := dlocktest.StartAuthProxy(t, srv, pki, map[string]string{"tok-n": "n"})
+	srv := dlocktest.Start(t, dlocktest.Options{RefCount: true, Auth: &dlocktest.Auth{PKI: pki, ClientCA: true, Tokens: map[string]string{token: "n"}}})
 	dir, err := os.MkdirTemp("", "dlcc") // short: unix socket paths are limited
 	if err != nil {
 		t.Fatal(err)
@@ -61,8 +62,8 @@ func TestRunWithCredentials(t *testing.T) {
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	cert, key := pki.ClientCert("n")
 	tokenFile := filepath.Join(dir, "token")
-	os.WriteFile(tokenFile, []byte("tok-n\n"), 0o600)
-	args := []string{"--root", filepath.Join(dir, "shared"), "--socket", filepath.Join(dir, "c.sock"), "--server", proxy.URL, "--node", "n",
+	os.WriteFile(tokenFile, []byte(token+"\n"), 0o600)
+	args := []string{"--root", filepath.Join(dir, "shared"), "--socket", filepath.Join(dir, "c.sock"), "--server", srv.URL(), "--node", "n",
 		"--ca", pki.CAFile, "--cert", cert, "--key", key, "--token-file", tokenFile}
 
 	ctx, cancel := context.WithCancel(t.Context())
@@ -75,8 +76,12 @@ func TestRunWithCredentials(t *testing.T) {
 	case err := <-errc:
 		t.Fatalf("run: %v", err)
 	}
-	if proxy.Requests("/subscribe") == 0 {
-		t.Fatal("no session stream through the proxy")
+	// The store connected n's session stream before it was ready.
+	if n := srv.Metric("dlock_event_streams"); n != 1 {
+		t.Fatalf("%v event streams open, want n's session stream", n)
+	}
+	if n := srv.Metric("dlock_auth_refusals_total"); n != 0 {
+		t.Fatalf("%v requests refused", n)
 	}
 	cancel()
 	if err := <-errc; err != nil {
@@ -87,5 +92,8 @@ func TestRunWithCredentials(t *testing.T) {
 	err = run(t.Context(), args, func(string) string { return "" }, io.Discard, nil)
 	if err == nil || !strings.Contains(err.Error(), "unauthorized") || strings.Contains(err.Error(), "s3cret") {
 		t.Fatalf("unknown token: %v, want unauthorized without the token", err)
+	}
+	if srv.Metric("dlock_auth_refusals_total", "reason", "unknown_token") == 0 {
+		t.Fatal("the server counted no refusal of the unknown token")
 	}
 }

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -16,25 +15,35 @@ import (
 	"github.com/dlock/dlock/internal/dlocktest"
 )
 
-// credEnv is a real dlock server behind the rules of docs/SECURITY.md
-// (HTTPS, mTLS, bearer tokens), and each node's credential files.
+// credEnv is a dlock server that checks identities as docs/SECURITY.md
+// says (HTTPS, client certificates of its CA, bearer tokens: tok(NODE)
+// for each node, tok("op") for the operator), and each node's credential
+// files.
 type credEnv struct {
-	t       *testing.T
-	dir     string
-	pki     *dlocktest.PKI
-	backend *dlocktest.Server
-	proxy   *dlocktest.AuthProxy
+	t   *testing.T
+	dir string
+	pki *dlocktest.PKI
+	srv *dlocktest.Server
 }
 
 func startCredEnv(t *testing.T, nodes ...string) *credEnv {
 	e := &credEnv{t: t, dir: t.TempDir(), pki: dlocktest.NewPKI(t)}
-	tokens := map[string]string{"tok-op": "*"}
+	tokens := map[string]string{tok("op"): "*"}
 	for _, n := range nodes {
-		tokens["tok-"+n] = n
+		tokens[tok(n)] = n
 	}
-	e.backend = dlocktest.Start(t, dlocktest.Options{RefCount: true})
-	e.proxy = dlocktest.StartAuthProxy(t, e.backend, e.pki, tokens)
+	e.srv = dlocktest.Start(t, dlocktest.Options{RefCount: true, Auth: &dlocktest.Auth{PKI: e.pki, ClientCA: true, Tokens: tokens}})
 	return e
+}
+
+// refusals is how many requests the server's identity checks refused
+// (401 or 403) for reason, or for any reason without one.
+func (e *credEnv) refusals(reason ...string) float64 {
+	e.t.Helper()
+	if len(reason) == 0 {
+		return e.srv.Metric("dlock_auth_refusals_total")
+	}
+	return e.srv.Metric("dlock_auth_refusals_total", "reason", reason[0])
 }
 
 // files are a node's credential files, the token file in the server's
@@ -42,7 +51,7 @@ func startCredEnv(t *testing.T, nodes ...string) *credEnv {
 func (e *credEnv) files(node string) (cert, key, tokenFile string) {
 	cert, key = e.pki.ClientCert(node)
 	tokenFile = filepath.Join(e.dir, "token-"+node)
-	if err := os.WriteFile(tokenFile, []byte("tok-"+node+" "+node+"\n"), 0o600); err != nil {
+	if err := os.WriteFile(tokenFile, []byte(tok(node)+" "+node+"\n"), 0o600); err != nil {
 		e.t.Fatal(err)
 	}
 	return cert, key, tokenFile
@@ -52,7 +61,7 @@ func (e *credEnv) files(node string) (cert, key, tokenFile string) {
 func (e *credEnv) env(node string) map[string]string {
 	cert, key, tokenFile := e.files(node)
 	return map[string]string{
-		"DLOCK_SERVER": e.proxy.URL, "DLOCK_NODE": node, "DLOCK_CA": e.pki.CAFile,
+		"DLOCK_SERVER": e.srv.URL(), "DLOCK_NODE": node, "DLOCK_CA": e.pki.CAFile,
 		"DLOCK_CERT": cert, "DLOCK_KEY": key, "DLOCK_TOKEN_FILE": tokenFile,
 	}
 }
@@ -130,8 +139,8 @@ func TestRunOnceWithCredentials(t *testing.T) {
 	if fmt.Sprint(count(statuses, 3), count(statuses, 0)) != "1 3" {
 		t.Fatalf("statuses %v, want one 3 and three 0", statuses)
 	}
-	if n := e.proxy.Answered(http.StatusUnauthorized) + e.proxy.Answered(http.StatusForbidden); n != 0 {
-		t.Fatalf("%d requests refused", n)
+	if n := e.refusals(); n != 0 {
+		t.Fatalf("%v requests refused", n)
 	}
 }
 
@@ -151,7 +160,7 @@ func count(xs []int, x int) int {
 func TestSubcommandsWithCredentials(t *testing.T) {
 	e := startCredEnv(t, "a", "b")
 	cert, key, tokenFile := e.files("a")
-	flags := []string{"--server", e.proxy.URL, "--node", "a", "--ca", e.pki.CAFile, "--cert", cert, "--key", key, "--token-file", tokenFile}
+	flags := []string{"--server", e.srv.URL(), "--node", "a", "--ca", e.pki.CAFile, "--cert", cert, "--key", key, "--token-file", tokenFile}
 	envB := e.env("b")
 	a := func(args ...string) (string, string, int) {
 		return dlockWith(t, nil, append(args, flags...)...)
@@ -202,7 +211,7 @@ func TestCredentialErrors(t *testing.T) {
 	garbage := filepath.Join(dir, "garbage")
 	os.WriteFile(garbage, []byte("not a certificate"), 0o600)
 	serverFile := filepath.Join(dir, "server-tokens")
-	os.WriteFile(serverFile, []byte("# the server's file\ntok-a a\ntok-b b\n"), 0o600)
+	os.WriteFile(serverFile, []byte("# the server's file\n"+tok("a")+" a\n"+tok("b")+" b\n"), 0o600)
 	_, keyB, _ := e.files("b")
 	for _, tc := range []struct {
 		name   string
@@ -221,7 +230,7 @@ func TestCredentialErrors(t *testing.T) {
 		{"TLS flags for http://", with("DLOCK_SERVER", "http://127.0.0.1:1"), 2, "need an https:// server"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			before := e.proxy.Handshakes()
+			before := e.srv.Connections()
 			for _, cmd := range []string{"lock", "unlock", "status", "refcount", "run"} {
 				args := []string{cmd, "--resource", "r"}
 				if cmd == "run" {
@@ -236,7 +245,7 @@ func TestCredentialErrors(t *testing.T) {
 			if st != tc.status || !strings.Contains(errOut, tc.want) {
 				t.Errorf("bench: status %d, %q; want %d and %q", st, errOut, tc.status, tc.want)
 			}
-			if n := e.proxy.Handshakes() - before; n != 0 {
+			if n := e.srv.Connections() - before; n != 0 {
 				t.Errorf("%d connections made with a broken credential", n)
 			}
 		})
@@ -246,18 +255,26 @@ func TestCredentialErrors(t *testing.T) {
 	// the token.
 	wrong := filepath.Join(dir, "wrong")
 	os.WriteFile(wrong, []byte("s3cret-wrong\n"), 0o600)
-	before := e.proxy.Requests("/lock")
+	locks := func() float64 { return e.srv.Metric("dlock_http_request_duration_seconds", "endpoint", "/lock") }
+	before, unknown := locks(), e.refusals("unknown_token")
 	_, errOut, st := dlockWith(t, with("DLOCK_TOKEN_FILE", wrong), "lock", "--resource", "r")
 	if st != 1 || !strings.Contains(errOut, "unauthorized") || strings.Contains(errOut, "s3cret") {
 		t.Fatalf("wrong token: %d %q; want 1 and unauthorized, without the token", st, errOut)
 	}
-	if n := e.proxy.Requests("/lock") - before; n != 1 {
-		t.Fatalf("%d /lock requests with a wrong token, want 1", n)
+	if n := locks() - before; n != 1 {
+		t.Fatalf("%v /lock requests with a wrong token, want 1", n)
+	}
+	if n := e.refusals("unknown_token") - unknown; n != 1 {
+		t.Fatalf("%v refusals of an unknown token, want 1", n)
 	}
 	// Another node's token: forbidden.
+	other := e.refusals("other_node")
 	_, errOut, st = dlockWith(t, with("DLOCK_NODE", "b"), "run", "--resource", "r", "--", "true")
 	if st != 1 || !strings.Contains(errOut, "forbidden") {
 		t.Fatalf("a's credentials as node b: %d %q", st, errOut)
+	}
+	if e.refusals("other_node") == other {
+		t.Fatal("the server counted no refusal of a's credentials as node b")
 	}
 }
 
@@ -267,8 +284,8 @@ func TestBenchWithCredentials(t *testing.T) {
 	e := startCredEnv(t)
 	cert, key := e.pki.ClientCert("w0", "w1")
 	tokenFile := filepath.Join(t.TempDir(), "op")
-	os.WriteFile(tokenFile, []byte("tok-op *\n"), 0o600)
-	env := map[string]string{"DLOCK_SERVER": e.proxy.URL, "DLOCK_CA": e.pki.CAFile, "DLOCK_CERT": cert, "DLOCK_KEY": key, "DLOCK_TOKEN_FILE": tokenFile}
+	os.WriteFile(tokenFile, []byte(tok("op")+" *\n"), 0o600)
+	env := map[string]string{"DLOCK_SERVER": e.srv.URL(), "DLOCK_CA": e.pki.CAFile, "DLOCK_CERT": cert, "DLOCK_KEY": key, "DLOCK_TOKEN_FILE": tokenFile}
 	out, errOut, st := inProcess(t, env, "bench", "--scenario", "pairs", "--duration", "300ms", "--concurrency", "2", "--json")
 	var res struct {
 		Results []struct{ Ops int64 }
@@ -276,7 +293,11 @@ func TestBenchWithCredentials(t *testing.T) {
 	if st != 0 || json.Unmarshal([]byte(out), &res) != nil || len(res.Results) != 1 || res.Results[0].Ops == 0 {
 		t.Fatalf("bench over TLS: %d %q %q", st, out, errOut)
 	}
-	if n := e.proxy.Handshakes(); n != 2 {
-		t.Fatalf("%d TLS handshakes for two keep-alive workers, want 2", n)
+	// Each connection is one TLS handshake: keep-alive holds.
+	if n := e.srv.Connections(); n != 2 {
+		t.Fatalf("%d connections (TLS handshakes) for two keep-alive workers, want 2", n)
+	}
+	if n := e.refusals(); n != 0 {
+		t.Fatalf("%v requests refused", n)
 	}
 }

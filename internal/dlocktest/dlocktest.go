@@ -3,23 +3,34 @@
 // connections inside a testing/synctest bubble. A test can restart it (a new
 // epoch; durable references kept), wait for the state it needs
 // (WaitQueued), and act on its connections through kit.Hooks: kill them,
-// stall or refuse a node's session stream.
+// stall or refuse a node's session stream. With Options.Auth it checks
+// identities as `dlock serve --token-file --tls-cert --tls-key
+// --client-ca` does (docs/SECURITY.md); a test reads what the server saw
+// in its metrics (Metric) and its accepted connections (Connections).
 package dlocktest
 
 import (
 	"context"
+	"crypto/tls"
 	"fmt"
+	"maps"
 	"net"
 	"net/http"
+	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/dlock/dlock/internal/auth"
 	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/lock"
 	"github.com/dlock/dlock/refcount"
 	"github.com/dlock/dlock/server"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 )
 
 // Options of Start; the zero value is a default server on 127.0.0.1.
@@ -27,7 +38,7 @@ type Options struct {
 	// Config changes the lock manager's defaults.
 	Config func(*lock.Config)
 	// Server changes the server's options. PingInterval is 200 ms unless
-	// it sets another.
+	// it sets another; Tokens and TLS are Auth's, loaded already.
 	Server func(*server.Options)
 	// RefCount turns on server-side reference counting, durable in a
 	// bbolt file that survives Restart.
@@ -41,6 +52,84 @@ type Options struct {
 	// itself. The server is then served by net/http alone: its lean loop
 	// answers hot requests without a handler.
 	Wrap func(http.Handler) http.Handler
+	// Auth, when set, gives the server identities to check.
+	Auth *Auth
+}
+
+// Auth is what `dlock serve` reads from --token-file, --tls-cert,
+// --tls-key and --client-ca (docs/SECURITY.md). Start writes the files
+// and the server loads them with the server's loaders, again at each
+// Restart: the identities survive it.
+//
+// Over TLS the Hooks see encrypted bytes: KillAll and Connections work,
+// the stream hooks (KillStreams, BlockStreams, RefuseStreams,
+// StreamsOpened) see no stream.
+type Auth struct {
+	// PKI, when set, issues the server's certificate: the server speaks
+	// HTTPS only, and URL is https://. Inside a synctest bubble, make it
+	// in the bubble.
+	PKI *PKI
+	// ClientCA makes PKI's CA the client CA: every request but GET
+	// /healthz needs a client certificate it signed, and may name only a
+	// node the certificate names. A request without one is answered 401
+	// (the handshake asks for a certificate but does not require one).
+	ClientCA bool
+	// Tokens, when set, is the token file: token → node, "*" for an
+	// operator. A token has auth.MinTokenLen characters at least.
+	Tokens map[string]string
+}
+
+// inMemoryHost is the host of an InMemory server, in its URL and its
+// certificate.
+const inMemoryHost = "dlock.test"
+
+// authFiles are the files of an Auth, written once by Start.
+type authFiles struct {
+	tokens            string // the token file, "" without Tokens
+	cert, key, client string // the server's certificate and key, the client CA
+}
+
+func (s *Server) writeAuth() {
+	a := s.opts.Auth
+	if a.ClientCA && a.PKI == nil {
+		s.t.Fatal("dlocktest: Auth.ClientCA needs Auth.PKI: client certificates are checked in the TLS handshake")
+	}
+	if a.Tokens != nil {
+		var b strings.Builder
+		b.WriteString("# dlocktest: TOKEN NODE_ID\n")
+		for _, tok := range slices.Sorted(maps.Keys(a.Tokens)) {
+			fmt.Fprintf(&b, "%s %s\n", tok, a.Tokens[tok])
+		}
+		s.auth.tokens = filepath.Join(s.t.TempDir(), "tokens")
+		if err := os.WriteFile(s.auth.tokens, []byte(b.String()), 0o600); err != nil {
+			s.t.Fatal(err)
+		}
+	}
+	if a.PKI != nil {
+		// Files of its own: a test may issue PKI.ServerCert for itself.
+		s.auth.cert, s.auth.key = a.PKI.serverCert(fmt.Sprint("dlocktest-server-", a.PKI.serial+1))
+		if a.ClientCA {
+			s.auth.client = a.PKI.CAFile
+		}
+	}
+}
+
+// loadAuth reads the Auth's files into so, as dlock serve does at start.
+func (s *Server) loadAuth(so *server.Options) {
+	if s.auth.tokens != "" {
+		tk, err := auth.LoadTokens(s.auth.tokens)
+		if err != nil {
+			s.t.Fatal(err)
+		}
+		so.Tokens = tk
+	}
+	if s.auth.cert != "" {
+		c, err := auth.LoadCerts(s.auth.cert, s.auth.key, s.auth.client)
+		if err != nil {
+			s.t.Fatal(err)
+		}
+		so.TLS = c
+	}
 }
 
 // Server is a dlock server for one test.
@@ -58,13 +147,16 @@ type Server struct {
 	t       testing.TB
 	opts    Options
 	dataDir string
+	auth    authFiles
 	store   *refcount.ServerStore
 	hs      *http.Server
 	done    chan struct{}
 	tr      *http.Transport
 
-	mu   sync.Mutex
-	pipe *kit.PipeListener // the listener Dial reaches, when InMemory
+	mu     sync.Mutex
+	pipe   *kit.PipeListener    // the listener Dial reaches, when InMemory
+	reg    *prometheus.Registry // the running server's metrics
+	probes int                  // Connections' own connections
 }
 
 // Start runs a server until the test ends.
@@ -74,10 +166,16 @@ func Start(t testing.TB, opts Options) *Server {
 	if opts.RefCount {
 		s.dataDir = t.TempDir()
 	}
-	s.tr = &http.Transport{DialContext: s.Dial, MaxIdleConnsPerHost: 64}
+	if opts.Auth != nil {
+		s.writeAuth()
+	}
+	s.tr = &http.Transport{DialContext: s.Dial, MaxIdleConnsPerHost: 64, TLSClientConfig: s.clientTLS()}
 	var ln net.Listener
 	if opts.InMemory {
-		s.Addr = "dlock.test:80"
+		s.Addr = inMemoryHost + ":80"
+		if s.https() {
+			s.Addr = inMemoryHost + ":443"
+		}
 		ln = s.newPipe()
 	} else {
 		var err error
@@ -94,11 +192,28 @@ func Start(t testing.TB, opts Options) *Server {
 	return s
 }
 
-// URL is the server's base URL.
-func (s *Server) URL() string { return "http://" + s.Addr }
+// https reports whether the server speaks HTTPS.
+func (s *Server) https() bool { return s.opts.Auth != nil && s.opts.Auth.PKI != nil }
+
+// clientTLS is what a client needs to trust the server; nil over HTTP.
+func (s *Server) clientTLS() *tls.Config {
+	if !s.https() {
+		return nil
+	}
+	return &tls.Config{RootCAs: s.opts.Auth.PKI.Pool, MinVersion: tls.VersionTLS12}
+}
+
+// URL is the server's base URL: https:// when it speaks HTTPS.
+func (s *Server) URL() string {
+	if s.https() {
+		return "https://" + s.Addr
+	}
+	return "http://" + s.Addr
+}
 
 // HTTPClient returns a client of the server, the only way to reach it when
-// InMemory. Its idle connections are closed when the test ends.
+// InMemory. Over HTTPS it trusts the PKI's CA and shows no client
+// certificate. Its idle connections are closed when the test ends.
 func (s *Server) HTTPClient() *http.Client { return &http.Client{Transport: s.tr} }
 
 // Dial connects to the server, whatever addr says; it has
@@ -140,17 +255,30 @@ func (s *Server) serve(ln net.Listener) {
 		s.t.Fatal(err)
 	}
 	so := server.Options{PingInterval: 200 * time.Millisecond}
+	s.loadAuth(&so)
 	if s.opts.Server != nil {
 		s.opts.Server(&so)
 	}
+	if so.Registry == nil {
+		// What server.New makes of a nil Registry, kept for Metric.
+		so.Registry = prometheus.NewRegistry()
+		so.Registry.MustRegister(collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), collectors.NewGoCollector())
+	}
 	srv := server.New(m, so)
 	s.Backend, s.Memory, s.Handler = m, m, srv
+	s.mu.Lock()
+	s.reg = so.Registry
+	s.mu.Unlock()
 	s.hs = &http.Server{Handler: srv}
 	ln = s.Listen(ln)
 	s.done = make(chan struct{})
 	hs, done := s.hs, s.done
 	if s.opts.Wrap != nil {
 		hs.Handler = s.opts.Wrap(srv)
+		if so.TLS != nil {
+			// Serve would take the TLS handshake itself.
+			ln = tls.NewListener(ln, so.TLS.Config())
+		}
 		go func() {
 			defer close(done)
 			hs.Serve(ln)
@@ -181,7 +309,8 @@ func (s *Server) Stop() {
 }
 
 // Restart replaces the server by a new one on the same address: a new
-// epoch, every hold and session forgotten, references kept.
+// epoch, every hold and session forgotten, references kept, and the
+// identities of Options.Auth too (the new server reads the same files).
 func (s *Server) Restart() {
 	s.t.Helper()
 	s.Stop()
@@ -216,4 +345,82 @@ func (s *Server) WaitQueued(t testing.TB, k lock.Key, n int) {
 		}
 		return nil
 	})
+}
+
+// Metric reads the running server's metric name (server/metrics.go and
+// server/auth.go define them; GET /metrics serves them), summed over its series whose labels include labels, given as
+// name, value pairs: a counter's or a gauge's value, a histogram's count
+// of observations. So Metric("dlock_http_request_duration_seconds",
+// "endpoint", "/lock") counts the /lock requests answered, and
+// Metric("dlock_auth_refusals_total") every request refused by the
+// identity checks. A name or labels the server has no series of fail the
+// test, so that a typo cannot pass for a zero. Restart starts from zero.
+func (s *Server) Metric(name string, labels ...string) float64 {
+	s.t.Helper()
+	if len(labels)%2 != 0 {
+		s.t.Fatalf("dlocktest: Metric(%q): labels come in name, value pairs: %q", name, labels)
+	}
+	s.mu.Lock()
+	reg := s.reg
+	s.mu.Unlock()
+	mfs, err := reg.Gather()
+	if err != nil {
+		s.t.Fatal(err)
+	}
+	var sum float64
+	found := false
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	series:
+		for _, m := range mf.GetMetric() {
+			have := map[string]string{}
+			for _, l := range m.GetLabel() {
+				have[l.GetName()] = l.GetValue()
+			}
+			for i := 0; i < len(labels); i += 2 {
+				if v, ok := have[labels[i]]; !ok || v != labels[i+1] {
+					continue series
+				}
+			}
+			found = true
+			switch {
+			case m.GetCounter() != nil:
+				sum += m.GetCounter().GetValue()
+			case m.GetGauge() != nil:
+				sum += m.GetGauge().GetValue()
+			case m.GetHistogram() != nil:
+				sum += float64(m.GetHistogram().GetSampleCount())
+			case m.GetUntyped() != nil:
+				sum += m.GetUntyped().GetValue()
+			}
+		}
+	}
+	if !found {
+		s.t.Fatalf("dlocktest: the server has no metric %s with labels %q", name, labels)
+	}
+	return sum
+}
+
+// Connections is how many connections clients have opened to the server
+// since Start, across restarts: over TLS, each began with a handshake. A
+// connection opened before the call is counted, accepted or not yet: it
+// first opens one of its own and waits for the server's answer on it
+// (the server accepts connections in the order they came), which it
+// leaves out of the count.
+func (s *Server) Connections() int {
+	s.t.Helper()
+	tr := &http.Transport{DialContext: s.Dial, DisableKeepAlives: true, TLSClientConfig: s.clientTLS()}
+	defer tr.CloseIdleConnections()
+	resp, err := (&http.Client{Transport: tr}).Get(s.URL() + "/healthz")
+	if err != nil {
+		s.t.Fatalf("dlocktest: Connections: %v", err)
+	}
+	resp.Body.Close()
+	s.mu.Lock()
+	s.probes++
+	probes := s.probes
+	s.mu.Unlock()
+	return s.Accepted() - probes
 }

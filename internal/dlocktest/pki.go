@@ -4,7 +4,6 @@ import (
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
-	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/pem"
@@ -19,7 +18,9 @@ import (
 // PKI is a certificate authority made for one test, writing its
 // certificates and keys as PEM files into a temporary folder: what an
 // operator hands to `dlock serve --tls-cert --tls-key --client-ca` and to
-// a client's --ca, --cert and --key.
+// a client's --ca, --cert and --key. Start serves HTTPS with it given
+// Options.Auth. Its certificates are valid from an hour before NewPKI to a
+// day after: inside a testing/synctest bubble, make it in the bubble.
 type PKI struct {
 	t   testing.TB
 	dir string
@@ -97,12 +98,15 @@ func (p *PKI) issue(name string, tmpl *x509.Certificate) (certFile, keyFile stri
 	return p.write(name+".pem", "CERTIFICATE", der), p.write(name+"-key.pem", "PRIVATE KEY", kder)
 }
 
-// ServerCert issues a server certificate for 127.0.0.1 and localhost.
-func (p *PKI) ServerCert() (certFile, keyFile string) {
-	return p.issue("server", &x509.Certificate{
+// ServerCert issues a server certificate for 127.0.0.1, localhost and
+// dlock.test (the host of an InMemory Server).
+func (p *PKI) ServerCert() (certFile, keyFile string) { return p.serverCert("server") }
+
+func (p *PKI) serverCert(name string) (certFile, keyFile string) {
+	return p.issue(name, &x509.Certificate{
 		Subject:     pkix.Name{CommonName: "dlock server"},
 		IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1)},
-		DNSNames:    []string{"localhost"},
+		DNSNames:    []string{"localhost", inMemoryHost},
 		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
 	})
 }
@@ -115,16 +119,4 @@ func (p *PKI) ClientCert(node string, others ...string) (certFile, keyFile strin
 		DNSNames:    others,
 		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
 	})
-}
-
-// ServerTLS is a server's TLS configuration with a certificate of this
-// CA that requires a client certificate signed by it.
-func (p *PKI) ServerTLS() *tls.Config {
-	p.t.Helper()
-	cf, kf := p.ServerCert()
-	cert, err := tls.LoadX509KeyPair(cf, kf)
-	if err != nil {
-		p.t.Fatal(err)
-	}
-	return &tls.Config{Certificates: []tls.Certificate{cert}, ClientCAs: p.Pool, ClientAuth: tls.RequireAndVerifyClientCert}
 }

@@ -20,12 +20,17 @@ import (
 // it (GET /subscribe?…node_id=N, or /lock/subscribe), whichever of the
 // server's HTTP loops reads it. A stream without node_id (an observer)
 // counts as node "".
+//
+// Over TLS the hooks see the connection's bytes before the server
+// decrypts them: KillAll and Accepted work, the stream hooks see no
+// stream.
 type Hooks struct {
 	mu      sync.Mutex
 	conns   map[*hookConn]struct{}
 	blocked map[string]chan struct{} // node → closed when its streams may go on
 	refused map[string]bool
 	opened  map[string]int // stream requests seen, per node
+	accepts int            // connections accepted
 }
 
 // Listen wraps ln: the connections it accepts are under the hooks.
@@ -113,6 +118,14 @@ func (h *Hooks) StreamsOpened(node string) int {
 	return h.opened[node]
 }
 
+// Accepted counts the connections the server has accepted, across
+// listeners.
+func (h *Hooks) Accepted() int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.accepts
+}
+
 type hookListener struct {
 	net.Listener
 	h *Hooks
@@ -129,6 +142,7 @@ func (l *hookListener) Accept() (net.Conn, error) {
 		l.h.conns = make(map[*hookConn]struct{})
 	}
 	l.h.conns[hc] = struct{}{}
+	l.h.accepts++
 	l.h.mu.Unlock()
 	return hc, nil
 }

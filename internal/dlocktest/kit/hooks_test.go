@@ -104,6 +104,9 @@ func TestHooksRefuseAndKill(t *testing.T) {
 		if h.StreamsOpened("r") != 2 {
 			t.Fatalf("%d streams of r counted, want 2 (one refused)", h.StreamsOpened("r"))
 		}
+		if n := h.Accepted(); n != 3 {
+			t.Fatalf("%d connections accepted, want 3 (killed ones too)", n)
+		}
 	})
 }
 
