@@ -215,11 +215,21 @@ func (c *Client) init() error {
 	return nil
 }
 
+// defaultTransport speaks HTTP/1.1 only, also over TLS. The server answers
+// keep-alive HTTP/1.1 /lock, /unlock and /cancel on its lean loop, and h2
+// only through net/http (docs/DESIGN.md, "One request entry point"); each
+// session stream has a connection of its own either way. And over h2 a
+// client certificate the server refuses after a TLS 1.3 handshake reaches
+// the caller as "client conn could not be established", without the
+// alert, which would be retried as a network error.
 func defaultTransport(tlsConfig *tls.Config) *http.Transport {
 	t := http.DefaultTransport.(*http.Transport).Clone()
 	t.MaxIdleConnsPerHost = 64
+	t.ForceAttemptHTTP2 = false
+	t.TLSNextProto = map[string]func(string, *tls.Conn) http.RoundTripper{}
 	if tlsConfig != nil {
 		t.TLSClientConfig = tlsConfig.Clone()
+		t.TLSClientConfig.NextProtos = []string{"http/1.1"}
 	}
 	return t
 }
