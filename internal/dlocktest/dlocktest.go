@@ -107,7 +107,7 @@ func (s *Server) writeAuth() {
 	}
 	if a.PKI != nil {
 		// Files of its own: a test may issue PKI.ServerCert for itself.
-		s.auth.cert, s.auth.key = a.PKI.serverCert(fmt.Sprint("dlocktest-server-", a.PKI.serial+1))
+		s.auth.cert, s.auth.key = a.PKI.ServerCert()
 		if a.ClientCA {
 			s.auth.client = a.PKI.CAFile
 		}

@@ -84,12 +84,13 @@ func (p Pair) Write(t testing.TB, dir, name string) (certFile, keyFile string) {
 	return certFile, keyFile
 }
 
-// Server issues a server certificate for 127.0.0.1, ::1 and localhost.
-func (ca *CA) Server(t testing.TB) Pair {
+// Server issues a server certificate for 127.0.0.1, ::1, localhost and
+// the host names more.
+func (ca *CA) Server(t testing.TB, more ...string) Pair {
 	t.Helper()
 	return ca.issue(t, &x509.Certificate{
 		Subject:     pkix.Name{CommonName: "localhost"},
-		DNSNames:    []string{"localhost"},
+		DNSNames:    append([]string{"localhost"}, more...),
 		IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback},
 		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
 	})
