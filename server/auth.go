@@ -75,6 +75,10 @@ const (
 	reasonOtherNode      = "other_node"
 	reasonOperatorOnly   = "operator_only"
 	wwwAuthenticateValue = `Bearer realm="dlock"`
+	// basicChallengeValue is the challenge a 401 carries, besides
+	// wwwAuthenticateValue, where Basic credentials are accepted: it
+	// makes a browser ask for them (docs/SECURITY.md).
+	basicChallengeValue = `Basic realm="dlock", charset="UTF-8"`
 )
 
 type authMetrics struct {
@@ -119,8 +123,41 @@ func (s *Server) refuse401(reason string, err error) error {
 
 // identify returns who rq comes from, or why it may not be served: 401
 // without a valid credential, 403 for a node's credential on an
-// operator's route.
+// operator's route. Where Basic credentials are accepted (acceptsBasic),
+// a 401 also carries their challenge, so that a browser asks for them.
 func (s *Server) identify(rq *request, rt *route) (*caller, error) {
+	basic := s.acceptsBasic(rq, rt)
+	who, err := s.identifyAs(rq, rt, basic)
+	if basic && rq.w != nil && errors.Is(err, api.ErrUnauthorized) {
+		// serveRequest sets the Bearer challenge and then writes the
+		// error; the Basic one joins it when the status goes out. (The
+		// lean loop, rq.w nil, answers POSTs only: never such a route.)
+		rq.w = basicChallenger{rq.w}
+	}
+	return who, err
+}
+
+// acceptsBasic reports whether rq may carry its token as the password of
+// Basic credentials (RFC 7617) instead of a Bearer token: with a token
+// file, on an operator's route (/metrics, /ui, /ui/*), for reading (GET,
+// HEAD) only. A browser cannot send a Bearer token but keeps Basic
+// credentials and sends them again by itself; kept so, they must never
+// reach a request that changes something (cross-site request forgery), so
+// node routes, where state changes, refuse them (docs/SECURITY.md).
+//
+// A path the server does not have (rt nil) takes them too and is answered
+// 404 as with a Bearer token: the browser sends what it keeps to every
+// path under /, its own /favicon.ico included, and a 401 to
+// credentials it sent makes it forget them, so that the page's next read
+// or its live feed would fail or ask again.
+func (s *Server) acceptsBasic(rq *request, rt *route) bool {
+	return s.tokens != nil && (rt == nil || rt.access == accessOperator) &&
+		(rq.method == http.MethodGet || rq.method == http.MethodHead)
+}
+
+// identifyAs is identify; basic says whether the token may come as Basic
+// credentials.
+func (s *Server) identifyAs(rq *request, rt *route, basic bool) (*caller, error) {
 	who := &caller{}
 	if s.tokens != nil {
 		v, dup := rq.authorization()
@@ -128,8 +165,22 @@ func (s *Server) identify(rq *request, rt *route) (*caller, error) {
 			// Two headers: which one would a proxy in front have checked?
 			return nil, s.refuse401(reasonBadHeader, errors.New("more than one Authorization header"))
 		}
-		tok, err := auth.ParseAuthorization(v)
+		var tok []byte
+		var err error
+		isBasic := auth.IsBasic(v)
 		switch {
+		case isBasic && basic:
+			// The token is the password; the user is ignored. It is
+			// looked up, and checked for "*", as a Bearer token is.
+			tok, err = auth.ParseBasic(v)
+		case isBasic:
+			return nil, s.refuse401(reasonBadHeader, errors.New("credentials of the Basic scheme are accepted only by GET of /metrics, /ui and /ui/*; send \"Authorization: Bearer TOKEN\""))
+		default:
+			tok, err = auth.ParseAuthorization(v)
+		}
+		switch {
+		case errors.Is(err, auth.ErrNoToken) && basic:
+			return nil, s.refuse401(reasonNoToken, errors.New("this server needs \"Authorization: Bearer TOKEN\", or Basic credentials with an operator token as the password (a token of its token file)"))
 		case errors.Is(err, auth.ErrNoToken):
 			return nil, s.refuse401(reasonNoToken, errors.New("this server needs \"Authorization: Bearer TOKEN\" (a token of its token file)"))
 		case err != nil:
@@ -137,6 +188,9 @@ func (s *Server) identify(rq *request, rt *route) (*caller, error) {
 		}
 		g, ok := s.tokens.Lookup(tok)
 		if !ok {
+			if isBasic {
+				return nil, s.refuse401(reasonUnknownToken, errors.New("the password of the Basic credentials is not a token of the server's token file"))
+			}
 			return nil, s.refuse401(reasonUnknownToken, errors.New("the bearer token is not in the server's token file"))
 		}
 		who.grant = g
@@ -157,6 +211,21 @@ func (s *Server) identify(rq *request, rt *route) (*caller, error) {
 	}
 	return who, nil
 }
+
+// basicChallenger is the ResponseWriter of a 401 where Basic credentials
+// are accepted: it puts basicChallengeValue before the challenges already
+// set when the status is written.
+type basicChallenger struct{ http.ResponseWriter }
+
+func (w basicChallenger) WriteHeader(status int) {
+	if status == http.StatusUnauthorized {
+		h := w.Header()
+		h["Www-Authenticate"] = append([]string{basicChallengeValue}, h["Www-Authenticate"]...)
+	}
+	w.ResponseWriter.WriteHeader(status)
+}
+
+func (w basicChallenger) Unwrap() http.ResponseWriter { return w.ResponseWriter }
 
 // mayActAs answers whether the request whose context is ctx may name node
 // (its body's node_id, /subscribe's or /status's node_id, /refcount/*'s).

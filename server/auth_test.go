@@ -3,6 +3,7 @@ package server
 import (
 	"bufio"
 	"crypto/tls"
+	"encoding/base64"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -13,8 +14,12 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
+
+	"github.com/chromedp/cdproto/fetch"
+	"github.com/chromedp/chromedp"
 
 	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/internal/auth"
@@ -1170,5 +1175,380 @@ func BenchmarkAuthLockUnlock(b *testing.B) {
 				}
 			}
 		})
+	}
+}
+
+// basicAuth is the Authorization header line a browser sends for the user
+// name user and the password tok (RFC 7617).
+func basicAuth(user, tok string) string {
+	return "Authorization: Basic " + base64.StdEncoding.EncodeToString([]byte(user+":"+tok))
+}
+
+// challenges checks a 401's challenges: Basic's, then Bearer's, where
+// Basic credentials are accepted; Bearer's alone elsewhere.
+func challenges(t testing.TB, what string, h http.Header, basic bool) {
+	t.Helper()
+	want := []string{wwwAuthenticateValue}
+	if basic {
+		want = []string{basicChallengeValue, wwwAuthenticateValue}
+	}
+	if got := h.Values("WWW-Authenticate"); !slices.Equal(got, want) {
+		t.Fatalf("%s: WWW-Authenticate %q, want %q", what, got, want)
+	}
+}
+
+// h2Get sends GET path over HTTP/2 with w's certificate and the header
+// lines; the caller closes the body.
+func (ae *authEnv) h2Get(w who, path string, headers ...string) *http.Response {
+	ae.t.Helper()
+	tr := &http.Transport{TLSClientConfig: ae.clientTLS(w, true), ForceAttemptHTTP2: true}
+	ae.t.Cleanup(tr.CloseIdleConnections)
+	req, _ := http.NewRequest("GET", "https://"+ae.addr+path, nil)
+	for _, h := range headers {
+		k, v, _ := strings.Cut(h, ":")
+		req.Header.Add(k, strings.TrimSpace(v))
+	}
+	// The timeout bounds a broken run only.
+	resp, err := (&http.Client{Transport: tr, Timeout: 10 * time.Second}).Do(req)
+	if err != nil {
+		ae.t.Fatal(err)
+	}
+	ae.t.Cleanup(func() { resp.Body.Close() })
+	if resp.ProtoMajor != 2 {
+		ae.t.Fatalf("GET %s over %s, want HTTP/2", path, resp.Proto)
+	}
+	return resp
+}
+
+// TestAuthBasicOperator: a browser's way to the operator's page. On GET
+// of /metrics, /ui and /ui/* the operator token may come as the password
+// of Basic credentials, looked up and checked for "*" as a Bearer token
+// is, and a 401 there challenges Basic too, so that a browser asks for
+// it. Basic on any other route, or with any other method, is 401
+// bad_header with the Bearer challenge alone: credentials a browser keeps
+// never reach a request that changes something. Through the lean loop
+// (the POSTs), net/http, HTTPS and HTTP/2, and with a client CA too.
+func TestAuthBasicOperator(t *testing.T) {
+	lockOp := `{"type":"pull","resource_id":"r","node_id":"op"}`
+	lockA := `{"type":"pull","resource_id":"r","node_id":"a"}`
+	for _, m := range []struct {
+		name  string
+		setup authSetup
+		op, a string // the certificates sent with the operator's and a's tokens
+	}{
+		{"lean", authSetup{tokens: true}, "", ""},
+		{"net-http", authSetup{tokens: true, serial: true}, "", ""},
+		{"https", authSetup{tokens: true, tls: true}, "", ""},
+		{"token+mtls", authSetup{tokens: true, mtls: true}, "*", "a"},
+	} {
+		t.Run(m.name, func(t *testing.T) {
+			ae := newAuthEnv(t, m.setup)
+			op, a := who{cert: m.op}, who{cert: m.a}
+			for _, tc := range []struct {
+				name, method, path, body string
+				w                        who
+				headers                  []string
+				status                   int
+				reason                   string // the refusal counted, "" for none
+				basic                    bool   // a 401 challenges Basic too
+			}{
+				{"nothing on /ui", "GET", "/ui", "", op, nil, 401, reasonNoToken, true},
+				{"nothing on /ui/api/keys", "GET", "/ui/api/keys", "", op, nil, 401, reasonNoToken, true},
+				{"nothing on /metrics", "GET", "/metrics", "", op, nil, 401, reasonNoToken, true},
+				{"nothing on a node's route", "GET", statusOf, "", op, nil, 401, reasonNoToken, false},
+				{"nothing, POST /lock", "POST", "/lock", lockA, op, nil, 401, reasonNoToken, false},
+				{"nothing, POST /ui", "POST", "/ui", "", op, nil, 401, reasonNoToken, false},
+				{"the operator on /ui", "GET", "/ui", "", op, []string{basicAuth("", tokOp)}, 200, "", false},
+				{"the operator, a user name", "GET", "/ui", "", op, []string{basicAuth("alice", tokOp)}, 200, "", false},
+				{"the operator, lower case", "GET", "/ui", "", op, []string{"authorization: basic " + basicAuth("", tokOp)[len("Authorization: Basic "):]}, 200, "", false},
+				{"the operator on /ui/api/keys", "GET", "/ui/api/keys", "", op, []string{basicAuth("", tokOp)}, 200, "", false},
+				{"the operator on /metrics", "GET", "/metrics", "", op, []string{basicAuth("", tokOp)}, 200, "", false},
+				{"the operator, Bearer, on /ui", "GET", "/ui", "", op, []string{"Authorization: Bearer " + tokOp}, 200, "", false},
+				{"node a on /ui", "GET", "/ui", "", a, []string{basicAuth("", tokA)}, 403, reasonOperatorOnly, false},
+				{"node a on /metrics", "GET", "/metrics", "", a, []string{basicAuth("a", tokA)}, 403, reasonOperatorOnly, false},
+				{"an unknown token", "GET", "/ui", "", op, []string{basicAuth("", tokOp+"x")}, 401, reasonUnknownToken, true},
+				{"an empty password", "GET", "/ui", "", op, []string{basicAuth("dlock", "")}, 401, reasonBadHeader, true},
+				{"the token as the user", "GET", "/ui", "", op, []string{basicAuth(tokOp, "")}, 401, reasonBadHeader, true},
+				{"no colon", "GET", "/ui", "", op, []string{"Authorization: Basic " + base64.StdEncoding.EncodeToString([]byte(tokOp))}, 401, reasonBadHeader, true},
+				{"not base64", "GET", "/ui", "", op, []string{"Authorization: Basic !" + tokOp}, 401, reasonBadHeader, true},
+				{"unpadded base64", "GET", "/ui", "", op, []string{"Authorization: Basic " + base64.RawStdEncoding.EncodeToString([]byte("u:"+tokOp))}, 401, reasonBadHeader, true},
+				{"two spaces", "GET", "/ui", "", op, []string{"Authorization: Basic  " + base64.StdEncoding.EncodeToString([]byte(":"+tokOp))}, 401, reasonBadHeader, true},
+				{"Basic and a second header", "GET", "/ui", "", op, []string{basicAuth("", tokOp), "Authorization: Bearer " + tokOp}, 401, reasonBadHeader, true},
+				{"the operator, POST /lock", "POST", "/lock", lockOp, op, []string{basicAuth("", tokOp)}, 401, reasonBadHeader, false},
+				{"node a, POST /lock", "POST", "/lock", lockA, a, []string{basicAuth("", tokA)}, 401, reasonBadHeader, false},
+				{"node a, POST /unlock", "POST", "/unlock", lockA, a, []string{basicAuth("a", tokA)}, 401, reasonBadHeader, false},
+				{"node a, GET /status", "GET", statusOf + "&node_id=a", "", a, []string{basicAuth("", tokA)}, 401, reasonBadHeader, false},
+				{"the operator, GET /status", "GET", statusOf, "", op, []string{basicAuth("", tokOp)}, 401, reasonBadHeader, false},
+				{"the operator, POST /ui", "POST", "/ui", "", op, []string{basicAuth("", tokOp)}, 401, reasonBadHeader, false},
+				{"the operator, an unknown path", "GET", "/favicon.ico", "", op, []string{basicAuth("", tokOp)}, 404, "", false},
+				{"nothing, an unknown path", "GET", "/favicon.ico", "", op, nil, 401, reasonNoToken, true},
+				{"the operator, POST to an unknown path", "POST", "/nope", "", op, []string{basicAuth("", tokOp)}, 401, reasonBadHeader, false},
+			} {
+				counted := cmpOrStr(tc.reason, reasonNoToken)
+				before := testutil.ToFloat64(ae.srv.am.refusals.WithLabelValues(counted))
+				got := ae.do(tc.w, tc.method, tc.path, tc.body, tc.headers...)
+				switch tc.status {
+				case 200:
+					if got.status != 200 {
+						t.Fatalf("%s: %d %s", tc.name, got.status, got.raw)
+					}
+					if want := map[string]string{"/ui": "<html", "/metrics": "dlock_auth_refusals_total", "/ui/api/keys": `"keys"`}[tc.path]; !strings.Contains(got.raw, want) {
+						t.Fatalf("%s: the answer lacks %q: %.200s", tc.name, want, got.raw)
+					}
+				case 401:
+					refusal(t, tc.name, got, 401, api.CodeUnauthorized)
+					challenges(t, tc.name, got.header, tc.basic)
+				case 403:
+					refusal(t, tc.name, got, 403, api.CodeForbidden)
+				default:
+					if got.status != tc.status || got.header.Get("WWW-Authenticate") != "" {
+						t.Fatalf("%s: %d %s, want %d", tc.name, got.status, got.raw, tc.status)
+					}
+				}
+				after := testutil.ToFloat64(ae.srv.am.refusals.WithLabelValues(counted))
+				if want := before + map[bool]float64{true: 1}[tc.reason != ""]; after != want {
+					t.Fatalf("%s: dlock_auth_refusals_total{reason=%q} %v → %v, want %v", tc.name, counted, before, after, want)
+				}
+			}
+			if st := ae.do(who{token: tokA, cert: m.a}, "GET", statusOf, ""); st.body["state"] != "free" {
+				t.Fatalf("a refused lock was taken: %s", st.raw)
+			}
+
+			// The operator's live feed, opened with Basic; a node's stream
+			// is not.
+			s, status := ae.stream(op, "/ui/events", basicAuth("", tokOp))
+			if s == nil {
+				t.Fatalf("/ui/events with Basic: %d", status)
+			}
+			if f := s.Next(t); f.Event != "subscribed" {
+				t.Fatalf("/ui/events with Basic: first frame %+v", f)
+			}
+			s.Close()
+			if _, status := ae.stream(a, "/subscribe?node_id=a", basicAuth("", tokA)); status != 401 {
+				t.Fatalf("/subscribe with Basic: %d, want 401", status)
+			}
+
+			if !m.setup.tls || m.setup.mtls {
+				return
+			}
+			// HTTP/2: net/http's other ResponseWriter.
+			resp := ae.h2Get(op, "/ui")
+			if resp.StatusCode != 401 {
+				t.Fatalf("/ui over HTTP/2 without credentials: %d", resp.StatusCode)
+			}
+			challenges(t, "/ui over HTTP/2", resp.Header, true)
+			if resp := ae.h2Get(op, "/ui", basicAuth("", tokOp)); resp.StatusCode != 200 {
+				t.Fatalf("/ui over HTTP/2 with Basic: %d", resp.StatusCode)
+			}
+			if resp := ae.h2Get(a, "/ui", basicAuth("", tokA)); resp.StatusCode != 403 {
+				t.Fatalf("node a on /ui over HTTP/2 with Basic: %d", resp.StatusCode)
+			}
+			resp = ae.h2Get(a, statusOf, basicAuth("", tokA))
+			if resp.StatusCode != 401 {
+				t.Fatalf("node a on /status over HTTP/2 with Basic: %d", resp.StatusCode)
+			}
+			challenges(t, "/status over HTTP/2", resp.Header, false)
+		})
+	}
+}
+
+// TestAuthBasicRevokedStreamEnds: a /ui/events stream opened with Basic
+// credentials ends when a reload removes its token, as one opened with a
+// Bearer token does, on a connection taken over (HTTP/1.1) and through
+// the ResponseWriter (HTTP/2); a stream of an operator token still in the
+// file goes on, and the removed token is refused at once, also on a
+// keep-alive connection that used it.
+func TestAuthBasicRevokedStreamEnds(t *testing.T) {
+	const tokOp2 = "second-operator-token-0123"
+	for _, s := range []authSetup{{tokens: true}, {tokens: true, serial: true}, {tokens: true, tls: true}} {
+		t.Run(fmt.Sprintf("serial=%v/tls=%v", s.serial, s.tls), func(t *testing.T) {
+			ae := newAuthEnv(t, s)
+			authtest.WriteFile(t, ae.tokensPath, []byte(tokenFile+tokOp2+" *\n"))
+			if err := ae.srv.Reload(); err != nil {
+				t.Fatal(err)
+			}
+			opened := func(s *kit.Stream) *kit.Stream {
+				t.Helper()
+				if f := s.Next(t); f.Event != "subscribed" {
+					t.Fatalf("first frame %+v", f)
+				}
+				return s
+			}
+			sBasic, _ := ae.stream(who{}, "/ui/events", basicAuth("", tokOp))
+			sBearer, _ := ae.stream(who{token: tokOp}, "/ui/events")
+			sOther, _ := ae.stream(who{}, "/ui/events", basicAuth("ops", tokOp2))
+			for _, s := range []*kit.Stream{sBasic, sBearer, sOther} {
+				if s == nil {
+					t.Fatal("an operator stream did not open")
+				}
+				opened(s)
+			}
+			var h2 *kit.Stream
+			if s.tls {
+				resp := ae.h2Get(who{}, "/ui/events", basicAuth("", tokOp))
+				if resp.StatusCode != 200 {
+					t.Fatalf("/ui/events over HTTP/2 with Basic: %d", resp.StatusCode)
+				}
+				h2 = opened(&kit.Stream{Resp: resp, R: bufio.NewReader(resp.Body)})
+			}
+			keep := ae.dial(who{})
+			if r := keep.do("GET", "/ui/api/keys", "", basicAuth("", tokOp)); r.status != 200 {
+				t.Fatalf("/ui/api/keys with Basic: %d %s", r.status, r.raw)
+			}
+
+			authtest.WriteFile(t, ae.tokensPath, []byte(tokA+" a\n"+tokOp2+" *\n"))
+			if err := ae.srv.Reload(); err != nil {
+				t.Fatal(err)
+			}
+			if !ended(sBasic) || !ended(sBearer) {
+				t.Fatal("a stream of a removed token goes on")
+			}
+			if h2 != nil && !ended(h2) {
+				t.Fatal("an HTTP/2 stream of a removed token goes on")
+			}
+			before := testutil.ToFloat64(ae.srv.am.refusals.WithLabelValues(reasonUnknownToken))
+			r := ae.do(who{}, "GET", "/ui", "", basicAuth("", tokOp))
+			refusal(t, "a removed token", r, 401, api.CodeUnauthorized)
+			challenges(t, "a removed token", r.header, true)
+			r = keep.do("GET", "/ui/api/keys", "", basicAuth("", tokOp))
+			refusal(t, "a removed token on a keep-alive connection", r, 401, api.CodeUnauthorized)
+			challenges(t, "a removed token on a keep-alive connection", r.header, true)
+			if n := testutil.ToFloat64(ae.srv.am.refusals.WithLabelValues(reasonUnknownToken)); n != before+2 {
+				t.Fatalf("unknown_token refusals %v → %v, want 2 more", before, n)
+			}
+			// The other operator's stream carries what happens next.
+			ae.do(who{token: tokA}, "POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"a"}`)
+			if f := sOther.Next(t); f.Event != "lock_assigned" || f.JSON(t)["node_id"] != "a" {
+				t.Fatalf("the other operator's stream after the reload: %+v", f)
+			}
+			want := 2.0
+			if h2 != nil {
+				want = 3
+			}
+			if n := testutil.ToFloat64(ae.srv.am.revokedStreams); n != want {
+				t.Fatalf("dlock_auth_revoked_streams_total %v, want %v", n, want)
+			}
+		})
+	}
+}
+
+// TestAuthBasicBrowser: an operator opens /ui in a real headless chromium
+// with a token file in force. The browser gets the 401, shows its prompt
+// (answered here as a person would: the DevTools protocol's authRequired)
+// once, and sends the credentials again by itself for the page's reads and
+// its live feed (EventSource), which connects and carries locks taken
+// afterwards; on the next visit it asks nothing and sends no request
+// without them. (Before /favicon.ico took Basic credentials, its 401 made
+// chromium forget them, and it asked again.)
+func TestAuthBasicBrowser(t *testing.T) {
+	ctx, closeBrowser := browser(t)
+	ae := newAuthEnv(t, authSetup{tokens: true})
+
+	type prompt struct{ scheme, realm, url string }
+	var (
+		mu      sync.Mutex
+		prompts []prompt
+	)
+	events := make(chan any, 1024)
+	// Every paused request goes on; a prompt gets the operator's token.
+	handled := make(chan struct{})
+	go func() {
+		defer close(handled)
+		for {
+			var ev any
+			select {
+			case ev = <-events:
+			case <-ctx.Done():
+				return
+			}
+			var err error
+			switch ev := ev.(type) {
+			case *fetch.EventRequestPaused:
+				_, err = chromedp.Call(ctx, fetch.ContinueRequest, fetch.ContinueRequestParams{RequestID: ev.RequestID})
+			case *fetch.EventAuthRequired:
+				mu.Lock()
+				prompts = append(prompts, prompt{ev.AuthChallenge.Scheme, ev.AuthChallenge.Realm, ev.Request.URL})
+				mu.Unlock()
+				_, err = chromedp.Call(ctx, fetch.ContinueWithAuth, fetch.ContinueWithAuthParams{
+					RequestID: ev.RequestID,
+					AuthChallengeResponse: &fetch.AuthChallengeResponse{
+						Response: fetch.AuthChallengeResponseResponseProvideCredentials,
+						Username: "operator", Password: tokOp,
+					},
+				})
+			}
+			if err != nil && ctx.Err() == nil {
+				t.Errorf("answering the browser: %v", err)
+			}
+		}
+	}()
+	// Before the server's cleanup, and before goleak looks.
+	defer func() { closeBrowser(); <-handled }()
+	if err := chromedp.Listen(ctx, func(ev any) {
+		switch ev.(type) {
+		case *fetch.EventRequestPaused, *fetch.EventAuthRequired:
+			events <- ev
+		}
+	}); err != nil {
+		t.Fatal(err)
+	}
+	handleAuth := true
+	if _, err := chromedp.Call(ctx, fetch.Enable, fetch.EnableParams{HandleAuthRequests: &handleAuth}); err != nil {
+		t.Fatal(err)
+	}
+
+	if a := ae.do(who{token: tokA}, "POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"a"}`); a.body["acquired"] != true {
+		t.Fatalf("a's lock: %s", a.raw)
+	}
+	asked := func() []prompt {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Clone(prompts)
+	}
+	noToken := func() float64 { return testutil.ToFloat64(ae.srv.am.refusals.WithLabelValues(reasonNoToken)) }
+	rowR := fmt.Sprintf(rowJS, "pull:r")
+
+	// The first visit: the browser asks, once.
+	url := "http://" + ae.addr + "/ui"
+	if err := chromedp.Do(ctx, chromedp.Navigate(url)); err != nil {
+		t.Fatal(err)
+	}
+	pollUI[bool](t, ctx, "the live feed to connect", `document.getElementById("conn").textContent === "Live"`)
+	if row := pollUI[uiRow](t, ctx, "a holding pull:r", rowR); row.Holder != "a" {
+		t.Fatalf("row %+v, want a holding", row)
+	}
+	loadID := uiEval[string](t, ctx, `window.dlockLoadId`)
+	if a := ae.do(who{token: tokB}, "POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"b"}`); a.body["queued"] != true {
+		t.Fatalf("b's lock: %s", a.raw)
+	}
+	pollUI[bool](t, ctx, "b waiting, from the live feed", fmt.Sprintf(`(() => { const r = %s; return r && r.queue.join() === "b"; })()`, rowR))
+	if got := asked(); len(got) != 1 || got[0].scheme != "basic" || got[0].realm != "dlock" || !strings.HasSuffix(got[0].url, "/ui") {
+		t.Fatalf("the browser asked for credentials %d times: %+v; want once, Basic of realm dlock, for /ui", len(got), got)
+	}
+
+	// The next visit: the browser sends the credentials by itself, with the
+	// page and with its reads and live feed, and asks nothing.
+	before := noToken()
+	if err := chromedp.Do(ctx, chromedp.Navigate(url)); err != nil {
+		t.Fatal(err)
+	}
+	pollUI[bool](t, ctx, "the page loaded again, live", fmt.Sprintf(`window.dlockLoadId !== %q && document.getElementById("conn").textContent === "Live"`, loadID))
+	if a := ae.do(who{token: tokC}, "POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"c"}`); a.body["queued"] != true {
+		t.Fatalf("c's lock: %s", a.raw)
+	}
+	pollUI[bool](t, ctx, "c waiting, from the live feed", fmt.Sprintf(`(() => { const r = %s; return r && r.queue.join() === "b,c"; })()`, rowR))
+	if got := asked(); len(got) != 1 {
+		t.Fatalf("the browser asked again: %+v", got[1:])
+	}
+	if n := noToken(); n != before {
+		t.Fatalf("%v requests of the second visit came without credentials", n-before)
+	}
+	// Nothing refused what the browser sent by itself, its /favicon.ico
+	// included: a 401 to them would make it forget the credentials.
+	if n := testutil.ToFloat64(ae.srv.am.refusals.WithLabelValues(reasonBadHeader)); n != 0 {
+		t.Fatalf("bad_header refusals %v", n)
+	}
+	if n := testutil.ToFloat64(ae.srv.am.refusals.WithLabelValues(reasonOperatorOnly)); n != 0 {
+		t.Fatalf("operator_only refusals %v", n)
 	}
 }

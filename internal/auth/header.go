@@ -1,6 +1,10 @@
 package auth
 
-import "errors"
+import (
+	"bytes"
+	"encoding/base64"
+	"errors"
+)
 
 // Errors of ParseAuthorization.
 var (
@@ -40,6 +44,86 @@ func ParseAuthorization(v []byte) ([]byte, error) {
 		return nil, ErrBadHeader
 	}
 	return tok, nil
+}
+
+// ErrBadBasic is an Authorization header that names the Basic scheme but
+// is not exactly "Basic " and the padded base64 of "user:TOKEN". It is an
+// ErrBadHeader (errors.Is), with its own message.
+var ErrBadBasic error = badBasic{}
+
+type badBasic struct{}
+
+func (badBasic) Error() string {
+	return "the Authorization header is not \"Basic \" and the base64 of \"user:TOKEN\""
+}
+
+func (badBasic) Is(target error) bool { return target == ErrBadHeader }
+
+// IsBasic reports whether an Authorization header value names the Basic
+// scheme (RFC 7617): after optional white space, "Basic" in any case and a
+// space. It says which parser to ask, not that the value is valid.
+func IsBasic(v []byte) bool {
+	return hasScheme(trimOWS(v), "basic")
+}
+
+// ParseBasic returns the password of Basic credentials (RFC 7617), which
+// dlock takes as a token: "Basic" in any case, exactly one space, and the
+// base64 (RFC 4648 §4, padded) of "user:password"; optional white space
+// (SP, HTAB) around the value. The user, which may be empty, is ignored;
+// the password is what follows the first colon. An empty value is
+// ErrNoToken; anything else that is not that is ErrBadBasic.
+//
+// It accepts a subset of what net/http's (*http.Request).BasicAuth does
+// with the same value (as net/http's header reader hands it over, without
+// the white space around), and where it accepts, both return the same
+// password: FuzzBasicMatchesNetHTTP holds it to that. What BasicAuth takes
+// and ParseBasic refuses, on purpose:
+//   - a CR or LF inside the base64, which encoding/base64 skips: a header
+//     read one way here and another way by a proxy in front must not pass;
+//   - base64 that is not canonical (non-zero padding bits, as "YR=="), which
+//     StdEncoding decodes and StdEncoding.Strict() does not: every encoder,
+//     browsers included, writes the canonical form;
+//   - a password that is not a valid token (ValidToken), an empty one
+//     included: no token file holds it.
+//
+// Unlike ParseAuthorization the result does not alias v.
+func ParseBasic(v []byte) ([]byte, error) {
+	v = trimOWS(v)
+	if len(v) == 0 {
+		return nil, ErrNoToken
+	}
+	const scheme = "basic"
+	if !hasScheme(v, scheme) {
+		return nil, ErrBadBasic
+	}
+	enc := v[len(scheme)+1:]
+	if len(enc) == 0 || bytes.ContainsAny(enc, "\r\n") {
+		return nil, ErrBadBasic
+	}
+	dec := make([]byte, base64.StdEncoding.DecodedLen(len(enc)))
+	n, err := base64.StdEncoding.Strict().Decode(dec, enc)
+	if err != nil {
+		return nil, ErrBadBasic
+	}
+	_, pw, ok := bytes.Cut(dec[:n], []byte{':'})
+	if !ok || !validToken(pw) {
+		return nil, ErrBadBasic
+	}
+	return pw, nil
+}
+
+// hasScheme reports whether v starts with scheme, a lower-case ASCII word,
+// in any case, and a space.
+func hasScheme(v []byte, scheme string) bool {
+	if len(v) <= len(scheme) || v[len(scheme)] != ' ' {
+		return false
+	}
+	for i := range len(scheme) {
+		if v[i]|0x20 != scheme[i] { // ASCII letters only: | 0x20 lowers them
+			return false
+		}
+	}
+	return true
 }
 
 // ValidToken reports whether tok is a b64token (RFC 6750 §2.1): one or
