@@ -17,6 +17,7 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzLeanMatchesNetHTTP$$' -fuzztime $(FUZZTIME) ./server
 	$(GO) test -run '^$$' -fuzz '^FuzzFastMatchesJSON$$' -fuzztime $(FUZZTIME) ./api
 	$(GO) test -run '^$$' -fuzz '^FuzzAuthorization$$' -fuzztime $(FUZZTIME) ./internal/auth
+	$(GO) test -run '^$$' -fuzz '^FuzzBasicMatchesNetHTTP$$' -fuzztime $(FUZZTIME) ./internal/auth
 
 # deps installs, as root, what some tests run for real: Debian's containerd
 # and docker-registry (three containerd daemons sharing one store),

@@ -121,22 +121,6 @@ func (s *Server) refuse401(reason string, err error) error {
 	return fmt.Errorf("%w: %w", api.ErrUnauthorized, err)
 }
 
-// identify returns who rq comes from, or why it may not be served: 401
-// without a valid credential, 403 for a node's credential on an
-// operator's route. Where Basic credentials are accepted (acceptsBasic),
-// a 401 also carries their challenge, so that a browser asks for them.
-func (s *Server) identify(rq *request, rt *route) (*caller, error) {
-	basic := s.acceptsBasic(rq, rt)
-	who, err := s.identifyAs(rq, rt, basic)
-	if basic && rq.w != nil && errors.Is(err, api.ErrUnauthorized) {
-		// serveRequest sets the Bearer challenge and then writes the
-		// error; the Basic one joins it when the status goes out. (The
-		// lean loop, rq.w nil, answers POSTs only: never such a route.)
-		rq.w = basicChallenger{rq.w}
-	}
-	return who, err
-}
-
 // acceptsBasic reports whether rq may carry its token as the password of
 // Basic credentials (RFC 7617) instead of a Bearer token: with a token
 // file, on an operator's route (/metrics, /ui, /ui/*), for reading (GET,
@@ -155,9 +139,13 @@ func (s *Server) acceptsBasic(rq *request, rt *route) bool {
 		(rq.method == http.MethodGet || rq.method == http.MethodHead)
 }
 
-// identifyAs is identify; basic says whether the token may come as Basic
-// credentials.
-func (s *Server) identifyAs(rq *request, rt *route, basic bool) (*caller, error) {
+// identify returns who rq comes from, or why it may not be served: 401
+// without a valid credential, 403 for a node's credential on an
+// operator's route. Where Basic credentials are accepted (acceptsBasic),
+// serveRequest's 401 also carries their challenge, so that a browser
+// asks for them.
+func (s *Server) identify(rq *request, rt *route) (*caller, error) {
+	basic := s.acceptsBasic(rq, rt)
 	who := &caller{}
 	if s.tokens != nil {
 		v, dup := rq.authorization()
@@ -212,20 +200,15 @@ func (s *Server) identifyAs(rq *request, rt *route, basic bool) (*caller, error)
 	return who, nil
 }
 
-// basicChallenger is the ResponseWriter of a 401 where Basic credentials
-// are accepted: it puts basicChallengeValue before the challenges already
-// set when the status is written.
-type basicChallenger struct{ http.ResponseWriter }
-
-func (w basicChallenger) WriteHeader(status int) {
-	if status == http.StatusUnauthorized {
-		h := w.Header()
-		h["Www-Authenticate"] = append([]string{basicChallengeValue}, h["Www-Authenticate"]...)
+// challenge sets the WWW-Authenticate challenges of a 401 on h: Basic
+// first where a browser may answer it, then Bearer.
+func (s *Server) challenge(h http.Header, rq *request, rt *route) {
+	h.Del("WWW-Authenticate")
+	if s.acceptsBasic(rq, rt) {
+		h.Add("WWW-Authenticate", basicChallengeValue)
 	}
-	w.ResponseWriter.WriteHeader(status)
+	h.Add("WWW-Authenticate", wwwAuthenticateValue)
 }
-
-func (w basicChallenger) Unwrap() http.ResponseWriter { return w.ResponseWriter }
 
 // mayActAs answers whether the request whose context is ctx may name node
 // (its body's node_id, /subscribe's or /status's node_id, /refcount/*'s).

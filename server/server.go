@@ -285,7 +285,7 @@ func (s *Server) serveRequest(rq *request, buf []byte) (int, []byte) {
 	if err != nil {
 		if rq.w != nil {
 			if errors.Is(err, api.ErrUnauthorized) {
-				rq.w.Header().Set("WWW-Authenticate", wwwAuthenticateValue)
+				s.challenge(rq.w.Header(), rq, rt)
 			}
 			s.writeError(rq.w, rq.r, err)
 		} else {
