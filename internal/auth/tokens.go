@@ -70,7 +70,8 @@ type Tokens struct {
 
 // LoadTokens reads the token file at path (docs/SECURITY.md): lines
 // "TOKEN NODE_ID", where NODE_ID "*" is an operator; blank lines and lines
-// starting with '#' are skipped.
+// starting with '#' are skipped. Every line ends with a newline: a file
+// whose last line has none is refused as half-written.
 func LoadTokens(path string) (*Tokens, error) {
 	t := &Tokens{path: path}
 	tab, err := readTokenFile(path, nil)
@@ -95,7 +96,8 @@ func (t *Tokens) Lookup(token []byte) (*Grant, bool) {
 }
 
 // Reload reads the token file again and swaps the table. On an error the
-// old table stays. Tokens no longer in the file, or now naming another
+// old table stays; an empty file is an error when the table has tokens
+// (a comment line makes an empty table on purpose). Tokens no longer in the file, or now naming another
 // node, are revoked once the new table is in place: a request that arrives
 // after Reload returns is checked against the new file only.
 func (t *Tokens) Reload() (added, removed int, err error) {
@@ -136,17 +138,38 @@ const maxTokenLine = 4096
 
 // parseTokens reads a token file from r, reusing old's grant of a token
 // that keeps its node. Errors name the file and the line, never the token.
+//
+// A file caught half-written (written in place, not renamed into place;
+// docs/SECURITY.md) must not read as a smaller, valid file: cut inside a
+// node id, "TOKEN node-10" would become "TOKEN node-1", and cut after the
+// star of "*ops" an operator's token. Every writer of the format ends its
+// lines with a newline (`dlock token new NODE >> file`, echo, editors), so
+// a last line without one is refused, and so is an empty file that would
+// revoke the tokens of old (a file of comments only is an empty table on
+// purpose).
 func parseTokens(r io.Reader, name string, old table) (table, error) {
 	tab := table{}
 	lineOf := map[digest]int{}
 	sc := bufio.NewScanner(r)
 	sc.Buffer(make([]byte, 0, 512), maxTokenLine)
+	read, unterminated := false, false
+	sc.Split(func(data []byte, atEOF bool) (int, []byte, error) {
+		read = read || len(data) > 0
+		adv, tok, err := bufio.ScanLines(data, atEOF)
+		if atEOF && tok != nil && adv == len(data) && data[adv-1] != '\n' {
+			unterminated = true
+		}
+		return adv, tok, err
+	})
 	n := 0
 	bad := func(format string, a ...any) error {
 		return fmt.Errorf("%w %s:%d: %s", ErrTokenFile, name, n, fmt.Sprintf(format, a...))
 	}
 	for sc.Scan() {
 		n++
+		if unterminated {
+			return nil, bad("the last line does not end with a newline: written in place, or caught half-written? write it whole and rename it into place")
+		}
 		line := strings.TrimRight(sc.Text(), " \t\r")
 		line = strings.TrimLeft(line, " \t")
 		if line == "" || line[0] == '#' {
@@ -187,6 +210,9 @@ func parseTokens(r io.Reader, name string, old table) (table, error) {
 			return nil, bad("the line is longer than %d bytes", maxTokenLine)
 		}
 		return nil, fmt.Errorf("%w %s: %w", ErrTokenFile, name, err)
+	}
+	if !read && len(old) > 0 {
+		return nil, fmt.Errorf("%w %s: the file is empty, which would revoke all %d tokens: truncated, or caught half-written? write it whole and rename it into place; to revoke every token, leave a comment line in it", ErrTokenFile, name, len(old))
 	}
 	return tab, nil
 }

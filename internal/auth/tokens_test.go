@@ -60,6 +60,11 @@ func TestTokenFileErrors(t *testing.T) {
 		{"bidi in node", secret + " a\u202eb\n", ":1:"},
 		{"long line", secret + " " + strings.Repeat("n", 5000) + "\n", ":1: the line is longer than"},
 		{"node too long", secret + " " + strings.Repeat("n", 300) + "\n", ":1:"},
+		{"no final newline", "# x\n" + secret + " node-a", ":2: the last line does not end with a newline: written in place, or caught half-written? write it whole and rename it into place"},
+		{"no final newline after a node with spaces", secret + " node a\n" + secret + "x node b", ":2: the last line does not end with a newline"},
+		{"no final newline after a CR", secret + " node-a\r", ":1: the last line does not end with a newline"},
+		{"no final newline in a comment", secret + " node-a\n# x", ":2: the last line does not end with a newline"},
+		{"no final newline in blanks", secret + " node-a\n  ", ":2: the last line does not end with a newline"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			path := filepath.Join(t.TempDir(), "tokens")
@@ -129,6 +134,109 @@ func TestTokensReload(t *testing.T) {
 	}
 	if _, ok := tk.Lookup([]byte(tokA)); !ok {
 		t.Error("a failed reload emptied the table")
+	}
+}
+
+// TestTokensReloadCutShort: a token file caught half-written — written in
+// place and reloaded before the write ends — is refused, and the table
+// stays as it was. Read as a whole file, a file cut to nothing revokes
+// every token, a file cut inside "node-10" gives node-10's token to
+// node-1, and one cut after the star of "*ops" makes the token an
+// operator's.
+func TestTokensReloadCutShort(t *testing.T) {
+	const (
+		tok1   = "token-of-node-1-0123456789"
+		tok10  = "token-of-node-10-012345678"
+		tokOps = "token-of-ops-team-01234567"
+	)
+	whole := tok1 + " node-1\n" + tok10 + " node-10\n" + tokOps + " *ops\n"
+	for _, tc := range []struct {
+		name, cut, want string
+		check           func(t *testing.T, tk *Tokens)
+	}{
+		{"cut to nothing", "", path0 + ": the file is empty, which would revoke all 3 tokens", func(t *testing.T, tk *Tokens) {
+			if _, ok := tk.Lookup([]byte(tok1)); !ok {
+				t.Error("every token was revoked by an empty file")
+			}
+		}},
+		{"cut in a node id", tok1 + " node-1\n" + tok10 + " node-1", path0 + ":2: the last line does not end with a newline", func(t *testing.T, tk *Tokens) {
+			if g, _ := tk.Lookup([]byte(tok10)); g == nil || g.Node != "node-10" {
+				t.Errorf("node-10's token now acts as %+v", g)
+			}
+		}},
+		{"cut after a star", whole[:len(whole)-len("ops\n")], path0 + ":3: the last line does not end with a newline", func(t *testing.T, tk *Tokens) {
+			if g, _ := tk.Lookup([]byte(tokOps)); g == nil || g.Operator() {
+				t.Errorf("the token of node \"*ops\" became an operator's: %+v", g)
+			}
+		}},
+		{"cut in a token", tok1 + " node-1\n" + tok10[:5], path0 + ":2: the last line does not end with a newline", func(t *testing.T, tk *Tokens) {
+			if g, _ := tk.Lookup([]byte(tok10)); g == nil || g.Node != "node-10" {
+				t.Errorf("node-10's token now acts as %+v", g)
+			}
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "tokens")
+			writeTokens(t, path, whole)
+			tk, err := LoadTokens(path)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// What a reader sees while the writer is between two writes.
+			if err := os.WriteFile(path, []byte(tc.cut), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			_, removed, err := tk.Reload()
+			if err == nil {
+				t.Fatalf("a file cut short reloaded (%d tokens revoked)", removed)
+			}
+			if want := strings.Replace(tc.want, path0, path, 1); !errors.Is(err, ErrTokenFile) || !strings.Contains(err.Error(), want) {
+				t.Errorf("err %v, want %q", err, want)
+			}
+			for _, tok := range []string{tok1, tok10, tokOps} {
+				if strings.Contains(err.Error(), tok[:8]) {
+					t.Errorf("the error shows a token: %v", err)
+				}
+			}
+			tc.check(t, tk)
+			if tk.Len() != 3 {
+				t.Errorf("%d tokens after a refused reload, want 3", tk.Len())
+			}
+		})
+	}
+}
+
+// path0 stands for the token file's path in the errors wanted.
+const path0 = "$PATH"
+
+// TestTokensEmptyFile: an empty file is an empty table at start (the
+// server warns), and a reload of one is refused while the table has
+// tokens; a file of comments only empties the table on purpose.
+func TestTokensEmptyFile(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "tokens")
+	writeTokens(t, path, "")
+	tk, err := LoadTokens(path)
+	if err != nil || tk.Len() != 0 {
+		t.Fatalf("an empty file at start: %v, %d tokens", err, tk.Len())
+	}
+	if _, _, err := tk.Reload(); err != nil {
+		t.Fatalf("an empty file again, with no tokens to lose: %v", err)
+	}
+	writeTokens(t, path, tokA+" a\n")
+	if added, _, err := tk.Reload(); err != nil || added != 1 {
+		t.Fatalf("Reload: +%d %v", added, err)
+	}
+	ga, _ := tk.Lookup([]byte(tokA))
+	writeTokens(t, path, "")
+	if _, _, err := tk.Reload(); !errors.Is(err, ErrTokenFile) || !strings.Contains(err.Error(), path+": the file is empty") {
+		t.Fatalf("an empty file emptying the table: %v", err)
+	}
+	if g, _ := tk.Lookup([]byte(tokA)); g != ga || ga.Revoked().Err() != nil {
+		t.Fatal("a refused reload changed the table")
+	}
+	writeTokens(t, path, "# every token revoked\n")
+	if _, removed, err := tk.Reload(); err != nil || removed != 1 || tk.Len() != 0 || ga.Revoked().Err() == nil {
+		t.Fatalf("a file of comments only: -%d %v, %d tokens", removed, err, tk.Len())
 	}
 }
 
