@@ -1,13 +1,16 @@
 package auth
 
 import (
+	"bytes"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/pem"
 	"errors"
 	"fmt"
 	"os"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -90,7 +93,20 @@ func (c *Certs) ClientAuth() bool { return c.caFile != "" }
 func (c *Certs) Leaf() *x509.Certificate { return c.cur.Load().leaf }
 
 func (c *Certs) read() (*certState, error) {
-	kp, err := tls.LoadX509KeyPair(c.certFile, c.keyFile)
+	certPEM, err := os.ReadFile(c.certFile)
+	if err != nil {
+		return nil, fmt.Errorf("%w: --tls-cert: %w", ErrCertificate, err)
+	}
+	// tls.X509KeyPair skips what follows the last whole PEM block, so a
+	// chain cut in its intermediate would serve the leaf alone.
+	if _, err := pemCerts(certPEM, true); err != nil {
+		return nil, fmt.Errorf("%w: --tls-cert %s: %w", ErrCertificate, c.certFile, err)
+	}
+	keyPEM, err := os.ReadFile(c.keyFile)
+	if err != nil {
+		return nil, fmt.Errorf("%w: --tls-key: %w", ErrCertificate, err)
+	}
+	kp, err := tls.X509KeyPair(certPEM, keyPEM)
 	if err != nil {
 		return nil, fmt.Errorf("%w: --tls-cert %s, --tls-key %s: %w", ErrCertificate, c.certFile, c.keyFile, err)
 	}
@@ -106,18 +122,71 @@ func (c *Certs) read() (*certState, error) {
 		NextProtos: []string{"h2", "http/1.1"},
 	}
 	if c.caFile != "" {
-		pem, err := os.ReadFile(c.caFile)
+		caPEM, err := os.ReadFile(c.caFile)
 		if err != nil {
 			return nil, fmt.Errorf("%w: --client-ca: %w", ErrCertificate, err)
 		}
-		st.roots = x509.NewCertPool()
-		if !st.roots.AppendCertsFromPEM(pem) {
+		cas, err := pemCerts(caPEM, false)
+		if err != nil {
+			return nil, fmt.Errorf("%w: --client-ca %s: %w", ErrCertificate, c.caFile, err)
+		}
+		if len(cas) == 0 {
 			return nil, fmt.Errorf("%w: --client-ca %s holds no PEM certificate", ErrCertificate, c.caFile)
+		}
+		st.roots = x509.NewCertPool()
+		for _, ca := range cas {
+			st.roots.AddCert(ca)
 		}
 		st.config.ClientCAs = st.roots
 		st.config.ClientAuth = tls.VerifyClientCertIfGiven
 	}
 	return st, nil
+}
+
+// pemCerts reads a file of PEM certificates: every PEM block must be a
+// certificate that parses (or, with keys, a private key, for a certificate
+// file that holds its key too), and nothing but white space may lie
+// outside the blocks. A file caught half-written (written in place, not
+// renamed into place; docs/SECURITY.md) ends in a cut block, which
+// x509.CertPool.AppendCertsFromPEM and tls.X509KeyPair skip: the
+// certificates cut off would be dropped without a word. Errors name the
+// line.
+func pemCerts(data []byte, keys bool) ([]*x509.Certificate, error) {
+	var certs []*x509.Certificate
+	for i := 0; ; {
+		for i < len(data) && asciiSpace(data[i]) {
+			i++
+		}
+		if i == len(data) {
+			return certs, nil
+		}
+		line := 1 + bytes.Count(data[:i], []byte("\n"))
+		// pem.Decode skips anything that is not a whole block, a cut one
+		// included: the block decoded must be the one at i.
+		block, rest := pem.Decode(data[i:])
+		end := len(data) - len(rest)
+		if block == nil || !bytes.HasPrefix(data[i:], pemBegin) || bytes.LastIndex(data[i:end], pemBegin) != 0 {
+			return nil, fmt.Errorf("line %d: not a whole PEM block: the file was cut short (written in place, or caught half-written? write it whole and rename it into place), or holds text outside its PEM blocks", line)
+		}
+		i = end
+		switch {
+		case block.Type == "CERTIFICATE":
+			cert, err := x509.ParseCertificate(block.Bytes)
+			if err != nil {
+				return nil, fmt.Errorf("line %d: %w", line, err)
+			}
+			certs = append(certs, cert)
+		case keys && strings.HasSuffix(block.Type, "PRIVATE KEY"):
+		default:
+			return nil, fmt.Errorf("line %d: a PEM block of type %q, want CERTIFICATE", line, block.Type)
+		}
+	}
+}
+
+var pemBegin = []byte("-----BEGIN ")
+
+func asciiSpace(b byte) bool {
+	return b == ' ' || b == '\t' || b == '\n' || b == '\r' || b == '\v' || b == '\f'
 }
 
 // CertIdentity is who a verified client certificate says a client is.

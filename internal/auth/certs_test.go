@@ -1,14 +1,18 @@
 package auth
 
 import (
+	"bytes"
 	"context"
 	"crypto/tls"
+	"encoding/pem"
 	"errors"
 	"io"
 	"net"
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/dlock/dlock/internal/auth/authtest"
@@ -239,5 +243,111 @@ func TestCertsRotate(t *testing.T) {
 	}
 	if _, st, err = handshake(t, c, clientConfig(ca)); err != nil || st.PeerCertificates[0].SerialNumber.Cmp(second) != 0 {
 		t.Fatalf("a failed reload changed what the server shows: %v", err)
+	}
+}
+
+// TestCertsReloadCutCABundle: a client CA bundle caught half-written —
+// during a rotation that appends the new CA — is refused, and the last
+// good one stays. x509.CertPool.AppendCertsFromPEM skips a cut PEM block
+// and succeeds as long as one certificate parsed: the CAs cut off would be
+// dropped without a word in the log or in
+// dlock_credential_reloads_total{result="error"}, and their nodes refused.
+func TestCertsReloadCutCABundle(t *testing.T) {
+	dir := t.TempDir()
+	ca1, ca2 := authtest.NewCA(t, "ca1"), authtest.NewCA(t, "ca2")
+	f := writeCerts(t, dir, ca1)
+	authtest.WriteFile(t, f.ca, append(append([]byte{}, ca1.PEM...), ca2.PEM...))
+	c, err := LoadCerts(f.cert, f.key, f.ca)
+	if err != nil {
+		t.Fatal(err)
+	}
+	node2 := ca2.Node(t, "node-2", "node-2").TLS(t)
+	if _, _, err := handshake(t, c, clientConfig(ca1, node2)); err != nil {
+		t.Fatalf("ca2's node before: %v", err)
+	}
+	// The rotation tool is rewriting the bundle in place.
+	if err := os.WriteFile(f.ca, append(append([]byte{}, ca1.PEM...), ca2.PEM[:len(ca2.PEM)/2]...), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	err = c.Reload()
+	if want := f.ca + ": line " + strconv.Itoa(1+bytes.Count(ca1.PEM, []byte("\n"))) + ": not a whole PEM block: the file was cut short"; !errors.Is(err, ErrCertificate) || err == nil || !strings.Contains(err.Error(), want) {
+		t.Errorf("a CA bundle cut in its second certificate: %v, want %q", err, want)
+	}
+	if _, _, err := handshake(t, c, clientConfig(ca1, node2)); err != nil {
+		t.Errorf("ca2's node after a reload of a half-written bundle: %v", err)
+	}
+}
+
+// TestCertFilesStrict: every PEM block of the client CA file and of the
+// certificate file must parse, and only white space may lie outside the
+// blocks, at start and on reload: a file cut short is refused. Without
+// this, a server certificate chain cut in its intermediate loaded (the
+// leaf alone matches the key) and clients that need the intermediate
+// could no longer verify the server.
+func TestCertFilesStrict(t *testing.T) {
+	dir := t.TempDir()
+	ca, inter := authtest.NewCA(t, "ca"), authtest.NewCA(t, "intermediate")
+	f := writeCerts(t, dir, ca)
+	server := ca.Server(t)
+	chain := append(append([]byte{}, server.CertPEM...), inter.PEM...)
+	combined := append(append([]byte{}, server.CertPEM...), server.KeyPEM...)
+	two := append(append([]byte{}, ca.PEM...), inter.PEM...)
+	leafLines := 1 + bytes.Count(server.CertPEM, []byte("\n"))
+	caLines := 1 + bytes.Count(ca.PEM, []byte("\n"))
+	der, _ := pem.Decode(ca.PEM)
+	badDER := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der.Bytes[:len(der.Bytes)-10]})
+	for _, tc := range []struct {
+		name           string
+		cert, key, cas []byte
+		want           string // "" when the files load
+	}{
+		{"whole chain", chain, server.KeyPEM, ca.PEM, ""},
+		{"white space around the blocks", append(append([]byte("\n \n"), chain...), "\r\n\t\n"...), server.KeyPEM, append([]byte("\n"), two...), ""},
+		{"certificate file holding its key", combined, server.KeyPEM, ca.PEM, ""},
+		{"chain cut in its intermediate", chain[:len(chain)-100], server.KeyPEM, ca.PEM, "--tls-cert " + f.cert + ": line " + strconv.Itoa(leafLines) + ": not a whole PEM block"},
+		{"chain cut after a dash", chain[:len(server.CertPEM)+3], server.KeyPEM, ca.PEM, "--tls-cert " + f.cert + ": line " + strconv.Itoa(leafLines) + ": not a whole PEM block"},
+		{"leaf cut", server.CertPEM[:100], server.KeyPEM, ca.PEM, "--tls-cert " + f.cert + ": line 1: not a whole PEM block"},
+		{"key cut", server.CertPEM, server.KeyPEM[:len(server.KeyPEM)-30], ca.PEM, "--tls-key " + f.key + ": tls: failed to find any PEM data in key input"},
+		{"text after the chain", append(append([]byte{}, chain...), "subject=CN=x\n"...), server.KeyPEM, ca.PEM, "not a whole PEM block"},
+		{"CA bundle cut in its BEGIN line", server.CertPEM, server.KeyPEM, two[:len(ca.PEM)+7], "--client-ca " + f.ca + ": line " + strconv.Itoa(caLines) + ": not a whole PEM block"},
+		{"CA bundle cut in its first certificate", server.CertPEM, server.KeyPEM, ca.PEM[:len(ca.PEM)-40], "--client-ca " + f.ca + ": line 1: not a whole PEM block"},
+		{"CA bundle with a broken block before a whole one", server.CertPEM, server.KeyPEM, append(append([]byte{}, ca.PEM[:len(ca.PEM)-40]...), inter.PEM...), "--client-ca " + f.ca + ": line 1: not a whole PEM block"},
+		{"CA bundle with text before", server.CertPEM, server.KeyPEM, append([]byte("# our CAs\n"), two...), "--client-ca " + f.ca + ": line 1: not a whole PEM block"},
+		{"CA bundle with a key", server.CertPEM, server.KeyPEM, append(append([]byte{}, ca.PEM...), server.KeyPEM...), "--client-ca " + f.ca + ": line " + strconv.Itoa(caLines) + ": a PEM block of type \"PRIVATE KEY\", want CERTIFICATE"},
+		{"CA bundle with a certificate that does not parse", server.CertPEM, server.KeyPEM, append(append([]byte{}, ca.PEM...), badDER...), "--client-ca " + f.ca + ": line " + strconv.Itoa(caLines) + ": x509: "},
+		{"CA bundle of white space", server.CertPEM, server.KeyPEM, []byte("\n\n"), "--client-ca " + f.ca + " holds no PEM certificate"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			write := func() {
+				authtest.WriteFile(t, f.cert, tc.cert)
+				authtest.WriteFile(t, f.key, tc.key)
+				authtest.WriteFile(t, f.ca, tc.cas)
+			}
+			write()
+			_, err := LoadCerts(f.cert, f.key, f.ca)
+			check := func(when string, err error) {
+				t.Helper()
+				if tc.want == "" && err != nil {
+					t.Errorf("%s: %v", when, err)
+				}
+				if tc.want != "" && (!errors.Is(err, ErrCertificate) || !strings.Contains(err.Error(), tc.want)) {
+					t.Errorf("%s: %v, want %q", when, err, tc.want)
+				}
+			}
+			check("at start", err)
+
+			authtest.WriteFile(t, f.cert, server.CertPEM)
+			authtest.WriteFile(t, f.key, server.KeyPEM)
+			authtest.WriteFile(t, f.ca, ca.PEM)
+			c, err := LoadCerts(f.cert, f.key, f.ca)
+			if err != nil {
+				t.Fatal(err)
+			}
+			write()
+			check("on reload", c.Reload())
+			if tc.want != "" && c.Leaf().SerialNumber.Cmp(server.TLS(t).Leaf.SerialNumber) != 0 {
+				t.Error("a refused reload changed the server certificate")
+			}
+		})
 	}
 }
