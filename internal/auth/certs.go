@@ -26,7 +26,27 @@ var (
 	// ErrUntrusted is a client certificate that the current client CA
 	// does not sign (it did when the connection began).
 	ErrUntrusted = errors.New("the client certificate is not signed by the current client CA")
+	// ErrTooManyNames is a client certificate with more than MaxCertNames
+	// names; errors.Is(err, ErrUntrusted) holds too.
+	ErrTooManyNames = errors.New("the client certificate has too many names")
 )
+
+// MaxCertNames is the most names (Subject CN and DNS SANs, as written) a
+// client certificate may have: a certificate names its node, or a few
+// (docs/SECURITY.md), and one with thousands of names would cost every
+// request's check of them.
+const MaxCertNames = 64
+
+// refusal is an error of Identify that errors.Is ErrUntrusted and kind,
+// with a message of its own.
+type refusal struct {
+	kind error
+	msg  string
+}
+
+func (e *refusal) Error() string { return e.msg }
+
+func (e *refusal) Is(target error) bool { return target == ErrUntrusted || target == e.kind }
 
 // Certs is the server's TLS configuration read from files: its
 // certificate and key, and optionally the CA that signs client
@@ -205,18 +225,33 @@ func (id *CertIdentity) MayActAs(node string) bool {
 }
 
 // Names returns the node names of a certificate: its Subject common name
-// and its DNS SANs.
+// and its DNS SANs, each once, in that order.
 func Names(cert *x509.Certificate) []string {
 	names := make([]string, 0, 1+len(cert.DNSNames))
-	if cert.Subject.CommonName != "" {
-		names = append(names, cert.Subject.CommonName)
-	}
-	for _, n := range cert.DNSNames {
-		if !slices.Contains(names, n) {
+	seen := make(map[string]bool, 1+len(cert.DNSNames))
+	add := func(n string) {
+		if !seen[n] {
+			seen[n] = true
 			names = append(names, n)
 		}
 	}
+	if cert.Subject.CommonName != "" {
+		add(cert.Subject.CommonName)
+	}
+	for _, n := range cert.DNSNames {
+		add(n)
+	}
 	return names
+}
+
+// nameCount is the number of names of a certificate as written, the same
+// name twice counted twice.
+func nameCount(cert *x509.Certificate) int {
+	n := len(cert.DNSNames)
+	if cert.Subject.CommonName != "" {
+		n++
+	}
+	return n
 }
 
 // Peer is one connection's client certificate. Its identity is worked out
@@ -275,7 +310,9 @@ func (c *Certs) Handshake(ctx context.Context, tc *tls.Conn) (*Peer, error) {
 
 // Identify returns the identity of p's certificate under the current
 // client CA: ErrNoCertificate for a nil p, ErrUntrusted when the current
-// CA does not sign it (a reload replaced the CA since the handshake).
+// CA does not sign it (a reload replaced the CA since the handshake), an
+// error that is ErrTooManyNames and ErrUntrusted when it has more than
+// MaxCertNames names.
 func (c *Certs) Identify(p *Peer) (*CertIdentity, error) {
 	if p == nil {
 		return nil, ErrNoCertificate
@@ -285,7 +322,9 @@ func (c *Certs) Identify(p *Peer) (*CertIdentity, error) {
 		return ch.id, ch.err
 	}
 	ch := &peerCheck{roots: roots}
-	if p.roots != roots {
+	if n := nameCount(p.leaf); n > MaxCertNames {
+		ch.err = &refusal{ErrTooManyNames, fmt.Sprintf("the client certificate has %d names (Subject CN and DNS SANs), more than the %d a certificate may have", n, MaxCertNames)}
+	} else if p.roots != roots {
 		_, err := p.leaf.Verify(x509.VerifyOptions{
 			Roots:         roots,
 			Intermediates: p.intermediates,

@@ -91,6 +91,7 @@ func TestNames(t *testing.T) {
 		{"node-a", []string{"node-b", "node-c"}, []string{"node-a", "node-b", "node-c"}},
 		{"", []string{"node-b"}, []string{"node-b"}},
 		{"*", nil, []string{"*"}},
+		{"a", []string{"b", "a", "c", "b", "c", "d"}, []string{"a", "b", "c", "d"}},
 	} {
 		c := ca.Node(t, tc.cn, tc.dns...).TLS(t)
 		if got := Names(c.Leaf); !slices.Equal(got, tc.want) {
@@ -349,5 +350,69 @@ func TestCertFilesStrict(t *testing.T) {
 				t.Error("a refused reload changed the server certificate")
 			}
 		})
+	}
+}
+
+// TestCertsTooManyNames: a client certificate with more than MaxCertNames
+// names is refused, before its names are worked out. Names drops
+// duplicates with a map: it once did with slices.Contains, quadratic in
+// the names, and a certificate with 20,000 DNS SANs (150 KB, within what
+// crypto/tls takes) cost about a second of CPU on every new connection.
+func TestCertsTooManyNames(t *testing.T) {
+	dir := t.TempDir()
+	ca := authtest.NewCA(t, "ca")
+	f := writeCerts(t, dir, ca)
+	c, err := LoadCerts(f.cert, f.key, f.ca)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dns := func(n int) []string {
+		names := make([]string, n)
+		for i := range names {
+			names[i] = "n" + strconv.Itoa(i)
+		}
+		return names
+	}
+	for _, tc := range []struct {
+		name string
+		cn   string
+		dns  []string
+		want int // names; 0 when refused
+	}{
+		{"the most names", "n0", dns(MaxCertNames - 1), MaxCertNames - 1},
+		{"the most names, no CN", "", dns(MaxCertNames), MaxCertNames},
+		{"one more", "cn", dns(MaxCertNames), 0},
+		{"one more, counted as written", "n0", append(dns(MaxCertNames-1), "n1"), 0},
+		{"many", "n0", dns(3000), 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p, _, err := handshake(t, c, clientConfig(ca, ca.Node(t, tc.cn, tc.dns...).TLS(t)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			id, err := c.Identify(p)
+			if tc.want > 0 {
+				if err != nil || len(id.Names) != tc.want {
+					t.Fatalf("identity %v, %v; want %d names", id, err, tc.want)
+				}
+				return
+			}
+			n := len(tc.dns)
+			if tc.cn != "" {
+				n++
+			}
+			want := "the client certificate has " + strconv.Itoa(n) + " names (Subject CN and DNS SANs), more than the 64 a certificate may have"
+			if id != nil || !errors.Is(err, ErrTooManyNames) || !errors.Is(err, ErrUntrusted) || err.Error() != want {
+				t.Fatalf("identity %v, %v; want %q", id, err, want)
+			}
+			if _, err2 := c.Identify(p); err2 != err {
+				t.Errorf("the refusal is not kept: %v", err2)
+			}
+		})
+	}
+	// Names still takes any certificate (a map drops the duplicates).
+	cert := ca.Node(t, "n0", dns(20000)...).TLS(t).Leaf
+	if names := Names(cert); len(names) != 20000 || names[0] != "n0" || names[19999] != "n19999" {
+		t.Errorf("Names of 20,000 names: %d names", len(names))
 	}
 }
