@@ -8,9 +8,11 @@ import (
 	"net"
 	"net/http"
 	"strings"
+	"sync"
 
 	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/internal/auth"
+	"github.com/dlock/dlock/lock"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -47,6 +49,9 @@ func (s *Server) setAccess() {
 type caller struct {
 	grant *auth.Grant
 	cert  *auth.CertIdentity
+	// peer is the connection's client certificate, checked again by
+	// mayActAs and by streams: a reload may have dropped its CA.
+	peer *auth.Peer
 }
 
 func (c *caller) operator() bool {
@@ -74,6 +79,8 @@ const (
 	reasonUntrusted      = "untrusted_certificate"
 	reasonOtherNode      = "other_node"
 	reasonOperatorOnly   = "operator_only"
+	reasonCrossSite      = "cross_site"
+	reasonObservers      = "observers_per_credential"
 	wwwAuthenticateValue = `Bearer realm="dlock"`
 	// basicChallengeValue is the challenge a 401 carries, besides
 	// wwwAuthenticateValue, where Basic credentials are accepted: it
@@ -94,7 +101,7 @@ func newAuthMetrics(reg *prometheus.Registry) *authMetrics {
 	am := &authMetrics{
 		refusals: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "dlock_auth_refusals_total",
-			Help: "Requests answered 401 or 403 by the identity checks, by reason: no_token, bad_header, unknown_token, no_certificate, untrusted_certificate (401); other_node, operator_only (403).",
+			Help: "Requests answered 401 or 403 by the identity checks, by reason: no_token, bad_header, unknown_token, no_certificate, untrusted_certificate (401); other_node, operator_only, cross_site (403); observers_per_credential (429).",
 		}, []string{"reason"}),
 		handshakeErrors: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "dlock_tls_handshake_errors_total",
@@ -106,10 +113,10 @@ func newAuthMetrics(reg *prometheus.Registry) *authMetrics {
 		}, []string{"what", "result"}),
 		revokedStreams: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "dlock_auth_revoked_streams_total",
-			Help: "Event streams closed because a reload removed the token that opened them.",
+			Help: "Event streams closed because a reload removed the token that opened them, or dropped the CA of their client certificate.",
 		}),
 	}
-	for _, r := range []string{reasonNoToken, reasonBadHeader, reasonUnknownToken, reasonNoCertificate, reasonUntrusted, reasonOtherNode, reasonOperatorOnly} {
+	for _, r := range []string{reasonNoToken, reasonBadHeader, reasonUnknownToken, reasonNoCertificate, reasonUntrusted, reasonOtherNode, reasonOperatorOnly, reasonCrossSite, reasonObservers} {
 		am.refusals.WithLabelValues(r)
 	}
 	reg.MustRegister(am.refusals, am.handshakeErrors, am.reloads, am.revokedStreams)
@@ -191,7 +198,7 @@ func (s *Server) identify(rq *request, rt *route) (*caller, error) {
 		case err != nil:
 			return nil, s.refuse401(reasonUntrusted, err)
 		}
-		who.cert = id
+		who.cert, who.peer = id, rq.peer
 	}
 	if rt != nil && rt.access == accessOperator && !who.operator() {
 		s.am.refusals.WithLabelValues(reasonOperatorOnly).Inc()
@@ -219,6 +226,9 @@ func (s *Server) mayActAs(ctx context.Context, node string) error {
 		return nil
 	}
 	who := callerOf(ctx)
+	if err := s.stillValid(who); err != nil {
+		return err
+	}
 	if who != nil && who.mayActAs(node) {
 		return nil
 	}
@@ -250,13 +260,157 @@ func (rq *request) authorization() (v []byte, dup bool) {
 	return leanHeader(rq.head, "Authorization"), false
 }
 
-// revocation is the context cancelled when the token of the request whose
-// context is ctx is removed; nil when no token opened it.
-func revocation(ctx context.Context) context.Context {
-	if who := callerOf(ctx); who != nil && who.grant != nil {
-		return who.grant.Revoked()
+// crossSite refuses a request a browser sends on behalf of another site
+// (docs/SECURITY.md): a browser keeps an operator's client certificate or
+// Basic credentials and presents them to whatever page makes it ask, and
+// a page on any site can make it POST to /unlock or load /status?node_id=
+// as an image. http.CrossOriginProtection tells such requests by their
+// Sec-Fetch-Site or Origin header, which browsers set and other clients
+// do not; the lean loop leaves every request with either header to
+// net/http, so rq.r is set whenever one is present. Only GET and HEAD of
+// the routes that merely read (/healthz, /metrics, /ui, /ui/*) may come
+// from another site; a GET of /status or /subscribe renews a node's leases
+// or keeps its session, so it is checked as a POST is.
+func (s *Server) crossSite(rq *request, rt *route) error {
+	if rq.r == nil {
+		return nil
+	}
+	r := rq.r
+	switch r.Method {
+	case http.MethodGet, http.MethodHead:
+		if rt != nil && rt.access != accessNode {
+			return nil
+		}
+		fallthrough
+	case http.MethodOptions:
+		// Check lets these through as safe; here they are not.
+		post := *r
+		post.Method = http.MethodPost
+		r = &post
+	}
+	if err := s.sameOrigin.Check(r); err != nil {
+		if s.am != nil {
+			s.am.refusals.WithLabelValues(reasonCrossSite).Inc()
+		}
+		return fmt.Errorf("%w: a request a browser sent for another site (%v)", api.ErrForbidden, err)
 	}
 	return nil
+}
+
+// stillValid checks again, once the body is read, what identify checked at
+// the head: net/http identifies a request before its body arrives, and a
+// client may hold the body back (Expect: 100-continue) across a reload
+// that removes its token or drops its certificate's CA.
+func (s *Server) stillValid(who *caller) error {
+	if who == nil {
+		return nil
+	}
+	if who.grant != nil && who.grant.Revoked().Err() != nil {
+		return s.refuse401(reasonUnknownToken, errors.New("the bearer token was removed from the server's token file"))
+	}
+	if who.peer != nil {
+		if _, err := s.certs.Identify(who.peer); err != nil {
+			return s.refuse401(reasonUntrusted, err)
+		}
+	}
+	return nil
+}
+
+// MaxObserversPerCredential bounds the key observers (/subscribe with
+// type and resource_id) one node's credential may hold open when
+// identities are on: they share --max-watchers with the operator's
+// /ui/events, and one node must not take them all (docs/SECURITY.md).
+const MaxObserversPerCredential = 16
+
+// observerSlot takes one of the observer streams of the credential of the
+// request whose context is ctx, for as long as the stream is open; an
+// operator's, or a server without identities, has no bound here.
+func (s *Server) observerSlot(ctx context.Context) (release func(), err error) {
+	who := callerOf(ctx)
+	if !s.guarded || who == nil || who.operator() {
+		return func() {}, nil
+	}
+	var key strings.Builder
+	if who.grant != nil {
+		key.WriteString(who.grant.Node)
+	}
+	if who.cert != nil {
+		// Node ids hold no control characters (docs/API.md): NUL
+		// separates them.
+		for _, n := range who.cert.Names {
+			key.WriteByte(0)
+			key.WriteString(n)
+		}
+	}
+	k := key.String()
+	s.obsMu.Lock()
+	defer s.obsMu.Unlock()
+	if s.observers[k] >= MaxObserversPerCredential {
+		s.am.refusals.WithLabelValues(reasonObservers).Inc()
+		return nil, fmt.Errorf("%w: this credential holds %d key observer streams, at most %d are allowed", lock.ErrTooManyWatchers, s.observers[k], MaxObserversPerCredential)
+	}
+	s.observers[k]++
+	return sync.OnceFunc(func() {
+		s.obsMu.Lock()
+		defer s.obsMu.Unlock()
+		if s.observers[k]--; s.observers[k] == 0 {
+			delete(s.observers, k)
+		}
+	}), nil
+}
+
+// generation is one reading of the TLS files; its ctx ends at the next.
+type generation struct {
+	ctx  context.Context
+	next context.CancelFunc
+}
+
+func newGeneration() *generation {
+	ctx, cancel := context.WithCancel(context.Background())
+	return &generation{ctx: ctx, next: cancel}
+}
+
+// revocation returns the context an event stream of the request whose
+// context is ctx ends with (docs/SECURITY.md): cancelled when the token
+// that opened it is removed, or when a reload of the TLS files leaves its
+// client certificate unverified (its CA dropped). nil without credentials;
+// stop releases what watches them.
+func (s *Server) revocation(ctx context.Context) (revoked context.Context, stop func()) {
+	who := callerOf(ctx)
+	if who == nil || (who.grant == nil && who.peer == nil) {
+		return nil, func() {}
+	}
+	revoked, cancel := context.WithCancel(context.Background())
+	var mu sync.Mutex
+	stopToken, stopCert := func() bool { return false }, func() bool { return false }
+	if who.grant != nil {
+		stopToken = context.AfterFunc(who.grant.Revoked(), cancel)
+	}
+	if who.peer != nil {
+		var check func()
+		check = func() {
+			// The generation is read before the check: a reload between
+			// them ends it, and the certificate is checked once more.
+			gen := s.certGen.Load()
+			if _, err := s.certs.Identify(who.peer); err != nil {
+				cancel()
+				return
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if revoked.Err() == nil {
+				stopCert = context.AfterFunc(gen.ctx, check)
+			}
+		}
+		check()
+	}
+	return revoked, func() {
+		cancel()
+		stopToken()
+		mu.Lock()
+		defer mu.Unlock()
+		stopCert()
+	}
 }
 
 // Reload reads the token file and the TLS files again (dlock serve does it
@@ -281,6 +435,7 @@ func (s *Server) Reload() error {
 			errs = append(errs, err)
 		} else {
 			s.am.reloads.WithLabelValues("tls", "ok").Inc()
+			s.certGen.Swap(newGeneration()).next()
 			leaf := s.certs.Leaf()
 			s.log.Info("TLS certificates reloaded", "subject", leaf.Subject.String(), "not_after", leaf.NotAfter, "client_ca", s.mtls)
 		}

@@ -964,8 +964,8 @@ func TestAuthTokenAndCertBothChecked(t *testing.T) {
 // TestAuthCertRotation: a reload serves new certificates to new
 // connections while open streams keep going (docs/SECURITY.md); when the
 // new client CA no longer signs a connection's certificate, its next
-// request is 401 and new connections with it fail the handshake, but its
-// open stream still goes on.
+// request is 401, new connections with it fail the handshake, and its
+// open streams end.
 func TestAuthCertRotation(t *testing.T) {
 	ae := newAuthEnv(t, authSetup{mtls: true})
 	a := who{cert: "a"}
@@ -1034,10 +1034,20 @@ func TestAuthCertRotation(t *testing.T) {
 			t.Fatal("a dropped CA's certificate passed a new handshake")
 		}
 	}
-	// The open streams, made with the dropped CA's certificate, go on.
+	// The open streams, made with the dropped CA's certificate, end: they
+	// would keep the node's session, and its session-leased locks, alive.
+	for _, s := range []*kit.Stream{s1, h2} {
+		if !ended(s) {
+			t.Fatal("a stream of a dropped CA's certificate goes on")
+		}
+	}
+	kit.WaitFor(t, "both streams counted as revoked", func() bool {
+		return testutil.ToFloat64(ae.srv.am.revokedStreams) == 2
+	})
 	ae.certs["a2"] = ca2.Node(t, "a").TLS(t)
-	a = who{cert: "a2"}
-	grant("after-the-ca-change")
+	if r := ae.do(who{cert: "a2"}, "GET", statusOf+"&node_id=a", ""); r.status != 200 {
+		t.Fatalf("the added CA's certificate for a: %d %s", r.status, r.raw)
+	}
 
 	// A broken reload keeps what works.
 	authtest.WriteFile(t, ae.certFile, []byte("not a certificate"))

@@ -295,7 +295,8 @@ var plainHeadByte = func() (t [256]bool) {
 // 9112): the request line exactly "POST <lean path> HTTP/1.1", header names
 // that are tokens, exactly one valid Host, exactly one Content-Length of
 // digits only, at most one Authorization, Connection only close or
-// keep-alive, and no Transfer-Encoding, Expect or Upgrade in any spelling.
+// keep-alive, and no Transfer-Encoding, Expect, Upgrade, Origin or
+// Sec-Fetch-Site in any spelling.
 func parseHead(head []byte) (req leanRequest, ok bool) {
 	line, rest := cutLine(head)
 	method, line, _ := bytes.Cut(line, []byte(" "))
@@ -345,6 +346,10 @@ func parseHead(head []byte) (req leanRequest, ok bool) {
 				return req, false
 			}
 		case asciiEqualFold(name, "transfer-encoding"), asciiEqualFold(name, "expect"), asciiEqualFold(name, "upgrade"):
+			return req, false
+		case asciiEqualFold(name, "origin"), asciiEqualFold(name, "sec-fetch-site"):
+			// A browser's request: net/http's reading of it is checked
+			// for another site (crossSite).
 			return req, false
 		}
 	}

@@ -84,6 +84,14 @@ type Server struct {
 	mtls    bool
 	guarded bool
 	am      *authMetrics
+	// certGen ends at every reload of the TLS files: the event streams
+	// opened with a client certificate check it again then.
+	certGen atomic.Pointer[generation]
+	// sameOrigin refuses requests a browser sends for another site.
+	sameOrigin *http.CrossOriginProtection
+	// observers counts the key observer streams of each node credential.
+	obsMu     sync.Mutex
+	observers map[string]int
 	// h2Peers holds the client certificate of an h2 connection from the
 	// lean loop's handshake until net/http takes the connection.
 	h2Peers sync.Map // *tls.Conn → *auth.Peer
@@ -147,6 +155,9 @@ func New(b lock.Backend, opts Options) *Server {
 	if s.tokens != nil || s.certs != nil {
 		s.am = newAuthMetrics(reg)
 	}
+	s.certGen.Store(newGeneration())
+	s.sameOrigin = http.NewCrossOriginProtection()
+	s.observers = make(map[string]int)
 	s.drained, s.drain = context.WithCancel(context.Background())
 	s.overloaded = overloadedAnswer(info.Epoch)
 	s.metrics.watchConns(reg, &s.conns)
@@ -250,7 +261,8 @@ func (s *Server) serveRequest(rq *request, buf []byte) (int, []byte) {
 	rt := s.routes[rq.path]
 	var err error
 	ctx := context.Background()
-	if s.guarded && (rt == nil || rt.access != accessOpen) {
+	err = s.crossSite(rq, rt)
+	if err == nil && s.guarded && (rt == nil || rt.access != accessOpen) {
 		var who *caller
 		if who, err = s.identify(rq, rt); err == nil {
 			if rq.r != nil {

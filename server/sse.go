@@ -44,8 +44,16 @@ func (s *Server) handleSubscribe(w http.ResponseWriter, r *http.Request) error {
 			lastID, hasLast = id, true
 		}
 	}
+	releaseSlot := func() {}
+	if observe != nil {
+		var err error
+		if releaseSlot, err = s.observerSlot(r.Context()); err != nil {
+			return err
+		}
+	}
 	st, sub, err := s.b.Subscribe(r.Context(), lock.SubscribeRequest{Node: node, Observe: observe, LastID: lastID, HasLast: hasLast})
 	if err != nil {
+		releaseSlot()
 		return err
 	}
 	first := make([]byte, 0, 512)
@@ -55,7 +63,7 @@ func (s *Server) handleSubscribe(w http.ResponseWriter, r *http.Request) error {
 	for _, d := range sub.Replay {
 		first = appendDelivery(first, d)
 	}
-	s.eventStream(w, r, first, st.Close, func(gone <-chan struct{}, write func([]byte) error) {
+	s.eventStream(w, r, first, func() { st.Close(); releaseSlot() }, func(gone <-chan struct{}, write func([]byte) error) {
 		s.streamLoop(st, first, gone, write)
 	})
 	return nil
@@ -83,7 +91,8 @@ func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byt
 			"Connection: close\r\n"+api.EpochHeader+": "...)
 		hdr = append(hdr, s.info.Epoch...)
 		hdr = append(hdr, "\r\n\r\n"...)
-		go s.hijackedStream(conn, hdr, revocation(r.Context()), release, run)
+		revoked, stop := s.revocation(r.Context())
+		go s.hijackedStream(conn, hdr, revoked, func() { stop(); release() }, run)
 		return
 	}
 	defer s.openStreams.Done()
@@ -114,8 +123,10 @@ func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byt
 		deadlineMu.Unlock()
 	}()
 	gone := r.Context().Done()
-	if revoked := revocation(r.Context()); revoked != nil {
-		// The token that opened the stream was removed (docs/SECURITY.md).
+	revoked, stop := s.revocation(r.Context())
+	defer stop()
+	if revoked != nil {
+		// The credential that opened the stream is gone (docs/SECURITY.md).
 		ctx, cancel := context.WithCancel(r.Context())
 		defer cancel()
 		defer context.AfterFunc(revoked, func() {
@@ -149,7 +160,7 @@ func (s *Server) hijackedStream(conn net.Conn, hdr []byte, revoked context.Conte
 	// connection closes, and the write fails, at once.
 	defer context.AfterFunc(s.drained, func() { conn.Close() })()
 	if revoked != nil {
-		// The token that opened the stream was removed (docs/SECURITY.md).
+		// The credential that opened the stream is gone (docs/SECURITY.md).
 		defer context.AfterFunc(revoked, func() {
 			s.am.revokedStreams.Inc()
 			conn.Close()
