@@ -113,9 +113,12 @@ func (c *Certs) ClientAuth() bool { return c.caFile != "" }
 func (c *Certs) Leaf() *x509.Certificate { return c.cur.Load().leaf }
 
 func (c *Certs) read() (*certState, error) {
+	pairErr := func(err error) error {
+		return fmt.Errorf("%w: --tls-cert %s, --tls-key %s: %w", ErrCertificate, c.certFile, c.keyFile, err)
+	}
 	certPEM, err := os.ReadFile(c.certFile)
 	if err != nil {
-		return nil, fmt.Errorf("%w: --tls-cert: %w", ErrCertificate, err)
+		return nil, pairErr(err)
 	}
 	// tls.X509KeyPair skips what follows the last whole PEM block, so a
 	// chain cut in its intermediate would serve the leaf alone.
@@ -124,11 +127,11 @@ func (c *Certs) read() (*certState, error) {
 	}
 	keyPEM, err := os.ReadFile(c.keyFile)
 	if err != nil {
-		return nil, fmt.Errorf("%w: --tls-key: %w", ErrCertificate, err)
+		return nil, pairErr(err)
 	}
 	kp, err := tls.X509KeyPair(certPEM, keyPEM)
 	if err != nil {
-		return nil, fmt.Errorf("%w: --tls-cert %s, --tls-key %s: %w", ErrCertificate, c.certFile, c.keyFile, err)
+		return nil, pairErr(err)
 	}
 	leaf := kp.Leaf
 	if now := time.Now(); now.After(leaf.NotAfter) {
@@ -170,8 +173,12 @@ func (c *Certs) read() (*certState, error) {
 // renamed into place; docs/SECURITY.md) ends in a cut block, which
 // x509.CertPool.AppendCertsFromPEM and tls.X509KeyPair skip: the
 // certificates cut off would be dropped without a word. Errors name the
-// line.
+// line. A file with no PEM block at all, not PEM or not a certificate
+// file, is no certificates and no error: the caller says so.
 func pemCerts(data []byte, keys bool) ([]*x509.Certificate, error) {
+	if !bytes.Contains(data, pemBegin) {
+		return nil, nil
+	}
 	var certs []*x509.Certificate
 	for i := 0; ; {
 		for i < len(data) && asciiSpace(data[i]) {

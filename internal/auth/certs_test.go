@@ -317,6 +317,8 @@ func TestCertFilesStrict(t *testing.T) {
 		{"CA bundle with a key", server.CertPEM, server.KeyPEM, append(append([]byte{}, ca.PEM...), server.KeyPEM...), "--client-ca " + f.ca + ": line " + strconv.Itoa(caLines) + ": a PEM block of type \"PRIVATE KEY\", want CERTIFICATE"},
 		{"CA bundle with a certificate that does not parse", server.CertPEM, server.KeyPEM, append(append([]byte{}, ca.PEM...), badDER...), "--client-ca " + f.ca + ": line " + strconv.Itoa(caLines) + ": x509: "},
 		{"CA bundle of white space", server.CertPEM, server.KeyPEM, []byte("\n\n"), "--client-ca " + f.ca + " holds no PEM certificate"},
+		{"CA file that is not PEM", server.CertPEM, server.KeyPEM, der.Bytes, "--client-ca " + f.ca + " holds no PEM certificate"},
+		{"certificate file that is not PEM", []byte("junk\n"), server.KeyPEM, ca.PEM, "--tls-cert " + f.cert + ", --tls-key " + f.key + ": tls: failed to find any PEM data in certificate input"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			write := func() {
