@@ -29,6 +29,10 @@ var (
 	// ErrTooManyNames is a client certificate with more than MaxCertNames
 	// names; errors.Is(err, ErrUntrusted) holds too.
 	ErrTooManyNames = errors.New("the client certificate has too many names")
+	// ErrExpired is a client certificate, or a CA certificate of its
+	// chain, past its NotAfter: the handshake checked it once, and a
+	// connection may outlive it. errors.Is(err, ErrUntrusted) holds too.
+	ErrExpired = errors.New("the client certificate expired")
 )
 
 // MaxCertNames is the most names (Subject CN and DNS SANs, as written) a
@@ -220,6 +224,11 @@ func asciiSpace(b byte) bool {
 type CertIdentity struct {
 	// Names are the certificate's Subject common name and DNS SANs.
 	Names []string
+	// Expires is when the certificate, or a CA certificate of its
+	// verified chain, stops being valid: Identify refuses it after that
+	// (docs/SECURITY.md), and what the certificate opened, an event
+	// stream, should end then.
+	Expires time.Time
 }
 
 // Operator reports whether the certificate names the operator, "*".
@@ -269,14 +278,22 @@ type Peer struct {
 	leaf          *x509.Certificate
 	intermediates *x509.CertPool
 	// roots verified the certificate in the handshake; nil when unknown.
-	roots   *x509.CertPool
+	roots *x509.CertPool
+	// ends is the certificate of the handshake's verified chains whose
+	// NotAfter ends their validity (see chainEnd).
+	ends    *x509.Certificate
 	checked atomic.Pointer[peerCheck]
 }
 
+// peerCheck is a verification of a Peer under one client CA, kept until
+// a reload replaces the CA.
 type peerCheck struct {
 	roots *x509.CertPool
 	id    *CertIdentity
-	err   error
+	// ends is the certificate whose NotAfter ends the verified chain's
+	// validity; nil with err.
+	ends *x509.Certificate
+	err  error
 }
 
 // NewPeer takes the client certificate of a finished handshake; nil when
@@ -286,7 +303,7 @@ func NewPeer(st *tls.ConnectionState) *Peer {
 	if st == nil || len(st.PeerCertificates) == 0 || len(st.VerifiedChains) == 0 {
 		return nil
 	}
-	p := &Peer{leaf: st.PeerCertificates[0]}
+	p := &Peer{leaf: st.PeerCertificates[0], ends: chainEnd(st.VerifiedChains)}
 	if len(st.PeerCertificates) > 1 {
 		p.intermediates = x509.NewCertPool()
 		for _, c := range st.PeerCertificates[1:] {
@@ -319,31 +336,91 @@ func (c *Certs) Handshake(ctx context.Context, tc *tls.Conn) (*Peer, error) {
 // client CA: ErrNoCertificate for a nil p, ErrUntrusted when the current
 // CA does not sign it (a reload replaced the CA since the handshake), an
 // error that is ErrTooManyNames and ErrUntrusted when it has more than
-// MaxCertNames names.
+// MaxCertNames names, one that is ErrExpired and ErrUntrusted once it or
+// a CA certificate of its chain expired. The certificate is verified once
+// per client CA; its expiry is checked on every call.
 func (c *Certs) Identify(p *Peer) (*CertIdentity, error) {
 	if p == nil {
 		return nil, ErrNoCertificate
 	}
 	roots := c.cur.Load().roots
-	if ch := p.checked.Load(); ch != nil && ch.roots == roots {
-		return ch.id, ch.err
+	ch := p.checked.Load()
+	if ch == nil || ch.roots != roots {
+		ch = p.check(roots)
+		p.checked.Store(ch)
 	}
+	if ch.err != nil {
+		return nil, ch.err
+	}
+	// The handshake checked the validity once; a connection that is kept
+	// busy outlives it (docs/SECURITY.md).
+	if time.Now().After(ch.ends.NotAfter) {
+		return nil, expired(p.leaf, ch.ends)
+	}
+	return ch.id, nil
+}
+
+// check verifies p under roots.
+func (p *Peer) check(roots *x509.CertPool) *peerCheck {
 	ch := &peerCheck{roots: roots}
 	if n := nameCount(p.leaf); n > MaxCertNames {
 		ch.err = &refusal{ErrTooManyNames, fmt.Sprintf("the client certificate has %d names (Subject CN and DNS SANs), more than the %d a certificate may have", n, MaxCertNames)}
-	} else if p.roots != roots {
-		_, err := p.leaf.Verify(x509.VerifyOptions{
+		return ch
+	}
+	ch.ends = p.ends
+	if p.roots != roots {
+		chains, err := p.leaf.Verify(x509.VerifyOptions{
 			Roots:         roots,
 			Intermediates: p.intermediates,
 			KeyUsages:     []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
 		})
-		if err != nil {
+		var invalid x509.CertificateInvalidError
+		switch {
+		case errors.As(err, &invalid) && invalid.Reason == x509.Expired && invalid.Cert != nil && time.Now().After(invalid.Cert.NotAfter):
+			ch.err = expired(p.leaf, invalid.Cert)
+			return ch
+		case err != nil:
 			ch.err = ErrUntrusted
+			return ch
+		}
+		ch.ends = chainEnd(chains)
+	}
+	if ch.ends == nil { // no chain, which crypto/tls does not verify
+		ch.ends = p.leaf
+	}
+	ch.id = &CertIdentity{Names: Names(p.leaf), Expires: ch.ends.NotAfter}
+	return ch
+}
+
+// chainEnd returns the certificate whose NotAfter ends the validity of
+// chains: each chain is valid until its first certificate expires, and
+// the certificate is valid as long as one of its chains is.
+func chainEnd(chains [][]*x509.Certificate) *x509.Certificate {
+	var end *x509.Certificate
+	for _, chain := range chains {
+		var first *x509.Certificate
+		for _, c := range chain {
+			if first == nil || c.NotAfter.Before(first.NotAfter) {
+				first = c
+			}
+		}
+		if end == nil || first != nil && first.NotAfter.After(end.NotAfter) {
+			end = first
 		}
 	}
-	if ch.err == nil {
-		ch.id = &CertIdentity{Names: Names(p.leaf)}
+	return end
+}
+
+// expired is the ErrExpired refusal of leaf, whose chain ended when cert
+// expired.
+func expired(leaf, cert *x509.Certificate) error {
+	at := cert.NotAfter.UTC().Format(time.RFC3339)
+	if cert == leaf || cert.Equal(leaf) {
+		return &refusal{ErrExpired, fmt.Sprintf("the client certificate expired at %s", at)}
 	}
-	p.checked.Store(ch)
-	return ch.id, ch.err
+	name := cert.Subject.CommonName
+	if name == "" {
+		name = cert.Subject.String()
+	}
+	return &refusal{ErrExpired, fmt.Sprintf("the client certificate's CA certificate %q expired at %s", name, at)}
 }

@@ -14,6 +14,8 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"testing/synctest"
+	"time"
 
 	"github.com/dlock/dlock/internal/auth/authtest"
 )
@@ -417,4 +419,71 @@ func TestCertsTooManyNames(t *testing.T) {
 	if names := Names(cert); len(names) != 20000 || names[0] != "n0" || names[19999] != "n19999" {
 		t.Errorf("Names of 20,000 names: %d names", len(names))
 	}
+}
+
+// TestCertsExpiry: Identify checks a client certificate's expiry on every
+// call, where the handshake checked it once: a connection made before
+// the certificate's NotAfter and kept busy is refused after it, and so is
+// one whose CA certificate expires first. The verification stays cached.
+// The time is a testing/synctest bubble's fake clock: time.Sleep moves it
+// at once.
+func TestCertsExpiry(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		start := time.Now()
+		ca := authtest.NewCA(t, "ca") // valid for 24 hours
+		f := writeCerts(t, t.TempDir(), ca)
+		c, err := LoadCerts(f.cert, f.key, f.ca)
+		if err != nil {
+			t.Fatal(err)
+		}
+		short := ca.NodeUntil(t, start.Add(time.Hour), "node-a").TLS(t)
+		long := ca.NodeUntil(t, start.Add(48*time.Hour), "node-b").TLS(t)
+		pa, _, err := handshake(t, c, clientConfig(ca, short))
+		if err != nil {
+			t.Fatal(err)
+		}
+		pb, _, err := handshake(t, c, clientConfig(ca, long))
+		if err != nil {
+			t.Fatal(err)
+		}
+		ida, err := c.Identify(pa)
+		if err != nil || !ida.Expires.Equal(start.Add(time.Hour)) {
+			t.Fatalf("node-a: %+v %v", ida, err)
+		}
+		if idb, err := c.Identify(pb); err != nil || !idb.Expires.Equal(ca.Cert.NotAfter) {
+			t.Fatalf("node-b, whose CA expires first: %+v %v", idb, err)
+		}
+		checked := pa.checked.Load()
+
+		time.Sleep(time.Hour) // at NotAfter: still valid
+		if id, err := c.Identify(pa); err != nil || id != ida {
+			t.Fatalf("at NotAfter: %+v %v", id, err)
+		}
+		time.Sleep(time.Second)
+		wantA := "the client certificate expired at " + start.Add(time.Hour).UTC().Format(time.RFC3339)
+		id, err := c.Identify(pa)
+		if id != nil || !errors.Is(err, ErrExpired) || !errors.Is(err, ErrUntrusted) || err.Error() != wantA {
+			t.Fatalf("a second after NotAfter: %+v %v, want %q", id, err, wantA)
+		}
+		if pa.checked.Load() != checked {
+			t.Error("the certificate was verified again")
+		}
+		// A reload verifies it again, under the CA read again: refused
+		// the same.
+		if err := c.Reload(); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := c.Identify(pa); !errors.Is(err, ErrExpired) || err.Error() != wantA {
+			t.Fatalf("after a reload: %v, want %q", err, wantA)
+		}
+		if idb, err := c.Identify(pb); err != nil || !idb.Expires.Equal(ca.Cert.NotAfter) {
+			t.Fatalf("node-b after a reload: %+v %v", idb, err)
+		}
+
+		time.Sleep(time.Until(ca.Cert.NotAfter) + time.Second)
+		wantB := "the client certificate's CA certificate \"ca\" expired at " + ca.Cert.NotAfter.UTC().Format(time.RFC3339)
+		if _, err := c.Identify(pb); !errors.Is(err, ErrExpired) || !errors.Is(err, ErrUntrusted) || err.Error() != wantB {
+			t.Fatalf("after the CA expired: %v, want %q", err, wantB)
+		}
+	})
 }

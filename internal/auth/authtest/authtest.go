@@ -100,19 +100,31 @@ func (ca *CA) Server(t testing.TB, more ...string) Pair {
 // and the DNS SANs dns.
 func (ca *CA) Node(t testing.TB, cn string, dns ...string) Pair {
 	t.Helper()
+	return ca.NodeUntil(t, time.Now().Add(24*time.Hour), cn, dns...)
+}
+
+// NodeUntil is Node with a certificate that expires at notAfter (which
+// may be after the CA's own).
+func (ca *CA) NodeUntil(t testing.TB, notAfter time.Time, cn string, dns ...string) Pair {
+	t.Helper()
 	return ca.issue(t, &x509.Certificate{
 		Subject:     pkix.Name{CommonName: cn},
 		DNSNames:    dns,
 		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
+		NotAfter:    notAfter,
 	})
 }
 
+// issue signs tmpl, valid from an hour ago until tmpl.NotAfter, or for
+// 24 hours when it is zero.
 func (ca *CA) issue(t testing.TB, tmpl *x509.Certificate) Pair {
 	t.Helper()
 	key := newKey(t)
 	tmpl.SerialNumber = serial(t)
 	tmpl.NotBefore = time.Now().Add(-time.Hour)
-	tmpl.NotAfter = time.Now().Add(24 * time.Hour)
+	if tmpl.NotAfter.IsZero() {
+		tmpl.NotAfter = time.Now().Add(24 * time.Hour)
+	}
 	tmpl.KeyUsage = x509.KeyUsageDigitalSignature
 	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.Cert, &key.PublicKey, ca.key)
 	if err != nil {
