@@ -11,7 +11,9 @@ import (
 	"net/http"
 	"net/http/pprof"
 	"os"
+	"os/signal"
 	"path/filepath"
+	"syscall"
 	"time"
 
 	"github.com/dlock/dlock/internal/datadir"
@@ -126,12 +128,21 @@ func parseServe(args []string, getenv func(string) string, stderr io.Writer) (se
 }
 
 func serve(ctx context.Context, args []string, getenv func(string) string, stderr io.Writer) error {
+	// SIGHUP is caught from the first moment to the process's end: one
+	// that comes while the server starts (a rotation script, systemctl
+	// reload) is a reload once it has started, and one during shutdown is
+	// nothing. Left to Go's default it would end the process.
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
 	c, err := parseServe(args, getenv, stderr)
 	if err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return err
 		}
 		return usageError{err}
+	}
+	if c.reload == nil {
+		c.reload = hup
 	}
 	return runServer(ctx, c, stderr)
 }
