@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/internal/auth"
@@ -373,7 +374,8 @@ func newGeneration() *generation {
 // revocation returns the context an event stream of the request whose
 // context is ctx ends with (docs/SECURITY.md): cancelled when the token
 // that opened it is removed, or when a reload of the TLS files leaves its
-// client certificate unverified (its CA dropped). nil without credentials;
+// client certificate unverified (its CA dropped), or when that
+// certificate expires. nil without credentials;
 // stop releases what watches them.
 func (s *Server) revocation(ctx context.Context) (revoked context.Context, stop func()) {
 	who := callerOf(ctx)
@@ -383,6 +385,7 @@ func (s *Server) revocation(ctx context.Context) (revoked context.Context, stop 
 	revoked, cancel := context.WithCancel(context.Background())
 	var mu sync.Mutex
 	stopToken, stopCert := func() bool { return false }, func() bool { return false }
+	var expiry *time.Timer
 	if who.grant != nil {
 		stopToken = context.AfterFunc(who.grant.Revoked(), cancel)
 	}
@@ -392,15 +395,22 @@ func (s *Server) revocation(ctx context.Context) (revoked context.Context, stop 
 			// The generation is read before the check: a reload between
 			// them ends it, and the certificate is checked once more.
 			gen := s.certGen.Load()
-			if _, err := s.certs.Identify(who.peer); err != nil {
+			id, err := s.certs.Identify(who.peer)
+			if err != nil {
 				cancel()
 				return
 			}
 			mu.Lock()
 			defer mu.Unlock()
-			if revoked.Err() == nil {
-				stopCert = context.AfterFunc(gen.ctx, check)
+			if revoked.Err() != nil {
+				return
 			}
+			stopCert = context.AfterFunc(gen.ctx, check)
+			// And when the certificate (or its CA's) expires.
+			if expiry != nil {
+				expiry.Stop()
+			}
+			expiry = time.AfterFunc(time.Until(id.Expires)+time.Millisecond, check)
 		}
 		check()
 	}
@@ -410,6 +420,9 @@ func (s *Server) revocation(ctx context.Context) (revoked context.Context, stop 
 		mu.Lock()
 		defer mu.Unlock()
 		stopCert()
+		if expiry != nil {
+			expiry.Stop()
+		}
 	}
 }
 

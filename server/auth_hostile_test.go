@@ -5,18 +5,11 @@ package server
 
 import (
 	"bufio"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/pem"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
-	"math/big"
 	"net"
 	"net/http"
 	"path/filepath"
@@ -309,71 +302,40 @@ func TestAuthObserversPerCredential(t *testing.T) {
 }
 
 // TestAuthExpiredCertificateRefused: a connection made before its client
-// certificate expired is refused once it has (401): short-lived
-// certificates are how many deployments revoke.
+// certificate expired is refused once it has (401), and a stream opened
+// with it ends then: short-lived certificates are how many deployments
+// revoke.
 func TestAuthExpiredCertificateRefused(t *testing.T) {
 	ae := newAuthEnv(t, authSetup{mtls: true})
-	ca := newValidityCA(t)
-	authtest.WriteFile(t, ae.caFile, append(append([]byte{}, ae.ca.PEM...), ca.pem...))
+	ca := authtest.NewCA(t, "short-lived CA")
+	authtest.WriteFile(t, ae.caFile, append(append([]byte{}, ae.ca.PEM...), ca.PEM...))
 	if err := ae.srv.Reload(); err != nil {
 		t.Fatal(err)
 	}
 	notAfter := time.Now().Add(3 * time.Second).Truncate(time.Second)
-	ae.certs["short"] = ca.issue(t, "a", notAfter)
-	keep := ae.dial(who{cert: "short"})
+	ae.certs["short"] = ca.NodeUntil(t, notAfter, "a").TLS(t)
+	short := who{cert: "short"}
+	keep := ae.dial(short)
 	lockA := `{"type":"pull","resource_id":"exp","node_id":"a"}`
 	if r := keep.do("POST", "/lock", lockA); r.status != 200 {
 		t.Fatalf("before the expiry: %d %s", r.status, r.raw)
 	}
-	kit.WaitFor(t, "the certificate to expire", func() bool { return time.Now().After(notAfter.Add(time.Second)) })
+	s, status := ae.stream(short, "/subscribe?node_id=a")
+	if s == nil {
+		t.Fatalf("stream before the expiry: %d", status)
+	}
+	s.Next(t)
+	// The stream ends at the expiry, without a request or a reload.
+	if !ended(s) {
+		t.Fatal("a stream of an expired certificate goes on")
+	}
+	if now := time.Now(); !now.After(notAfter) {
+		t.Fatalf("the stream ended at %v, before the certificate expired at %v", now, notAfter)
+	}
 	_ = keep.c.SetDeadline(time.Now().Add(10 * time.Second))
-	if r := keep.do("POST", "/unlock", lockA); r.status == 200 {
-		t.Errorf("a certificate that expired at %v still acts as a on the connection made before: %d %s", notAfter, r.status, r.raw)
+	if r := keep.do("POST", "/unlock", lockA); r.status != 401 {
+		t.Errorf("a certificate that expired at %v, on the connection made before: %d %s, want 401", notAfter, r.status, r.raw)
 	}
-}
-
-// validityCA is a CA whose certificates' validity the test chooses.
-type validityCA struct {
-	cert *x509.Certificate
-	key  *ecdsa.PrivateKey
-	pem  []byte
-}
-
-func newValidityCA(t *testing.T) *validityCA {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(time.Now().UnixNano()), Subject: pkix.Name{CommonName: "hostile-test CA"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign,
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cert, _ := x509.ParseCertificate(der)
-	return &validityCA{cert: cert, key: key, pem: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})}
-}
-
-func (ca *validityCA) issue(t *testing.T, node string, notAfter time.Time) tls.Certificate {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(time.Now().UnixNano()), Subject: pkix.Name{CommonName: node}, DNSNames: []string{node},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: notAfter,
-		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth},
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key}
 }
 
 // TestAuthHoldsTLSResumptionAfterCADrop: a client that made a TLS
