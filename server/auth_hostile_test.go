@@ -12,60 +12,18 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
-	"github.com/dlock/dlock/internal/auth"
 	"github.com/dlock/dlock/internal/auth/authtest"
 	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/internal/rawhttp"
 	"github.com/dlock/dlock/lock"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 )
-
-// hostileEnv is newAuthEnv with a lock configuration and server options of the
-// test's own.
-func hostileEnv(t testing.TB, as authSetup, mod func(*lock.Config), opt func(*Options)) *authEnv {
-	t.Helper()
-	ae := &authEnv{t: t, dir: t.TempDir(), tls: as.tls || as.mtls}
-	var opts Options
-	if as.tokens {
-		ae.tokensPath = filepath.Join(ae.dir, "tokens")
-		authtest.WriteFile(t, ae.tokensPath, []byte(tokenFile))
-		tk, err := auth.LoadTokens(ae.tokensPath)
-		if err != nil {
-			t.Fatal(err)
-		}
-		opts.Tokens = tk
-	}
-	if ae.tls {
-		ae.ca = authtest.NewCA(t, "dlock hostile-test CA")
-		ae.certFile, ae.keyFile = ae.ca.Server(t).Write(t, ae.dir, "server")
-		if as.mtls {
-			ae.caFile = filepath.Join(ae.dir, "ca.crt")
-			authtest.WriteFile(t, ae.caFile, ae.ca.PEM)
-		}
-		c, err := auth.LoadCerts(ae.certFile, ae.keyFile, ae.caFile)
-		if err != nil {
-			t.Fatal(err)
-		}
-		opts.TLS = c
-		ae.certs = map[string]tls.Certificate{}
-		for _, n := range []string{"a", "b", "c", "*"} {
-			ae.certs[n] = ae.ca.Node(t, n, n).TLS(t)
-		}
-	}
-	if opt != nil {
-		opt(&opts)
-	}
-	ae.env = newEnvWith(t, envConfig{mod: mod, serial: as.serial, opts: opts})
-	ae.addr = ae.env.addr()
-	return ae
-}
 
 // h2Raw sends one request over HTTP/2 as w with the header lines.
 func (ae *authEnv) h2Raw(w who, method, path, body string, headers ...string) answer {
@@ -263,7 +221,7 @@ func TestAuthDroppedCAEndsStreams(t *testing.T) {
 // operator's /ui/events. One node holds at most MaxObserversPerCredential
 // of them, so it cannot take them all and blind the operator.
 func TestAuthObserversPerCredential(t *testing.T) {
-	ae := hostileEnv(t, authSetup{tokens: true}, func(c *lock.Config) { c.MaxWatchers = 2 * MaxObserversPerCredential }, nil)
+	ae := newAuthEnvWith(t, authSetup{tokens: true}, func(c *lock.Config) { c.MaxWatchers = 2 * MaxObserversPerCredential }, nil)
 	a := who{token: tokA}
 	// The first observer's connection is the test's, to close it.
 	firstConn := ae.dial(a)
@@ -408,7 +366,7 @@ func TestAuthHoldsTLSResumptionAfterCADrop(t *testing.T) {
 // runs in the connection's goroutine, not the accept loop) and ends within
 // the read timeout, counted, its connection closed and uncounted.
 func TestAuthHoldsHandshakeSlowloris(t *testing.T) {
-	ae := hostileEnv(t, authSetup{tokens: true, tls: true}, nil, func(o *Options) { o.ReadTimeout = 300 * time.Millisecond })
+	ae := newAuthEnvWith(t, authSetup{tokens: true, tls: true}, nil, func(o *Options) { o.ReadTimeout = 300 * time.Millisecond })
 	base := ae.srv.conns.Load()
 	hello := []byte{0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xfc, 0x03, 0x03} // 512 bytes announced, 6 sent
 	huge := []byte{0x16, 0x03, 0x01, 0xff, 0xff}                                      // a 64 KiB record
@@ -588,7 +546,7 @@ func (l *sharedLog) String() string {
 func TestAuthHoldsNoTokenInLogs(t *testing.T) {
 	const secret = "SECRETsecretSECRETsecret0123"
 	var logs sharedLog
-	ae := hostileEnv(t, authSetup{tokens: true, tls: true}, nil, func(o *Options) {
+	ae := newAuthEnvWith(t, authSetup{tokens: true, tls: true}, nil, func(o *Options) {
 		o.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	})
 	lockA := `{"type":"pull","resource_id":"r","node_id":"a"}`

@@ -65,6 +65,13 @@ type authEnv struct {
 
 func newAuthEnv(t testing.TB, as authSetup) *authEnv {
 	t.Helper()
+	return newAuthEnvWith(t, as, nil, nil)
+}
+
+// newAuthEnvWith is newAuthEnv with a lock configuration and server
+// options of the test's own.
+func newAuthEnvWith(t testing.TB, as authSetup, mod func(*lock.Config), opt func(*Options)) *authEnv {
+	t.Helper()
 	ae := &authEnv{t: t, dir: t.TempDir(), tls: as.tls || as.mtls}
 	var opts Options
 	if as.tokens {
@@ -93,16 +100,26 @@ func newAuthEnv(t testing.TB, as authSetup) *authEnv {
 			ae.certs[n] = ae.ca.Node(t, n, n).TLS(t)
 		}
 	}
-	var mod func(*lock.Config)
+	if opt != nil {
+		opt(&opts)
+	}
+	var store *refcount.ServerStore
 	if as.refcount {
-		store, err := refcount.OpenServerStore(filepath.Join(ae.dir, "refs.db"))
-		if err != nil {
+		var err error
+		if store, err = refcount.OpenServerStore(filepath.Join(ae.dir, "refs.db")); err != nil {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { store.Close() })
-		mod = func(c *lock.Config) { c.RefStore = store }
 	}
-	ae.env = newEnvWith(t, envConfig{mod: mod, serial: as.serial, opts: opts})
+	cfg := func(c *lock.Config) {
+		if store != nil {
+			c.RefStore = store
+		}
+		if mod != nil {
+			mod(c)
+		}
+	}
+	ae.env = newEnvWith(t, envConfig{mod: cfg, serial: as.serial, opts: opts})
 	ae.addr = ae.env.addr()
 	return ae
 }
