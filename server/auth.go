@@ -80,7 +80,6 @@ const (
 	reasonUntrusted      = "untrusted_certificate"
 	reasonOtherNode      = "other_node"
 	reasonOperatorOnly   = "operator_only"
-	reasonCrossSite      = "cross_site"
 	reasonObservers      = "observers_per_credential"
 	wwwAuthenticateValue = `Bearer realm="dlock"`
 	// basicChallengeValue is the challenge a 401 carries, besides
@@ -102,7 +101,7 @@ func newAuthMetrics(reg *prometheus.Registry) *authMetrics {
 	am := &authMetrics{
 		refusals: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "dlock_auth_refusals_total",
-			Help: "Requests answered 401 or 403 by the identity checks, by reason: no_token, bad_header, unknown_token, no_certificate, untrusted_certificate (401); other_node, operator_only, cross_site (403); observers_per_credential (429).",
+			Help: "Requests answered 401 or 403 by the identity checks, by reason: no_token, bad_header, unknown_token, no_certificate, untrusted_certificate (401); other_node, operator_only (403); observers_per_credential (429).",
 		}, []string{"reason"}),
 		handshakeErrors: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "dlock_tls_handshake_errors_total",
@@ -117,7 +116,7 @@ func newAuthMetrics(reg *prometheus.Registry) *authMetrics {
 			Help: "Event streams closed because a reload removed the token that opened them, or dropped the CA of their client certificate.",
 		}),
 	}
-	for _, r := range []string{reasonNoToken, reasonBadHeader, reasonUnknownToken, reasonNoCertificate, reasonUntrusted, reasonOtherNode, reasonOperatorOnly, reasonCrossSite, reasonObservers} {
+	for _, r := range []string{reasonNoToken, reasonBadHeader, reasonUnknownToken, reasonNoCertificate, reasonUntrusted, reasonOtherNode, reasonOperatorOnly, reasonObservers} {
 		am.refusals.WithLabelValues(r)
 	}
 	reg.MustRegister(am.refusals, am.handshakeErrors, am.reloads, am.revokedStreams)
@@ -290,9 +289,7 @@ func (s *Server) crossSite(rq *request, rt *route) error {
 		r = &post
 	}
 	if err := s.sameOrigin.Check(r); err != nil {
-		if s.am != nil {
-			s.am.refusals.WithLabelValues(reasonCrossSite).Inc()
-		}
+		s.metrics.crossSite.Inc()
 		return fmt.Errorf("%w: a request a browser sent for another site (%v)", api.ErrForbidden, err)
 	}
 	return nil

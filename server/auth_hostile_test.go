@@ -110,7 +110,44 @@ func TestAuthCrossSiteBrowserRefused(t *testing.T) {
 			if a := send("GET", statusOf+"&node_id=b", "", img); a.status == 200 {
 				t.Errorf("a cross-site <img> GET renewed b's leases with the operator's certificate: %d %s", a.status, a.raw)
 			}
+			if n := testutil.ToFloat64(ae.srv.metrics.crossSite); n != 2 {
+				t.Errorf("dlock_cross_site_refusals_total %v, want 2", n)
+			}
+			// The operator's page itself, same-origin, is served.
+			if a := send("GET", "/ui/api/keys", "", []string{"Sec-Fetch-Site: same-origin", "Origin: https://" + ae.addr}); a.status != 200 {
+				t.Errorf("the page's own read: %d %s", a.status, a.raw)
+			}
 		})
+	}
+	// Without identities too: a browser on a node reaches a server on
+	// 127.0.0.1, and any page could make it unlock.
+	e := newEnv(t, nil)
+	post := func(body string, headers []string) int {
+		t.Helper()
+		req, _ := http.NewRequest("POST", e.ts.URL+"/unlock", strings.NewReader(body))
+		for _, h := range headers {
+			k, v, _ := strings.Cut(h, ": ")
+			req.Header.Set(k, v)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	if st := post(formBody, browser); st != http.StatusForbidden {
+		t.Fatalf("a cross-site form POST to a server without identities: %d, want 403", st)
+	}
+	if n := e.metric("dlock_cross_site_refusals_total"); n != 1 {
+		t.Fatalf("dlock_cross_site_refusals_total %v, want 1", n)
+	}
+	// A client that is not a browser is answered as before.
+	if st := post(formBody, nil); st != http.StatusForbidden && st != http.StatusConflict && st != http.StatusOK {
+		t.Fatalf("an unlock without browser headers: %d", st)
+	}
+	if n := e.metric("dlock_cross_site_refusals_total"); n != 1 {
+		t.Fatalf("dlock_cross_site_refusals_total %v after a plain request, want 1", n)
 	}
 }
 

@@ -13,6 +13,7 @@ type metrics struct {
 	refused      prometheus.Counter
 	acceptErrors prometheus.Counter
 	panics       prometheus.Counter
+	crossSite    prometheus.Counter
 }
 
 func newMetrics(reg *prometheus.Registry, m lock.Backend) *metrics {
@@ -39,7 +40,11 @@ func newMetrics(reg *prometheus.Registry, m lock.Backend) *metrics {
 		Name: "dlock_handler_panics_total",
 		Help: "Panics recovered while serving a request; each closed its connection.",
 	})
-	reg.MustRegister(mt.latency, mt.streams, mt.refused, mt.acceptErrors, mt.panics, managerCollector{m}, limitsCollector{m})
+	mt.crossSite = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "dlock_cross_site_refusals_total",
+		Help: "Requests refused 403 because a browser sent them for another site (Sec-Fetch-Site, Origin).",
+	})
+	reg.MustRegister(mt.latency, mt.streams, mt.refused, mt.acceptErrors, mt.panics, mt.crossSite, managerCollector{m}, limitsCollector{m})
 	return mt
 }
 
