@@ -50,21 +50,7 @@ func TestSharedPullWithCredentials(t *testing.T) {
 	}
 
 	ref, blobs, _ := pushImage(t, host, "test/creds", 3, 128<<10)
-	for i, err := range pullAll(ctx, nodes, ref) {
-		if err != nil {
-			t.Fatalf("node-%d pull: %v", i, err)
-		}
-	}
-	for _, d := range blobs {
-		if full, partial := reg.counts(d.String()); full != 1 || partial != 0 {
-			t.Errorf("blob %s served fully %d times (partially %d), want once", d, full, partial)
-		}
-	}
-	for _, n := range nodes {
-		if err := n.readAll(ctx, blobs); err != nil {
-			t.Fatal(err)
-		}
-	}
+	pullOnceReadEverywhere(ctx, t, reg, nodes, ref, blobs)
 	for _, n := range nodes {
 		if err := n.remove(ctx, ref); err != nil {
 			t.Fatal(err)

@@ -290,6 +290,28 @@ func pullAll[N puller](ctx context.Context, nodes []N, ref string) []error {
 	return errs
 }
 
+// pullOnceReadEverywhere pulls ref on every node at once and checks that
+// each of its blobs was downloaded once, in full, and that every node
+// reads every blob.
+func pullOnceReadEverywhere(ctx context.Context, t *testing.T, reg *countingRegistry, nodes []*node, ref string, blobs []digest.Digest) {
+	t.Helper()
+	for i, err := range pullAll(ctx, nodes, ref) {
+		if err != nil {
+			t.Fatalf("node-%d pull: %v", i, err)
+		}
+	}
+	for _, d := range blobs {
+		if full, partial := reg.counts(d.String()); full != 1 || partial != 0 {
+			t.Errorf("blob %s served fully %d times (partially %d), want once", d, full, partial)
+		}
+	}
+	for _, n := range nodes {
+		if err := n.readAll(ctx, blobs); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
 func blobExists(root string, d digest.Digest) bool {
 	_, err := os.Stat(filepath.Join(root, "blobs", d.Algorithm().String(), d.Encoded()))
 	return err == nil
@@ -314,21 +336,7 @@ func TestSharedPull(t *testing.T) {
 
 	// 1. Every blob is downloaded once; every node can read every blob.
 	ref1, blobs1, _ := pushImage(t, host, "test/one", 4, 256<<10)
-	for i, err := range pullAll(ctx, nodes, ref1) {
-		if err != nil {
-			t.Fatalf("node-%d pull: %v", i, err)
-		}
-	}
-	for _, d := range blobs1 {
-		if full, partial := reg.counts(d.String()); full != 1 || partial != 0 {
-			t.Errorf("blob %s served fully %d times (partially %d), want once", d, full, partial)
-		}
-	}
-	for _, n := range nodes {
-		if err := n.readAll(ctx, blobs1); err != nil {
-			t.Fatal(err)
-		}
-	}
+	pullOnceReadEverywhere(ctx, t, reg, nodes, ref1, blobs1)
 
 	// 2. A download that breaks midway on one node is completed by another.
 	ref2, blobs2, _ := pushImage(t, host, "test/two", 3, 256<<10)
