@@ -4,13 +4,9 @@ import (
 	"context"
 	"fmt"
 	"net/http/httptest"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/containerd/containerd/v2/core/metadata"
-	bolt "go.etcd.io/bbolt"
 
 	"github.com/dlock/dlock/client"
 	"github.com/dlock/dlock/internal/dlocktest"
@@ -73,27 +69,3 @@ func TestSharedPullWithCredentials(t *testing.T) {
 
 // token is node-i's token.
 func token(i int) string { return fmt.Sprintf("token-of-node-%d-0123456789", i) }
-
-// newNodeWithClient is newNode with a Client the test configured.
-func newNodeWithClient(t testing.TB, root string, c *client.Client) *node {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	s, err := New(ctx, Config{Root: root, Client: c})
-	if err != nil {
-		t.Fatal(err)
-	}
-	bdb, err := bolt.Open(filepath.Join(t.TempDir(), "meta.db"), 0o600, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	db := metadata.NewDB(bdb, s, nil)
-	if err := db.Init(ctx); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		s.Close()
-		c.Close()
-		bdb.Close()
-	})
-	return &node{name: c.Node, c: c, store: s, db: db, bdb: bdb}
-}

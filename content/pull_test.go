@@ -164,6 +164,11 @@ type node struct {
 
 func newNode(t testing.TB, name, root, server string) *node {
 	c := &client.Client{Server: server, Node: name, MaxRetries: -1, RequestTimeout: 500 * time.Millisecond, PollInterval: 50 * time.Millisecond}
+	return newNodeWithClient(t, root, c)
+}
+
+// newNodeWithClient is newNode with a Client the test configured.
+func newNodeWithClient(t testing.TB, root string, c *client.Client) *node {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	s, err := New(ctx, Config{Root: root, Client: c})
@@ -178,13 +183,12 @@ func newNode(t testing.TB, name, root, server string) *node {
 	if err := db.Init(ctx); err != nil {
 		t.Fatal(err)
 	}
-	n := &node{name: name, c: c, store: s, db: db, bdb: bdb}
 	t.Cleanup(func() {
 		s.Close()
 		c.Close()
 		bdb.Close()
 	})
-	return n
+	return &node{name: c.Node, c: c, store: s, db: db, bdb: bdb}
 }
 
 func nsctx(ctx context.Context) context.Context { return namespaces.WithNamespace(ctx, "default") }
