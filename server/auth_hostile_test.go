@@ -25,31 +25,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 )
 
-// h2Raw sends one request over HTTP/2 as w with the header lines.
-func (ae *authEnv) h2Raw(w who, method, path, body string, headers ...string) answer {
-	ae.t.Helper()
-	tr := &http.Transport{TLSClientConfig: ae.clientTLS(w, true), ForceAttemptHTTP2: true}
-	defer tr.CloseIdleConnections()
-	req, _ := http.NewRequest(method, "https://"+ae.addr+path, strings.NewReader(body))
-	if w.token != "" {
-		req.Header.Set("Authorization", "Bearer "+w.token)
-	}
-	for _, h := range headers {
-		k, v, _ := strings.Cut(h, ":")
-		req.Header.Add(k, strings.TrimSpace(v))
-	}
-	resp, err := (&http.Client{Transport: tr, Timeout: 10 * time.Second}).Do(req)
-	if err != nil {
-		ae.t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	if resp.ProtoMajor != 2 {
-		ae.t.Fatalf("%s %s over %s, want HTTP/2", method, path, resp.Proto)
-	}
-	data, _ := io.ReadAll(resp.Body)
-	return answer{status: resp.StatusCode, header: resp.Header, raw: string(data)}
-}
-
 // aliveOrEnded reads s until it ends (false) or carries an event about
 // resource res (true): whether the stream still serves its node.
 func aliveOrEnded(t *testing.T, s *kit.Stream, res string) bool {
@@ -100,7 +75,7 @@ func TestAuthCrossSiteBrowserRefused(t *testing.T) {
 			}
 			send := func(method, path, body string, headers []string) answer {
 				if h2 {
-					return ae.h2Raw(op, method, path, body, headers...)
+					return ae.h2Do(op, method, path, body, headers...)
 				}
 				return ae.do(op, method, path, body, headers...)
 			}
@@ -596,8 +571,8 @@ func TestAuthHoldsNoTokenInLogs(t *testing.T) {
 		ae.do(who{}, "GET", "/ui", "", "Authorization: Basic "+secret+"!"),
 		ae.do(who{token: secret}, "GET", statusOf+"&node_id="+secret, ""),
 		ae.do(who{token: tokA}, "GET", statusOf+"&node_id=b", "Authorization: Bearer "+secret),
-		ae.h2Raw(who{token: secret}, "POST", "/unlock", lockA),
-		ae.h2Raw(who{}, "GET", "/metrics", "", "Authorization: Bearer "+secret),
+		ae.h2Do(who{token: secret}, "POST", "/unlock", lockA),
+		ae.h2Do(who{}, "GET", "/metrics", "", "Authorization: Bearer "+secret),
 	}
 	for i, a := range answers {
 		if a.status < 400 || strings.Contains(a.raw, secret) {

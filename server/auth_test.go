@@ -884,8 +884,9 @@ func (ae *authEnv) h2Stream(w who, path string) *kit.Stream {
 	return &kit.Stream{Resp: resp, R: bufio.NewReader(resp.Body)}
 }
 
-// h2Do sends one request over HTTP/2.
-func (ae *authEnv) h2Do(w who, method, path, body string) answer {
+// h2Do sends one request over HTTP/2 as w, with the header lines
+// ("Name: value") given.
+func (ae *authEnv) h2Do(w who, method, path, body string, headers ...string) answer {
 	ae.t.Helper()
 	tr := &http.Transport{TLSClientConfig: ae.clientTLS(w, true), ForceAttemptHTTP2: true}
 	defer tr.CloseIdleConnections()
@@ -893,7 +894,11 @@ func (ae *authEnv) h2Do(w who, method, path, body string) answer {
 	if w.token != "" {
 		req.Header.Set("Authorization", "Bearer "+w.token)
 	}
-	resp, err := (&http.Client{Transport: tr}).Do(req)
+	for _, h := range headers {
+		k, v, _ := strings.Cut(h, ":")
+		req.Header.Add(k, strings.TrimSpace(v))
+	}
+	resp, err := (&http.Client{Transport: tr, Timeout: 10 * time.Second}).Do(req)
 	if err != nil {
 		ae.t.Fatal(err)
 	}

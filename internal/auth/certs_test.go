@@ -30,6 +30,18 @@ func writeCerts(t *testing.T, dir string, ca *authtest.CA) certFiles {
 	return certFiles{cert, key, caFile}
 }
 
+// loadMTLS writes a server certificate and ca's certificate into a
+// temporary folder and loads them, with ca as the client CA.
+func loadMTLS(t *testing.T, ca *authtest.CA) (*Certs, certFiles) {
+	t.Helper()
+	f := writeCerts(t, t.TempDir(), ca)
+	c, err := LoadCerts(f.cert, f.key, f.ca)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c, f
+}
+
 // handshake runs a TLS handshake over a pipe: the server side with c, the
 // client with cfg. It returns the server's Peer and the client's view; the
 // error is the server's, else the client's (in TLS 1.3 a refused client
@@ -143,13 +155,8 @@ func TestLoadCertsErrors(t *testing.T) {
 // untrusted on its next request, and one that brings the CA back trusts
 // it again.
 func TestCertsMTLS(t *testing.T) {
-	dir := t.TempDir()
 	ca := authtest.NewCA(t, "ca")
-	f := writeCerts(t, dir, ca)
-	c, err := LoadCerts(f.cert, f.key, f.ca)
-	if err != nil {
-		t.Fatal(err)
-	}
+	c, f := loadMTLS(t, ca)
 	nodeA := ca.Node(t, "node-a", "node-a", "alias-a").TLS(t)
 	p, st, err := handshake(t, c, clientConfig(ca, nodeA))
 	if err != nil {
@@ -363,13 +370,8 @@ func TestCertFilesStrict(t *testing.T) {
 // the names, and a certificate with 20,000 DNS SANs (150 KB, within what
 // crypto/tls takes) cost about a second of CPU on every new connection.
 func TestCertsTooManyNames(t *testing.T) {
-	dir := t.TempDir()
 	ca := authtest.NewCA(t, "ca")
-	f := writeCerts(t, dir, ca)
-	c, err := LoadCerts(f.cert, f.key, f.ca)
-	if err != nil {
-		t.Fatal(err)
-	}
+	c, _ := loadMTLS(t, ca)
 	dns := func(n int) []string {
 		names := make([]string, n)
 		for i := range names {
@@ -431,11 +433,7 @@ func TestCertsExpiry(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		start := time.Now()
 		ca := authtest.NewCA(t, "ca") // valid for 24 hours
-		f := writeCerts(t, t.TempDir(), ca)
-		c, err := LoadCerts(f.cert, f.key, f.ca)
-		if err != nil {
-			t.Fatal(err)
-		}
+		c, _ := loadMTLS(t, ca)
 		short := ca.NodeUntil(t, start.Add(time.Hour), "node-a").TLS(t)
 		long := ca.NodeUntil(t, start.Add(48*time.Hour), "node-b").TLS(t)
 		pa, _, err := handshake(t, c, clientConfig(ca, short))
