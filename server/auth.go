@@ -369,22 +369,48 @@ func newGeneration() *generation {
 }
 
 // revocation returns the context an event stream of the request whose
-// context is ctx ends with (docs/SECURITY.md): cancelled when the token
-// that opened it is removed, or when a reload of the TLS files leaves its
-// client certificate unverified (its CA dropped), or when that
-// certificate expires. nil without credentials;
-// stop releases what watches them.
+// context is ctx ends with (docs/SECURITY.md): cancelled, and counted in
+// dlock_auth_revoked_streams_total, when the token that opened it is
+// removed, when a reload of the TLS files leaves its client certificate
+// unverified (its CA dropped), or when that certificate expires. nil
+// without credentials. stop, called when the stream ends, releases what
+// watches them.
 func (s *Server) revocation(ctx context.Context) (revoked context.Context, stop func()) {
 	who := callerOf(ctx)
 	if who == nil || (who.grant == nil && who.peer == nil) {
 		return nil, func() {}
 	}
 	revoked, cancel := context.WithCancel(context.Background())
-	var mu sync.Mutex
-	stopToken, stopCert := func() bool { return false }, func() bool { return false }
-	var expiry *time.Timer
+	var (
+		mu                  sync.Mutex // guards what follows
+		ended               bool
+		stopToken, stopCert func() bool
+		expiry              *time.Timer
+	)
+	end := func(credentialGone bool) {
+		mu.Lock()
+		defer mu.Unlock()
+		if ended {
+			return
+		}
+		ended = true
+		cancel()
+		if credentialGone {
+			s.am.revokedStreams.Inc()
+		}
+		for _, f := range []func() bool{stopToken, stopCert} {
+			if f != nil {
+				f()
+			}
+		}
+		if expiry != nil {
+			expiry.Stop()
+		}
+	}
 	if who.grant != nil {
-		stopToken = context.AfterFunc(who.grant.Revoked(), cancel)
+		mu.Lock()
+		stopToken = context.AfterFunc(who.grant.Revoked(), func() { end(true) })
+		mu.Unlock()
 	}
 	if who.peer != nil {
 		var check func()
@@ -394,16 +420,20 @@ func (s *Server) revocation(ctx context.Context) (revoked context.Context, stop 
 			gen := s.certGen.Load()
 			id, err := s.certs.Identify(who.peer)
 			if err != nil {
-				cancel()
+				end(true)
 				return
 			}
 			mu.Lock()
 			defer mu.Unlock()
-			if revoked.Err() != nil {
+			if ended {
 				return
 			}
+			// Once on the next reload, and when the certificate (or its
+			// CA's) expires; not twice, whichever of the two called.
+			if stopCert != nil {
+				stopCert()
+			}
 			stopCert = context.AfterFunc(gen.ctx, check)
-			// And when the certificate (or its CA's) expires.
 			if expiry != nil {
 				expiry.Stop()
 			}
@@ -411,16 +441,7 @@ func (s *Server) revocation(ctx context.Context) (revoked context.Context, stop 
 		}
 		check()
 	}
-	return revoked, func() {
-		cancel()
-		stopToken()
-		mu.Lock()
-		defer mu.Unlock()
-		stopCert()
-		if expiry != nil {
-			expiry.Stop()
-		}
-	}
+	return revoked, func() { end(false) }
 }
 
 // Reload reads the token file and the TLS files again (dlock serve does it

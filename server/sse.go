@@ -129,10 +129,7 @@ func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byt
 		// The credential that opened the stream is gone (docs/SECURITY.md).
 		ctx, cancel := context.WithCancel(r.Context())
 		defer cancel()
-		defer context.AfterFunc(revoked, func() {
-			s.am.revokedStreams.Inc()
-			cancel()
-		})()
+		defer context.AfterFunc(revoked, cancel)()
 		gone = ctx.Done()
 	}
 	run(gone, func(b []byte) error {
@@ -161,10 +158,7 @@ func (s *Server) hijackedStream(conn net.Conn, hdr []byte, revoked context.Conte
 	defer context.AfterFunc(s.drained, func() { conn.Close() })()
 	if revoked != nil {
 		// The credential that opened the stream is gone (docs/SECURITY.md).
-		defer context.AfterFunc(revoked, func() {
-			s.am.revokedStreams.Inc()
-			conn.Close()
-		})()
+		defer context.AfterFunc(revoked, func() { conn.Close() })()
 	}
 	gone := make(chan struct{})
 	var reader sync.WaitGroup
