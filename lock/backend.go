@@ -134,6 +134,13 @@ type Feed[T any] interface {
 	Done() <-chan struct{}
 	// Slow reports whether the feed was closed for not keeping up.
 	Slow() bool
+	// Notify makes the feed also call f whenever items start waiting and
+	// once when it ends, so that a server can keep thousands of idle
+	// streams without a goroutine waiting on each Ready (docs/DESIGN.md,
+	// "Event streams"). f must not block. Set it once, before waiting;
+	// when items are waiting or the feed has ended already, f is called at
+	// once.
+	Notify(f func())
 	// Close ends the feed. Closing a node's last session stream starts the
 	// session's grace.
 	Close()

@@ -128,8 +128,22 @@ type opStream struct {
 	slow  atomic.Bool
 	ready chan struct{} // holds a token while queue is not empty
 
-	mu    sync.Mutex
-	queue []OpEvent
+	mu     sync.Mutex
+	queue  []OpEvent
+	notify func() // Notify's f
+	ended  bool   // done is closed
+}
+
+// Notify makes the stream also call f when events start waiting and when
+// it ends.
+func (st *opStream) Notify(f func()) {
+	st.mu.Lock()
+	st.notify = f
+	now := len(st.queue) > 0 || st.ended
+	st.mu.Unlock()
+	if now {
+		f()
+	}
 }
 
 // WatchOps subscribes to the operator feed.
@@ -187,10 +201,17 @@ func (st *opStream) offer(ev OpEvent) bool {
 		return false
 	}
 	st.queue = append(st.queue, ev)
+	var notify func()
+	if len(st.queue) == 1 {
+		notify = st.notify
+	}
 	st.mu.Unlock()
 	select {
 	case st.ready <- struct{}{}:
 	default:
+	}
+	if notify != nil {
+		notify()
 	}
 	return true
 }
@@ -214,7 +235,14 @@ func (st *opStream) Close() {
 			st.m.unwatch(true)
 		}
 		t.mu.Unlock()
+		st.mu.Lock()
+		st.ended = true
+		notify := st.notify
+		st.mu.Unlock()
 		close(st.done)
+		if notify != nil {
+			notify()
+		}
 	})
 }
 

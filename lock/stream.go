@@ -58,9 +58,23 @@ type stream struct {
 	// The undelivered events: a slice, not a buffered channel, so that an
 	// idle stream of the thousands a server keeps costs a few bytes, not
 	// StreamBuffer slots.
-	mu    sync.Mutex
-	queue []Delivery
-	ready chan struct{} // holds a token while queue is not empty
+	mu     sync.Mutex
+	queue  []Delivery
+	ready  chan struct{} // holds a token while queue is not empty
+	notify func()        // Notify's f; guarded by mu
+	ended  bool          // done is closed; guarded by mu
+}
+
+// Notify makes the stream also call f when events start waiting and when
+// it ends.
+func (st *stream) Notify(f func()) {
+	st.mu.Lock()
+	st.notify = f
+	now := len(st.queue) > 0 || st.ended
+	st.mu.Unlock()
+	if now {
+		f()
+	}
 }
 
 // Ready receives when events are waiting to be taken.
@@ -97,10 +111,17 @@ func (st *stream) offer(d Delivery) bool {
 		return false
 	}
 	st.queue = append(st.queue, d)
+	var notify func()
+	if len(st.queue) == 1 {
+		notify = st.notify
+	}
 	st.mu.Unlock()
 	select {
 	case st.ready <- struct{}{}:
 	default:
+	}
+	if notify != nil {
+		notify()
 	}
 	return true
 }
@@ -137,7 +158,14 @@ func (st *stream) Close() {
 			s.mu.Unlock()
 			m.opSession(s)
 		}
+		st.mu.Lock()
+		st.ended = true
+		notify := st.notify
+		st.mu.Unlock()
 		close(st.done)
+		if notify != nil {
+			notify()
+		}
 	})
 }
 

@@ -10,6 +10,7 @@ import (
 type metrics struct {
 	latency      *prometheus.HistogramVec
 	streams      prometheus.Gauge
+	fullSockets  prometheus.Counter
 	refused      prometheus.Counter
 	acceptErrors prometheus.Counter
 	panics       prometheus.Counter
@@ -40,11 +41,15 @@ func newMetrics(reg *prometheus.Registry, m lock.Backend) *metrics {
 		Name: "dlock_handler_panics_total",
 		Help: "Panics recovered while serving a request; each closed its connection.",
 	})
+	mt.fullSockets = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "dlock_event_stream_full_socket_total",
+		Help: "Event stream writes that found the peer's socket full and went on in the stream's own goroutine, waiting up to --write-timeout.",
+	})
 	mt.crossSite = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "dlock_cross_site_refusals_total",
 		Help: "Requests refused 403 because a browser sent them for another site (Sec-Fetch-Site, Origin).",
 	})
-	reg.MustRegister(mt.latency, mt.streams, mt.refused, mt.acceptErrors, mt.panics, mt.crossSite, managerCollector{m}, limitsCollector{m})
+	reg.MustRegister(mt.latency, mt.streams, mt.fullSockets, mt.refused, mt.acceptErrors, mt.panics, mt.crossSite, managerCollector{m}, limitsCollector{m})
 	return mt
 }
 

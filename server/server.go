@@ -100,6 +100,8 @@ type Server struct {
 	drained     context.Context
 	drain       context.CancelFunc
 	openStreams sync.WaitGroup
+	// hub writes the event streams of taken-over connections (hub.go).
+	hub *hub
 
 	// conns counts open client connections; refusing, the refused ones
 	// still being answered.
@@ -159,6 +161,7 @@ func New(b lock.Backend, opts Options) *Server {
 	s.sameOrigin = http.NewCrossOriginProtection()
 	s.observers = make(map[string]int)
 	s.drained, s.drain = context.WithCancel(context.Background())
+	s.hub = newHub(s)
 	s.overloaded = overloadedAnswer(info.Epoch)
 	s.metrics.watchConns(reg, &s.conns)
 	s.core("/lock", s.lockAnswer)
@@ -345,6 +348,7 @@ func (s *Server) Drain() {
 
 func (s *Server) startDrain() {
 	s.draining.Store(true)
+	s.hub.stop()
 	s.drain()
 }
 

@@ -2,7 +2,6 @@ package server
 
 import (
 	"context"
-	"net"
 	"net/http"
 	"strconv"
 	"sync"
@@ -63,36 +62,67 @@ func (s *Server) handleSubscribe(w http.ResponseWriter, r *http.Request) error {
 	for _, d := range sub.Replay {
 		first = appendDelivery(first, d)
 	}
-	s.eventStream(w, r, first, func() { st.Close(); releaseSlot() }, func(gone <-chan struct{}, write func([]byte) error) {
-		s.streamLoop(st, first, gone, write)
-	})
+	s.eventStream(w, r, first, deliveries(st), func() { st.Close(); releaseSlot() })
 	return nil
 }
 
-// eventStream serves a Server-Sent Events response whose body run writes
-// (first, then events) until gone closes or it returns; release is called
-// once the stream has ended. /subscribe and /ui/events both use it.
+// deliveries is the source of a session stream or key observer.
+func deliveries(st lock.Stream) source {
+	var pending []lock.Delivery
+	return source{ready: st.Ready(), done: st.Done(), notify: st.Notify, fill: func(b []byte) []byte {
+		pending = st.Take(pending[:0])
+		for _, d := range pending {
+			b = appendDelivery(b, d)
+		}
+		clear(pending)
+		if cap(pending) > 64 {
+			pending = nil // let a burst's backing array go
+		}
+		return b
+	}}
+}
+
+// eventStream serves a Server-Sent Events response: first, then src's
+// events and a ping when it has been quiet, until src, the peer or the
+// server ends; release is called once the stream has ended. /subscribe and
+// /ui/events both use it.
 //
-// On HTTP/1.1 the connection is taken over: the handler's goroutine and
-// net/http's buffers (about 10 KiB a connection) go away, which matters with
-// thousands of idle sessions; the stream keeps one goroutine that writes and
-// one that notices the peer leave. Other protocols (HTTP/2 behind TLS) stream
-// through the ResponseWriter.
-func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byte, release func(), run func(gone <-chan struct{}, write func([]byte) error)) {
-	s.openStreams.Add(1)
+// On HTTP/1.1 the connection is taken over and handed to the hub
+// (hub.go): net/http's goroutine and buffers go away, and an idle stream
+// keeps one small goroutine, which matters with thousands of idle
+// sessions. Other protocols (HTTP/2 behind TLS) stream through the
+// ResponseWriter, from the handler's goroutine.
+func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byte, src source, release func()) {
+	if !s.hub.admit() {
+		release() // draining: the response ends at once
+		return
+	}
 	s.metrics.streams.Inc()
 	if conn, brw, err := http.NewResponseController(w).Hijack(); err == nil {
 		brw.Reader.Reset(nil)
 		// net/http's read deadline for the request would end the stream;
-		// the stream sets its own write deadlines.
-		_ = conn.SetReadDeadline(time.Time{})
-		hdr := append(make([]byte, 0, 256), "HTTP/1.1 200 OK\r\n"+
+		// the hub sets the write deadlines it needs.
+		_ = conn.SetDeadline(time.Time{})
+		out := append(make([]byte, 0, 256+len(first)), "HTTP/1.1 200 OK\r\n"+
 			"Content-Type: text/event-stream\r\nCache-Control: no-cache\r\nX-Accel-Buffering: no\r\n"+
 			"Connection: close\r\n"+api.EpochHeader+": "...)
-		hdr = append(hdr, s.info.Epoch...)
-		hdr = append(hdr, "\r\n\r\n"...)
+		out = append(out, s.info.Epoch...)
+		out = append(out, "\r\n\r\n"...)
+		out = append(out, first...)
 		revoked, stop := s.revocation(r.Context())
-		go s.hijackedStream(conn, hdr, revoked, func() { stop(); release() }, run)
+		if revoked != nil {
+			// The credential that opened the stream is gone
+			// (docs/SECURITY.md).
+			stopRevoked := context.AfterFunc(revoked, func() { conn.Close() })
+			stop = func(stop func()) func() { return func() { stopRevoked(); stop() } }(stop)
+		}
+		if !s.hub.start(conn, src, out, func() { stop(); release() }) {
+			conn.Close()
+			stop()
+			release()
+			s.metrics.streams.Dec()
+			s.openStreams.Done()
+		}
 		return
 	}
 	defer s.openStreams.Done()
@@ -132,7 +162,7 @@ func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byt
 		defer context.AfterFunc(revoked, cancel)()
 		gone = ctx.Done()
 	}
-	run(gone, func(b []byte) error {
+	s.streamLoop(src, first, gone, func(b []byte) error {
 		_ = rc.SetWriteDeadline(time.Now().Add(s.writeTimeout))
 		if _, err := w.Write(b); err != nil {
 			return err
@@ -141,93 +171,37 @@ func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byt
 	})
 }
 
-// hijackedStream serves a stream on a connection taken over from net/http:
-// the response header goes out with the stream's first write.
-func (s *Server) hijackedStream(conn net.Conn, hdr []byte, revoked context.Context, release func(), run func(gone <-chan struct{}, write func([]byte) error)) {
-	defer s.openStreams.Done()
-	defer s.metrics.streams.Dec()
-	defer release()
-	defer func() {
-		if p := recover(); p != nil {
-			s.panicked(p, conn.RemoteAddr().String())
-			conn.Close()
-		}
-	}()
-	// Drain must not wait for a write to a client that does not read: the
-	// connection closes, and the write fails, at once.
-	defer context.AfterFunc(s.drained, func() { conn.Close() })()
-	if revoked != nil {
-		// The credential that opened the stream is gone (docs/SECURITY.md).
-		defer context.AfterFunc(revoked, func() { conn.Close() })()
-	}
-	gone := make(chan struct{})
-	var reader sync.WaitGroup
-	reader.Go(func() {
-		// The client sends nothing more: a read ends when it goes away.
-		var b [64]byte
-		for {
-			if _, err := conn.Read(b[:]); err != nil {
-				close(gone)
-				return
-			}
-		}
-	})
-	var deadline time.Time
-	run(gone, func(b []byte) error {
-		// A peer that stops reading must not pin this goroutine: a write
-		// blocks for at most the write timeout. Moving the deadline on
-		// every write would cost a timer update each; moving it when half
-		// is gone keeps it between half and all of the write timeout.
-		if now := time.Now(); deadline.Sub(now) < s.writeTimeout/2 {
-			deadline = now.Add(s.writeTimeout)
-			_ = conn.SetWriteDeadline(deadline)
-		}
-		if hdr != nil {
-			b = append(hdr, b...)
-			hdr = nil
-		}
-		_, err := conn.Write(b)
-		return err
-	})
-	conn.Close()
-	reader.Wait()
-}
-
-// streamLoop writes first, then the stream's events as they come and a ping
-// when it has been quiet, until the stream, the peer or the server ends.
-func (s *Server) streamLoop(st lock.Stream, first []byte, gone <-chan struct{}, write func([]byte) error) {
+// streamLoop writes first, then src's events as they come and a ping when
+// it has been quiet, until src, the peer or the server ends: an event
+// stream served from its handler's goroutine (HTTP/2).
+func (s *Server) streamLoop(src source, first []byte, gone <-chan struct{}, write func([]byte) error) {
 	if err := write(first); err != nil {
 		return
 	}
 	ping := time.NewTicker(s.ping)
 	defer ping.Stop()
-	buf := make([]byte, 0, 512)
-	var pending []lock.Delivery
+	var buf []byte
 	for {
 		select {
-		case <-st.Ready():
+		case <-src.ready:
 			// Everything waiting goes out in one write: a fan-out of many
 			// events costs one syscall, not one each.
-			pending = st.Take(pending[:0])
-			buf = buf[:0]
-			for _, d := range pending {
-				buf = appendDelivery(buf, d)
-			}
-			clear(pending)
+			buf = src.fill(buf[:0])
 			if err := write(buf); err != nil {
 				return
 			}
 			if cap(buf) > 64<<10 {
-				buf = make([]byte, 0, 512) // let a burst's buffer go
+				buf = nil // let a burst's buffer go
 			}
 			ping.Reset(s.ping)
 		case <-ping.C:
 			if err := write(append(buf[:0], ": ping\n\n"...)); err != nil {
 				return
 			}
-		case <-st.Done():
-			// Closed by the manager, too slow for example: end the response
-			// so the client reconnects with Last-Event-ID and replays.
+		case <-src.done:
+			// Closed by the backend, too slow for example: end the
+			// response so the client reconnects with Last-Event-ID and
+			// replays.
 			return
 		case <-gone:
 			return

@@ -231,52 +231,24 @@ func (s *Server) handleUIEvents(w http.ResponseWriter, r *http.Request) error {
 		return err
 	}
 	first := fmt.Appendf(nil, "retry: 1000\nevent: subscribed\ndata: {\"event\":\"subscribed\",\"epoch\":%q}\n\n", s.info.Epoch)
-	s.eventStream(w, r, first, st.Close, func(gone <-chan struct{}, write func([]byte) error) {
-		s.opStreamLoop(st, first, gone, write)
-	})
+	s.eventStream(w, r, first, opEvents(st), st.Close)
 	return nil
 }
 
-// opStreamLoop writes first, then the feed's events as they come and a
-// ping when it has been quiet, until the feed, the peer or the server ends.
-func (s *Server) opStreamLoop(st lock.OpStream, first []byte, gone <-chan struct{}, write func([]byte) error) {
-	if err := write(first); err != nil {
-		return
-	}
-	ping := time.NewTicker(s.ping)
-	defer ping.Stop()
-	buf := make([]byte, 0, 512)
+// opEvents is the source of an operator feed.
+func opEvents(st lock.OpStream) source {
 	var pending []lock.OpEvent
-	for {
-		select {
-		case <-st.Ready():
-			pending = st.Take(pending[:0])
-			buf = buf[:0]
-			for _, ev := range pending {
-				buf = appendOpEvent(buf, ev)
-			}
-			clear(pending)
-			if err := write(buf); err != nil {
-				return
-			}
-			if cap(buf) > 64<<10 {
-				buf = make([]byte, 0, 512)
-			}
-			ping.Reset(s.ping)
-		case <-ping.C:
-			if err := write(append(buf[:0], ": ping\n\n"...)); err != nil {
-				return
-			}
-		case <-st.Done():
-			// Too slow: ending the response makes the view reconnect and
-			// read a fresh snapshot.
-			return
-		case <-gone:
-			return
-		case <-s.drained.Done():
-			return
+	return source{ready: st.Ready(), done: st.Done(), notify: st.Notify, fill: func(b []byte) []byte {
+		pending = st.Take(pending[:0])
+		for _, ev := range pending {
+			b = appendOpEvent(b, ev)
 		}
-	}
+		clear(pending)
+		if cap(pending) > 64 {
+			pending = nil
+		}
+		return b
+	}}
 }
 
 // appendOpEvent appends one SSE frame. Lock events carry the data session

@@ -19,6 +19,7 @@ var eventTests = []test{
 	{name: "Replay", run: testReplay},
 	{name: "SessionAndObserver", run: testSessionAndObserver},
 	{name: "SlowStreamClosed", run: testSlowStreamClosed},
+	{name: "Notify", run: testNotify},
 	{name: "SessionLogBounded", run: testSessionLogBounded},
 	{name: "ReplayBoundedInBytes", fakeTime: true, run: testReplayBoundedInBytes},
 }
@@ -107,6 +108,45 @@ func testSlowStreamClosed(t *testing.T, s *suite) {
 	mustLock(t, m, lockReq(lock.Pull, "r", "a"))
 	if got := names(expect(t, keeps, 1)); !slices.Equal(got, []string{"lock_assigned:a"}) || keeps.Slow() {
 		t.Fatalf("the stream that kept up got %v, slow=%v", got, keeps.Slow())
+	}
+}
+
+// testNotify: a feed's Notify function is called at once when events are
+// waiting already, again when events arrive after a Take emptied it, and
+// when the feed ends, as the server's stream writers expect (docs/DESIGN.md,
+// "Event streams").
+func testNotify(t *testing.T, s *suite) {
+	m := s.open(t, nil)
+	st := subscribe(t, m, "a", nil)
+	mustLock(t, m, lockReq(lock.Pull, "r", "a")) // waiting before Notify
+	calls := make(chan struct{}, 16)
+	notify := func() { calls <- struct{}{} }
+	called := func(what string) {
+		t.Helper()
+		select {
+		case <-calls:
+		case <-time.After(EventWait):
+			t.Fatalf("Notify's function was not called %s", what)
+		}
+	}
+	expect(t, st, 1)
+	mustLock(t, m, lockReq(lock.Pull, "s", "a"))
+	st.Notify(notify)
+	called("at once, with an event waiting")
+	if got := names(st.Take(nil)); !slices.Equal(got, []string{"lock_assigned:a"}) {
+		t.Fatalf("took %v, want s's grant", got)
+	}
+	mustLock(t, m, lockReq(lock.Pull, "t", "a"))
+	called("when an event arrived")
+	if got := names(st.Take(nil)); len(got) != 1 {
+		t.Fatalf("took %v, want t's grant", got)
+	}
+	st.Close()
+	called("when the feed ended")
+	select {
+	case <-st.Done():
+	default:
+		t.Fatal("Notify's function was called for the end before Done was closed")
 	}
 }
 

@@ -32,7 +32,8 @@
 //     stream, hundreds of sessions lost at once.
 //   - Events: observers, a stream that is both session and observer, replay
 //     with a last event id (Subscription.ID, Replay, Missed), the session
-//     log's bounds in events and bytes, a stream that does not keep up.
+//     log's bounds in events and bytes, a stream that does not keep up,
+//     Notify (called for waiting events and for the end).
 //   - Refs: the reference rules (a successful pull references its holder and
 //     every waiter it skips; delete refused while referenced or while a pull
 //     or update is held; pull, update and RefAdd refused while a delete, or

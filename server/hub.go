@@ -1,0 +1,410 @@
+package server
+
+import (
+	"errors"
+	"net"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// hub serves the event streams of connections taken over from net/http
+// (docs/DESIGN.md, "Event streams"). An idle stream holds one goroutine,
+// blocked reading so that it notices the peer leave, and no buffer. Events
+// are written by a few writers, one per core: a feed that has events wakes
+// its stream, a writer encodes them into a pooled buffer and writes what
+// the socket takes without waiting. A socket that is full hands the rest
+// to a goroutine of that stream's own, which waits up to the write
+// timeout; a peer that does not read so never delays the others' events.
+// One pinger marks the streams that have been quiet.
+type hub struct {
+	s *Server
+
+	mu      sync.Mutex
+	wake    *sync.Cond // signalled when queue grows, or when the hub may stop
+	queue   []*hubStream
+	all     map[*hubStream]struct{}
+	stopped bool // drained: no stream is added any more
+	started bool
+	epoch   time.Time // of the streams' lastWrite clock
+}
+
+// Stream states, guarded by hub.mu.
+const (
+	streamIdle   = iota
+	streamQueued // in hub.queue
+	streamBusy   // a writer, or its own slow-write goroutine, has it
+)
+
+// hubStream is one event stream of the hub.
+type hubStream struct {
+	h    *hub
+	conn net.Conn
+	// raw writes to conn without waiting; nil when conn cannot (TLS, an
+	// in-memory connection): every write then takes the slow path.
+	raw syscall.RawConn
+	src source
+	// release runs once the stream has ended: the feed's Close and what
+	// the request held.
+	release func()
+
+	// Guarded by hub.mu.
+	state  uint8
+	again  bool   // woken while busy: look again when the write is done
+	ping   bool   // quiet for half the ping interval: write a ping
+	closed bool   // ended: nothing is written any more
+	out    []byte // bytes to write before any event: the header and first
+
+	lastWrite atomic.Int64 // h.now() at the last write
+}
+
+// source is what an event stream writes: a lock feed's items, encoded.
+type source struct {
+	ready  <-chan struct{}
+	done   <-chan struct{}
+	notify func(func())
+	// fill appends the frames of the waiting items to b. Calls are never
+	// concurrent.
+	fill func(b []byte) []byte
+}
+
+func newHub(s *Server) *hub {
+	h := &hub{s: s, all: make(map[*hubStream]struct{}), epoch: time.Now()}
+	h.wake = sync.NewCond(&h.mu)
+	return h
+}
+
+func (h *hub) now() int64 { return int64(time.Since(h.epoch)) }
+
+// admit counts a new event stream in Server.openStreams unless the server
+// is draining. Under h.mu, which stop takes before Drain waits: a stream
+// is either counted before the wait or refused.
+func (h *hub) admit() bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.stopped {
+		return false
+	}
+	h.s.openStreams.Add(1)
+	return true
+}
+
+// start serves conn as an event stream of src; first (response header and
+// the first events) goes out before anything else. It returns false when
+// the server is draining: the caller then closes conn and releases.
+func (h *hub) start(conn net.Conn, src source, first []byte, release func()) bool {
+	st := &hubStream{h: h, conn: conn, raw: rawConn(conn), src: src, release: release, out: first}
+	st.lastWrite.Store(h.now())
+	h.mu.Lock()
+	if h.stopped {
+		h.mu.Unlock()
+		return false
+	}
+	if !h.started {
+		h.started = true
+		h.run()
+	}
+	h.all[st] = struct{}{}
+	st.state = streamQueued
+	h.queue = append(h.queue, st)
+	h.wake.Signal()
+	h.mu.Unlock()
+	go st.readLoop()
+	src.notify(st.wakeUp)
+	return true
+}
+
+// run starts the writers and the pinger, which stop once the server is
+// drained and every stream has ended; called with h.mu held.
+func (h *hub) run() {
+	s := h.s
+	n := runtime.GOMAXPROCS(0)
+	s.openStreams.Add(n + 1)
+	for range n {
+		go func() {
+			defer s.openStreams.Done()
+			h.writer()
+		}()
+	}
+	go func() {
+		defer s.openStreams.Done()
+		h.pinger()
+	}()
+}
+
+// writer writes the streams that have something to write until the hub
+// stops.
+func (h *hub) writer() {
+	var batch []*hubStream
+	for {
+		h.mu.Lock()
+		for len(h.queue) == 0 && !(h.stopped && len(h.all) == 0) {
+			h.wake.Wait()
+		}
+		if len(h.queue) == 0 {
+			h.mu.Unlock()
+			return
+		}
+		// Take a share of the queue, so that a fan-out to thousands of
+		// streams is spread over every writer without a lock round trip
+		// per stream.
+		k := min(len(h.queue), max(1, len(h.queue)/runtime.GOMAXPROCS(0)), 64)
+		batch = append(batch[:0], h.queue[:k]...)
+		n := copy(h.queue, h.queue[k:])
+		clear(h.queue[n:])
+		h.queue = h.queue[:n]
+		if n > 0 {
+			h.wake.Signal()
+		}
+		for _, st := range batch {
+			st.state = streamBusy
+		}
+		h.mu.Unlock()
+		for _, st := range batch {
+			st.write()
+		}
+		clear(batch)
+	}
+}
+
+// wakeUp queues st for a writer: its feed has events or has ended.
+func (st *hubStream) wakeUp() {
+	h := st.h
+	h.mu.Lock()
+	switch {
+	case st.closed:
+	case st.state == streamIdle:
+		st.state = streamQueued
+		h.queue = append(h.queue, st)
+		h.wake.Signal()
+	case st.state == streamBusy:
+		st.again = true
+	}
+	h.mu.Unlock()
+}
+
+// write writes what st has: its first bytes, its feed's events or a ping.
+// st is busy.
+func (st *hubStream) write() {
+	select {
+	case <-st.src.done:
+		// The feed ended (too slow, or the backend closed): ending the
+		// response makes the client reconnect with Last-Event-ID.
+		st.conn.Close()
+		st.idle()
+		return
+	default:
+	}
+	h := st.h
+	h.mu.Lock()
+	if st.closed {
+		st.state = streamIdle
+		h.mu.Unlock()
+		return
+	}
+	bp := bufPool.Get().(*[]byte)
+	b := append((*bp)[:0], st.out...)
+	st.out = nil
+	ping := st.ping
+	st.ping = false
+	h.mu.Unlock()
+	b = st.src.fill(b)
+	if len(b) == 0 && ping {
+		b = append(b, ": ping\n\n"...)
+	}
+	if len(b) == 0 {
+		giveBack(bp, b)
+		st.idle()
+		return
+	}
+	n, err := st.writeNow(b)
+	if err != nil {
+		st.conn.Close()
+		giveBack(bp, b)
+		st.idle()
+		return
+	}
+	st.lastWrite.Store(h.now())
+	if n == len(b) {
+		giveBack(bp, b)
+		st.idle()
+		return
+	}
+	if st.raw != nil {
+		h.s.metrics.fullSockets.Inc()
+	}
+	// The socket is full: this stream's own goroutine waits for it, up to
+	// the write timeout, and the writer goes on with the others. It counts
+	// as an open stream: Drain returns once it has finished too.
+	h.s.openStreams.Add(1)
+	go st.writeSlow(bp, b, n)
+}
+
+// writeSlow writes b[n:] waiting as long as the write timeout allows, then
+// makes st idle again.
+func (st *hubStream) writeSlow(bp *[]byte, b []byte, n int) {
+	defer st.h.s.openStreams.Done()
+	_ = st.conn.SetWriteDeadline(time.Now().Add(st.h.s.writeTimeout))
+	if _, err := st.conn.Write(b[n:]); err != nil {
+		st.conn.Close()
+	} else {
+		st.lastWrite.Store(st.h.now())
+	}
+	giveBack(bp, b)
+	st.idle()
+}
+
+// writeNow writes as much of b as the socket takes without waiting.
+func (st *hubStream) writeNow(b []byte) (int, error) {
+	if st.raw == nil {
+		return 0, nil
+	}
+	var n int
+	var werr error
+	err := st.raw.Write(func(fd uintptr) bool {
+		for n < len(b) {
+			m, err := unix.Write(int(fd), b[n:])
+			if err == unix.EINTR {
+				continue
+			}
+			if err != nil {
+				if err != unix.EAGAIN {
+					werr = err
+				}
+				break
+			}
+			n += m
+		}
+		return true // never wait here
+	})
+	return n, errors.Join(err, werr)
+}
+
+// idle ends st's turn: queued again when it was woken meanwhile.
+func (st *hubStream) idle() {
+	h := st.h
+	h.mu.Lock()
+	switch {
+	case st.closed:
+		st.state = streamIdle
+	case st.again || st.ping:
+		st.again = false
+		st.state = streamQueued
+		h.queue = append(h.queue, st)
+		h.wake.Signal()
+	default:
+		st.state = streamIdle
+	}
+	h.mu.Unlock()
+}
+
+// giveBack returns a writer's buffer to the pool (server.go): an idle
+// stream keeps none.
+func giveBack(bp *[]byte, b []byte) {
+	*bp = b
+	putBuf(bp)
+}
+
+// readLoop waits for the peer to leave (it sends nothing more), then ends
+// the stream.
+func (st *hubStream) readLoop() {
+	s := st.h.s
+	defer func() {
+		if p := recover(); p != nil {
+			s.panicked(p, st.conn.RemoteAddr().String())
+		}
+		st.end()
+	}()
+	var b [16]byte
+	for {
+		if _, err := st.conn.Read(b[:]); err != nil {
+			return
+		}
+	}
+}
+
+// end closes st's connection and releases what it held, once.
+func (st *hubStream) end() {
+	h := st.h
+	h.mu.Lock()
+	st.closed = true
+	st.out = nil
+	delete(h.all, st)
+	if h.stopped && len(h.all) == 0 {
+		h.wake.Broadcast()
+	}
+	h.mu.Unlock()
+	st.conn.Close()
+	st.release()
+	h.s.metrics.streams.Dec()
+	h.s.openStreams.Done()
+}
+
+// pinger marks the streams quiet for half the ping interval every half
+// interval, so that none is quiet for longer than the interval.
+func (h *hub) pinger() {
+	t := time.NewTicker(h.s.ping / 2)
+	defer t.Stop()
+	for {
+		select {
+		case <-t.C:
+		case <-h.s.drained.Done():
+			return
+		}
+		quiet := h.now() - int64(h.s.ping/2)
+		h.mu.Lock()
+		for st := range h.all {
+			if st.lastWrite.Load() > quiet {
+				continue
+			}
+			st.ping = true
+			if st.state == streamIdle {
+				st.state = streamQueued
+				h.queue = append(h.queue, st)
+			}
+		}
+		h.wake.Broadcast()
+		h.mu.Unlock()
+	}
+}
+
+// stop ends every stream at once, and the hub once they have ended: the
+// server is draining.
+func (h *hub) stop() {
+	h.mu.Lock()
+	h.stopped = true
+	conns := make([]net.Conn, 0, len(h.all))
+	for st := range h.all {
+		conns = append(conns, st.conn)
+	}
+	h.wake.Broadcast()
+	h.mu.Unlock()
+	for _, c := range conns {
+		c.Close()
+	}
+}
+
+// rawConn returns the raw connection under c's wrappers, nil when c is not
+// a plain socket (TLS must write through its own record layer).
+func rawConn(c net.Conn) syscall.RawConn {
+	for {
+		switch v := c.(type) {
+		case *passedConn:
+			c = v.Conn
+		case *trackedConn:
+			c = v.Conn
+		case syscall.Conn:
+			rc, err := v.SyscallConn()
+			if err != nil {
+				return nil
+			}
+			return rc
+		default:
+			return nil
+		}
+	}
+}
