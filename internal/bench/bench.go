@@ -55,7 +55,14 @@ type Result struct {
 	// process's (the load generator's), the same way.
 	ServerCPUPerOp float64 `json:"server_cpu_us_per_op,omitempty"`
 	BenchCPUPerOp  float64 `json:"bench_cpu_us_per_op,omitempty"`
-	Note           string  `json:"note,omitempty"`
+	// Rounds and RoundMedian: the fan-out's rounds, and the median of
+	// their times until the last waiter knew (Max is the worst).
+	Rounds      int     `json:"rounds,omitempty"`
+	RoundMedian float64 `json:"round_median_us,omitempty"`
+	Note        string  `json:"note,omitempty"`
+	// Frame is the raw event (id, event and data lines and the blank
+	// line) one fan-out waiter received: what Floor writes.
+	Frame []byte `json:"-"`
 }
 
 // cpuWindow measures the server's and this process's CPU time over some
