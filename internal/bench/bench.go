@@ -50,6 +50,10 @@ type Result struct {
 	Max         float64 `json:"max_us"`
 	Unit        string  `json:"unit"` // what one op is
 	RSSMiB      float64 `json:"server_rss_mib,omitempty"`
+	// EmptyRSSMiB is the memory scenarios' server RSS before their work,
+	// and RSSBytesPerOp (RSSMiB - EmptyRSSMiB) per lock or session.
+	EmptyRSSMiB   float64 `json:"server_empty_rss_mib,omitempty"`
+	RSSBytesPerOp float64 `json:"server_rss_bytes_per_op,omitempty"`
 	// ServerCPUPerOp is the server's CPU time per op over the timed work,
 	// when Options.ServerCPU could read it; BenchCPUPerOp is this
 	// process's (the load generator's), the same way.
