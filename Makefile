@@ -73,10 +73,14 @@ packagemap:
 	  echo "$$pkgs" | grep -qx "$$p" || { echo "README.md's map of the packages names $$p, which is not a package"; exit 1; }; done
 
 # bench runs the Go benchmarks, then dlock bench against a fresh local
-# server (and Redis and etcd, which it starts), and appends the numbers,
-# the machine and the commands to docs/BENCHMARKS.md. It needs the
-# redis-server and etcd-server packages (make deps installs them as root).
+# server (and Redis and etcd, which it starts): every scenario, the
+# fan-out with its floor, and the memory scenario, which starts a fresh
+# `dlock serve` of its own for each of its three measurements. It appends
+# the numbers, the machine and the commands to docs/BENCHMARKS.md. It
+# needs the redis-server and etcd-server packages (make deps installs
+# them as root).
 BENCH_ADDR ?= 127.0.0.1:7399
+BENCH_SCENARIOS = pairs,handoff,fanout,sessions,memory
 bench: build
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime 3s ./lock ./server ./refcount | tee bin/gobench.txt
 	@set -e; out=docs/BENCHMARKS.md; \
@@ -84,15 +88,9 @@ bench: build
 	  echo "Machine: $$(nproc) cores ($$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')), $$(free -g | awk '/Mem:/{print $$2}') GiB, $$(go version | cut -d' ' -f3)."; echo; \
 	  echo '```'; grep -E '^Benchmark' bin/gobench.txt; echo '```'; echo; } >> $$out; \
 	bin/dlock serve --listen $(BENCH_ADDR) 2>/dev/null & pid=$$!; sleep 1; \
-	echo "\`dlock bench --server http://$(BENCH_ADDR) --waiters 10000 --compare redis,etcd\`:" >> $$out; echo >> $$out; \
-	bin/dlock bench --server http://$(BENCH_ADDR) --waiters 10000 --compare redis,etcd --markdown >> $$out; \
-	kill $$pid; wait $$pid || true; \
-	for what in "--held 0" "--sessions 0"; do \
-		bin/dlock serve --listen $(BENCH_ADDR) 2>/dev/null & pid=$$!; sleep 1; \
-		echo >> $$out; echo "\`dlock bench --server http://$(BENCH_ADDR) --scenario memory $$what\` (a fresh server):" >> $$out; echo >> $$out; \
-		bin/dlock bench --server http://$(BENCH_ADDR) --scenario memory $$what --markdown >> $$out; \
-		kill $$pid; wait $$pid || true; \
-	done
+	echo "\`dlock bench --server http://$(BENCH_ADDR) --scenario $(BENCH_SCENARIOS) --waiters 10000 --compare redis,etcd\`:" >> $$out; echo >> $$out; \
+	bin/dlock bench --server http://$(BENCH_ADDR) --scenario $(BENCH_SCENARIOS) --waiters 10000 --compare redis,etcd --markdown >> $$out || { kill $$pid; exit 1; }; \
+	kill $$pid; wait $$pid || true
 
 build:
 	@mkdir -p bin

@@ -8,28 +8,43 @@ import (
 	"fmt"
 	"io"
 	"maps"
+	"net"
+	"net/http"
+	"os"
 	"os/exec"
 	"slices"
+	"strconv"
 	"strings"
+	"sync"
+	"syscall"
 	"text/tabwriter"
 	"time"
 
 	"github.com/dlock/dlock/internal/bench"
 	"github.com/dlock/dlock/internal/rawhttp"
+	"github.com/dlock/dlock/lock"
 )
 
 // cmdBench is the load generator: scenarios against a running dlock server
-// and, with --compare, the same work against Redis and etcd.
+// (the memory scenario: against fresh ones it starts) and, with --compare,
+// the same work against Redis and etcd.
 func cmdBench(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) error {
+	if len(args) == 1 && args[0] == floorWriterArg {
+		return bench.ServeFloor(os.Stdin, stdout)
+	}
+	// The fresh servers' logs share stderr with the progress lines.
+	stderr = &syncWriter{w: stderr}
 	fs := flag.NewFlagSet("dlock bench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	server := fs.String("server", "http://127.0.0.1:7380", "dlock server URL")
-	scenarios := fs.String("scenario", "pairs,handoff,fanout,sessions", "scenarios to run: pairs, handoff, fanout, sessions, memory")
+	scenarios := fs.String("scenario", "pairs,handoff,fanout,sessions", "scenarios to run: pairs, handoff, fanout (and its floor), sessions, memory")
 	duration := fs.Duration("duration", 10*time.Second, "how long each scenario runs")
-	concurrency := fs.Int("concurrency", 32, "connections (pairs, sessions) or nodes on the key (handoff)")
-	waiters := fs.Int("waiters", 1000, "fanout: waiters, each with its own session, queued on one key")
-	heldN := fs.Int("held", 100000, "memory: locks to hold while the server's RSS is read")
-	sessionsN := fs.Int("sessions", 10000, "memory: session streams to keep open while the server's RSS is read")
+	concurrency := fs.Int("concurrency", 32, "connections (pairs, sessions, memory) or nodes on the key (handoff)")
+	waiters := fs.Int("waiters", 1000, "fanout: waiters, each with its own session, queued on one key (and the floor's loopback sockets)")
+	heldN := fs.Int("held", 100000, "memory: locks to hold while the server's RSS is read (held-ttl, held-session; 0: neither)")
+	heldNodes := fs.Int("held-nodes", 100, "memory: nodes, each with a session stream, that hold the held-session locks")
+	sessionsN := fs.Int("sessions", 10000, "memory: session streams to keep open while the server's RSS is read (idle-sessions; 0: not run)")
+	memoryServer := fs.String("memory-server", "", "memory: measure this server (with the same credentials) instead of a fresh `dlock serve` for each measurement")
 	compare := fs.String("compare", "", "also run pairs and handoff against: redis, etcd (comma-separated; started on 127.0.0.1)")
 	asJSON := fs.Bool("json", false, "print the results as JSON")
 	asMarkdown := fs.Bool("markdown", false, "print the results as a Markdown table (make bench appends it to docs/BENCHMARKS.md)")
@@ -62,17 +77,20 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 			}
 		}
 	}
-	if *concurrency < 1 || *waiters < 1 || *duration <= 0 || *heldN < 0 || *sessionsN < 0 {
-		return usageError{errors.New("--concurrency, --waiters and --duration must be positive, --held and --sessions not negative")}
+	if *concurrency < 1 || *waiters < 1 || *duration <= 0 || *heldN < 0 || *sessionsN < 0 || *heldNodes < 1 {
+		return usageError{errors.New("--concurrency, --waiters, --held-nodes and --duration must be positive, --held and --sessions not negative")}
 	}
 	tlsConfig, token, err := loadCredentials(cred, *server)
 	if err != nil {
 		return err
 	}
+	if err := ensureFileLimit(benchFiles(runs, *waiters, *sessionsN, *heldNodes, *concurrency)); err != nil {
+		return err
+	}
 	dialer := rawhttp.Dialer{TLS: tlsConfig, Token: token}
-	opts := bench.Options{Duration: *duration, Concurrency: *concurrency, Waiters: *waiters, Dialer: dialer}
-	run := func(label string, f func(context.Context, bench.Options) (bench.Result, error)) (bench.Result, error) {
-		o := opts
+	opts := bench.Options{Duration: *duration, Concurrency: *concurrency, Waiters: *waiters, Dialer: dialer,
+		ServerCPU: bench.MetricsCPU(*server, dialer)}
+	run := func(label string, o bench.Options, f func(context.Context, bench.Options) (bench.Result, error)) (bench.Result, error) {
 		start := time.Now()
 		o.Progress = func(ops int64) {
 			fmt.Fprintf(stderr, "\r%-22s %10d ops %10.0f/s", label, ops, float64(ops)/time.Since(start).Seconds())
@@ -84,24 +102,23 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	var results []bench.Result
 	for _, s := range runs {
 		if s == "memory" {
-			// Sessions first: the held locks' ttl leases outlive the run.
-			// Each measures best on a fresh server: --held 0 or --sessions 0
-			// leaves one out.
-			var fs []func() (bench.Result, error)
-			if *sessionsN > 0 {
-				fs = append(fs, func() (bench.Result, error) { return bench.OpenSessions(ctx, *server, dialer, *sessionsN) })
-			}
-			if *heldN > 0 {
-				fs = append(fs, func() (bench.Result, error) { return bench.HeldLocks(ctx, *server, dialer, *heldN, *concurrency) })
-			}
-			for _, f := range fs {
-				r, err := f()
+			mo := bench.MemoryOptions{Held: *heldN, HeldNodes: *heldNodes, Sessions: *sessionsN, Conns: *concurrency,
+				Done: func(r bench.Result) { fmt.Fprintf(stderr, "memory %s: %s\n", r.Scenario, r.Note) }}
+			if *memoryServer != "" {
+				mo.Dialer = dialer
+				mo.Start = func(context.Context) (string, func(), error) { return *memoryServer, func() {}, nil }
+			} else {
+				bin, err := benchServerBinary()
 				if err != nil {
-					return fmt.Errorf("memory: %w", err)
+					return fmt.Errorf("memory: the dlock binary to serve: %w", err)
 				}
-				fmt.Fprintf(stderr, "memory: %s\n", r.Note)
-				results = append(results, r)
+				mo.Start = freshServer(bin, freshServerFlags(*sessionsN+*heldNodes, *heldN), stderr)
 			}
+			rs, err := bench.Memory(ctx, mo)
+			if err != nil {
+				return fmt.Errorf("memory: %w", err)
+			}
+			results = append(results, rs...)
 			continue
 		}
 		var f func(context.Context, string, bench.Options) (bench.Result, error)
@@ -115,24 +132,44 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 		case "sessions":
 			f = bench.Sessions
 		}
-		r, err := run(s+" dlock", func(ctx context.Context, o bench.Options) (bench.Result, error) { return f(ctx, *server, o) })
+		r, err := run(s+" dlock", opts, func(ctx context.Context, o bench.Options) (bench.Result, error) { return f(ctx, *server, o) })
 		if err != nil {
 			return fmt.Errorf("%s: %w", s, err)
 		}
 		results = append(results, r)
+		if s == "fanout" {
+			// The floor right after, on the frame a waiter got: the
+			// same event bytes to as many sockets (README, "Load
+			// generator"), written by this binary as a process of its
+			// own.
+			bin, err := benchServerBinary()
+			if err != nil {
+				return fmt.Errorf("fanout floor: the dlock binary to write: %w", err)
+			}
+			fr, err := run("fanout floor", opts, func(ctx context.Context, o bench.Options) (bench.Result, error) {
+				return bench.Floor(ctx, r.Frame, o.Waiters, max(r.Rounds, 5), bench.ExecFloor(stderr, bin, "bench", floorWriterArg))
+			})
+			if err != nil {
+				return fmt.Errorf("fanout floor: %w", err)
+			}
+			results = append(results, fr)
+		}
 	}
 	for _, o := range others {
 		var addr string
 		var stop func()
 		var err error
 		var pairs, handoff func(context.Context, string, bench.Options) (bench.Result, error)
+		oo := opts
 		switch o {
 		case "redis":
 			addr, stop, err = bench.StartRedis()
 			pairs, handoff = bench.RedisPairs, bench.RedisHandoff
+			oo.ServerCPU = bench.RedisCPU(addr)
 		case "etcd":
 			addr, stop, err = bench.StartEtcd()
 			pairs, handoff = bench.EtcdPairs, bench.EtcdHandoff
+			oo.ServerCPU = bench.MetricsCPU(addr, rawhttp.Dialer{})
 		}
 		if err != nil {
 			return err
@@ -142,7 +179,7 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 			if f == nil {
 				continue
 			}
-			r, err := run(s+" "+o, func(ctx context.Context, opt bench.Options) (bench.Result, error) { return f(ctx, addr, opt) })
+			r, err := run(s+" "+o, oo, func(ctx context.Context, opt bench.Options) (bench.Result, error) { return f(ctx, addr, opt) })
 			if err != nil {
 				stop()
 				return fmt.Errorf("%s %s: %w", s, o, err)
@@ -157,11 +194,15 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 		enc.SetIndent("", "  ")
 		return enc.Encode(map[string]any{"results": results, "ratios": ratios})
 	}
+	lines := cpuLines(results)
+	for _, k := range slices.Sorted(maps.Keys(ratios)) {
+		lines = append(lines, fmt.Sprintf("%s = %.2f", k, ratios[k]))
+	}
 	if *asMarkdown {
-		fmt.Fprintln(stdout, "| scenario | system | concurrency | ops/s | p50 | p90 | p99 | max | one op | server RSS |")
-		fmt.Fprintln(stdout, "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+		fmt.Fprintln(stdout, "| scenario | system | concurrency | ops/s | p50 | p90 | p99 | max | one op | server CPU/op | server RSS |")
+		fmt.Fprintln(stdout, "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 		for _, r := range results {
-			fmt.Fprintf(stdout, "| %s | %s | %d | %.0f | %s | %s | %s | %s | %s | %s |\n", r.Scenario, r.System, r.Concurrency, r.Rate, us(r.P50), us(r.P90), us(r.P99), us(r.Max), r.Unit, rssText(r))
+			fmt.Fprintf(stdout, "| %s | %s | %d | %.0f | %s | %s | %s | %s | %s | %s | %s |\n", r.Scenario, r.System, r.Concurrency, r.Rate, us(r.P50), us(r.P90), us(r.P99), us(r.Max), r.Unit, cpuText(r.ServerCPUPerOp), rssText(r))
 		}
 		fmt.Fprintln(stdout)
 		for _, r := range results {
@@ -169,15 +210,15 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 				fmt.Fprintf(stdout, "- %s %s: %s\n", r.Scenario, r.System, r.Note)
 			}
 		}
-		for _, k := range slices.Sorted(maps.Keys(ratios)) {
-			fmt.Fprintf(stdout, "- %s = %.2f\n", k, ratios[k])
+		for _, l := range lines {
+			fmt.Fprintf(stdout, "- %s\n", l)
 		}
 		return nil
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "scenario\tsystem\tconcurrency\tops/s\tp50\tp90\tp99\tmax\tone op\tserver RSS\t")
+	fmt.Fprintln(tw, "scenario\tsystem\tconcurrency\tops/s\tp50\tp90\tp99\tmax\tone op\tserver CPU/op\tserver RSS\t")
 	for _, r := range results {
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%.0f\t%s\t%s\t%s\t%s\t%s\t%s\t\n", r.Scenario, r.System, r.Concurrency, r.Rate, us(r.P50), us(r.P90), us(r.P99), us(r.Max), r.Unit, rssText(r))
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%.0f\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", r.Scenario, r.System, r.Concurrency, r.Rate, us(r.P50), us(r.P90), us(r.P99), us(r.Max), r.Unit, cpuText(r.ServerCPUPerOp), rssText(r))
 	}
 	tw.Flush()
 	for _, r := range results {
@@ -185,13 +226,16 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 			fmt.Fprintf(stdout, "%s %s: %s\n", r.Scenario, r.System, r.Note)
 		}
 	}
-	for _, k := range slices.Sorted(maps.Keys(ratios)) {
-		fmt.Fprintf(stdout, "%s = %.2f\n", k, ratios[k])
+	for _, l := range lines {
+		fmt.Fprintln(stdout, l)
 	}
 	return nil
 }
 
-// benchRatios divides dlock's rate by each other system's, per scenario.
+// benchRatios divides dlock's rate by each other system's, and the other
+// system's server CPU per op into dlock's, per scenario; and the fan-out's
+// times by its floor's: how many times the floor dlock takes to tell every
+// waiter, in its worst round and in its median one.
 func benchRatios(results []bench.Result) map[string]float64 {
 	ratios := map[string]float64{}
 	for _, d := range results {
@@ -199,16 +243,223 @@ func benchRatios(results []bench.Result) map[string]float64 {
 			continue
 		}
 		for _, o := range results {
-			if o.System != "dlock" && o.Scenario == d.Scenario && o.Rate > 0 {
+			if o.System == "dlock" || o.Scenario != d.Scenario {
+				continue
+			}
+			if o.Rate > 0 {
 				ratios[fmt.Sprintf("%s dlock/%s", d.Scenario, o.System)] = d.Rate / o.Rate
+			}
+			if d.ServerCPUPerOp > 0 && o.ServerCPUPerOp > 0 {
+				ratios[fmt.Sprintf("%s server CPU/op dlock/%s", d.Scenario, o.System)] = d.ServerCPUPerOp / o.ServerCPUPerOp
+			}
+		}
+		if d.Scenario != "fanout" {
+			continue
+		}
+		for _, f := range results {
+			if f.Scenario != "fanout-floor" {
+				continue
+			}
+			if f.Max > 0 {
+				ratios["fanout max dlock/floor"] = d.Max / f.Max
+			}
+			if f.RoundMedian > 0 {
+				ratios["fanout median round dlock/floor"] = d.RoundMedian / f.RoundMedian
 			}
 		}
 	}
 	return ratios
 }
 
+// cpuLines puts the server CPU per op of the systems that ran a scenario
+// side by side, one line per scenario that more than one ran.
+func cpuLines(results []bench.Result) []string {
+	var lines []string
+	var done []string
+	for _, r := range results {
+		if slices.Contains(done, r.Scenario) {
+			continue
+		}
+		done = append(done, r.Scenario)
+		var parts []string
+		for _, o := range results {
+			if o.Scenario == r.Scenario && o.ServerCPUPerOp > 0 {
+				parts = append(parts, o.System+" "+cpuText(o.ServerCPUPerOp))
+			}
+		}
+		if len(parts) > 1 {
+			lines = append(lines, fmt.Sprintf("%s server CPU per %s: %s", r.Scenario, r.Unit, strings.Join(parts, ", ")))
+		}
+	}
+	return lines
+}
+
+func cpuText(v float64) string {
+	switch {
+	case v <= 0:
+		return ""
+	case v >= 1e3:
+		return fmt.Sprintf("%.2fms", v/1e3)
+	}
+	return fmt.Sprintf("%.1fµs", v)
+}
+
+// benchFiles is the file descriptors the scenarios open in this process
+// (and in the floor's writers, which inherit the limit): a stream per
+// fan-out waiter or per floor reader, the memory scenario's idle-sessions
+// --sessions streams, plus a reserve for everything else.
+func benchFiles(runs []string, waiters, sessions, heldNodes, conns int) uint64 {
+	need := conns + heldNodes
+	if slices.Contains(runs, "fanout") {
+		need = max(need, waiters+32)
+	}
+	if slices.Contains(runs, "memory") {
+		need = max(need, sessions+conns)
+	}
+	return uint64(need) + 256
+}
+
+// ensureFileLimit raises this process's open-file limit to need if it is
+// lower: the soft limit up to the hard one, and the hard one too where
+// that is allowed (root). The servers bench starts inherit it.
+func ensureFileLimit(need uint64) error {
+	var lim syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+		return fmt.Errorf("reading the open-file limit: %w", err)
+	}
+	if lim.Cur >= need {
+		return nil
+	}
+	want := syscall.Rlimit{Cur: need, Max: max(lim.Max, need)}
+	if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &want); err != nil {
+		return fmt.Errorf("these scenarios open about %d files in this process, over the open-file limit of %d (hard %d) that cannot be raised (%v): fewer --waiters or --sessions, or a higher ulimit -n",
+			need, lim.Cur, lim.Max, err)
+	}
+	return nil
+}
+
+// benchServerBinary is the dlock that the memory scenario runs as its fresh
+// servers, and the fan-out floor as its writers: this one (tests: the one
+// they built).
+var benchServerBinary = os.Executable
+
+// floorWriterArg, alone after `dlock bench`, makes it the fan-out floor's
+// writers (bench.ServeFloor), driven by another dlock bench on its
+// standard input and output: not a command for people.
+const floorWriterArg = "floor-writer"
+
+// freshServerFlags are the `dlock serve` flags a fresh server needs past
+// its defaults to hold sessions streams and keys locks.
+func freshServerFlags(sessions, keys int) []string {
+	var flags []string
+	def := lock.DefaultConfig()
+	if need := sessions + 64; def.MaxSessions > 0 && need > def.MaxSessions {
+		flags = append(flags, "--max-sessions", strconv.Itoa(need))
+	}
+	if need := keys + 64; def.MaxKeys > 0 && need > def.MaxKeys {
+		flags = append(flags, "--max-keys", strconv.Itoa(need))
+	}
+	return flags
+}
+
+// freshServer starts `bin serve` on a free 127.0.0.1 port, with flags,
+// for each call, and stops it (SIGKILL: nothing of it needs to last) with
+// the func returned. Its log goes to stderr at level warn.
+func freshServer(bin string, flags []string, stderr io.Writer) bench.StartServer {
+	return func(ctx context.Context) (string, func(), error) {
+		var err error
+		// A free port can be taken between its finding and the server's
+		// listen: try again then.
+		for range 3 {
+			var base string
+			var stop func()
+			base, stop, err = startFresh(ctx, bin, flags, stderr)
+			if err == nil {
+				return base, stop, nil
+			}
+			if !errors.Is(err, errExited) {
+				break
+			}
+		}
+		return "", nil, err
+	}
+}
+
+type syncWriter struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+func (s *syncWriter) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.w.Write(p)
+}
+
+var errExited = errors.New("dlock serve exited")
+
+func startFresh(ctx context.Context, bin string, flags []string, stderr io.Writer) (string, func(), error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", nil, err
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	// No data dir: a fresh server shares no state, and takes no lock on
+	// the default one that a real server may hold.
+	args := append([]string{"serve", "--listen", addr, "--data-dir", "", "--log-level", "warn"}, flags...)
+	cmd := exec.Command(bin, args...)
+	// The environment's DLOCK_* settings (a token file, TLS) are for the
+	// servers under test, not for a default fresh one.
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "DLOCK_") {
+			cmd.Env = append(cmd.Env, kv)
+		}
+	}
+	cmd.Stdout, cmd.Stderr = stderr, stderr
+	if err := cmd.Start(); err != nil {
+		return "", nil, err
+	}
+	exited := make(chan struct{})
+	var waitErr error
+	go func() { waitErr = cmd.Wait(); close(exited) }()
+	stop := func() {
+		cmd.Process.Kill()
+		<-exited
+	}
+	base := "http://" + addr
+	hc := &http.Client{Timeout: time.Second}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		resp, err := hc.Get(base + "/healthz")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				hc.CloseIdleConnections()
+				return base, stop, nil
+			}
+		}
+		select {
+		case <-exited:
+			return "", nil, fmt.Errorf("%w: %v", errExited, waitErr)
+		case <-ctx.Done():
+			stop()
+			return "", nil, ctx.Err()
+		case <-time.After(20 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			stop()
+			return "", nil, fmt.Errorf("dlock serve on %s did not answer /healthz within 30 s", addr)
+		}
+	}
+}
+
+// us formats a latency; none (the memory rows, which time nothing) is
+// left blank.
 func us(v float64) string {
 	switch {
+	case v <= 0:
+		return ""
 	case v >= 1e6:
 		return fmt.Sprintf("%.2fs", v/1e6)
 	case v >= 1e3:

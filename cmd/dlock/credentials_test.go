@@ -279,23 +279,28 @@ func TestCredentialErrors(t *testing.T) {
 }
 
 // TestBenchWithCredentials: dlock bench against an https:// server with a
-// client certificate and an operator token.
+// client certificate and an operator token; the certificate names the
+// operator too, for the server's CPU on /metrics.
 func TestBenchWithCredentials(t *testing.T) {
 	e := startCredEnv(t)
-	cert, key := e.pki.ClientCert("w0", "w1")
+	cert, key := e.pki.ClientCert("w0", "w1", "*")
 	tokenFile := filepath.Join(t.TempDir(), "op")
 	os.WriteFile(tokenFile, []byte(tok("op")+" *\n"), 0o600)
 	env := map[string]string{"DLOCK_SERVER": e.srv.URL(), "DLOCK_CA": e.pki.CAFile, "DLOCK_CERT": cert, "DLOCK_KEY": key, "DLOCK_TOKEN_FILE": tokenFile}
 	out, errOut, st := inProcess(t, env, "bench", "--scenario", "pairs", "--duration", "300ms", "--concurrency", "2", "--json")
 	var res struct {
-		Results []struct{ Ops int64 }
+		Results []struct {
+			Ops       int64
+			ServerCPU float64 `json:"server_cpu_us_per_op"`
+		}
 	}
-	if st != 0 || json.Unmarshal([]byte(out), &res) != nil || len(res.Results) != 1 || res.Results[0].Ops == 0 {
+	if st != 0 || json.Unmarshal([]byte(out), &res) != nil || len(res.Results) != 1 || res.Results[0].Ops == 0 || res.Results[0].ServerCPU <= 0 {
 		t.Fatalf("bench over TLS: %d %q %q", st, out, errOut)
 	}
-	// Each connection is one TLS handshake: keep-alive holds.
-	if n := e.srv.Connections(); n != 2 {
-		t.Fatalf("%d connections (TLS handshakes) for two keep-alive workers, want 2", n)
+	// Each connection is one TLS handshake: keep-alive holds. Two
+	// workers, and a scrape of /metrics before and one after.
+	if n := e.srv.Connections(); n != 2+2 {
+		t.Fatalf("%d connections (TLS handshakes) for two keep-alive workers and two scrapes, want 4", n)
 	}
 	if n := e.refusals(); n != 0 {
 		t.Fatalf("%v requests refused", n)

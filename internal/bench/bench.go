@@ -10,6 +10,7 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/dlock/dlock/internal/rawhttp"
@@ -25,7 +26,15 @@ type Options struct {
 	// Dialer connects to a dlock server: TLS for an https:// one, and the
 	// token of a server with a token file. Redis and etcd ignore it.
 	Dialer rawhttp.Dialer
+	// ServerCPU, if set, reads the CPU time the server under test has used
+	// so far; a scenario reads it before and after its timed work and
+	// reports the difference per op. MetricsCPU and RedisCPU make one.
+	ServerCPU CPUProbe
 }
+
+// CPUProbe reads the CPU time (user + system) a server process has used
+// since it started.
+type CPUProbe func() (time.Duration, error)
 
 // Result is one scenario on one system.
 type Result struct {
@@ -41,13 +50,102 @@ type Result struct {
 	Max         float64 `json:"max_us"`
 	Unit        string  `json:"unit"` // what one op is
 	RSSMiB      float64 `json:"server_rss_mib,omitempty"`
+	// EmptyRSSMiB is the memory scenarios' server RSS before their work,
+	// and RSSBytesPerOp (RSSMiB - EmptyRSSMiB) per lock or session.
+	EmptyRSSMiB   float64 `json:"server_empty_rss_mib,omitempty"`
+	RSSBytesPerOp float64 `json:"server_rss_bytes_per_op,omitempty"`
+	// ServerCPUPerOp is the server's CPU time per op over the timed work,
+	// when Options.ServerCPU could read it; BenchCPUPerOp is this
+	// process's (the load generator's), the same way.
+	ServerCPUPerOp float64 `json:"server_cpu_us_per_op,omitempty"`
+	BenchCPUPerOp  float64 `json:"bench_cpu_us_per_op,omitempty"`
+	// Rounds and RoundMedian: the fan-out's rounds, and the median of
+	// their times until the last waiter knew (Max is the worst).
+	Rounds      int     `json:"rounds,omitempty"`
+	RoundMedian float64 `json:"round_median_us,omitempty"`
 	Note        string  `json:"note,omitempty"`
+	// Frame is the raw event (id, event and data lines and the blank
+	// line) one fan-out waiter received: what Floor writes.
+	Frame []byte `json:"-"`
+}
+
+// cpuWindow measures the server's and this process's CPU time over some
+// work: start before it, stop after.
+type cpuWindow struct {
+	probe        CPUProbe
+	server0      time.Duration
+	self0        time.Duration
+	server, self time.Duration
+	err          error
+}
+
+func startCPU(probe CPUProbe) *cpuWindow {
+	w := &cpuWindow{probe: probe}
+	w.restart()
+	return w
+}
+
+// stop adds the CPU time used since start (or the last stop) to the totals.
+func (w *cpuWindow) stop() {
+	self := selfCPU()
+	w.self += self - w.self0
+	w.self0 = self
+	if w.probe == nil || w.err != nil {
+		return
+	}
+	var server time.Duration
+	if server, w.err = w.probe(); w.err == nil {
+		w.server += server - w.server0
+		w.server0 = server
+	}
+}
+
+// restart begins a window (another one after a stop: its time adds to the
+// same totals).
+func (w *cpuWindow) restart() {
+	w.self0 = selfCPU()
+	if w.probe != nil && w.err == nil {
+		w.server0, w.err = w.probe()
+	}
+}
+
+// report puts the CPU per op into r; an unreadable server CPU goes in the
+// note instead (a server that refuses /metrics to these credentials).
+func (w *cpuWindow) report(r *Result) {
+	if r.Ops == 0 {
+		return
+	}
+	r.BenchCPUPerOp = float64(w.self.Nanoseconds()) / 1e3 / float64(r.Ops)
+	switch {
+	case w.probe == nil:
+	case w.err != nil:
+		r.Note = joinNote(r.Note, "server CPU unknown: "+w.err.Error())
+	default:
+		r.ServerCPUPerOp = float64(w.server.Nanoseconds()) / 1e3 / float64(r.Ops)
+	}
+}
+
+func joinNote(a, b string) string {
+	if a == "" {
+		return b
+	}
+	return a + "; " + b
+}
+
+// selfCPU is the user + system time of this process so far.
+func selfCPU() time.Duration {
+	var ru syscall.Rusage
+	if syscall.Getrusage(syscall.RUSAGE_SELF, &ru) != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 // latencies collects samples from many workers.
 type latencies struct {
 	mu  sync.Mutex
 	all []time.Duration
+	cpu *cpuWindow // set by runWorkers
 }
 
 func (l *latencies) add(s []time.Duration) {
@@ -71,6 +169,9 @@ func (l *latencies) result(scenario, system, unit string, conc int, elapsed time
 		return float64(l.all[min(len(l.all)-1, int(p*float64(len(l.all))))].Nanoseconds()) / 1e3
 	}
 	r.P50, r.P90, r.P99, r.Max = q(0.50), q(0.90), q(0.99), float64(l.all[len(l.all)-1].Nanoseconds())/1e3
+	if l.cpu != nil {
+		l.cpu.report(&r)
+	}
 	return r
 }
 
@@ -100,7 +201,9 @@ func runWorkers(ctx context.Context, opts Options, n int, work func(ctx context.
 	var pw sync.WaitGroup
 	pw.Go(func() { progress(opts, &ops, stop) })
 	defer func() { close(stop); pw.Wait() }()
-	all := &latencies{}
+	// The window includes the workers' connecting, which is negligible
+	// next to a run's work (a connection or an etcd session per worker).
+	all := &latencies{cpu: startCPU(opts.ServerCPU)}
 	var wg sync.WaitGroup
 	errs := make(chan error, n)
 	start := time.Now()
@@ -116,6 +219,7 @@ func runWorkers(ctx context.Context, opts Options, n int, work func(ctx context.
 	}
 	wg.Wait()
 	elapsed := time.Since(start)
+	all.cpu.stop()
 	close(errs)
 	return all, elapsed, <-errs
 }

@@ -70,11 +70,16 @@ func TestCompare(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer stopEtcd()
+	// Each server's CPU as dlock bench reads it: Redis's INFO cpu, etcd's
+	// /metrics.
+	ropts, eopts := opts, opts
+	ropts.ServerCPU = RedisCPU(addr)
+	eopts.ServerCPU = MetricsCPU(ep, Options{}.Dialer)
 	for name, run := range map[string]func() (Result, error){
-		"redis pairs":   func() (Result, error) { return RedisPairs(ctx, addr, opts) },
-		"redis handoff": func() (Result, error) { return RedisHandoff(ctx, addr, opts) },
-		"etcd pairs":    func() (Result, error) { return EtcdPairs(ctx, ep, opts) },
-		"etcd handoff":  func() (Result, error) { return EtcdHandoff(ctx, ep, opts) },
+		"redis pairs":   func() (Result, error) { return RedisPairs(ctx, addr, ropts) },
+		"redis handoff": func() (Result, error) { return RedisHandoff(ctx, addr, ropts) },
+		"etcd pairs":    func() (Result, error) { return EtcdPairs(ctx, ep, eopts) },
+		"etcd handoff":  func() (Result, error) { return EtcdHandoff(ctx, ep, eopts) },
 	} {
 		r, err := run()
 		if err != nil {
@@ -82,6 +87,9 @@ func TestCompare(t *testing.T) {
 		}
 		if r.Ops == 0 {
 			t.Fatalf("%s: no operations", name)
+		}
+		if r.ServerCPUPerOp <= 0 {
+			t.Fatalf("%s: no server CPU read: %+v", name, r)
 		}
 	}
 }

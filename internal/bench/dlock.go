@@ -122,11 +122,13 @@ func awaitGrant(s *rawhttp.Stream, node string) error {
 
 // Fanout: N waiters, each with its own session, queued on one key; the
 // holder succeeds. One op is one waiter told, timed from the holder's unlock
-// being sent; the p100 (max) is when the last waiter knew.
+// being sent; the p100 (max) is when the last waiter knew. The result's
+// Frame is the operation_completed event as the first waiter's stream
+// carried it, for Floor.
 func Fanout(ctx context.Context, base string, opts Options) (Result, error) {
 	n := opts.Waiters
 	id := runID()
-	streams := make([]*rawhttp.Stream, n)
+	streams := make([]eventStream, n)
 	defer func() {
 		for _, s := range streams {
 			if s != nil {
@@ -135,8 +137,18 @@ func Fanout(ctx context.Context, base string, opts Options) (Result, error) {
 		}
 	}()
 	if err := parallel(min(64, n), n, func(i int) error {
-		s, err := opts.Dialer.Subscribe(base, fmt.Sprintf("f%s-%d", id, i))
-		streams[i] = s
+		node := fmt.Sprintf("f%s-%d", id, i)
+		if i == 0 {
+			s, err := subscribeFrames(opts.Dialer, base, node)
+			if s != nil {
+				streams[i] = s
+			}
+			return err
+		}
+		s, err := opts.Dialer.Subscribe(base, node)
+		if s != nil {
+			streams[i] = s
+		}
 		return err
 	}); err != nil {
 		return Result{}, fmt.Errorf("opening %d streams: %w", n, err)
@@ -151,12 +163,15 @@ func Fanout(ctx context.Context, base string, opts Options) (Result, error) {
 		conns[i] = c
 	}
 	lat := &latencies{}
+	// The server's CPU is counted from the unlock to the last waiter
+	// told, not while the waiters queue: the events' cost.
+	cpu := &cpuWindow{probe: opts.ServerCPU}
 	deadline := time.Now().Add(opts.Duration)
 	var elapsed time.Duration
-	rounds := 0
-	for rounds == 0 || (time.Now().Before(deadline) && ctx.Err() == nil) {
-		rounds++
-		key := fmt.Sprintf("bench-fanout-%s-%d", id, rounds)
+	var roundMax []time.Duration
+	for len(roundMax) == 0 || (time.Now().Before(deadline) && ctx.Err() == nil) {
+		round := len(roundMax) + 1
+		key := fmt.Sprintf("bench-fanout-%s-%d", id, round)
 		holder := fmt.Appendf(nil, `{"type":"pull","resource_id":"%s","node_id":"holder-%s"}`, key, id)
 		if st, err := conns[0].Post("/lock", holder); err != nil || st != 200 {
 			return Result{}, fmt.Errorf("holder lock: %d %v", st, err)
@@ -185,6 +200,7 @@ func Fanout(ctx context.Context, base string, opts Options) (Result, error) {
 		if err := <-errs; err != nil {
 			return Result{}, err
 		}
+		cpu.restart()
 		told := make([]time.Duration, n)
 		var rw sync.WaitGroup
 		var t0 time.Time
@@ -212,19 +228,37 @@ func Fanout(ctx context.Context, base string, opts Options) (Result, error) {
 			return Result{}, fmt.Errorf("holder unlock: %d %v", st, err)
 		}
 		rw.Wait()
+		cpu.stop()
 		if slices.Contains(told, -1) {
 			return Result{}, fmt.Errorf("a waiter's stream broke")
 		}
+		roundMax = append(roundMax, slices.Max(told))
 		elapsed += slices.Max(told)
 		lat.add(told)
 		if opts.Progress != nil {
-			opts.Progress(int64(rounds * n))
+			opts.Progress(int64(round * n))
 		}
 	}
 	r := lat.result("fanout", "dlock", "waiter told", n, elapsed)
 	r.Rate = float64(r.Ops) / elapsed.Seconds()
-	r.Note = strconv.Itoa(rounds) + " rounds of " + strconv.Itoa(n) + " waiters; max = all told"
+	r.Rounds, r.RoundMedian = len(roundMax), median(roundMax)
+	r.Frame = slices.Clone(streams[0].(*frameStream).frame)
+	r.Note = strconv.Itoa(r.Rounds) + " rounds of " + strconv.Itoa(n) + " waiters; max = all told"
+	cpu.report(&r)
 	return r, nil
+}
+
+// median is the median of the durations, in µs.
+func median(d []time.Duration) float64 {
+	if len(d) == 0 {
+		return 0
+	}
+	s := slices.Sorted(slices.Values(d))
+	m := s[len(s)/2]
+	if len(s)%2 == 0 {
+		m = (s[len(s)/2-1] + m) / 2
+	}
+	return float64(m.Nanoseconds()) / 1e3
 }
 
 // Sessions: open a session stream, read its subscribed event, close it.

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"os/exec"
@@ -53,8 +54,19 @@ func (rc *redisConn) do(args ...string) (string, error) {
 	switch line[0] {
 	case '+', ':':
 		return line[1 : len(line)-2], nil
-	case '$': // bulk: only nil ($-1) is expected here
-		return "", nil
+	case '$': // bulk: nil ($-1), or INFO's text
+		n, err := strconv.Atoi(line[1 : len(line)-2])
+		if err != nil {
+			return "", fmt.Errorf("unexpected redis answer %q", line)
+		}
+		if n < 0 {
+			return "", nil
+		}
+		b := make([]byte, n+2)
+		if _, err := io.ReadFull(rc.r, b); err != nil {
+			return "", err
+		}
+		return string(b[:n]), nil
 	case '-':
 		return "", errors.New(line[1 : len(line)-2])
 	}

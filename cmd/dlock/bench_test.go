@@ -1,0 +1,169 @@
+package main
+
+import (
+	"encoding/json"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/dlock/dlock/internal/bench"
+	"github.com/dlock/dlock/internal/dlocktest"
+)
+
+// freshServer runs the real binary on a loopback port, answering, and
+// stop ends it: the port refuses connections after.
+func TestFreshServer(t *testing.T) {
+	// A DLOCK_ setting of the bench's environment is not the fresh
+	// server's: with this one it would not start.
+	t.Setenv("DLOCK_TOKEN_FILE", "/nonexistent/tokens")
+	start := freshServer(dlockBinary(t), freshServerFlags(10, 10), io.Discard)
+	base, stop, err := start(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	u, err := url.Parse(base)
+	if err != nil || u.Hostname() != "127.0.0.1" {
+		t.Fatalf("fresh server at %q: %v; want 127.0.0.1", base, err)
+	}
+	resp, err := http.Post(base+"/lock", "application/json", strings.NewReader(`{"type":"pull","resource_id":"r","node_id":"a"}`))
+	if err != nil {
+		stop()
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 200 {
+		stop()
+		t.Fatalf("lock on the fresh server: %s", resp.Status)
+	}
+	if rss, err := bench.ServerRSS(base, bench.Options{}.Dialer); err != nil || rss <= 0 {
+		stop()
+		t.Fatalf("fresh server's RSS: %v %v", rss, err)
+	}
+	http.DefaultClient.CloseIdleConnections()
+	stop()
+	if c, err := net.Dial("tcp", u.Host); err == nil {
+		c.Close()
+		t.Fatalf("%s still accepts connections after stop", u.Host)
+	}
+	// A second one is another process, on its own port, empty.
+	base2, stop2, err := start(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stop2()
+	resp, err = http.Get(base2 + "/status?type=pull&resource_id=r")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var st struct{ State string }
+	json.NewDecoder(resp.Body).Decode(&st)
+	resp.Body.Close()
+	if st.State == "held" {
+		t.Fatalf("the second fresh server %s holds the first one's lock", base2)
+	}
+}
+
+func TestFreshServerFlags(t *testing.T) {
+	if f := freshServerFlags(10000+100, 100000); len(f) != 0 {
+		t.Errorf("the defaults allow 10,100 sessions and 100,000 keys, yet flags %q", f)
+	}
+	f := freshServerFlags(500000, 5000000)
+	if !slices.Equal(f, []string{"--max-sessions", "500064", "--max-keys", "5000064"}) {
+		t.Errorf("flags for 500,000 sessions and 5,000,000 keys: %q", f)
+	}
+}
+
+// useBinary makes the test's dlock bench run the built binary as its
+// fresh servers and floor writers, not the test binary.
+func useBinary(t *testing.T) {
+	bin := dlockBinary(t)
+	old := benchServerBinary
+	benchServerBinary = func() (string, error) { return bin, nil }
+	t.Cleanup(func() { benchServerBinary = old })
+}
+
+// dlock bench --scenario memory: three fresh servers, three results.
+func TestBenchMemory(t *testing.T) {
+	useBinary(t)
+	out, errOut, st := inProcess(t, nil, "bench", "--scenario", "memory", "--held", "300", "--held-nodes", "3", "--sessions", "30", "--concurrency", "4", "--json")
+	var res struct {
+		Results []bench.Result
+	}
+	if st != 0 || json.Unmarshal([]byte(out), &res) != nil {
+		t.Fatalf("bench memory: %d %q %q", st, out, errOut)
+	}
+	var got []string
+	for _, r := range res.Results {
+		got = append(got, r.Scenario)
+		if r.RSSMiB <= 0 || r.EmptyRSSMiB <= 0 || r.Note == "" {
+			t.Errorf("%s: %+v", r.Scenario, r)
+		}
+	}
+	if !slices.Equal(got, []string{"idle-sessions", "held-session", "held-ttl"}) {
+		t.Fatalf("memory results %q", got)
+	}
+}
+
+// dlock bench --scenario fanout: the floor comes with it, written by a
+// dlock process, and the ratios.
+func TestBenchFanoutFloor(t *testing.T) {
+	useBinary(t)
+	srv := dlocktest.Start(t, dlocktest.Options{})
+	out, errOut, st := inProcess(t, nil, "bench", "--server", srv.URL(), "--scenario", "fanout", "--waiters", "20", "--duration", "100ms", "--json")
+	var res struct {
+		Results []bench.Result
+		Ratios  map[string]float64
+	}
+	if st != 0 || json.Unmarshal([]byte(out), &res) != nil || len(res.Results) != 2 {
+		t.Fatalf("bench fanout: %d %q %q", st, out, errOut)
+	}
+	d, f := res.Results[0], res.Results[1]
+	if d.Scenario != "fanout" || f.Scenario != "fanout-floor" || f.Rounds != max(d.Rounds, 5) || f.Ops != int64(20*f.Rounds) {
+		t.Fatalf("fanout and floor: %+v %+v", d, f)
+	}
+	if d.ServerCPUPerOp <= 0 {
+		t.Errorf("fanout: no server CPU read: %+v", d)
+	}
+	for _, k := range []string{"fanout max dlock/floor", "fanout median round dlock/floor"} {
+		if res.Ratios[k] <= 0 {
+			t.Errorf("no ratio %q: %v", k, res.Ratios)
+		}
+	}
+	out, _, st = inProcess(t, nil, "bench", "--server", srv.URL(), "--scenario", "fanout", "--waiters", "5", "--duration", "10ms", "--markdown")
+	if st != 0 || !strings.Contains(out, "| fanout-floor | loopback | 5 |") || !strings.Contains(out, "- fanout max dlock/floor = ") || !strings.Contains(out, "server CPU/op") {
+		t.Fatalf("markdown: %q", out)
+	}
+}
+
+func TestBenchRatios(t *testing.T) {
+	results := []bench.Result{
+		{Scenario: "pairs", System: "dlock", Rate: 20000, ServerCPUPerOp: 40, Unit: "lock+unlock"},
+		{Scenario: "fanout", System: "dlock", Max: 150000, RoundMedian: 90000, Unit: "waiter told"},
+		{Scenario: "fanout-floor", System: "loopback", Max: 50000, RoundMedian: 60000},
+		{Scenario: "pairs", System: "redis", Rate: 10000, ServerCPUPerOp: 10, Unit: "lock+unlock"},
+		{Scenario: "pairs", System: "etcd", Rate: 1000, Unit: "lock+unlock"},
+	}
+	want := map[string]float64{
+		"pairs dlock/redis":               2,
+		"pairs dlock/etcd":                20,
+		"pairs server CPU/op dlock/redis": 4,
+		"fanout max dlock/floor":          3,
+		"fanout median round dlock/floor": 1.5,
+	}
+	got := benchRatios(results)
+	if len(got) != len(want) {
+		t.Errorf("ratios %v, want %v", got, want)
+	}
+	for k, v := range want {
+		if got[k] != v {
+			t.Errorf("%s = %v, want %v", k, got[k], v)
+		}
+	}
+	if l := cpuLines(results); !slices.Equal(l, []string{"pairs server CPU per lock+unlock: dlock 40.0µs, redis 10.0µs"}) {
+		t.Errorf("CPU lines %q", l)
+	}
+}
