@@ -50,7 +50,7 @@ client (flags: --server, --node, --type, --resource, --human, and the credential
   refcount   show, --add or --release a resource's references
   run        run a command under a lock: dlock run --resource R -- CMD [ARGS...]
 
-  bench      load generator: dlock bench [--scenario pairs,handoff,fanout,sessions]
+  bench      load generator: dlock bench [--scenario pairs,handoff,fanout,sessions,memory]
              [--compare redis,etcd] [--json]
 
 'dlock <command> -h' lists a command's flags.
