@@ -73,7 +73,7 @@ func NewMemory(ctx context.Context, cfg Config) (*Memory, error) {
 		m.recordCap = max(1, cfg.CompletedMax/cfg.Shards)
 	}
 	for i := range m.shards {
-		m.shards[i] = &shard{m: m, res: make(map[string]*resKeys), tokenFloor: floor - 1}
+		m.shards[i] = &shard{m: m, res: make(map[string]*keyState), tokenFloor: floor - 1}
 		if cfg.RefStore != nil {
 			m.shards[i].refs = make(map[string]*refState)
 		}
@@ -199,13 +199,13 @@ func (m *Memory) TryLock(ctx context.Context, req LockRequest) (LockResult, erro
 			s.commit(ctx, t)
 			return res, nil
 		}
-		if e := ks.queued[req.Node]; e != nil {
+		if e := ks.waiter(req.Node); e != nil {
 			if err := s.renew(&t, e, req.Lease); err != nil {
 				s.mu.Unlock()
 				return LockResult{}, err
 			}
 			s.reschedule(e)
-			res := LockResult{Queued: true, Holder: ks.holder.node, Position: ks.position(e)}
+			res := LockResult{Queued: true, Holder: ks.holder.node, Position: ks.wq.position(e)}
 			s.commit(ctx, t)
 			return res, nil
 		}
@@ -234,7 +234,7 @@ func (m *Memory) TryLock(ctx context.Context, req LockRequest) (LockResult, erro
 			m.refusedKeys.Add(1)
 			return LockResult{}, fmt.Errorf("%w: %d keys have state, at most %d are allowed", ErrTooManyKeys, m.keys.Load(), max)
 		}
-		ks = &keyState{key: k, lastToken: s.tokenFloor}
+		ks = &keyState{res: k.Resource, typ: k.Type, lastToken: s.tokenFloor}
 	} else if max := m.cfg.MaxQueue; ks.holder != nil && max > 0 && ks.qlen() >= max {
 		n := ks.qlen()
 		s.mu.Unlock()
@@ -317,8 +317,8 @@ func (m *Memory) Cancel(ctx context.Context, t Type, resource, node string) (Can
 	case ks.holder != nil && ks.holder.node == node:
 		s.release(&tx, ks, false, "cancelled", false)
 		res.Released = true
-	case ks.queued[node] != nil:
-		s.dequeue(ks, ks.queued[node])
+	case ks.waiter(node) != nil:
+		s.dequeue(ks, ks.waiter(node))
 		res.Dequeued = true
 	}
 	err := s.commit(ctx, tx)
@@ -361,8 +361,8 @@ func (m *Memory) Status(ctx context.Context, t Type, resource, node string) (Sta
 			s.reschedule(h)
 		}
 	}
-	if e := ks.queued[node]; e != nil {
-		st.Position = ks.position(e)
+	if e := ks.waiter(node); e != nil {
+		st.Position = ks.wq.position(e)
 		if e.lease == LeaseTTL {
 			e.ttlAt = now.add(m.cfg.LockTTL)
 			s.reschedule(e)
@@ -451,7 +451,7 @@ func (m *Memory) attach(e *entry, want Lease) error {
 		s.startGrace(m)
 	}
 	s.mu.Lock()
-	s.keys[e.ks.key] = struct{}{}
+	s.keys[e.ks.key()] = struct{}{}
 	s.mu.Unlock()
 	m.sess.mu.Unlock()
 	e.lease, e.sess = LeaseSession, s
@@ -461,7 +461,7 @@ func (m *Memory) attach(e *entry, want Lease) error {
 func (m *Memory) detach(e *entry) {
 	if s := e.sess; s != nil {
 		s.mu.Lock()
-		delete(s.keys, e.ks.key)
+		delete(s.keys, e.ks.key())
 		s.mu.Unlock()
 		e.sess = nil
 	}

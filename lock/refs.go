@@ -145,8 +145,8 @@ func (s *shard) refConflict(k Key) error {
 // refsCompleted applies a successful pull or delete to the references: the
 // holder and every waiter it skipped now have the blob.
 func (s *shard) refsCompleted(t *txn, h *entry, waiters []*entry) {
-	res := h.ks.key.Resource
-	switch RefEffectOf(h.ks.key.Type, true) {
+	res := h.ks.res
+	switch RefEffectOf(h.ks.typ, true) {
 	case RefAddNode:
 		rs := s.refs[res]
 		if rs == nil {

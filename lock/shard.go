@@ -13,7 +13,7 @@ type shard struct {
 	m *Memory
 
 	mu      sync.Mutex
-	res     map[string]*resKeys // resource → its keys, one per type
+	res     map[string]*keyState // resource → its first key (keyState.sib)
 	nkeys   int
 	free    []*entry // released entries, reused to spare the hot path an allocation
 	leases  deadlineHeap
@@ -32,29 +32,51 @@ type shard struct {
 	opq []item // operator-only events waiting for the next commit (opfeed.go)
 }
 
-// resKeys holds the keys of one resource, indexed by Type: a map keyed by
-// the resource string alone is faster than one keyed by Key, and the
-// reference-count rules look at every type of a resource at once.
-type resKeys [Delete + 1]*keyState
-
+// key returns the state of k, nil when k has none.
 func (s *shard) key(k Key) *keyState {
-	if r := s.res[k.Resource]; r != nil {
-		return r[k.Type]
+	for ks := s.res[k.Resource]; ks != nil; ks = ks.sib {
+		if ks.typ == k.Type {
+			return ks
+		}
 	}
 	return nil
 }
 
+// addKey adds ks, which has no state in the shard, to the shard's keys.
 func (s *shard) addKey(ks *keyState) {
-	r := s.res[ks.key.Resource]
-	if r == nil {
-		r = new(resKeys)
-		s.res[ks.key.Resource] = r
+	if head := s.res[ks.res]; head != nil {
+		ks.res = head.res // one copy of the resource for all its keys
+		ks.sib, head.sib = head.sib, ks
+	} else {
+		ks.sib = nil
+		s.res[ks.res] = ks
 	}
-	if r[ks.key.Type] == nil {
-		s.nkeys++
-		s.m.keys.Add(1)
+	s.nkeys++
+	s.m.keys.Add(1)
+}
+
+// removeKey takes ks out of the shard's keys; false if it was not in them.
+func (s *shard) removeKey(ks *keyState) bool {
+	head := s.res[ks.res]
+	switch {
+	case head == ks && ks.sib != nil:
+		s.res[ks.res] = ks.sib
+	case head == ks:
+		delete(s.res, ks.res)
+	default:
+		p := head
+		for p != nil && p.sib != ks {
+			p = p.sib
+		}
+		if p == nil {
+			return false
+		}
+		p.sib = ks.sib
 	}
-	r[ks.key.Type] = ks
+	ks.sib = nil
+	s.nkeys--
+	s.m.keys.Add(-1)
+	return true
 }
 
 func (s *shard) newEntry(node string, ks *keyState) *entry {
@@ -77,25 +99,27 @@ func (s *shard) recycle(e *entry) {
 	}
 }
 
-// keyState is one key's holder, queue and retained completion record.
+// keyState is one key's holder, queue and retained completion record. A
+// held key that nobody waits for is the common case, and the struct is
+// laid out for it: what only waiters or completions need hangs off a
+// pointer that stays nil until then, and it takes 64 bytes
+// (docs/DESIGN.md, "How Memory keeps the rules").
 type keyState struct {
-	key    Key
-	holder *entry
-	// queue is the FIFO of waiters from qhead on. A waiter removed from the
-	// middle leaves a nil slot (qdead counts them) and the slots are
-	// compacted once they are half the slice, so that removing any waiter
-	// costs O(1) amortized: a mass session loss removes N waiters in O(N),
-	// not O(N²) (docs/DESIGN.md, "How Memory keeps the rules").
-	queue     []*entry
-	qhead     int
-	qdead     int
-	qwork     uint64            // queue slots visited to remove waiters or find positions: the tests' measure of cost
-	queued    map[string]*entry // node → its queue entry; nil while the queue is empty
-	lastToken uint64
-	hasRec    bool
-	rec       *record // allocated at the key's first completion: a held key needs none
-	inQueue   bool    // ks has an entry in the shard's record queue
+	res       string // the resource: the shard's map and every key of the resource share one copy
+	holder    *entry
+	wq        *waitQueue // allocated at the key's first waiter
+	lastToken uint64     // the last token issued: the holder's, while there is one
+	rec       *record    // allocated at the key's first completion: a held key needs none
+	// sib is the next key of the same resource: the shard's map holds the
+	// first, and the others (at most two) follow it, which costs a key
+	// one pointer instead of a per-resource array of three.
+	sib     *keyState
+	typ     Type
+	hasRec  bool
+	inQueue bool // ks has an entry in the shard's record queue
 }
+
+func (ks *keyState) key() Key { return Key{ks.typ, ks.res} }
 
 // record is a completion record and what the server needs to replay an
 // unlock whose answer was lost.
@@ -123,89 +147,119 @@ func (ks *keyState) replays(req UnlockRequest, now mono, retention time.Duration
 }
 
 // qlen is the number of waiters.
-func (ks *keyState) qlen() int { return len(ks.queue) - ks.qhead - ks.qdead }
-
-func (ks *keyState) qpush(e *entry) {
-	e.qidx = len(ks.queue)
-	ks.queue = append(ks.queue, e)
+func (ks *keyState) qlen() int {
+	if ks.wq == nil {
+		return 0
+	}
+	return ks.wq.len()
 }
 
-// qpop removes and returns the first waiter, nil when there is none.
-func (ks *keyState) qpop() *entry {
-	for ks.qhead < len(ks.queue) {
-		ks.qwork++
-		e := ks.queue[ks.qhead]
-		ks.queue[ks.qhead] = nil
-		ks.qhead++
+// waiter is node's queue entry, nil when node does not wait for ks.
+func (ks *keyState) waiter(node string) *entry {
+	if ks.wq == nil {
+		return nil
+	}
+	return ks.wq.byNode[node]
+}
+
+// waitQueue is a key's FIFO of waiters, q from head on. A waiter removed
+// from the middle leaves a nil slot (dead counts them) and the slots are
+// compacted once they are half the slice, so that removing any waiter
+// costs O(1) amortized: a mass session loss removes N waiters in O(N),
+// not O(N²) (docs/DESIGN.md, "How Memory keeps the rules"). It stays with
+// its key once allocated, so that a key handed from waiter to waiter
+// allocates nothing.
+type waitQueue struct {
+	q      []*entry
+	head   int
+	dead   int
+	work   uint64            // queue slots visited to remove waiters or find positions: the tests' measure of cost
+	byNode map[string]*entry // node → its queue entry
+}
+
+func (q *waitQueue) len() int { return len(q.q) - q.head - q.dead }
+
+func (q *waitQueue) push(e *entry) {
+	e.qidx = len(q.q)
+	q.q = append(q.q, e)
+}
+
+// pop removes and returns the first waiter, nil when there is none.
+func (q *waitQueue) pop() *entry {
+	for q.head < len(q.q) {
+		q.work++
+		e := q.q[q.head]
+		q.q[q.head] = nil
+		q.head++
 		if e != nil {
-			ks.qsettle()
+			q.settle()
 			return e
 		}
-		ks.qdead--
+		q.dead--
 	}
-	ks.qsettle()
+	q.settle()
 	return nil
 }
 
-// qremove removes a waiter from anywhere in the queue in O(1) amortized.
-func (ks *keyState) qremove(e *entry) {
-	ks.queue[e.qidx] = nil
-	ks.qdead++
-	ks.qwork++
-	ks.qsettle()
+// remove removes a waiter from anywhere in the queue in O(1) amortized.
+func (q *waitQueue) remove(e *entry) {
+	q.q[e.qidx] = nil
+	q.dead++
+	q.work++
+	q.settle()
 }
 
-// qsettle trims nil slots at both ends, reuses the backing array once the
+// settle trims nil slots at both ends, reuses the backing array once the
 // queue is empty, and compacts a queue that is half holes.
-func (ks *keyState) qsettle() {
-	for ks.qhead < len(ks.queue) && ks.queue[ks.qhead] == nil {
-		ks.qhead++
-		ks.qdead--
-		ks.qwork++
+func (q *waitQueue) settle() {
+	for q.head < len(q.q) && q.q[q.head] == nil {
+		q.head++
+		q.dead--
+		q.work++
 	}
-	for n := len(ks.queue); n > ks.qhead && ks.queue[n-1] == nil; n-- {
-		ks.queue = ks.queue[:n-1]
-		ks.qdead--
-		ks.qwork++
+	for n := len(q.q); n > q.head && q.q[n-1] == nil; n-- {
+		q.q = q.q[:n-1]
+		q.dead--
+		q.work++
 	}
 	switch {
-	case ks.qhead == len(ks.queue):
-		if cap(ks.queue) > 4096 {
-			ks.queue = nil // let a burst's backing array go
+	case q.head == len(q.q):
+		if cap(q.q) > 4096 {
+			q.q = nil // let a burst's backing array go
 		} else {
-			ks.queue = ks.queue[:0]
+			q.q = q.q[:0]
 		}
-		ks.qhead = 0
-	case len(ks.queue) >= 64 && 2*(ks.qhead+ks.qdead) > len(ks.queue):
-		ks.qcompact()
+		q.head = 0
+	case len(q.q) >= 64 && 2*(q.head+q.dead) > len(q.q):
+		q.compact()
 	}
 }
 
-// qcompact moves the waiters to the front of the slice, in order.
-func (ks *keyState) qcompact() {
+// compact moves the waiters to the front of the slice, in order.
+func (q *waitQueue) compact() {
 	n := 0
-	ks.qwork += uint64(len(ks.queue) - ks.qhead)
-	for _, e := range ks.queue[ks.qhead:] {
+	q.work += uint64(len(q.q) - q.head)
+	for _, e := range q.q[q.head:] {
 		if e != nil {
 			e.qidx = n
-			ks.queue[n] = e
+			q.q[n] = e
 			n++
 		}
 	}
-	clear(ks.queue[n:])
-	ks.queue = ks.queue[:n]
-	ks.qhead, ks.qdead = 0, 0
+	clear(q.q[n:])
+	q.q = q.q[:n]
+	q.head, q.dead = 0, 0
 }
 
 // position is e's 1-based place in the queue: O(1) unless the queue has holes.
-func (ks *keyState) position(e *entry) int {
-	if ks.qdead == 0 {
-		return e.qidx - ks.qhead + 1
+func (q *waitQueue) position(e *entry) int {
+	if q.dead == 0 {
+		return e.qidx - q.head + 1
 	}
 	p := 1
-	ks.qwork += uint64(e.qidx - ks.qhead)
-	for _, q := range ks.queue[ks.qhead:e.qidx] {
-		if q != nil {
+	q.work += uint64(e.qidx - q.head)
+	for _, w := range q.q[q.head:e.qidx] {
+		if w != nil {
 			p++
 		}
 	}
@@ -226,7 +280,7 @@ type entry struct {
 	maxAt     mono // max_hold deadline; zero when unlimited
 	at        mono // earliest of the above: the entry's place in the heap
 	hidx      int  // index in the shard's heap, -1 when not in it
-	qidx      int  // index in ks.queue while queued
+	qidx      int  // index in ks.wq.q while queued
 }
 
 // txn collects what a transition must do after the shard mutex is released:
@@ -313,23 +367,23 @@ func (s *shard) grant(t *txn, ks *keyState, e *entry, handoff bool) {
 	}
 	if t.notify {
 		t.items = append(t.items, item{
-			ev:        &Event{Name: EventLockAssigned, Key: ks.key, Node: e.node, Token: token},
+			ev:        &Event{Name: EventLockAssigned, Key: ks.key(), Node: e.node, Token: token},
 			to:        []string{e.node},
 			observers: true,
 		})
 	}
-	s.logf(t, slog.LevelDebug, msg, ks.key, e.node, token, "")
+	s.logf(t, slog.LevelDebug, msg, ks.key(), e.node, token, "")
 }
 
 func (s *shard) enqueue(t *txn, ks *keyState, e *entry) {
 	if e.lease == LeaseTTL {
 		e.ttlAt = t.now.add(s.m.cfg.LockTTL)
 	}
-	ks.qpush(e)
-	if ks.queued == nil {
-		ks.queued = make(map[string]*entry)
+	if ks.wq == nil {
+		ks.wq = &waitQueue{byNode: make(map[string]*entry)}
 	}
-	ks.queued[e.node] = e
+	ks.wq.push(e)
+	ks.wq.byNode[e.node] = e
 	s.queued++
 	s.reschedule(e)
 	s.opJoined(t, ks, e.node)
@@ -337,14 +391,14 @@ func (s *shard) enqueue(t *txn, ks *keyState, e *entry) {
 
 // dequeue removes a waiter from anywhere in the queue.
 func (s *shard) dequeue(ks *keyState, e *entry) {
-	ks.qremove(e)
+	ks.wq.remove(e)
 	s.forget(ks, e)
 }
 
-// forget drops a waiter that is no longer in ks.queue.
+// forget drops a waiter that is no longer in ks's queue.
 func (s *shard) forget(ks *keyState, e *entry) {
 	s.opLeft(ks, e.node)
-	delete(ks.queued, e.node)
+	delete(ks.wq.byNode, e.node)
 	s.queued--
 	s.leases.remove(e)
 	s.m.detach(e)
@@ -408,16 +462,19 @@ func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUn
 	s.held--
 	s.leases.remove(h)
 	s.m.detach(h)
-	k := ks.key
+	k := ks.key()
 	next := ""
 	var done *Event
 	if t.notify {
 		done = &Event{Name: EventOperationCompleted, Key: k, Node: h.node, Success: success, Error: errMsg, CompletedAt: s.m.wall(t.now)}
 	}
 	if success && k.Type != Update {
-		ks.qcompact()
-		waiters := ks.queue
-		clear(ks.queued)
+		var waiters []*entry
+		if q := ks.wq; q != nil {
+			q.compact()
+			waiters = q.q
+			clear(q.byNode)
+		}
 		var to []string
 		if t.notify {
 			to = make([]string, 0, len(waiters))
@@ -436,8 +493,10 @@ func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUn
 		for _, w := range waiters {
 			s.recycle(w)
 		}
-		clear(waiters)
-		ks.queue = waiters[:0]
+		if q := ks.wq; q != nil {
+			clear(waiters)
+			q.q = waiters[:0]
+		}
 		// The opposite operation must never be skipped as "just done".
 		if k.Type == Delete {
 			s.eraseRecord(Key{Pull, k.Resource})
@@ -471,24 +530,27 @@ func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUn
 // now leaves the queue and is told why.
 func (s *shard) promote(t *txn, ks *keyState) string {
 	for {
-		e := ks.qpop()
+		if ks.wq == nil {
+			return ""
+		}
+		e := ks.wq.pop()
 		if e == nil {
 			return ""
 		}
-		if s.refs != nil && ks.key.Type != Pull {
-			if err := s.refConflict(ks.key); err != nil {
+		if s.refs != nil && ks.typ != Pull {
+			if err := s.refConflict(ks.key()); err != nil {
 				node := e.node
 				s.forget(ks, e)
 				if t.notify {
 					t.items = append(t.items, item{
-						ev: &Event{Name: EventOperationCompleted, Key: ks.key, Node: node, Error: "in_use", CompletedAt: s.m.wall(t.now)},
+						ev: &Event{Name: EventOperationCompleted, Key: ks.key(), Node: node, Error: "in_use", CompletedAt: s.m.wall(t.now)},
 						to: []string{node},
 					})
 				}
 				continue
 			}
 		}
-		delete(ks.queued, e.node)
+		delete(ks.wq.byNode, e.node)
 		s.queued--
 		s.grant(t, ks, e, true)
 		return e.node
@@ -512,7 +574,7 @@ func (s *shard) expire() {
 			ks := e.ks
 			s.expiries++
 			if ks.holder != e {
-				s.logf(&t, slog.LevelInfo, "queue entry expired", ks.key, e.node, 0, "lock expired")
+				s.logf(&t, slog.LevelInfo, "queue entry expired", ks.key(), e.node, 0, "lock expired")
 				s.dequeue(ks, e)
 				continue
 			}
@@ -523,7 +585,7 @@ func (s *shard) expire() {
 			case e.claimAt != 0 && e.claimAt <= t.now:
 				why = "not claimed"
 			}
-			s.logf(&t, slog.LevelInfo, "hold expired", ks.key, e.node, e.token, why)
+			s.logf(&t, slog.LevelInfo, "hold expired", ks.key(), e.node, e.token, why)
 			s.release(&t, ks, false, why, false)
 		}
 		more = len(s.leases) > 0 && s.leases[0].at <= t.now
@@ -549,7 +611,7 @@ func (s *shard) dropSessions(drops []sessionDrop) {
 				switch {
 				case ks == nil:
 				case !holds:
-					if e := ks.queued[d.sess.node]; e != nil && e.sess == d.sess {
+					if e := ks.waiter(d.sess.node); e != nil && e.sess == d.sess {
 						s.dequeue(ks, e)
 					}
 				case ks.holder != nil && ks.holder.sess == d.sess:
@@ -580,7 +642,7 @@ func (s *shard) record(ks *keyState, r record) {
 	}
 	ks.hasRec, *ks.rec = true, r
 	// A refused waiter may have let maybeDrop forget ks in this transition.
-	if s.key(ks.key) == nil {
+	if s.key(ks.key()) == nil {
 		s.addKey(ks)
 	}
 	q := &s.records
@@ -619,16 +681,8 @@ func (s *shard) eraseRecord(k Key) {
 // "Fencing tokens").
 func (s *shard) maybeDrop(ks *keyState) {
 	if ks.holder == nil && ks.qlen() == 0 && !ks.hasRec {
-		r := s.res[ks.key.Resource]
-		if r == nil || r[ks.key.Type] != ks {
-			return
-		}
-		s.forgetToken(ks)
-		r[ks.key.Type] = nil
-		s.nkeys--
-		s.m.keys.Add(-1)
-		if *r == (resKeys{}) {
-			delete(s.res, ks.key.Resource)
+		if s.removeKey(ks) {
+			s.forgetToken(ks)
 		}
 	}
 }

@@ -1,0 +1,86 @@
+package lock
+
+import (
+	"fmt"
+	"testing"
+	"unsafe"
+)
+
+// Tests of the compact structures of docs/DESIGN.md ("How Memory keeps
+// the rules"): each fails if its structure loses or keeps the wrong thing.
+
+// checkKeys checks a shard's map of keys: each resource's keys in one
+// chain, one per type, sharing the resource's one copy, counted in nkeys.
+func checkKeys(t *testing.T, m *Memory) {
+	t.Helper()
+	for i, s := range m.shards {
+		s.mu.Lock()
+		n := 0
+		for res, first := range s.res {
+			var seen [Delete + 1]bool
+			for ks := first; ks != nil; ks = ks.sib {
+				n++
+				if ks.res != res || unsafe.StringData(ks.res) != unsafe.StringData(first.res) {
+					t.Errorf("shard %d: key %v in the chain of %q, or not sharing its copy", i, ks.key(), res)
+				}
+				if seen[ks.typ] {
+					t.Errorf("shard %d: two %v keys of %q", i, ks.typ, res)
+				}
+				seen[ks.typ] = true
+				if ks.holder == nil && ks.qlen() == 0 && !ks.hasRec {
+					t.Errorf("shard %d: %v kept with nothing to say", i, ks.key())
+				}
+			}
+		}
+		if n != s.nkeys {
+			t.Errorf("shard %d: %d keys in the map, nkeys %d", i, n, s.nkeys)
+		}
+		s.mu.Unlock()
+	}
+}
+
+// TestKeysOfOneResource: the three keys of a resource share one map entry;
+// each is found, and each is forgotten alone, whatever the order, leaving
+// the others held (the first of the chain, the middle, the last).
+func TestKeysOfOneResource(t *testing.T) {
+	orders := [][3]Type{
+		{Pull, Update, Delete}, {Pull, Delete, Update}, {Update, Pull, Delete},
+		{Update, Delete, Pull}, {Delete, Pull, Update}, {Delete, Update, Pull},
+	}
+	for _, order := range orders {
+		t.Run(fmt.Sprint(order), func(t *testing.T) {
+			m := newMemory(t, func(c *Config) { c.CompletedMax = 0 }) // no records: a released key is forgotten
+			for round := range 2 {                                    // the second round makes the keys again
+				tokens := map[Type]uint64{}
+				for _, typ := range []Type{Pull, Update, Delete} {
+					node := typ.String() + "-node"
+					res := mustLock(t, m, LockRequest{Type: typ, Resource: "r", Node: node})
+					if !res.Acquired {
+						t.Fatalf("round %d: %v not acquired: %+v", round, typ, res)
+					}
+					tokens[typ] = res.Token
+				}
+				checkKeys(t, m)
+				for i, typ := range order {
+					mustUnlock(t, m, typ, "r", typ.String()+"-node", false)
+					checkKeys(t, m)
+					if st := status(t, m, typ, "r", ""); st.Held || st.Token != 0 {
+						t.Fatalf("round %d: %v still has state after its unlock: %+v", round, typ, st)
+					}
+					for _, other := range order[i+1:] {
+						st := status(t, m, other, "r", "")
+						if !st.Held || st.Holder != other.String()+"-node" || st.Token != tokens[other] {
+							t.Fatalf("round %d: after unlocking %v, %v is %+v, want held by its node with token %d", round, typ, other, st, tokens[other])
+						}
+					}
+				}
+				if st := m.Stats(); st.Keys != 0 {
+					t.Fatalf("round %d: %d keys left", round, st.Keys)
+				}
+				if n := len(m.shardFor("r").res); n != 0 {
+					t.Fatalf("round %d: the resource is still in the shard's map", round)
+				}
+			}
+		})
+	}
+}
