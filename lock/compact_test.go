@@ -3,6 +3,8 @@ package lock
 import (
 	"fmt"
 	"testing"
+	"testing/synctest"
+	"time"
 	"unsafe"
 )
 
@@ -83,4 +85,67 @@ func TestKeysOfOneResource(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestDerivedDeadlines: an entry keeps its ttl deadline alone; the claim
+// timeout and max hold are counted from its grant. A hand-off whose claim
+// timeout and max hold end together is reported as max hold (the
+// precedence of docs/DESIGN.md, "Leases"), a waiter is never held to the
+// max hold of a grant it has not had, and a confirmation ends only the
+// claim timeout.
+func TestDerivedDeadlines(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		m := newMemory(t, func(c *Config) {
+			c.ClaimTimeout, c.MaxHold, c.LockTTL = 5*time.Second, 5*time.Second, time.Hour
+		})
+		mustLock(t, m, lockReq(Pull, "r", "a"))
+		mustLock(t, m, lockReq(Pull, "r", "c"))
+		mustLock(t, m, lockReq(Pull, "r", "b")) // waits from 0 s to 8 s, beyond a max hold
+		time.Sleep(4 * time.Second)
+		mustUnlock(t, m, Pull, "r", "a", false) // c granted at 4 s
+		mustLock(t, m, lockReq(Pull, "r", "c")) // and confirms
+		time.Sleep(4 * time.Second)
+		synctest.Wait()
+		if st := status(t, m, Pull, "r", "b"); st.Holder != "c" || st.Position != 1 {
+			t.Fatalf("at 8 s: %+v, want c holding and b waiting", st)
+		}
+		mustUnlock(t, m, Pull, "r", "c", false) // b granted at 8 s, unconfirmed
+		time.Sleep(4 * time.Second)
+		synctest.Wait()
+		if st := status(t, m, Pull, "r", ""); st.Holder != "b" {
+			t.Fatalf("at 12 s: %+v, want b holding: its bounds run from its grant at 8 s", st)
+		}
+		time.Sleep(2 * time.Second)
+		synctest.Wait()
+		st := status(t, m, Pull, "r", "")
+		if st.Held || st.LastCompleted == nil || st.LastCompleted.Node != "b" || st.LastCompleted.Error != "max hold exceeded" {
+			t.Fatalf("claim timeout and max hold together: %+v %+v, want max hold exceeded", st, st.LastCompleted)
+		}
+
+		// A confirmed hand-off is held to its max hold only.
+		m2 := newMemory(t, func(c *Config) {
+			c.ClaimTimeout, c.MaxHold, c.LockTTL = 2*time.Second, 10*time.Second, time.Hour
+		})
+		mustLock(t, m2, lockReq(Pull, "r", "a"))
+		mustLock(t, m2, lockReq(Pull, "r", "b"))
+		mustUnlock(t, m2, Pull, "r", "a", false)
+		if v := inspect(t, m2, KeyQuery{}).Keys; len(v) != 1 || !v[0].Unclaimed {
+			t.Fatalf("hand-off not shown unclaimed: %+v", v)
+		}
+		time.Sleep(time.Second)
+		mustLock(t, m2, lockReq(Pull, "r", "b")) // confirms
+		if v := inspect(t, m2, KeyQuery{}).Keys; len(v) != 1 || v[0].Unclaimed {
+			t.Fatalf("confirmed hand-off shown unclaimed: %+v", v)
+		}
+		time.Sleep(8 * time.Second)
+		synctest.Wait()
+		if st := status(t, m2, Pull, "r", ""); st.Holder != "b" {
+			t.Fatalf("at 9 s, confirmed at 1 s: %+v, want b holding", st)
+		}
+		time.Sleep(2 * time.Second)
+		synctest.Wait()
+		if st := status(t, m2, Pull, "r", ""); st.Held || st.LastCompleted.Error != "max hold exceeded" {
+			t.Fatalf("at 11 s: %+v %+v, want max hold exceeded", st, st.LastCompleted)
+		}
+	})
 }

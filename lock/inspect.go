@@ -223,7 +223,7 @@ func (ks *keyState) hasNode(node string) bool {
 func (m *Memory) keyView(ks *keyState, now mono) KeyView {
 	v := KeyView{Key: ks.key(), QueueLength: ks.qlen()}
 	if h := ks.holder; h != nil {
-		v.Holder, v.Token, v.Lease, v.AcquiredAt, v.Unclaimed = h.node, h.token, h.lease, m.wall(h.grantedAt), h.claimAt != 0
+		v.Holder, v.Token, v.Lease, v.AcquiredAt, v.Unclaimed = h.node, ks.lastToken, h.lease, m.wall(h.grantedAt), h.unclaimed
 	}
 	if v.QueueLength > 0 {
 		v.Queue = make([]Waiter, 0, min(v.QueueLength, QueueShown))

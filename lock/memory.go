@@ -193,9 +193,9 @@ func (m *Memory) TryLock(ctx context.Context, req LockRequest) (LockResult, erro
 				s.mu.Unlock()
 				return LockResult{}, err
 			}
-			h.claimAt = 0
+			h.unclaimed = false
 			s.reschedule(h)
-			res := LockResult{Acquired: true, Token: h.token, Holder: h.node}
+			res := LockResult{Acquired: true, Token: ks.lastToken, Holder: h.node}
 			s.commit(ctx, t)
 			return res, nil
 		}
@@ -253,7 +253,7 @@ func (m *Memory) TryLock(ctx context.Context, req LockRequest) (LockResult, erro
 	var res LockResult
 	if ks.holder == nil {
 		s.grant(&t, ks, e, false)
-		res = LockResult{Acquired: true, Token: e.token, Holder: e.node}
+		res = LockResult{Acquired: true, Token: ks.lastToken, Holder: e.node}
 	} else {
 		s.enqueue(&t, ks, e)
 		res = LockResult{Queued: true, Holder: ks.holder.node, Position: ks.qlen()}
@@ -285,9 +285,9 @@ func (m *Memory) Unlock(ctx context.Context, req UnlockRequest) (UnlockResult, e
 		s.mu.Unlock()
 		return UnlockResult{}, ErrNotHolder
 	}
-	if req.Token != 0 && req.Token != ks.holder.token {
+	if req.Token != 0 && req.Token != ks.lastToken {
 		s.mu.Unlock()
-		return UnlockResult{}, fmt.Errorf("%w: sent %d, current grant is %d", ErrStaleToken, req.Token, ks.holder.token)
+		return UnlockResult{}, fmt.Errorf("%w: sent %d, current grant is %d", ErrStaleToken, req.Token, ks.lastToken)
 	}
 	errMsg, cut := truncateError(req.Error)
 	if cut {

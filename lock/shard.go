@@ -180,7 +180,7 @@ type waitQueue struct {
 func (q *waitQueue) len() int { return len(q.q) - q.head - q.dead }
 
 func (q *waitQueue) push(e *entry) {
-	e.qidx = len(q.q)
+	e.qidx = int32(len(q.q))
 	q.q = append(q.q, e)
 }
 
@@ -241,7 +241,7 @@ func (q *waitQueue) compact() {
 	q.work += uint64(len(q.q) - q.head)
 	for _, e := range q.q[q.head:] {
 		if e != nil {
-			e.qidx = n
+			e.qidx = int32(n)
 			q.q[n] = e
 			n++
 		}
@@ -254,10 +254,10 @@ func (q *waitQueue) compact() {
 // position is e's 1-based place in the queue: O(1) unless the queue has holes.
 func (q *waitQueue) position(e *entry) int {
 	if q.dead == 0 {
-		return e.qidx - q.head + 1
+		return int(e.qidx) - q.head + 1
 	}
 	p := 1
-	q.work += uint64(e.qidx - q.head)
+	q.work += uint64(int(e.qidx) - q.head)
 	for _, w := range q.q[q.head:e.qidx] {
 		if w != nil {
 			p++
@@ -267,20 +267,47 @@ func (q *waitQueue) position(e *entry) int {
 }
 
 // entry is a holder or a queue entry: a queue entry becomes the holder on a
-// hand-off, keeping its lease.
+// hand-off, keeping its lease. It keeps only what cannot be derived: the
+// holder's token is its key's last token, and the claim and max-hold
+// deadlines are fixed offsets from the grant (docs/DESIGN.md, "How Memory
+// keeps the rules").
 type entry struct {
 	node      string
 	ks        *keyState
-	lease     Lease    // LeaseSession or LeaseTTL once attached
 	sess      *session // the session that keeps a LeaseSession entry alive
-	token     uint64
 	grantedAt mono
 	ttlAt     mono // ttl lease deadline; zero for a session lease
-	claimAt   mono // hand-off must be confirmed by then; zero once confirmed
-	maxAt     mono // max_hold deadline; zero when unlimited
-	at        mono // earliest of the above: the entry's place in the heap
-	hidx      int  // index in the shard's heap, -1 when not in it
-	qidx      int  // index in ks.wq.q while queued
+	at        mono // earliest deadline (deadline): the entry's place in the heap
+	// hidx and qidx index the shard's heap and the key's queue: int32
+	// bounds each at 2³¹ entries, 160 GiB of them.
+	hidx      int32 // -1 when not in the heap
+	qidx      int32 // while queued
+	lease     Lease // LeaseSession or LeaseTTL once attached
+	unclaimed bool  // a hand-off grant its holder has not confirmed: the claim timeout runs
+}
+
+// deadline is e's earliest deadline, zero when it has none: its ttl lease,
+// and for a holder the claim timeout (while unclaimed) and max hold, both
+// counted from the grant.
+func (e *entry) deadline(cfg *Config) mono {
+	at := e.ttlAt
+	if e.ks.holder == e {
+		if e.unclaimed {
+			at = earliest(at, e.grantedAt.add(cfg.ClaimTimeout))
+		}
+		if cfg.MaxHold > 0 {
+			at = earliest(at, e.grantedAt.add(cfg.MaxHold))
+		}
+	}
+	return at
+}
+
+// earliest is the earlier of two deadlines, where zero means none.
+func earliest(a, b mono) mono {
+	if a == 0 || b < a {
+		return b
+	}
+	return a
 }
 
 // txn collects what a transition must do after the shard mutex is released:
@@ -345,15 +372,8 @@ func (s *shard) grant(t *txn, ks *keyState, e *entry, handoff bool) {
 	token := s.nextToken(ks, t.now)
 	ks.lastToken = token
 	ks.holder = e
-	e.token = token
 	e.grantedAt = t.now
-	e.claimAt, e.maxAt = 0, 0
-	if handoff && cfg.ClaimTimeout > 0 {
-		e.claimAt = t.now.add(cfg.ClaimTimeout)
-	}
-	if cfg.MaxHold > 0 {
-		e.maxAt = t.now.add(cfg.MaxHold)
-	}
+	e.unclaimed = handoff && cfg.ClaimTimeout > 0
 	if e.lease == LeaseTTL {
 		e.ttlAt = t.now.add(cfg.LockTTL)
 	}
@@ -430,12 +450,7 @@ func (s *shard) renew(t *txn, e *entry, want Lease) error {
 // reschedule puts e in the heap at its earliest deadline and arms the timer
 // if that deadline comes before the timer fires.
 func (s *shard) reschedule(e *entry) {
-	at := e.ttlAt
-	for _, d := range [...]mono{e.claimAt, e.maxAt} {
-		if d != 0 && (at == 0 || d < at) {
-			at = d
-		}
-	}
+	at := e.deadline(&s.m.cfg)
 	s.leases.set(e, at)
 	if at != 0 && (s.timerAt == 0 || at < s.timerAt) {
 		s.arm(at)
@@ -457,7 +472,7 @@ func (s *shard) arm(at mono) {
 // (docs/DESIGN.md, "Unlock").
 // It returns the node the key went to, "" if it became free.
 func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUnlock bool) string {
-	h := ks.holder
+	h, token := ks.holder, ks.lastToken // a hand-off below issues the next token
 	ks.holder = nil
 	s.held--
 	s.leases.remove(h)
@@ -515,7 +530,7 @@ func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUn
 		}
 	}
 	s.record(ks, record{
-		Completion: Completion{Node: h.node, Token: h.token, Success: success, Error: errMsg, CompletedAt: s.m.wall(t.now)},
+		Completion: Completion{Node: h.node, Token: token, Success: success, Error: errMsg, CompletedAt: s.m.wall(t.now)},
 		at:         t.now,
 		viaUnlock:  viaUnlock,
 		next:       next,
@@ -579,13 +594,13 @@ func (s *shard) expire() {
 				continue
 			}
 			why := "lock expired"
-			switch {
-			case e.maxAt != 0 && e.maxAt <= t.now:
+			switch cfg := &m.cfg; {
+			case cfg.MaxHold > 0 && e.grantedAt.add(cfg.MaxHold) <= t.now:
 				why = "max hold exceeded"
-			case e.claimAt != 0 && e.claimAt <= t.now:
+			case e.unclaimed && e.grantedAt.add(cfg.ClaimTimeout) <= t.now:
 				why = "not claimed"
 			}
-			s.logf(&t, slog.LevelInfo, "hold expired", ks.key(), e.node, e.token, why)
+			s.logf(&t, slog.LevelInfo, "hold expired", ks.key(), e.node, ks.lastToken, why)
 			s.release(&t, ks, false, why, false)
 		}
 		more = len(s.leases) > 0 && s.leases[0].at <= t.now
@@ -616,7 +631,7 @@ func (s *shard) dropSessions(drops []sessionDrop) {
 					}
 				case ks.holder != nil && ks.holder.sess == d.sess:
 					h := ks.holder
-					s.logf(&t, slog.LevelInfo, "session lost", d.key, h.node, h.token, "session lost")
+					s.logf(&t, slog.LevelInfo, "session lost", d.key, h.node, ks.lastToken, "session lost")
 					s.release(&t, ks, false, "session lost", false)
 				}
 			}
