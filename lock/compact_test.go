@@ -2,6 +2,8 @@ package lock
 
 import (
 	"fmt"
+	"slices"
+	"strings"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -148,4 +150,124 @@ func TestDerivedDeadlines(t *testing.T) {
 			t.Fatalf("at 11 s: %+v %+v, want max hold exceeded", st, st.LastCompleted)
 		}
 	})
+}
+
+// sessionEntries checks node's session list (consistent links, every
+// entry leased to the session, nents its length) and returns its keys.
+func sessionEntries(t *testing.T, m *Memory, node string) []Key {
+	t.Helper()
+	for _, sh := range m.shards { // lock order: shards, session table, session
+		sh.mu.Lock()
+		defer sh.mu.Unlock()
+	}
+	s := m.sess.get(node)
+	if s == nil {
+		return nil
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var keys []Key
+	var prev *entry
+	for e := s.ents; e != nil; e = e.snext {
+		if e.sprev != prev || e.sess != s || e.lease != LeaseSession {
+			t.Fatalf("%s: entry %v badly linked or leased: prev ok %v, session ok %v, lease %v", node, e.ks.key(), e.sprev == prev, e.sess == s, e.lease)
+		}
+		if ks := m.shardFor(e.ks.res).key(e.ks.key()); ks != e.ks || (ks.holder != e && ks.waiter(node) != e) {
+			t.Fatalf("%s: entry %v in the session list is not in its key", node, e.ks.key())
+		}
+		keys = append(keys, e.ks.key())
+		prev = e
+	}
+	if len(keys) != s.nents {
+		t.Fatalf("%s: %d entries listed, nents %d", node, len(keys), s.nents)
+	}
+	slices.SortFunc(keys, func(a, b Key) int { return strings.Compare(a.String(), b.String()) })
+	return keys
+}
+
+func keyList(typ Type, res ...string) []Key {
+	var keys []Key
+	for _, r := range res {
+		keys = append(keys, Key{typ, r})
+	}
+	return keys
+}
+
+// TestSessionList: a session's entries join and leave its list as holds
+// and waits start and end, from its head, middle and tail, and as leases
+// switch; its loss ends exactly what is still listed, and the entries it
+// had, released and reused by another session meanwhile, stay with that
+// one.
+func TestSessionList(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		m := newMemory(t, func(c *Config) { c.SessionGrace = 5 * time.Second; c.Shards = 2 })
+		sa := subscribe(t, m, "a", nil)
+		subscribe(t, m, "b", nil)
+		for _, r := range []string{"w1", "w2"} {
+			mustLock(t, m, LockRequest{Type: Pull, Resource: r, Node: "x", Lease: LeaseTTL})
+		}
+		for _, r := range []string{"h1", "h2", "h3", "h4", "h5", "w1", "w2"} {
+			mustLock(t, m, lockReq(Pull, r, "a"))
+		}
+		if got := sessionEntries(t, m, "a"); !slices.Equal(got, keyList(Pull, "h1", "h2", "h3", "h4", "h5", "w1", "w2")) {
+			t.Fatalf("a's entries: %v", got)
+		}
+		// Leave from the tail (the first linked), the head and the middle.
+		mustUnlock(t, m, Pull, "h1", "a", true)
+		if _, err := m.Cancel(t.Context(), Pull, "w2", "a"); err != nil {
+			t.Fatal(err)
+		}
+		mustUnlock(t, m, Pull, "h3", "a", false)
+		// A switch to ttl leaves the list; one back to session joins it.
+		mustLock(t, m, LockRequest{Type: Pull, Resource: "h4", Node: "a", Lease: LeaseTTL})
+		mustLock(t, m, LockRequest{Type: Pull, Resource: "h5", Node: "a", Lease: LeaseTTL})
+		mustLock(t, m, LockRequest{Type: Pull, Resource: "h5", Node: "a", Lease: LeaseSession})
+		if got := sessionEntries(t, m, "a"); !slices.Equal(got, keyList(Pull, "h2", "h5", "w1")) {
+			t.Fatalf("a's entries after leaving: %v", got)
+		}
+		// b takes what a gave up; the shards reuse a's released entries.
+		for _, r := range []string{"h1", "h3", "w2"} {
+			mustLock(t, m, lockReq(Pull, r, "b"))
+		}
+		mustLock(t, m, lockReq(Pull, "h2", "b")) // waits behind a
+		if got := sessionEntries(t, m, "b"); !slices.Equal(got, keyList(Pull, "h1", "h2", "h3", "w2")) {
+			t.Fatalf("b's entries: %v", got)
+		}
+		if p := inspectSessions(t, m); p["a"] != 3 || p["b"] != 4 {
+			t.Fatalf("sessions' key counts: %v", p)
+		}
+
+		sa.Close()
+		time.Sleep(6 * time.Second)
+		synctest.Wait()
+		if m.Stats().SessionsLost != 1 {
+			t.Fatalf("sessions lost: %d", m.Stats().SessionsLost)
+		}
+		want := map[string]string{"h1": "b", "h2": "b", "h3": "b", "h4": "a", "h5": "", "w1": "x", "w2": "x"}
+		for r, holder := range want {
+			st := status(t, m, Pull, r, "a")
+			if st.Holder != holder || st.Position != 0 {
+				t.Errorf("%s after a's loss: %+v, want holder %q and a not waiting", r, st, holder)
+			}
+		}
+		if got := sessionEntries(t, m, "b"); !slices.Equal(got, keyList(Pull, "h1", "h2", "h3", "w2")) {
+			t.Fatalf("b's entries after a's loss: %v", got)
+		}
+		if got := sessionEntries(t, m, "a"); got != nil {
+			t.Fatalf("a's session outlived its loss: %v", got)
+		}
+	})
+}
+
+func inspectSessions(t *testing.T, m *Memory) map[string]int {
+	t.Helper()
+	p, err := m.InspectSessions(t.Context(), SessionQuery{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	keys := map[string]int{}
+	for _, s := range p.Sessions {
+		keys[s.Node] = s.Keys
+	}
+	return keys
 }

@@ -372,7 +372,7 @@ func (m *Memory) InspectSessions(ctx context.Context, q SessionQuery) (SessionPa
 	page.Sessions = make([]SessionView, 0, len(best))
 	for _, s := range best {
 		s.mu.Lock()
-		page.Sessions = append(page.Sessions, SessionView{Node: s.node, Streams: len(s.streams), InGrace: len(s.streams) == 0, Keys: len(s.keys)})
+		page.Sessions = append(page.Sessions, SessionView{Node: s.node, Streams: len(s.streams), InGrace: len(s.streams) == 0, Keys: s.nents})
 		s.mu.Unlock()
 	}
 	m.sess.mu.Unlock()

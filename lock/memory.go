@@ -423,7 +423,7 @@ func (m *Memory) Stats() Stats {
 	return st
 }
 
-// attach resolves e's lease and, for a session lease, records e's key in the
+// attach resolves e's lease and, for a session lease, links e into the
 // node's session so that the session's end can find it. Called under the
 // shard mutex (lock order: shard, session table, session, grace heap). A
 // session lease that would open a session beyond Config.MaxSessions is
@@ -451,7 +451,7 @@ func (m *Memory) attach(e *entry, want Lease) error {
 		s.startGrace(m)
 	}
 	s.mu.Lock()
-	s.keys[e.ks.key()] = struct{}{}
+	s.link(e)
 	s.mu.Unlock()
 	m.sess.mu.Unlock()
 	e.lease, e.sess = LeaseSession, s
@@ -461,7 +461,9 @@ func (m *Memory) attach(e *entry, want Lease) error {
 func (m *Memory) detach(e *entry) {
 	if s := e.sess; s != nil {
 		s.mu.Lock()
-		delete(s.keys, e.ks.key())
+		if !s.ended { // an ended session's list is gone (endSessions)
+			s.unlink(e)
+		}
 		s.mu.Unlock()
 		e.sess = nil
 	}

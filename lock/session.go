@@ -30,8 +30,14 @@ type session struct {
 
 	mu      sync.Mutex
 	streams []*stream
-	keys    map[Key]struct{} // keys this session holds or waits for under a session lease
-	ended   bool
+	// ents lists the entries that this session holds or waits for under a
+	// session lease, through entry.sprev and entry.snext, which mu guards:
+	// the session's end finds them there. An entry joins and leaves in O(1)
+	// and allocates nothing, where a set of keys cost a map entry each
+	// (docs/DESIGN.md, "How Memory keeps the rules").
+	ents  *entry
+	nents int
+	ended bool
 
 	// The replay log: the session's recent events from logHead on, oldest
 	// first, at most Config.SessionLog of them and Config.SessionLogBytes
@@ -53,7 +59,7 @@ type session struct {
 }
 
 func (m *Memory) newSessionLocked(node string) *session {
-	s := &session{node: node, keys: make(map[Key]struct{}), lost: m.seq.Load(), gidx: -1}
+	s := &session{node: node, lost: m.seq.Load(), gidx: -1}
 	m.sess.m[node] = s
 	m.sess.n.Add(1)
 	return s
@@ -72,6 +78,30 @@ func (m *Memory) sessionRoom() error {
 // startGrace arms the session's end. Called with s.mu held or s unpublished.
 func (s *session) startGrace(m *Memory) {
 	m.grace.set(m, s, m.now().add(m.cfg.SessionGrace))
+}
+
+// link adds e to the session's entries. Called with s.mu held.
+func (s *session) link(e *entry) {
+	e.sprev, e.snext = nil, s.ents
+	if s.ents != nil {
+		s.ents.sprev = e
+	}
+	s.ents = e
+	s.nents++
+}
+
+// unlink takes e out of the session's entries. Called with s.mu held.
+func (s *session) unlink(e *entry) {
+	if e.sprev != nil {
+		e.sprev.snext = e.snext
+	} else {
+		s.ents = e.snext
+	}
+	if e.snext != nil {
+		e.snext.sprev = e.sprev
+	}
+	e.sprev, e.snext = nil, nil
+	s.nents--
 }
 
 // live is the replay log's events.
@@ -281,16 +311,24 @@ func (m *Memory) endSessions(due []*session, now mono, drops map[*shard][]sessio
 			delete(m.sess.m, s.node)
 			m.sess.n.Add(-1)
 		}
-		keys := s.keys
-		s.keys, s.log, s.logHead, s.logBytes = nil, nil, 0, 0
+		// The entries are taken as keys: an entry may be released and
+		// reused before its shard is reached, a key is looked up again
+		// there (dropSessions). Their links go: an entry's detach leaves an
+		// ended session's list alone.
+		n := s.nents
+		for e := s.ents; e != nil; {
+			next := e.snext
+			k := e.ks.key()
+			sh := m.shardFor(k.Resource)
+			drops[sh] = append(drops[sh], sessionDrop{k, s})
+			e.sprev, e.snext = nil, nil
+			e = next
+		}
+		s.ents, s.nents, s.log, s.logHead, s.logBytes = nil, 0, nil, 0, 0
 		s.mu.Unlock()
 		m.sessionsLost.Add(1)
 		m.opSession(s)
-		m.log.Info("session lost", "node", s.node, "keys", len(keys))
-		for k := range keys {
-			sh := m.shardFor(k.Resource)
-			drops[sh] = append(drops[sh], sessionDrop{k, s})
-		}
+		m.log.Info("session lost", "node", s.node, "keys", n)
 	}
 }
 

@@ -272,12 +272,15 @@ func (q *waitQueue) position(e *entry) int {
 // deadlines are fixed offsets from the grant (docs/DESIGN.md, "How Memory
 // keeps the rules").
 type entry struct {
-	node      string
-	ks        *keyState
-	sess      *session // the session that keeps a LeaseSession entry alive
-	grantedAt mono
-	ttlAt     mono // ttl lease deadline; zero for a session lease
-	at        mono // earliest deadline (deadline): the entry's place in the heap
+	node string
+	ks   *keyState
+	sess *session // the session that keeps a LeaseSession entry alive
+	// sprev and snext link the entries of sess (session.ents), guarded
+	// by sess.mu.
+	sprev, snext *entry
+	grantedAt    mono
+	ttlAt        mono // ttl lease deadline; zero for a session lease
+	at           mono // earliest deadline (deadline): the entry's place in the heap
 	// hidx and qidx index the shard's heap and the key's queue: int32
 	// bounds each at 2³¹ entries, 160 GiB of them.
 	hidx      int32 // -1 when not in the heap
