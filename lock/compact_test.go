@@ -2,6 +2,7 @@ package lock
 
 import (
 	"fmt"
+	"runtime"
 	"slices"
 	"strings"
 	"testing"
@@ -270,4 +271,64 @@ func inspectSessions(t *testing.T, m *Memory) map[string]int {
 		keys[s.Node] = s.Keys
 	}
 	return keys
+}
+
+// TestNodeIDsInterned: every entry of a node names it with one copy of its
+// id, the session's for a session lease, however the request's string was
+// made; a node's id made again after its entries were all gone (and
+// collected) names it still.
+func TestNodeIDsInterned(t *testing.T) {
+	m := newMemory(t, nil)
+	subscribe(t, m, "sess-node", nil)
+	nodeOf := func(k Key) string { // the holder's id as the entry keeps it
+		s := m.shardFor(k.Resource)
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return s.key(k).holder.node()
+	}
+	fresh := func(s string) string { return string([]byte(s)) } // a copy of its own, as each request has
+	var ttlIDs, sessIDs []string
+	for i := range 4 {
+		r := fmt.Sprintf("r%d", i)
+		mustLock(t, m, LockRequest{Type: Pull, Resource: r, Node: fresh("ttl-node"), Lease: LeaseTTL})
+		mustLock(t, m, LockRequest{Type: Update, Resource: r, Node: fresh("sess-node")})
+		ttlIDs = append(ttlIDs, nodeOf(Key{Pull, r}))
+		sessIDs = append(sessIDs, nodeOf(Key{Update, r}))
+	}
+	// A lease switch keeps the entry's id.
+	mustLock(t, m, LockRequest{Type: Update, Resource: "r0", Node: fresh("sess-node"), Lease: LeaseTTL})
+	mustLock(t, m, LockRequest{Type: Update, Resource: "r1", Node: fresh("sess-node"), Lease: LeaseTTL})
+	mustLock(t, m, LockRequest{Type: Update, Resource: "r1", Node: fresh("sess-node"), Lease: LeaseSession})
+	sessIDs = append(sessIDs, nodeOf(Key{Update, "r0"}), nodeOf(Key{Update, "r1"}))
+	sess := m.sess.get("sess-node")
+	for _, id := range sessIDs {
+		if id != "sess-node" || unsafe.StringData(id) != unsafe.StringData(sess.node) {
+			t.Fatalf("a session-leased entry's id %q is not the session's copy", id)
+		}
+	}
+	for _, id := range ttlIDs {
+		if id != "ttl-node" || unsafe.StringData(id) != unsafe.StringData(ttlIDs[0]) {
+			t.Fatalf("ttl entries of one node do not share one copy of its id")
+		}
+	}
+	if st := status(t, m, Pull, "r3", ""); st.Holder != "ttl-node" {
+		t.Fatalf("holder %q", st.Holder)
+	}
+
+	// Every entry of a node gone, its interned id may be collected; the
+	// next one is named right.
+	for i := range 4 {
+		mustUnlock(t, m, Pull, fmt.Sprintf("r%d", i), "ttl-node", true)
+	}
+	ttlIDs = nil
+	runtime.GC()
+	runtime.GC()
+	mustLock(t, m, LockRequest{Type: Pull, Resource: "again", Node: fresh("ttl-node"), Lease: LeaseTTL})
+	mustLock(t, m, LockRequest{Type: Pull, Resource: "again", Node: fresh("other"), Lease: LeaseTTL})
+	if st := status(t, m, Pull, "again", "other"); st.Holder != "ttl-node" || st.Position != 1 {
+		t.Fatalf("after a collection: %+v", st)
+	}
+	if nodeOf(Key{Pull, "again"}) != "ttl-node" {
+		t.Fatal("the id made again names another node")
+	}
 }

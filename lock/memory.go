@@ -186,7 +186,7 @@ func (m *Memory) TryLock(ctx context.Context, req LockRequest) (LockResult, erro
 	t := s.begin()
 	ks := s.key(k)
 	if ks != nil {
-		if h := ks.holder; h != nil && h.node == req.Node {
+		if h := ks.holder; h != nil && h.node() == req.Node {
 			// A retry whose answer was lost, a renewal, or the confirmation
 			// of a hand-off grant.
 			if err := s.renew(&t, h, req.Lease); err != nil {
@@ -195,7 +195,7 @@ func (m *Memory) TryLock(ctx context.Context, req LockRequest) (LockResult, erro
 			}
 			h.unclaimed = false
 			s.reschedule(h)
-			res := LockResult{Acquired: true, Token: ks.lastToken, Holder: h.node}
+			res := LockResult{Acquired: true, Token: ks.lastToken, Holder: h.node()}
 			s.commit(ctx, t)
 			return res, nil
 		}
@@ -205,7 +205,7 @@ func (m *Memory) TryLock(ctx context.Context, req LockRequest) (LockResult, erro
 				return LockResult{}, err
 			}
 			s.reschedule(e)
-			res := LockResult{Queued: true, Holder: ks.holder.node, Position: ks.wq.position(e)}
+			res := LockResult{Queued: true, Holder: ks.holder.node(), Position: ks.wq.position(e)}
 			s.commit(ctx, t)
 			return res, nil
 		}
@@ -222,7 +222,7 @@ func (m *Memory) TryLock(ctx context.Context, req LockRequest) (LockResult, erro
 		return res, nil
 	}
 	if ks != nil && ks.holder != nil && !m.cfg.AllowMultiNodeDownload {
-		holder := ks.holder.node
+		holder := ks.holder.node()
 		s.mu.Unlock()
 		return LockResult{}, &HeldError{Holder: holder}
 	}
@@ -241,8 +241,8 @@ func (m *Memory) TryLock(ctx context.Context, req LockRequest) (LockResult, erro
 		m.refusedQueue.Add(1)
 		return LockResult{}, fmt.Errorf("%w: %v has %d waiters, at most %d are allowed", ErrQueueFull, k, n, max)
 	}
-	e := s.newEntry(req.Node, ks)
-	if err := m.attach(e, req.Lease); err != nil {
+	e := s.newEntry(ks)
+	if err := m.attach(e, req.Node, req.Lease); err != nil {
 		s.recycle(e)
 		s.mu.Unlock()
 		return LockResult{}, err
@@ -253,10 +253,10 @@ func (m *Memory) TryLock(ctx context.Context, req LockRequest) (LockResult, erro
 	var res LockResult
 	if ks.holder == nil {
 		s.grant(&t, ks, e, false)
-		res = LockResult{Acquired: true, Token: ks.lastToken, Holder: e.node}
+		res = LockResult{Acquired: true, Token: ks.lastToken, Holder: e.node()}
 	} else {
 		s.enqueue(&t, ks, e)
-		res = LockResult{Queued: true, Holder: ks.holder.node, Position: ks.qlen()}
+		res = LockResult{Queued: true, Holder: ks.holder.node(), Position: ks.qlen()}
 	}
 	s.commit(ctx, t)
 	return res, nil
@@ -276,7 +276,7 @@ func (m *Memory) Unlock(ctx context.Context, req UnlockRequest) (UnlockResult, e
 	s.mu.Lock()
 	t := s.begin()
 	ks := s.key(req.Key())
-	if ks == nil || ks.holder == nil || ks.holder.node != req.Node {
+	if ks == nil || ks.holder == nil || ks.holder.node() != req.Node {
 		if ks != nil && ks.replays(req, t.now, m.cfg.CompletedRetention) {
 			res := UnlockResult{NextHolder: ks.rec.next, Replayed: true}
 			s.mu.Unlock()
@@ -314,7 +314,7 @@ func (m *Memory) Cancel(ctx context.Context, t Type, resource, node string) (Can
 	var res CancelResult
 	switch {
 	case ks == nil:
-	case ks.holder != nil && ks.holder.node == node:
+	case ks.holder != nil && ks.holder.node() == node:
 		s.release(&tx, ks, false, "cancelled", false)
 		res.Released = true
 	case ks.waiter(node) != nil:
@@ -355,8 +355,8 @@ func (m *Memory) Status(ctx context.Context, t Type, resource, node string) (Sta
 	st.Token = ks.lastToken
 	st.QueueLength = ks.qlen()
 	if h := ks.holder; h != nil {
-		st.Held, st.Holder, st.AcquiredAt = true, h.node, m.wall(h.grantedAt)
-		if node == h.node && h.lease == LeaseTTL {
+		st.Held, st.Holder, st.AcquiredAt = true, h.node(), m.wall(h.grantedAt)
+		if node == h.node() && h.lease == LeaseTTL {
 			h.ttlAt = now.add(m.cfg.LockTTL)
 			s.reschedule(h)
 		}
@@ -423,22 +423,24 @@ func (m *Memory) Stats() Stats {
 	return st
 }
 
-// attach resolves e's lease and, for a session lease, links e into the
-// node's session so that the session's end can find it. Called under the
-// shard mutex (lock order: shard, session table, session, grace heap). A
-// session lease that would open a session beyond Config.MaxSessions is
-// refused, and e is left as it was.
-func (m *Memory) attach(e *entry, want Lease) error {
+// attach resolves the lease of node's entry e, names e's node, and, for a
+// session lease, links e into the node's session so that the session's end
+// can find it. Called under the shard mutex (lock order: shard, session
+// table, session, grace heap). A session lease that would open a session
+// beyond Config.MaxSessions is refused, and e is left as it was.
+func (m *Memory) attach(e *entry, node string, want Lease) error {
 	if want == LeaseTTL || (want == LeaseAuto && m.sess.n.Load() == 0) {
 		e.lease = LeaseTTL
+		e.intern(node)
 		return nil
 	}
 	m.sess.mu.Lock()
-	s := m.sess.m[e.node]
+	s := m.sess.m[node]
 	if s == nil {
 		if want == LeaseAuto {
 			m.sess.mu.Unlock()
 			e.lease = LeaseTTL
+			e.intern(node)
 			return nil
 		}
 		if err := m.sessionRoom(); err != nil {
@@ -447,14 +449,14 @@ func (m *Memory) attach(e *entry, want Lease) error {
 		}
 		// A session lease asked for without a stream starts the session in
 		// grace: a stream must open before it runs out.
-		s = m.newSessionLocked(e.node)
+		s = m.newSessionLocked(node)
 		s.startGrace(m)
 	}
 	s.mu.Lock()
 	s.link(e)
 	s.mu.Unlock()
 	m.sess.mu.Unlock()
-	e.lease, e.sess = LeaseSession, s
+	e.lease, e.sess, e.id = LeaseSession, s, s.id
 	return nil
 }
 

@@ -153,9 +153,9 @@ func (s *shard) refsCompleted(t *txn, h *entry, waiters []*entry) {
 			rs = &refState{nodes: make(map[string]struct{}, 1+len(waiters))}
 			s.refs[res] = rs
 		}
-		rs.nodes[h.node] = struct{}{}
+		rs.nodes[h.node()] = struct{}{}
 		for _, w := range waiters {
-			rs.nodes[w.node] = struct{}{}
+			rs.nodes[w.node()] = struct{}{}
 		}
 		s.refChanged(t, res, rs)
 	case RefClear:

@@ -5,6 +5,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unique"
 )
 
 // Sessions: a node's event log, kept while it streams and through a grace
@@ -27,6 +28,7 @@ func (t *sessionTable) get(node string) *session {
 // Config.SessionGrace and keeps its recent events for replay.
 type session struct {
 	node string
+	id   unique.Handle[string] // node, interned: the id of the session's entries
 
 	mu      sync.Mutex
 	streams []*stream
@@ -59,7 +61,8 @@ type session struct {
 }
 
 func (m *Memory) newSessionLocked(node string) *session {
-	s := &session{node: node, lost: m.seq.Load(), gidx: -1}
+	id := unique.Make(node)
+	s := &session{node: id.Value(), id: id, lost: m.seq.Load(), gidx: -1}
 	m.sess.m[node] = s
 	m.sess.n.Add(1)
 	return s

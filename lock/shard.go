@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"sync"
 	"time"
+	"unique"
 )
 
 // shard owns the keys of the resources that hash to it. Every field below mu
@@ -79,15 +80,16 @@ func (s *shard) removeKey(ks *keyState) bool {
 	return true
 }
 
-func (s *shard) newEntry(node string, ks *keyState) *entry {
+// newEntry returns an entry for ks; attach names its node.
+func (s *shard) newEntry(ks *keyState) *entry {
 	if n := len(s.free); n > 0 {
 		e := s.free[n-1]
 		s.free[n-1] = nil
 		s.free = s.free[:n-1]
-		*e = entry{node: node, ks: ks, hidx: -1}
+		*e = entry{ks: ks, hidx: -1}
 		return e
 	}
-	return &entry{node: node, ks: ks, hidx: -1}
+	return &entry{ks: ks, hidx: -1}
 }
 
 // recycle keeps a released entry for reuse. Nothing may point to it: it is
@@ -272,7 +274,10 @@ func (q *waitQueue) position(e *entry) int {
 // deadlines are fixed offsets from the grant (docs/DESIGN.md, "How Memory
 // keeps the rules").
 type entry struct {
-	node string
+	// id is the node's interned id: every entry of a node shares one copy
+	// of it, the session's for a session lease, where a copy each cost a
+	// string each (docs/DESIGN.md, "How Memory keeps the rules").
+	id   unique.Handle[string]
 	ks   *keyState
 	sess *session // the session that keeps a LeaseSession entry alive
 	// sprev and snext link the entries of sess (session.ents), guarded
@@ -287,6 +292,16 @@ type entry struct {
 	qidx      int32 // while queued
 	lease     Lease // LeaseSession or LeaseTTL once attached
 	unclaimed bool  // a hand-off grant its holder has not confirmed: the claim timeout runs
+}
+
+// node is e's node id.
+func (e *entry) node() string { return e.id.Value() }
+
+// intern names e's node unless attach did already.
+func (e *entry) intern(node string) {
+	if e.id == (unique.Handle[string]{}) {
+		e.id = unique.Make(node)
+	}
 }
 
 // deadline is e's earliest deadline, zero when it has none: its ttl lease,
@@ -390,12 +405,12 @@ func (s *shard) grant(t *txn, ks *keyState, e *entry, handoff bool) {
 	}
 	if t.notify {
 		t.items = append(t.items, item{
-			ev:        &Event{Name: EventLockAssigned, Key: ks.key(), Node: e.node, Token: token},
-			to:        []string{e.node},
+			ev:        &Event{Name: EventLockAssigned, Key: ks.key(), Node: e.node(), Token: token},
+			to:        []string{e.node()},
 			observers: true,
 		})
 	}
-	s.logf(t, slog.LevelDebug, msg, ks.key(), e.node, token, "")
+	s.logf(t, slog.LevelDebug, msg, ks.key(), e.node(), token, "")
 }
 
 func (s *shard) enqueue(t *txn, ks *keyState, e *entry) {
@@ -406,10 +421,10 @@ func (s *shard) enqueue(t *txn, ks *keyState, e *entry) {
 		ks.wq = &waitQueue{byNode: make(map[string]*entry)}
 	}
 	ks.wq.push(e)
-	ks.wq.byNode[e.node] = e
+	ks.wq.byNode[e.node()] = e
 	s.queued++
 	s.reschedule(e)
-	s.opJoined(t, ks, e.node)
+	s.opJoined(t, ks, e.node())
 }
 
 // dequeue removes a waiter from anywhere in the queue.
@@ -420,8 +435,8 @@ func (s *shard) dequeue(ks *keyState, e *entry) {
 
 // forget drops a waiter that is no longer in ks's queue.
 func (s *shard) forget(ks *keyState, e *entry) {
-	s.opLeft(ks, e.node)
-	delete(ks.wq.byNode, e.node)
+	s.opLeft(ks, e.node())
+	delete(ks.wq.byNode, e.node())
 	s.queued--
 	s.leases.remove(e)
 	s.m.detach(e)
@@ -438,7 +453,7 @@ func (s *shard) renew(t *txn, e *entry, want Lease) error {
 		s.m.detach(e)
 		e.lease = LeaseTTL
 	case want == LeaseSession && e.lease != LeaseSession:
-		if err := s.m.attach(e, want); err != nil {
+		if err := s.m.attach(e, e.node(), want); err != nil {
 			return err
 		}
 	}
@@ -484,7 +499,7 @@ func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUn
 	next := ""
 	var done *Event
 	if t.notify {
-		done = &Event{Name: EventOperationCompleted, Key: k, Node: h.node, Success: success, Error: errMsg, CompletedAt: s.m.wall(t.now)}
+		done = &Event{Name: EventOperationCompleted, Key: k, Node: h.node(), Success: success, Error: errMsg, CompletedAt: s.m.wall(t.now)}
 	}
 	if success && k.Type != Update {
 		var waiters []*entry
@@ -502,7 +517,7 @@ func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUn
 			s.leases.remove(w)
 			s.m.detach(w)
 			if t.notify {
-				to = append(to, w.node)
+				to = append(to, w.node())
 			}
 		}
 		if s.refs != nil {
@@ -533,7 +548,7 @@ func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUn
 		}
 	}
 	s.record(ks, record{
-		Completion: Completion{Node: h.node, Token: token, Success: success, Error: errMsg, CompletedAt: s.m.wall(t.now)},
+		Completion: Completion{Node: h.node(), Token: token, Success: success, Error: errMsg, CompletedAt: s.m.wall(t.now)},
 		at:         t.now,
 		viaUnlock:  viaUnlock,
 		next:       next,
@@ -557,7 +572,7 @@ func (s *shard) promote(t *txn, ks *keyState) string {
 		}
 		if s.refs != nil && ks.typ != Pull {
 			if err := s.refConflict(ks.key()); err != nil {
-				node := e.node
+				node := e.node()
 				s.forget(ks, e)
 				if t.notify {
 					t.items = append(t.items, item{
@@ -568,10 +583,10 @@ func (s *shard) promote(t *txn, ks *keyState) string {
 				continue
 			}
 		}
-		delete(ks.wq.byNode, e.node)
+		delete(ks.wq.byNode, e.node())
 		s.queued--
 		s.grant(t, ks, e, true)
-		return e.node
+		return e.node()
 	}
 }
 
@@ -592,7 +607,7 @@ func (s *shard) expire() {
 			ks := e.ks
 			s.expiries++
 			if ks.holder != e {
-				s.logf(&t, slog.LevelInfo, "queue entry expired", ks.key(), e.node, 0, "lock expired")
+				s.logf(&t, slog.LevelInfo, "queue entry expired", ks.key(), e.node(), 0, "lock expired")
 				s.dequeue(ks, e)
 				continue
 			}
@@ -603,7 +618,7 @@ func (s *shard) expire() {
 			case e.unclaimed && e.grantedAt.add(cfg.ClaimTimeout) <= t.now:
 				why = "not claimed"
 			}
-			s.logf(&t, slog.LevelInfo, "hold expired", ks.key(), e.node, ks.lastToken, why)
+			s.logf(&t, slog.LevelInfo, "hold expired", ks.key(), e.node(), ks.lastToken, why)
 			s.release(&t, ks, false, why, false)
 		}
 		more = len(s.leases) > 0 && s.leases[0].at <= t.now
@@ -634,7 +649,7 @@ func (s *shard) dropSessions(drops []sessionDrop) {
 					}
 				case ks.holder != nil && ks.holder.sess == d.sess:
 					h := ks.holder
-					s.logf(&t, slog.LevelInfo, "session lost", d.key, h.node, ks.lastToken, "session lost")
+					s.logf(&t, slog.LevelInfo, "session lost", d.key, h.node(), ks.lastToken, "session lost")
 					s.release(&t, ks, false, "session lost", false)
 				}
 			}
