@@ -332,3 +332,80 @@ func TestNodeIDsInterned(t *testing.T) {
 		t.Fatal("the id made again names another node")
 	}
 }
+
+// TestReplayRebuildsCompactEvents: a session's own lock_assigned events,
+// which its log keeps as key and token, replay as they were sent, in order
+// with the events it keeps whole, from every Last-Event-ID, before and
+// after the log let its oldest go and compacted.
+func TestReplayRebuildsCompactEvents(t *testing.T) {
+	const logLen = 8
+	m := newMemory(t, func(c *Config) { c.SessionLog = logLen })
+	st := subscribe(t, m, "a", nil)
+	var sent []Delivery
+	for i := range 30 {
+		r := fmt.Sprint("r", i)
+		switch i % 3 {
+		case 0: // a direct grant
+			mustLock(t, m, lockReq(Pull, r, "a"))
+		case 1: // a success tells the waiter a
+			mustLock(t, m, LockRequest{Type: Pull, Resource: r, Node: "x", Lease: LeaseTTL})
+			mustLock(t, m, lockReq(Pull, r, "a"))
+			mustUnlock(t, m, Pull, r, "x", true)
+		case 2: // a failure hands the key to a
+			mustLock(t, m, LockRequest{Type: Update, Resource: r, Node: "x", Lease: LeaseTTL})
+			mustLock(t, m, lockReq(Update, r, "a"))
+			mustUnlock(t, m, Update, r, "x", false)
+		}
+		sent = append(sent, events(st)...)
+		s := m.sess.get("a")
+		s.mu.Lock()
+		compact, whole := 0, 0
+		for _, le := range s.log[s.logHead:] {
+			if le.ev == nil {
+				compact++
+			} else if whole++; le.ev.Name == EventLockAssigned {
+				t.Errorf("the log keeps a's own lock_assigned %d whole", le.id)
+			}
+		}
+		s.mu.Unlock()
+		if i >= 2 && (compact == 0 || whole == 0) {
+			t.Fatalf("after %d rounds: %d compact and %d whole events in the log, want both", i+1, compact, whole)
+		}
+		for j := -1; j < len(sent); j++ {
+			var last uint64
+			if j >= 0 {
+				last = sent[j].ID
+			}
+			rs, sub, err := m.Subscribe(t.Context(), SubscribeRequest{Node: "a", LastID: last, HasLast: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			rs.Close()
+			kept := sent[max(0, len(sent)-logLen):]
+			want := sent[j+1:]
+			if missed := len(want) > len(kept); missed != sub.Missed {
+				t.Fatalf("round %d, from %d: missed %v, want %v", i, last, sub.Missed, missed)
+			} else if missed {
+				want = kept
+			}
+			if len(sub.Replay) != len(want) {
+				t.Fatalf("round %d, from %d: %d events replayed, want %d", i, last, len(sub.Replay), len(want))
+			}
+			for k, d := range sub.Replay {
+				w := want[k]
+				if d.ID != w.ID || !sameEvent(d.Event, w.Event) {
+					t.Fatalf("round %d, from %d: replayed %d %s, sent %d %s", i, last, d.ID, eventText(d.Event), w.ID, eventText(w.Event))
+				}
+			}
+		}
+	}
+}
+
+func sameEvent(a, b *Event) bool {
+	return a.Name == b.Name && a.Key == b.Key && a.Node == b.Node && a.Token == b.Token && a.Success == b.Success &&
+		a.Error == b.Error && a.CompletedAt.Equal(b.CompletedAt) && a.NextHolder == b.NextHolder && a.WireSize() == b.WireSize()
+}
+
+func eventText(e *Event) string {
+	return fmt.Sprintf("%s %v node %s token %d success %v error %q at %v next %q", e.Name, e.Key, e.Node, e.Token, e.Success, e.Error, e.CompletedAt, e.NextHolder)
+}

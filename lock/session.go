@@ -44,7 +44,7 @@ type session struct {
 	// The replay log: the session's recent events from logHead on, oldest
 	// first, at most Config.SessionLog of them and Config.SessionLogBytes
 	// of wire size (logBytes).
-	log      []Delivery
+	log      []logEntry
 	logHead  int
 	logBytes int
 	// lost is the id of the newest event the log let go, or the last id
@@ -107,8 +107,45 @@ func (s *session) unlink(e *entry) {
 	s.nents--
 }
 
-// live is the replay log's events.
-func (s *session) live() []Delivery { return s.log[s.logHead:] }
+// logEntry is one event of a session's replay log. Most of a log is the
+// session's own lock_assigned events, one per grant, which no other
+// session shares: the log keeps such an event as its key and token alone
+// (ev nil), and live builds it again, so that the Event sent to the
+// streams, and the encoding cached in it, are not kept alive for a replay
+// that seldom comes (docs/DESIGN.md, "Event ids and replay"). Any other
+// event is shared by every session that got it, and is kept as it is.
+type logEntry struct {
+	id    uint64
+	ev    *Event // nil: the session's lock_assigned of key (typ, res) with token
+	res   string // the key's resource, the key's own copy
+	token uint64
+	size  int32 // the event's WireSize
+	typ   Type
+}
+
+// live is the replay log's events, in order. The lock_assigned events the
+// log keeps compact are built anew, in one allocation.
+func (s *session) live() []Delivery {
+	log := s.log[s.logHead:]
+	n := 0
+	for i := range log {
+		if log[i].ev == nil {
+			n++
+		}
+	}
+	built := make([]Event, n)
+	out := make([]Delivery, len(log))
+	for i := range log {
+		le := &log[i]
+		ev := le.ev
+		if ev == nil {
+			ev, built = &built[0], built[1:]
+			ev.Name, ev.Key, ev.Node, ev.Token = EventLockAssigned, Key{le.typ, le.res}, s.node, le.token
+		}
+		out[i] = Delivery{ID: le.id, Event: ev}
+	}
+	return out
+}
 
 func (s *session) push(m *Memory, ev *Event) {
 	var slow []*stream
@@ -135,11 +172,15 @@ func (s *session) push(m *Memory, ev *Event) {
 // half the slice costs O(1) amortized an event.
 func (s *session) logAppend(cfg *Config, d Delivery) {
 	size := d.Event.WireSize()
+	le := logEntry{id: d.ID, ev: d.Event, size: int32(size)}
+	if ev := d.Event; ev.Name == EventLockAssigned && ev.Node == s.node {
+		le.ev, le.res, le.typ, le.token = nil, ev.Key.Resource, ev.Key.Type, ev.Token
+	}
 	for s.logHead < len(s.log) && (len(s.log)-s.logHead >= cfg.SessionLog || s.logBytes+size > cfg.SessionLogBytes) {
 		old := &s.log[s.logHead]
-		s.lost = old.ID
-		s.logBytes -= old.Event.WireSize()
-		*old = Delivery{}
+		s.lost = old.id
+		s.logBytes -= int(old.size)
+		*old = logEntry{}
 		s.logHead++
 	}
 	if s.logHead > 0 && 2*s.logHead >= len(s.log) {
@@ -148,7 +189,7 @@ func (s *session) logAppend(cfg *Config, d Delivery) {
 		s.log = s.log[:n]
 		s.logHead = 0
 	}
-	s.log = append(s.log, d)
+	s.log = append(s.log, le)
 	s.logBytes += size
 }
 
