@@ -359,13 +359,17 @@ func TestReplayRebuildsCompactEvents(t *testing.T) {
 		sent = append(sent, events(st)...)
 		s := m.sess.get("a")
 		s.mu.Lock()
-		compact, whole := 0, 0
+		compact, whole, bytes := 0, 0, 0
 		for _, le := range s.log[s.logHead:] {
-			if le.ev == nil {
+			bytes += le.size(s)
+			if le.res != "" {
 				compact++
 			} else if whole++; le.ev.Name == EventLockAssigned {
 				t.Errorf("the log keeps a's own lock_assigned %d whole", le.id)
 			}
+		}
+		if bytes != s.logBytes {
+			t.Errorf("the log counts %d bytes, its events take %d", s.logBytes, bytes)
 		}
 		s.mu.Unlock()
 		if i >= 2 && (compact == 0 || whole == 0) {

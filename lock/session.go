@@ -107,20 +107,34 @@ func (s *session) unlink(e *entry) {
 	s.nents--
 }
 
-// logEntry is one event of a session's replay log. Most of a log is the
-// session's own lock_assigned events, one per grant, which no other
-// session shares: the log keeps such an event as its key and token alone
-// (ev nil), and live builds it again, so that the Event sent to the
-// streams, and the encoding cached in it, are not kept alive for a replay
-// that seldom comes (docs/DESIGN.md, "Event ids and replay"). Any other
-// event is shared by every session that got it, and is kept as it is.
+// logEntry is one event of a session's replay log, 40 bytes. Most of a log
+// is the session's own lock_assigned events, one per grant, which no other
+// session shares: the log keeps such an event as the template of its type
+// (assigned), its resource and its token, and live builds it again, so
+// that the Event sent to the streams, and the encoding cached in it, are
+// not kept alive for a replay that seldom comes (docs/DESIGN.md, "Event
+// ids and replay"). Any other event is shared by every session that got
+// it, and is kept as it is.
 type logEntry struct {
 	id    uint64
-	ev    *Event // nil: the session's lock_assigned of key (typ, res) with token
-	res   string // the key's resource, the key's own copy
-	token uint64
-	size  int32 // the event's WireSize
-	typ   Type
+	ev    *Event // the event, or the template of a compact one
+	res   string // set only in a compact one: its resource, the key's own copy
+	token uint64 // a compact one's token
+}
+
+// assigned are the templates of compact lock_assigned events, by type.
+var assigned = [...]Event{
+	Pull:   {Name: EventLockAssigned, Key: Key{Type: Pull}},
+	Update: {Name: EventLockAssigned, Key: Key{Type: Update}},
+	Delete: {Name: EventLockAssigned, Key: Key{Type: Delete}},
+}
+
+// size is the entry's event's WireSize.
+func (le *logEntry) size(s *session) int {
+	if le.res != "" {
+		return wireSize(EventLockAssigned, le.res, s.node, "", "")
+	}
+	return le.ev.WireSize()
 }
 
 // live is the replay log's events, in order. The lock_assigned events the
@@ -129,7 +143,7 @@ func (s *session) live() []Delivery {
 	log := s.log[s.logHead:]
 	n := 0
 	for i := range log {
-		if log[i].ev == nil {
+		if log[i].res != "" {
 			n++
 		}
 	}
@@ -138,9 +152,9 @@ func (s *session) live() []Delivery {
 	for i := range log {
 		le := &log[i]
 		ev := le.ev
-		if ev == nil {
+		if le.res != "" {
 			ev, built = &built[0], built[1:]
-			ev.Name, ev.Key, ev.Node, ev.Token = EventLockAssigned, Key{le.typ, le.res}, s.node, le.token
+			ev.Name, ev.Key, ev.Node, ev.Token = EventLockAssigned, Key{le.ev.Key.Type, le.res}, s.node, le.token
 		}
 		out[i] = Delivery{ID: le.id, Event: ev}
 	}
@@ -172,14 +186,14 @@ func (s *session) push(m *Memory, ev *Event) {
 // half the slice costs O(1) amortized an event.
 func (s *session) logAppend(cfg *Config, d Delivery) {
 	size := d.Event.WireSize()
-	le := logEntry{id: d.ID, ev: d.Event, size: int32(size)}
+	le := logEntry{id: d.ID, ev: d.Event}
 	if ev := d.Event; ev.Name == EventLockAssigned && ev.Node == s.node {
-		le.ev, le.res, le.typ, le.token = nil, ev.Key.Resource, ev.Key.Type, ev.Token
+		le.ev, le.res, le.token = &assigned[ev.Key.Type], ev.Key.Resource, ev.Token
 	}
 	for s.logHead < len(s.log) && (len(s.log)-s.logHead >= cfg.SessionLog || s.logBytes+size > cfg.SessionLogBytes) {
 		old := &s.log[s.logHead]
 		s.lost = old.id
-		s.logBytes -= int(old.size)
+		s.logBytes -= old.size(s)
 		*old = logEntry{}
 		s.logHead++
 	}
