@@ -170,8 +170,8 @@ func sessionEntries(t *testing.T, m *Memory, node string) []Key {
 	var keys []Key
 	var prev *entry
 	for e := s.ents; e != nil; e = e.snext {
-		if e.sprev != prev || e.sess != s || e.lease != LeaseSession {
-			t.Fatalf("%s: entry %v badly linked or leased: prev ok %v, session ok %v, lease %v", node, e.ks.key(), e.sprev == prev, e.sess == s, e.lease)
+		if e.sprev != prev || e.sess != s {
+			t.Fatalf("%s: entry %v badly linked: prev ok %v, session ok %v", node, e.ks.key(), e.sprev == prev, e.sess == s)
 		}
 		if ks := m.shardFor(e.ks.res).key(e.ks.key()); ks != e.ks || (ks.holder != e && ks.waiter(node) != e) {
 			t.Fatalf("%s: entry %v in the session list is not in its key", node, e.ks.key())

@@ -223,7 +223,7 @@ func (ks *keyState) hasNode(node string) bool {
 func (m *Memory) keyView(ks *keyState, now mono) KeyView {
 	v := KeyView{Key: ks.key(), QueueLength: ks.qlen()}
 	if h := ks.holder; h != nil {
-		v.Holder, v.Token, v.Lease, v.AcquiredAt, v.Unclaimed = h.node(), ks.lastToken, h.lease, m.wall(h.grantedAt), h.unclaimed
+		v.Holder, v.Token, v.Lease, v.AcquiredAt, v.Unclaimed = h.node(), ks.lastToken, h.lease(), m.wall(h.grantedAt), ks.unclaimed
 	}
 	if v.QueueLength > 0 {
 		v.Queue = make([]Waiter, 0, min(v.QueueLength, QueueShown))
@@ -233,7 +233,7 @@ func (m *Memory) keyView(ks *keyState, now mono) KeyView {
 				break
 			}
 			if e != nil {
-				v.Queue = append(v.Queue, Waiter{Node: e.node(), Lease: e.lease})
+				v.Queue = append(v.Queue, Waiter{Node: e.node(), Lease: e.lease()})
 			}
 		}
 	}

@@ -189,22 +189,22 @@ func (m *Memory) TryLock(ctx context.Context, req LockRequest) (LockResult, erro
 		if h := ks.holder; h != nil && h.node() == req.Node {
 			// A retry whose answer was lost, a renewal, or the confirmation
 			// of a hand-off grant.
-			if err := s.renew(&t, h, req.Lease); err != nil {
+			if err := s.renew(h, req.Lease); err != nil {
 				s.mu.Unlock()
 				return LockResult{}, err
 			}
-			h.unclaimed = false
-			s.reschedule(h)
+			ks.unclaimed = false
+			s.schedule(h, t.now)
 			res := LockResult{Acquired: true, Token: ks.lastToken, Holder: h.node()}
 			s.commit(ctx, t)
 			return res, nil
 		}
 		if e := ks.waiter(req.Node); e != nil {
-			if err := s.renew(&t, e, req.Lease); err != nil {
+			if err := s.renew(e, req.Lease); err != nil {
 				s.mu.Unlock()
 				return LockResult{}, err
 			}
-			s.reschedule(e)
+			s.schedule(e, t.now)
 			res := LockResult{Queued: true, Holder: ks.holder.node(), Position: ks.wq.position(e)}
 			s.commit(ctx, t)
 			return res, nil
@@ -356,16 +356,14 @@ func (m *Memory) Status(ctx context.Context, t Type, resource, node string) (Sta
 	st.QueueLength = ks.qlen()
 	if h := ks.holder; h != nil {
 		st.Held, st.Holder, st.AcquiredAt = true, h.node(), m.wall(h.grantedAt)
-		if node == h.node() && h.lease == LeaseTTL {
-			h.ttlAt = now.add(m.cfg.LockTTL)
-			s.reschedule(h)
+		if node == h.node() && h.sess == nil {
+			s.schedule(h, now)
 		}
 	}
 	if e := ks.waiter(node); e != nil {
 		st.Position = ks.wq.position(e)
-		if e.lease == LeaseTTL {
-			e.ttlAt = now.add(m.cfg.LockTTL)
-			s.reschedule(e)
+		if e.sess == nil {
+			s.schedule(e, now)
 		}
 	}
 	if ks.hasRec && ks.rec.retained(now, m.cfg.CompletedRetention) {
@@ -430,7 +428,6 @@ func (m *Memory) Stats() Stats {
 // beyond Config.MaxSessions is refused, and e is left as it was.
 func (m *Memory) attach(e *entry, node string, want Lease) error {
 	if want == LeaseTTL || (want == LeaseAuto && m.sess.n.Load() == 0) {
-		e.lease = LeaseTTL
 		e.intern(node)
 		return nil
 	}
@@ -439,7 +436,6 @@ func (m *Memory) attach(e *entry, node string, want Lease) error {
 	if s == nil {
 		if want == LeaseAuto {
 			m.sess.mu.Unlock()
-			e.lease = LeaseTTL
 			e.intern(node)
 			return nil
 		}
@@ -456,7 +452,7 @@ func (m *Memory) attach(e *entry, node string, want Lease) error {
 	s.link(e)
 	s.mu.Unlock()
 	m.sess.mu.Unlock()
-	e.lease, e.sess, e.id = LeaseSession, s, s.id
+	e.sess, e.id = s, s.id
 	return nil
 }
 

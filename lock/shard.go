@@ -115,10 +115,11 @@ type keyState struct {
 	// sib is the next key of the same resource: the shard's map holds the
 	// first, and the others (at most two) follow it, which costs a key
 	// one pointer instead of a per-resource array of three.
-	sib     *keyState
-	typ     Type
-	hasRec  bool
-	inQueue bool // ks has an entry in the shard's record queue
+	sib       *keyState
+	typ       Type
+	unclaimed bool // the holder has a hand-off grant it has not confirmed: the claim timeout runs
+	hasRec    bool
+	inQueue   bool // ks has an entry in the shard's record queue
 }
 
 func (ks *keyState) key() Key { return Key{ks.typ, ks.res} }
@@ -269,29 +270,36 @@ func (q *waitQueue) position(e *entry) int {
 }
 
 // entry is a holder or a queue entry: a queue entry becomes the holder on a
-// hand-off, keeping its lease. It keeps only what cannot be derived: the
-// holder's token is its key's last token, and the claim and max-hold
-// deadlines are fixed offsets from the grant (docs/DESIGN.md, "How Memory
-// keeps the rules").
+// hand-off, keeping its lease. It keeps only what cannot be derived, in 64
+// bytes: the holder's token is its key's last token, its lease is a
+// session lease exactly while it is in a session, and of its deadlines it
+// keeps the earliest alone: the claim timeout and max hold are fixed
+// offsets from the grant, and a ttl lease is renewed whenever the entry is
+// scheduled (docs/DESIGN.md, "How Memory keeps the rules").
 type entry struct {
 	// id is the node's interned id: every entry of a node shares one copy
 	// of it, the session's for a session lease, where a copy each cost a
 	// string each (docs/DESIGN.md, "How Memory keeps the rules").
 	id   unique.Handle[string]
 	ks   *keyState
-	sess *session // the session that keeps a LeaseSession entry alive
+	sess *session // the session of a session lease; nil for a ttl lease
 	// sprev and snext link the entries of sess (session.ents), guarded
 	// by sess.mu.
 	sprev, snext *entry
 	grantedAt    mono
-	ttlAt        mono // ttl lease deadline; zero for a session lease
-	at           mono // earliest deadline (deadline): the entry's place in the heap
+	at           mono // the earliest deadline (schedule): the entry's place in the heap
 	// hidx and qidx index the shard's heap and the key's queue: int32
-	// bounds each at 2³¹ entries, 160 GiB of them.
-	hidx      int32 // -1 when not in the heap
-	qidx      int32 // while queued
-	lease     Lease // LeaseSession or LeaseTTL once attached
-	unclaimed bool  // a hand-off grant its holder has not confirmed: the claim timeout runs
+	// bounds each at 2³¹ entries, 128 GiB of them.
+	hidx int32 // -1 when not in the heap
+	qidx int32 // while queued
+}
+
+// lease is e's lease once attached.
+func (e *entry) lease() Lease {
+	if e.sess != nil {
+		return LeaseSession
+	}
+	return LeaseTTL
 }
 
 // node is e's node id.
@@ -304,13 +312,16 @@ func (e *entry) intern(node string) {
 	}
 }
 
-// deadline is e's earliest deadline, zero when it has none: its ttl lease,
-// and for a holder the claim timeout (while unclaimed) and max hold, both
-// counted from the grant.
-func (e *entry) deadline(cfg *Config) mono {
-	at := e.ttlAt
-	if e.ks.holder == e {
-		if e.unclaimed {
+// deadline is e's earliest deadline as of now, zero when it has none: a
+// ttl lease renewed now, and for a holder the claim timeout (while
+// unclaimed) and max hold, both counted from the grant.
+func (e *entry) deadline(cfg *Config, now mono) mono {
+	var at mono
+	if e.sess == nil {
+		at = now.add(cfg.LockTTL)
+	}
+	if ks := e.ks; ks.holder == e {
+		if ks.unclaimed {
 			at = earliest(at, e.grantedAt.add(cfg.ClaimTimeout))
 		}
 		if cfg.MaxHold > 0 {
@@ -391,11 +402,8 @@ func (s *shard) grant(t *txn, ks *keyState, e *entry, handoff bool) {
 	ks.lastToken = token
 	ks.holder = e
 	e.grantedAt = t.now
-	e.unclaimed = handoff && cfg.ClaimTimeout > 0
-	if e.lease == LeaseTTL {
-		e.ttlAt = t.now.add(cfg.LockTTL)
-	}
-	s.reschedule(e)
+	ks.unclaimed = handoff && cfg.ClaimTimeout > 0
+	s.schedule(e, t.now) // a ttl lease restarts at the grant
 	s.held++
 	s.grants++
 	msg := "grant"
@@ -414,16 +422,13 @@ func (s *shard) grant(t *txn, ks *keyState, e *entry, handoff bool) {
 }
 
 func (s *shard) enqueue(t *txn, ks *keyState, e *entry) {
-	if e.lease == LeaseTTL {
-		e.ttlAt = t.now.add(s.m.cfg.LockTTL)
-	}
 	if ks.wq == nil {
 		ks.wq = &waitQueue{byNode: make(map[string]*entry)}
 	}
 	ks.wq.push(e)
 	ks.wq.byNode[e.node()] = e
 	s.queued++
-	s.reschedule(e)
+	s.schedule(e, t.now)
 	s.opJoined(t, ks, e.node())
 }
 
@@ -444,31 +449,26 @@ func (s *shard) forget(ks *keyState, e *entry) {
 	s.recycle(e)
 }
 
-// renew refreshes an entry's lease on a repeated /lock, switching its kind
-// when the request names one. A switch to a session lease that would open a
-// session beyond the limit is refused, and the entry keeps its lease.
-func (s *shard) renew(t *txn, e *entry, want Lease) error {
+// renew switches an entry's lease on a repeated /lock when the request
+// names another kind; the caller then schedules it, which renews a ttl
+// lease. A switch to a session lease that would open a session beyond the
+// limit is refused, and the entry keeps its lease.
+func (s *shard) renew(e *entry, want Lease) error {
 	switch {
-	case want == LeaseTTL && e.lease != LeaseTTL:
+	case want == LeaseTTL && e.sess != nil:
 		s.m.detach(e)
-		e.lease = LeaseTTL
-	case want == LeaseSession && e.lease != LeaseSession:
-		if err := s.m.attach(e, e.node(), want); err != nil {
-			return err
-		}
-	}
-	if e.lease == LeaseTTL {
-		e.ttlAt = t.now.add(s.m.cfg.LockTTL)
-	} else {
-		e.ttlAt = 0
+	case want == LeaseSession && e.sess == nil:
+		return s.m.attach(e, e.node(), want)
 	}
 	return nil
 }
 
-// reschedule puts e in the heap at its earliest deadline and arms the timer
-// if that deadline comes before the timer fires.
-func (s *shard) reschedule(e *entry) {
-	at := e.deadline(&s.m.cfg)
+// schedule (re)starts e's ttl lease at now, if it has one, and puts e in
+// the heap at its earliest deadline, arming the timer if that deadline
+// comes before the timer fires. Every caller means to renew the ttl
+// lease: a grant, an enqueue, a repeated /lock, a /status of the node.
+func (s *shard) schedule(e *entry, now mono) {
+	at := e.deadline(&s.m.cfg, now)
 	s.leases.set(e, at)
 	if at != 0 && (s.timerAt == 0 || at < s.timerAt) {
 		s.arm(at)
@@ -491,7 +491,7 @@ func (s *shard) arm(at mono) {
 // It returns the node the key went to, "" if it became free.
 func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUnlock bool) string {
 	h, token := ks.holder, ks.lastToken // a hand-off below issues the next token
-	ks.holder = nil
+	ks.holder, ks.unclaimed = nil, false
 	s.held--
 	s.leases.remove(h)
 	s.m.detach(h)
@@ -615,7 +615,7 @@ func (s *shard) expire() {
 			switch cfg := &m.cfg; {
 			case cfg.MaxHold > 0 && e.grantedAt.add(cfg.MaxHold) <= t.now:
 				why = "max hold exceeded"
-			case e.unclaimed && e.grantedAt.add(cfg.ClaimTimeout) <= t.now:
+			case ks.unclaimed && e.grantedAt.add(cfg.ClaimTimeout) <= t.now:
 				why = "not claimed"
 			}
 			s.logf(&t, slog.LevelInfo, "hold expired", ks.key(), e.node(), ks.lastToken, why)
