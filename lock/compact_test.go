@@ -2,6 +2,7 @@ package lock
 
 import (
 	"fmt"
+	"math/rand/v2"
 	"runtime"
 	"slices"
 	"strings"
@@ -14,31 +15,45 @@ import (
 // Tests of the compact structures of docs/DESIGN.md ("How Memory keeps
 // the rules"): each fails if its structure loses or keeps the wrong thing.
 
-// checkKeys checks a shard's map of keys: each resource's keys in one
-// chain, one per type, sharing the resource's one copy, counted in nkeys.
+// checkKeys checks a shard's table of keys: each key in the chain of its
+// hash, each resource's keys one per type and sharing one copy of it, and
+// the count right.
 func checkKeys(t *testing.T, m *Memory) {
 	t.Helper()
 	for i, s := range m.shards {
 		s.mu.Lock()
 		n := 0
-		for res, first := range s.res {
-			var seen [Delete + 1]bool
-			for ks := first; ks != nil; ks = ks.sib {
-				n++
-				if ks.res != res || unsafe.StringData(ks.res) != unsafe.StringData(first.res) {
-					t.Errorf("shard %d: key %v in the chain of %q, or not sharing its copy", i, ks.key(), res)
-				}
-				if seen[ks.typ] {
-					t.Errorf("shard %d: two %v keys of %q", i, ks.typ, res)
-				}
-				seen[ks.typ] = true
-				if ks.holder == nil && ks.qlen() == 0 && !ks.hasRec {
-					t.Errorf("shard %d: %v kept with nothing to say", i, ks.key())
-				}
+		copies := map[string]*byte{}
+		types := map[Key]bool{}
+		kt := &s.keys
+		for ks := range kt.all() {
+			n++
+			if h := kt.hash(ks.res); ks.hash != h {
+				t.Errorf("shard %d: key %v has hash %x, its hash is %x", i, ks.key(), ks.hash, h)
+			}
+			if cur, old := kt.chains(ks.hash); !onChain(*cur, ks) && (old == nil || !onChain(*old, ks)) {
+				t.Errorf("shard %d: key %v is not on the chain of its hash", i, ks.key())
+			}
+			if p, ok := copies[ks.res]; ok && p != unsafe.StringData(ks.res) {
+				t.Errorf("shard %d: the keys of %q do not share one copy of it", i, ks.res)
+			}
+			copies[ks.res] = unsafe.StringData(ks.res)
+			if types[ks.key()] {
+				t.Errorf("shard %d: two keys %v", i, ks.key())
+			}
+			types[ks.key()] = true
+			if ks.holder == nil && ks.qlen() == 0 && !ks.hasRec {
+				t.Errorf("shard %d: %v kept with nothing to say", i, ks.key())
+			}
+			if s.key(ks.key()) != ks {
+				t.Errorf("shard %d: %v not found", i, ks.key())
 			}
 		}
-		if n != s.nkeys {
-			t.Errorf("shard %d: %d keys in the map, nkeys %d", i, n, s.nkeys)
+		if n != kt.n {
+			t.Errorf("shard %d: %d keys in the table, n %d", i, n, kt.n)
+		}
+		if b := len(kt.buckets); b < minBuckets || b&(b-1) != 0 || (kt.old == nil && (n > b || (b > minBuckets && n < b/8))) {
+			t.Errorf("shard %d: %d keys in %d buckets (resizing from %d: %v)", i, n, b, len(kt.old), kt.old != nil)
 		}
 		s.mu.Unlock()
 	}
@@ -82,11 +97,65 @@ func TestKeysOfOneResource(t *testing.T) {
 				if st := m.Stats(); st.Keys != 0 {
 					t.Fatalf("round %d: %d keys left", round, st.Keys)
 				}
-				if n := len(m.shardFor("r").res); n != 0 {
-					t.Fatalf("round %d: the resource is still in the shard's map", round)
+				if n := m.shardFor("r").keys.n; n != 0 {
+					t.Fatalf("round %d: %d keys still in the shard's table", round, n)
 				}
 			}
 		})
+	}
+}
+
+// TestKeyTableGrowsAndShrinks: thousands of keys of many resources in
+// one shard, made and forgotten in a shuffled order, are each found, with
+// the table growing and shrinking on the way, and while it moves its keys.
+func TestKeyTableGrowsAndShrinks(t *testing.T) {
+	m := newMemory(t, func(c *Config) { c.Shards = 1; c.CompletedMax = 0 })
+	s := m.shards[0]
+	const n = 3000
+	var keys []Key
+	for i := range n / 3 {
+		for _, typ := range []Type{Pull, Update, Delete} {
+			keys = append(keys, Key{typ, fmt.Sprint("res-", i)})
+		}
+	}
+	rng := rand.New(rand.NewPCG(1, 2))
+	rng.Shuffle(len(keys), func(i, j int) { keys[i], keys[j] = keys[j], keys[i] })
+	tokens := map[Key]uint64{}
+	moving := 0 // checks made while a resize went on
+	check := func(i int) {
+		if s.keys.old != nil {
+			moving++
+		}
+		if i%500 == 0 || (s.keys.old != nil && i%8 == 0) {
+			checkKeys(t, m)
+		}
+	}
+	for i, k := range keys {
+		tokens[k] = mustLock(t, m, LockRequest{Type: k.Type, Resource: k.Resource, Node: "a"}).Token
+		check(i)
+	}
+	checkKeys(t, m)
+	if b := len(s.keys.buckets); b != 4096 {
+		t.Fatalf("%d keys in %d buckets, want 4096", n, b)
+	}
+	rng.Shuffle(len(keys), func(i, j int) { keys[i], keys[j] = keys[j], keys[i] })
+	for i, k := range keys {
+		mustUnlock(t, m, k.Type, k.Resource, "a", false)
+		check(i)
+		if i%250 == 0 {
+			for _, o := range keys[i+1 : min(len(keys), i+50)] {
+				if st := status(t, m, o.Type, o.Resource, ""); st.Holder != "a" || st.Token != tokens[o] {
+					t.Fatalf("%v after %d unlocks: %+v, want held by a with token %d", o, i+1, st, tokens[o])
+				}
+			}
+		}
+	}
+	checkKeys(t, m)
+	if b := len(s.keys.buckets); s.keys.n != 0 || b != minBuckets || s.keys.old != nil {
+		t.Fatalf("%d keys left in %d buckets, resizing %v", s.keys.n, b, s.keys.old != nil)
+	}
+	if moving < 100 {
+		t.Fatalf("%d changes made while a resize went on", moving)
 	}
 }
 
@@ -412,4 +481,13 @@ func sameEvent(a, b *Event) bool {
 
 func eventText(e *Event) string {
 	return fmt.Sprintf("%s %v node %s token %d success %v error %q at %v next %q", e.Name, e.Key, e.Node, e.Token, e.Success, e.Error, e.CompletedAt, e.NextHolder)
+}
+
+func onChain(first, ks *keyState) bool {
+	for o := first; o != nil; o = o.sib {
+		if o == ks {
+			return true
+		}
+	}
+	return false
 }

@@ -185,32 +185,28 @@ func (s *shard) selectKeys(q KeyQuery, after keyPos, n int) (sel []*keyState, mo
 	// that more follow.
 	best := make([]*keyState, 0, min(n+1, 64))
 	posOf := func(ks *keyState) keyPos { return keyPos{ks.res, ks.typ} }
-	for res, first := range s.res {
-		if res < after.res || (q.Resource != "" && !strings.Contains(res, q.Resource)) {
+	for ks := range s.keys.all() {
+		if ks.res < after.res || (q.Resource != "" && !strings.Contains(ks.res, q.Resource)) ||
+			(ks.holder == nil && ks.qlen() == 0) || !ks.hasNode(q.Node) {
 			continue
 		}
-		for ks := first; ks != nil; ks = ks.sib {
-			if (ks.holder == nil && ks.qlen() == 0) || !ks.hasNode(q.Node) {
-				continue
-			}
-			p := posOf(ks)
-			if p.compare(after) <= 0 {
-				continue
-			}
-			if len(best) == n+1 && p.compare(posOf(best[n])) >= 0 {
-				continue
-			}
-			i, _ := slices.BinarySearchFunc(best, p, func(b *keyState, p keyPos) int { return posOf(b).compare(p) })
-			if len(best) == n+1 {
-				best = best[:n]
-			}
-			best = slices.Insert(best, i, ks)
+		p := posOf(ks)
+		if p.compare(after) <= 0 {
+			continue
 		}
+		if len(best) == n+1 && p.compare(posOf(best[n])) >= 0 {
+			continue
+		}
+		i, _ := slices.BinarySearchFunc(best, p, func(b *keyState, p keyPos) int { return posOf(b).compare(p) })
+		if len(best) == n+1 {
+			best = best[:n]
+		}
+		best = slices.Insert(best, i, ks)
 	}
 	if len(best) > n {
-		return best[:n], true, s.nkeys
+		return best[:n], true, s.keys.n
 	}
-	return best, false, s.nkeys
+	return best, false, s.keys.n
 }
 
 // hasNode reports whether node holds ks, waits for it, or completed it

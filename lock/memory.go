@@ -73,7 +73,7 @@ func NewMemory(ctx context.Context, cfg Config) (*Memory, error) {
 		m.recordCap = max(1, cfg.CompletedMax/cfg.Shards)
 	}
 	for i := range m.shards {
-		m.shards[i] = &shard{m: m, res: make(map[string]*keyState), tokenFloor: floor - 1}
+		m.shards[i] = &shard{m: m, keys: newKeyTable(), tokenFloor: floor - 1}
 		if cfg.RefStore != nil {
 			m.shards[i].refs = make(map[string]*refState)
 		}
@@ -400,7 +400,7 @@ func (m *Memory) Stats() Stats {
 	var st Stats
 	for _, s := range m.shards {
 		s.mu.Lock()
-		st.Keys += s.nkeys
+		st.Keys += s.keys.n
 		st.Held += s.held
 		st.Queued += s.queued
 		st.Grants += s.grants

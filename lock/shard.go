@@ -14,8 +14,7 @@ type shard struct {
 	m *Memory
 
 	mu      sync.Mutex
-	res     map[string]*keyState // resource → its first key (keyState.sib)
-	nkeys   int
+	keys    keyTable
 	free    []*entry // released entries, reused to spare the hot path an allocation
 	leases  deadlineHeap
 	timer   *time.Timer
@@ -34,48 +33,19 @@ type shard struct {
 }
 
 // key returns the state of k, nil when k has none.
-func (s *shard) key(k Key) *keyState {
-	for ks := s.res[k.Resource]; ks != nil; ks = ks.sib {
-		if ks.typ == k.Type {
-			return ks
-		}
-	}
-	return nil
-}
+func (s *shard) key(k Key) *keyState { return s.keys.get(k.Type, k.Resource) }
 
 // addKey adds ks, which has no state in the shard, to the shard's keys.
 func (s *shard) addKey(ks *keyState) {
-	if head := s.res[ks.res]; head != nil {
-		ks.res = head.res // one copy of the resource for all its keys
-		ks.sib, head.sib = head.sib, ks
-	} else {
-		ks.sib = nil
-		s.res[ks.res] = ks
-	}
-	s.nkeys++
+	s.keys.add(ks)
 	s.m.keys.Add(1)
 }
 
 // removeKey takes ks out of the shard's keys; false if it was not in them.
 func (s *shard) removeKey(ks *keyState) bool {
-	head := s.res[ks.res]
-	switch {
-	case head == ks && ks.sib != nil:
-		s.res[ks.res] = ks.sib
-	case head == ks:
-		delete(s.res, ks.res)
-	default:
-		p := head
-		for p != nil && p.sib != ks {
-			p = p.sib
-		}
-		if p == nil {
-			return false
-		}
-		p.sib = ks.sib
+	if !s.keys.remove(ks) {
+		return false
 	}
-	ks.sib = nil
-	s.nkeys--
 	s.m.keys.Add(-1)
 	return true
 }
@@ -107,15 +77,13 @@ func (s *shard) recycle(e *entry) {
 // pointer that stays nil until then, and it takes 64 bytes
 // (docs/DESIGN.md, "How Memory keeps the rules").
 type keyState struct {
-	res       string // the resource: the shard's map and every key of the resource share one copy
+	res       string // the resource: every key of the resource shares one copy
 	holder    *entry
 	wq        *waitQueue // allocated at the key's first waiter
 	lastToken uint64     // the last token issued: the holder's, while there is one
 	rec       *record    // allocated at the key's first completion: a held key needs none
-	// sib is the next key of the same resource: the shard's map holds the
-	// first, and the others (at most two) follow it, which costs a key
-	// one pointer instead of a per-resource array of three.
-	sib       *keyState
+	sib       *keyState  // the next key in the shard's chain (keyTable)
+	hash      uint32     // the resource's hash in the shard's keyTable
 	typ       Type
 	unclaimed bool // the holder has a hand-off grant it has not confirmed: the claim timeout runs
 	hasRec    bool
