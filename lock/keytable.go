@@ -14,10 +14,11 @@ import (
 // resource again (docs/DESIGN.md, "How Memory keeps the rules"). The seed
 // is random: which resources share a chain is not a client's choice.
 //
-// A resize is spread over the changes that follow it, as a Go map's is,
-// so that no request waits for a whole table to move: until it is done,
-// the keys of old[done:] are still there, and each change moves a few
-// more buckets.
+// A resize is spread over the calls that follow it, as a Go map's growth
+// is, so that no request waits for a whole table to move: until it is
+// done, the keys of old[done:] are still there, and each call moves a few
+// more buckets (a lookup too, so that a resize does not slow lookups for
+// long where keys seldom change).
 type keyTable struct {
 	seed    maphash.Seed
 	buckets []*keyState // a power of two of them, at least minBuckets
@@ -26,10 +27,10 @@ type keyTable struct {
 	n       int
 }
 
-// Each change moves old buckets until it has looked at moveBuckets of
-// them or moved moveKeys keys. A growth (old buckets hold a key each, at
-// most) is then done within len(old)/moveKeys changes, long before the
-// table is full again, len(old) more keys; a shrink (old holds fewer than
+// Each call moves old buckets until it has looked at moveBuckets of them
+// or moved moveKeys keys. A growth (old buckets hold a key each, at most)
+// is then done within len(old)/moveKeys changes, long before the table is
+// full again, len(old) more keys; a shrink (old holds fewer than
 // len(old)/8 keys) within len(old)/64 changes, before the next could be
 // due, len(old)/16 fewer keys. A resize due while another goes on waits
 // for it to end.
@@ -63,6 +64,9 @@ func (t *keyTable) chains(h uint32) (cur, old **keyState) {
 
 // get returns the key (typ, res), nil if the table has none.
 func (t *keyTable) get(typ Type, res string) *keyState {
+	if t.old != nil {
+		t.move()
+	}
 	h := t.hash(res)
 	cur, old := t.chains(h)
 	for ks := *cur; ks != nil; ks = ks.sib {
@@ -156,7 +160,8 @@ func (t *keyTable) move() {
 	}
 }
 
-// all yields every key, in no order.
+// all yields every key, in no order. The table must not be used otherwise
+// during the walk: a lookup moves keys.
 func (t *keyTable) all() iter.Seq[*keyState] {
 	return func(yield func(*keyState) bool) {
 		for _, b := range [...][]*keyState{t.buckets, t.old[t.done:]} {

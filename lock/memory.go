@@ -242,7 +242,7 @@ func (m *Memory) TryLock(ctx context.Context, req LockRequest) (LockResult, erro
 		return LockResult{}, fmt.Errorf("%w: %v has %d waiters, at most %d are allowed", ErrQueueFull, k, n, max)
 	}
 	e := s.newEntry(ks)
-	if err := m.attach(e, req.Node, req.Lease); err != nil {
+	if err := s.attach(e, req.Node, req.Lease); err != nil {
 		s.recycle(e)
 		s.mu.Unlock()
 		return LockResult{}, err
@@ -426,17 +426,18 @@ func (m *Memory) Stats() Stats {
 // can find it. Called under the shard mutex (lock order: shard, session
 // table, session, grace heap). A session lease that would open a session
 // beyond Config.MaxSessions is refused, and e is left as it was.
-func (m *Memory) attach(e *entry, node string, want Lease) error {
+func (s *shard) attach(e *entry, node string, want Lease) error {
+	m := s.m
 	if want == LeaseTTL || (want == LeaseAuto && m.sess.n.Load() == 0) {
-		e.intern(node)
+		s.intern(e, node)
 		return nil
 	}
 	m.sess.mu.Lock()
-	s := m.sess.m[node]
-	if s == nil {
+	ss := m.sess.m[node]
+	if ss == nil {
 		if want == LeaseAuto {
 			m.sess.mu.Unlock()
-			e.intern(node)
+			s.intern(e, node)
 			return nil
 		}
 		if err := m.sessionRoom(); err != nil {
@@ -445,14 +446,14 @@ func (m *Memory) attach(e *entry, node string, want Lease) error {
 		}
 		// A session lease asked for without a stream starts the session in
 		// grace: a stream must open before it runs out.
-		s = m.newSessionLocked(node)
-		s.startGrace(m)
+		ss = m.newSessionLocked(node)
+		ss.startGrace(m)
 	}
-	s.mu.Lock()
-	s.link(e)
-	s.mu.Unlock()
+	ss.mu.Lock()
+	ss.link(e)
+	ss.mu.Unlock()
 	m.sess.mu.Unlock()
-	e.sess, e.id = s, s.id
+	e.sess, e.id = ss, ss.id
 	return nil
 }
 

@@ -30,6 +30,8 @@ type shard struct {
 
 	out outbox
 	opq []item // operator-only events waiting for the next commit (opfeed.go)
+
+	ids [32]unique.Handle[string] // node ids interned last (intern)
 }
 
 // key returns the state of k, nil when k has none.
@@ -273,11 +275,22 @@ func (e *entry) lease() Lease {
 // node is e's node id.
 func (e *entry) node() string { return e.id.Value() }
 
-// intern names e's node unless attach did already.
-func (e *entry) intern(node string) {
-	if e.id == (unique.Handle[string]{}) {
-		e.id = unique.Make(node)
+// intern names e's node unless attach did already. The shard keeps the
+// ids it made last, by a cheap hash of the node id: the nodes that lock
+// keys of a shard are mostly few, and a hit spares unique.Make its lookup
+// in the process-wide table, a third of a grant's cost (a miss costs a
+// string comparison).
+func (s *shard) intern(e *entry, node string) {
+	if e.id != (unique.Handle[string]{}) {
+		return
 	}
+	i := (len(node)*31 + int(node[len(node)-1])) % len(s.ids)
+	if id := s.ids[i]; id != (unique.Handle[string]{}) && id.Value() == node {
+		e.id = id
+		return
+	}
+	e.id = unique.Make(node)
+	s.ids[i] = e.id
 }
 
 // deadline is e's earliest deadline as of now, zero when it has none: a
@@ -426,7 +439,7 @@ func (s *shard) renew(e *entry, want Lease) error {
 	case want == LeaseTTL && e.sess != nil:
 		s.m.detach(e)
 	case want == LeaseSession && e.sess == nil:
-		return s.m.attach(e, e.node(), want)
+		return s.attach(e, e.node(), want)
 	}
 	return nil
 }
