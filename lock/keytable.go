@@ -9,10 +9,10 @@ import (
 // table whose chains run through keyState.sib, the keys of one resource
 // in one chain, and each key carries its hash. A key costs the table one
 // bucket pointer, 8 to 16 bytes at the load it keeps, where a Go map from
-// resource to key cost 30 to 60 (a string and a pointer per slot, at the
+// resource to key cost some 25 (a string and a pointer per slot, at the
 // map's load), and neither a lookup along a chain nor a resize hashes a
-// resource again (docs/DESIGN.md, "How Memory keeps the rules"). The seed
-// is random: which resources share a chain is not a client's choice.
+// resource again (docs/DESIGN.md, "What a held lock costs"). The seed is
+// random: which resources share a chain is not a client's choice.
 //
 // A resize is spread over the calls that follow it, as a Go map's growth
 // is, so that no request waits for a whole table to move: until it is

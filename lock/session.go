@@ -36,7 +36,7 @@ type session struct {
 	// session lease, through entry.sprev and entry.snext, which mu guards:
 	// the session's end finds them there. An entry joins and leaves in O(1)
 	// and allocates nothing, where a set of keys cost a map entry each
-	// (docs/DESIGN.md, "How Memory keeps the rules").
+	// (docs/DESIGN.md, "What a held lock costs").
 	ents  *entry
 	nents int
 	ended bool

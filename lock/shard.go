@@ -77,7 +77,7 @@ func (s *shard) recycle(e *entry) {
 // held key that nobody waits for is the common case, and the struct is
 // laid out for it: what only waiters or completions need hangs off a
 // pointer that stays nil until then, and it takes 64 bytes
-// (docs/DESIGN.md, "How Memory keeps the rules").
+// (docs/DESIGN.md, "What a held lock costs").
 type keyState struct {
 	res       string // the resource: every key of the resource shares one copy
 	holder    *entry
@@ -245,11 +245,11 @@ func (q *waitQueue) position(e *entry) int {
 // session lease exactly while it is in a session, and of its deadlines it
 // keeps the earliest alone: the claim timeout and max hold are fixed
 // offsets from the grant, and a ttl lease is renewed whenever the entry is
-// scheduled (docs/DESIGN.md, "How Memory keeps the rules").
+// scheduled (docs/DESIGN.md, "What a held lock costs").
 type entry struct {
 	// id is the node's interned id: every entry of a node shares one copy
 	// of it, the session's for a session lease, where a copy each cost a
-	// string each (docs/DESIGN.md, "How Memory keeps the rules").
+	// string each (docs/DESIGN.md, "What a held lock costs").
 	id   unique.Handle[string]
 	ks   *keyState
 	sess *session // the session of a session lease; nil for a ttl lease
