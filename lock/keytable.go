@@ -84,19 +84,26 @@ func (t *keyTable) get(typ Type, res string) *keyState {
 	return nil
 }
 
-// add adds ks, which the table does not have. The keys of one resource
-// share one copy of it.
-func (t *keyTable) add(ks *keyState) {
-	h := t.hash(ks.res)
+// resource returns the copy of res that the table's keys of res share,
+// res itself if it has none: a new key takes it, so that the keys of one
+// resource share one copy.
+func (t *keyTable) resource(res string) string {
+	h := t.hash(res)
 	cur, old := t.chains(h)
 	for _, c := range [...]**keyState{cur, old} {
 		for o := deref(c); o != nil; o = o.sib {
-			if o.hash == h && o.res == ks.res {
-				ks.res = o.res
-				break
+			if o.hash == h && o.res == res {
+				return o.res
 			}
 		}
 	}
+	return res
+}
+
+// add adds ks, which the table does not have.
+func (t *keyTable) add(ks *keyState) {
+	h := t.hash(ks.res)
+	cur, _ := t.chains(h)
 	ks.hash, ks.sib, *cur = h, *cur, ks
 	t.n++
 	t.move()

@@ -234,7 +234,9 @@ func (m *Memory) TryLock(ctx context.Context, req LockRequest) (LockResult, erro
 			m.refusedKeys.Add(1)
 			return LockResult{}, fmt.Errorf("%w: %d keys have state, at most %d are allowed", ErrTooManyKeys, m.keys.Load(), max)
 		}
-		ks = &keyState{res: k.Resource, typ: k.Type, lastToken: s.tokenFloor}
+		// The key's resource never changes: a session's end reads it
+		// without the shard's mutex (endSessions).
+		ks = &keyState{res: s.keys.resource(k.Resource), typ: k.Type, lastToken: s.tokenFloor}
 	} else if max := m.cfg.MaxQueue; ks.holder != nil && max > 0 && ks.qlen() >= max {
 		n := ks.qlen()
 		s.mu.Unlock()

@@ -79,7 +79,7 @@ func (s *shard) recycle(e *entry) {
 // pointer that stays nil until then, and it takes 64 bytes
 // (docs/DESIGN.md, "What a held lock costs").
 type keyState struct {
-	res       string // the resource: every key of the resource shares one copy
+	res       string // the resource, one copy for all its keys; it never changes
 	holder    *entry
 	wq        *waitQueue // allocated at the key's first waiter
 	lastToken uint64     // the last token issued: the holder's, while there is one
