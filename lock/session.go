@@ -63,7 +63,7 @@ type session struct {
 func (m *Memory) newSessionLocked(node string) *session {
 	id := unique.Make(node)
 	s := &session{node: id.Value(), id: id, lost: m.seq.Load(), gidx: -1}
-	m.sess.m[node] = s
+	m.sess.m[s.node] = s
 	m.sess.n.Add(1)
 	return s
 }
