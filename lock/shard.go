@@ -275,11 +275,11 @@ func (e *entry) lease() Lease {
 // node is e's node id.
 func (e *entry) node() string { return e.id.Value() }
 
-// intern names e's node unless attach did already. The shard keeps the
-// ids it made last, by a cheap hash of the node id: the nodes that lock
-// keys of a shard are mostly few, and a hit spares unique.Make its lookup
-// in the process-wide table, a third of a grant's cost (a miss costs a
-// string comparison).
+// intern names e's node, unless it is named already (a lease switch).
+// The shard keeps the ids it made last, by a cheap hash of the node id:
+// the nodes that lock keys of a shard are mostly few, and a hit spares
+// unique.Make its lookup in the process-wide table, some 25 ns where a
+// lock and its unlock take 300 (a miss costs a string comparison).
 func (s *shard) intern(e *entry, node string) {
 	if e.id != (unique.Handle[string]{}) {
 		return
