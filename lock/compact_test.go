@@ -465,6 +465,20 @@ func TestReplayRebuildsCompactEvents(t *testing.T) {
 			if j >= 0 {
 				last = sent[j].ID
 			}
+			// after, which Subscribe is to use, gives the tail of live.
+			s := m.sess.get("a")
+			s.mu.Lock()
+			tail, all := s.after(last), s.live()
+			s.mu.Unlock()
+			k := len(all) - len(tail)
+			if k < 0 {
+				t.Fatalf("round %d, after %d: %d events, more than the log's %d", i, last, len(tail), len(all))
+			}
+			for x, d := range tail {
+				if a := all[k+x]; d.ID != a.ID || !sameEvent(d.Event, a.Event) || (k > 0 && all[k-1].ID > last) || d.ID <= last {
+					t.Fatalf("round %d, after %d: event %d of %d differs from the log's", i, last, x, len(tail))
+				}
+			}
 			rs, sub, err := m.Subscribe(t.Context(), SubscribeRequest{Node: "a", LastID: last, HasLast: true})
 			if err != nil {
 				t.Fatal(err)

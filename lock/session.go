@@ -1,7 +1,9 @@
 package lock
 
 import (
+	"cmp"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -137,10 +139,20 @@ func (le *logEntry) size(s *session) int {
 	return le.ev.WireSize()
 }
 
-// live is the replay log's events, in order. The lock_assigned events the
-// log keeps compact are built anew, in one allocation.
-func (s *session) live() []Delivery {
+// live is the replay log's events, in order (Subscribe's replay).
+//
+// It builds every compact event of the log, up to SessionLog of them,
+// where Subscribe replays only those after its last event id: Subscribe
+// (stream.go) should ask for after(lastID) instead.
+func (s *session) live() []Delivery { return s.after(0) }
+
+// after is the replay log's events with an id above last, in order. The
+// lock_assigned events the log keeps compact are built anew, in one
+// allocation.
+func (s *session) after(last uint64) []Delivery {
 	log := s.log[s.logHead:]
+	i, _ := slices.BinarySearchFunc(log, last+1, func(le logEntry, id uint64) int { return cmp.Compare(le.id, id) })
+	log = log[i:]
 	n := 0
 	for i := range log {
 		if log[i].res != "" {
