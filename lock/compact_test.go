@@ -375,7 +375,7 @@ func TestNodeIDsInterned(t *testing.T) {
 	sessIDs = append(sessIDs, nodeOf(Key{Update, "r0"}), nodeOf(Key{Update, "r1"}))
 	sess := m.sess.get("sess-node")
 	for _, id := range sessIDs {
-		if id != "sess-node" || unsafe.StringData(id) != unsafe.StringData(sess.node) {
+		if id != "sess-node" || unsafe.StringData(id) != unsafe.StringData(sess.id.Value()) {
 			t.Fatalf("a session-leased entry's id %q is not the session's copy", id)
 		}
 	}

@@ -9,6 +9,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unique"
 )
 
 // Memory is the in-memory Backend: a sharded lock manager whose state lives in
@@ -453,9 +454,12 @@ func (s *shard) attach(e *entry, node string, want Lease) error {
 	}
 	ss.mu.Lock()
 	ss.link(e)
+	if ss.id == (unique.Handle[string]{}) {
+		ss.id = unique.Make(ss.node)
+	}
+	e.sess, e.id = ss, ss.id
 	ss.mu.Unlock()
 	m.sess.mu.Unlock()
-	e.sess, e.id = ss, ss.id
 	return nil
 }
 

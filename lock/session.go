@@ -30,7 +30,10 @@ func (t *sessionTable) get(node string) *session {
 // Config.SessionGrace and keeps its recent events for replay.
 type session struct {
 	node string
-	id   unique.Handle[string] // node, interned: the id of the session's entries
+	// id is node interned, the id of the session's entries, made at the
+	// first of them: a session that holds nothing does not pay for it.
+	// Guarded by the session table's mutex and mu.
+	id unique.Handle[string]
 
 	mu      sync.Mutex
 	streams []*stream
@@ -63,9 +66,8 @@ type session struct {
 }
 
 func (m *Memory) newSessionLocked(node string) *session {
-	id := unique.Make(node)
-	s := &session{node: id.Value(), id: id, lost: m.seq.Load(), gidx: -1}
-	m.sess.m[s.node] = s
+	s := &session{node: node, lost: m.seq.Load(), gidx: -1}
+	m.sess.m[node] = s
 	m.sess.n.Add(1)
 	return s
 }
