@@ -38,12 +38,17 @@ func (e *Event) WireSize() int {
 	if n := e.size.Load(); n != 0 {
 		return int(n)
 	}
+	n := wireSize(e.Name, e.Key.Resource, e.Node, e.Error, e.NextHolder)
+	e.size.Store(int32(n))
+	return n
+}
+
+// wireSize is WireSize of an event with these texts.
+func wireSize(name, resource, node, errText, next string) int {
 	// The frame's fixed part: "id: " and 20 digits, the event line, the
 	// JSON keys, type, token or success, a time stamp, the separators.
 	const fixed = 256
-	n := fixed + 2*len(e.Name) + jsonLen(e.Key.Resource) + jsonLen(e.Node) + jsonLen(e.Error) + jsonLen(e.NextHolder)
-	e.size.Store(int32(n))
-	return n
+	return fixed + 2*len(name) + jsonLen(resource) + jsonLen(node) + jsonLen(errText) + jsonLen(next)
 }
 
 // jsonLen bounds the length of s as a JSON string by encoding/json: quotes,

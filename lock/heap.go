@@ -9,18 +9,18 @@ func (h deadlineHeap) less(i, j int) bool { return h[i].at < h[j].at }
 
 func (h deadlineHeap) swap(i, j int) {
 	h[i], h[j] = h[j], h[i]
-	h[i].hidx = i
-	h[j].hidx = j
+	h[i].hidx = int32(i)
+	h[j].hidx = int32(j)
 }
 
 func (h *deadlineHeap) push(e *entry) {
-	e.hidx = len(*h)
+	e.hidx = int32(len(*h))
 	*h = append(*h, e)
-	h.up(e.hidx)
+	h.up(len(*h) - 1)
 }
 
 func (h *deadlineHeap) remove(e *entry) {
-	i := e.hidx
+	i := int(e.hidx)
 	if i < 0 {
 		return
 	}
@@ -83,6 +83,6 @@ func (h *deadlineHeap) set(e *entry, at mono) {
 	case e.hidx < 0:
 		h.push(e)
 	default:
-		h.fix(e.hidx)
+		h.fix(int(e.hidx))
 	}
 }

@@ -166,7 +166,7 @@ func (m *Memory) InspectKeys(ctx context.Context, q KeyQuery) (KeyPage, error) {
 		page.Scanned += scanned
 		switch {
 		case more:
-			last := sel[len(sel)-1].key
+			last := sel[len(sel)-1].key()
 			page.Next = keyCursor{shard: i, pos: keyPos{last.Resource, last.Type}}.String()
 			return page, nil
 		case i+1 < len(m.shards) && (len(page.Keys) == limit || page.Scanned >= scanBudget):
@@ -184,56 +184,52 @@ func (s *shard) selectKeys(q KeyQuery, after keyPos, n int) (sel []*keyState, mo
 	// best is sorted and keeps at most n+1 keys: the one past n says
 	// that more follow.
 	best := make([]*keyState, 0, min(n+1, 64))
-	posOf := func(ks *keyState) keyPos { return keyPos{ks.key.Resource, ks.key.Type} }
-	for res, r := range s.res {
-		if res < after.res || (q.Resource != "" && !strings.Contains(res, q.Resource)) {
+	posOf := func(ks *keyState) keyPos { return keyPos{ks.res, ks.typ} }
+	for ks := range s.keys.all() {
+		if ks.res < after.res || (q.Resource != "" && !strings.Contains(ks.res, q.Resource)) ||
+			(ks.holder == nil && ks.qlen() == 0) || !ks.hasNode(q.Node) {
 			continue
 		}
-		for _, ks := range r {
-			if ks == nil || (ks.holder == nil && ks.qlen() == 0) || !ks.hasNode(q.Node) {
-				continue
-			}
-			p := posOf(ks)
-			if p.compare(after) <= 0 {
-				continue
-			}
-			if len(best) == n+1 && p.compare(posOf(best[n])) >= 0 {
-				continue
-			}
-			i, _ := slices.BinarySearchFunc(best, p, func(b *keyState, p keyPos) int { return posOf(b).compare(p) })
-			if len(best) == n+1 {
-				best = best[:n]
-			}
-			best = slices.Insert(best, i, ks)
+		p := posOf(ks)
+		if p.compare(after) <= 0 {
+			continue
 		}
+		if len(best) == n+1 && p.compare(posOf(best[n])) >= 0 {
+			continue
+		}
+		i, _ := slices.BinarySearchFunc(best, p, func(b *keyState, p keyPos) int { return posOf(b).compare(p) })
+		if len(best) == n+1 {
+			best = best[:n]
+		}
+		best = slices.Insert(best, i, ks)
 	}
 	if len(best) > n {
-		return best[:n], true, s.nkeys
+		return best[:n], true, s.keys.n
 	}
-	return best, false, s.nkeys
+	return best, false, s.keys.n
 }
 
 // hasNode reports whether node holds ks, waits for it, or completed it
 // last; an empty node matches every key.
 func (ks *keyState) hasNode(node string) bool {
-	return node == "" || (ks.holder != nil && ks.holder.node == node) || ks.queued[node] != nil ||
+	return node == "" || (ks.holder != nil && ks.holder.node() == node) || ks.waiter(node) != nil ||
 		(ks.hasRec && ks.rec.Node == node)
 }
 
 func (m *Memory) keyView(ks *keyState, now mono) KeyView {
-	v := KeyView{Key: ks.key, QueueLength: ks.qlen()}
+	v := KeyView{Key: ks.key(), QueueLength: ks.qlen()}
 	if h := ks.holder; h != nil {
-		v.Holder, v.Token, v.Lease, v.AcquiredAt, v.Unclaimed = h.node, h.token, h.lease, m.wall(h.grantedAt), h.claimAt != 0
+		v.Holder, v.Token, v.Lease, v.AcquiredAt, v.Unclaimed = h.node(), ks.lastToken, h.lease(), m.wall(h.grantedAt), ks.unclaimed
 	}
 	if v.QueueLength > 0 {
 		v.Queue = make([]Waiter, 0, min(v.QueueLength, QueueShown))
-		// The queue has holes where waiters left (shard.go, qremove).
-		for _, e := range ks.queue[ks.qhead:] {
+		// The queue has holes where waiters left (shard.go, waitQueue.remove).
+		for _, e := range ks.wq.q[ks.wq.head:] {
 			if len(v.Queue) == QueueShown {
 				break
 			}
 			if e != nil {
-				v.Queue = append(v.Queue, Waiter{Node: e.node, Lease: e.lease})
+				v.Queue = append(v.Queue, Waiter{Node: e.node(), Lease: e.lease()})
 			}
 		}
 	}
@@ -280,7 +276,7 @@ func (m *Memory) RecentCompletions(ctx context.Context, q KeyQuery) ([]Completio
 			// A key is in the record queue at most once (inQueue), and a
 			// key with a record is never forgotten: no duplicates.
 			if !ks.hasRec || !ks.rec.retained(now, m.cfg.CompletedRetention) ||
-				(q.Resource != "" && !strings.Contains(ks.key.Resource, q.Resource)) ||
+				(q.Resource != "" && !strings.Contains(ks.res, q.Resource)) ||
 				(q.Node != "" && ks.rec.Node != q.Node) {
 				continue
 			}
@@ -289,7 +285,7 @@ func (m *Memory) RecentCompletions(ctx context.Context, q KeyQuery) ([]Completio
 				continue
 			}
 			i, _ := slices.BinarySearchFunc(best, r.at, newer)
-			best = slices.Insert(best, i, found{r.at, CompletionView{Key: ks.key, Completion: r.Completion, NextHolder: r.next}})
+			best = slices.Insert(best, i, found{r.at, CompletionView{Key: ks.key(), Completion: r.Completion, NextHolder: r.next}})
 			if len(best) > limit {
 				best = best[:limit]
 			}
@@ -372,7 +368,7 @@ func (m *Memory) InspectSessions(ctx context.Context, q SessionQuery) (SessionPa
 	page.Sessions = make([]SessionView, 0, len(best))
 	for _, s := range best {
 		s.mu.Lock()
-		page.Sessions = append(page.Sessions, SessionView{Node: s.node, Streams: len(s.streams), InGrace: len(s.streams) == 0, Keys: len(s.keys)})
+		page.Sessions = append(page.Sessions, SessionView{Node: s.node, Streams: len(s.streams), InGrace: len(s.streams) == 0, Keys: s.nents})
 		s.mu.Unlock()
 	}
 	m.sess.mu.Unlock()

@@ -54,7 +54,10 @@ func queueWork(m *Memory, k Key) uint64 {
 	s := m.shardFor(k.Resource)
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.key(k).qwork
+	if ks := s.key(k); ks != nil && ks.wq != nil {
+		return ks.wq.work
+	}
+	return 0
 }
 
 // TestSessionLossCost: removing N lost waiters from one queue visits O(N)

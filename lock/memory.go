@@ -9,6 +9,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unique"
 )
 
 // Memory is the in-memory Backend: a sharded lock manager whose state lives in
@@ -73,7 +74,7 @@ func NewMemory(ctx context.Context, cfg Config) (*Memory, error) {
 		m.recordCap = max(1, cfg.CompletedMax/cfg.Shards)
 	}
 	for i := range m.shards {
-		m.shards[i] = &shard{m: m, res: make(map[string]*resKeys), tokenFloor: floor - 1}
+		m.shards[i] = &shard{m: m, keys: newKeyTable(), tokenFloor: floor - 1}
 		if cfg.RefStore != nil {
 			m.shards[i].refs = make(map[string]*refState)
 		}
@@ -186,26 +187,26 @@ func (m *Memory) TryLock(ctx context.Context, req LockRequest) (LockResult, erro
 	t := s.begin()
 	ks := s.key(k)
 	if ks != nil {
-		if h := ks.holder; h != nil && h.node == req.Node {
+		if h := ks.holder; h != nil && h.node() == req.Node {
 			// A retry whose answer was lost, a renewal, or the confirmation
 			// of a hand-off grant.
-			if err := s.renew(&t, h, req.Lease); err != nil {
+			if err := s.renew(h, req.Lease); err != nil {
 				s.mu.Unlock()
 				return LockResult{}, err
 			}
-			h.claimAt = 0
-			s.reschedule(h)
-			res := LockResult{Acquired: true, Token: h.token, Holder: h.node}
+			ks.unclaimed = false
+			s.schedule(h, t.now)
+			res := LockResult{Acquired: true, Token: ks.lastToken, Holder: h.node()}
 			s.commit(ctx, t)
 			return res, nil
 		}
-		if e := ks.queued[req.Node]; e != nil {
-			if err := s.renew(&t, e, req.Lease); err != nil {
+		if e := ks.waiter(req.Node); e != nil {
+			if err := s.renew(e, req.Lease); err != nil {
 				s.mu.Unlock()
 				return LockResult{}, err
 			}
-			s.reschedule(e)
-			res := LockResult{Queued: true, Holder: ks.holder.node, Position: ks.position(e)}
+			s.schedule(e, t.now)
+			res := LockResult{Queued: true, Holder: ks.holder.node(), Position: ks.wq.position(e)}
 			s.commit(ctx, t)
 			return res, nil
 		}
@@ -222,7 +223,7 @@ func (m *Memory) TryLock(ctx context.Context, req LockRequest) (LockResult, erro
 		return res, nil
 	}
 	if ks != nil && ks.holder != nil && !m.cfg.AllowMultiNodeDownload {
-		holder := ks.holder.node
+		holder := ks.holder.node()
 		s.mu.Unlock()
 		return LockResult{}, &HeldError{Holder: holder}
 	}
@@ -234,15 +235,17 @@ func (m *Memory) TryLock(ctx context.Context, req LockRequest) (LockResult, erro
 			m.refusedKeys.Add(1)
 			return LockResult{}, fmt.Errorf("%w: %d keys have state, at most %d are allowed", ErrTooManyKeys, m.keys.Load(), max)
 		}
-		ks = &keyState{key: k, lastToken: s.tokenFloor}
+		// The key's resource never changes: a session's end reads it
+		// without the shard's mutex (endSessions).
+		ks = &keyState{res: s.keys.resource(k.Resource), typ: k.Type, lastToken: s.tokenFloor}
 	} else if max := m.cfg.MaxQueue; ks.holder != nil && max > 0 && ks.qlen() >= max {
 		n := ks.qlen()
 		s.mu.Unlock()
 		m.refusedQueue.Add(1)
 		return LockResult{}, fmt.Errorf("%w: %v has %d waiters, at most %d are allowed", ErrQueueFull, k, n, max)
 	}
-	e := s.newEntry(req.Node, ks)
-	if err := m.attach(e, req.Lease); err != nil {
+	e := s.newEntry(ks)
+	if err := s.attach(e, req.Node, req.Lease); err != nil {
 		s.recycle(e)
 		s.mu.Unlock()
 		return LockResult{}, err
@@ -253,10 +256,10 @@ func (m *Memory) TryLock(ctx context.Context, req LockRequest) (LockResult, erro
 	var res LockResult
 	if ks.holder == nil {
 		s.grant(&t, ks, e, false)
-		res = LockResult{Acquired: true, Token: e.token, Holder: e.node}
+		res = LockResult{Acquired: true, Token: ks.lastToken, Holder: e.node()}
 	} else {
 		s.enqueue(&t, ks, e)
-		res = LockResult{Queued: true, Holder: ks.holder.node, Position: ks.qlen()}
+		res = LockResult{Queued: true, Holder: ks.holder.node(), Position: ks.qlen()}
 	}
 	s.commit(ctx, t)
 	return res, nil
@@ -276,7 +279,7 @@ func (m *Memory) Unlock(ctx context.Context, req UnlockRequest) (UnlockResult, e
 	s.mu.Lock()
 	t := s.begin()
 	ks := s.key(req.Key())
-	if ks == nil || ks.holder == nil || ks.holder.node != req.Node {
+	if ks == nil || ks.holder == nil || ks.holder.node() != req.Node {
 		if ks != nil && ks.replays(req, t.now, m.cfg.CompletedRetention) {
 			res := UnlockResult{NextHolder: ks.rec.next, Replayed: true}
 			s.mu.Unlock()
@@ -285,9 +288,9 @@ func (m *Memory) Unlock(ctx context.Context, req UnlockRequest) (UnlockResult, e
 		s.mu.Unlock()
 		return UnlockResult{}, ErrNotHolder
 	}
-	if req.Token != 0 && req.Token != ks.holder.token {
+	if req.Token != 0 && req.Token != ks.lastToken {
 		s.mu.Unlock()
-		return UnlockResult{}, fmt.Errorf("%w: sent %d, current grant is %d", ErrStaleToken, req.Token, ks.holder.token)
+		return UnlockResult{}, fmt.Errorf("%w: sent %d, current grant is %d", ErrStaleToken, req.Token, ks.lastToken)
 	}
 	errMsg, cut := truncateError(req.Error)
 	if cut {
@@ -314,11 +317,11 @@ func (m *Memory) Cancel(ctx context.Context, t Type, resource, node string) (Can
 	var res CancelResult
 	switch {
 	case ks == nil:
-	case ks.holder != nil && ks.holder.node == node:
+	case ks.holder != nil && ks.holder.node() == node:
 		s.release(&tx, ks, false, "cancelled", false)
 		res.Released = true
-	case ks.queued[node] != nil:
-		s.dequeue(ks, ks.queued[node])
+	case ks.waiter(node) != nil:
+		s.dequeue(ks, ks.waiter(node))
 		res.Dequeued = true
 	}
 	err := s.commit(ctx, tx)
@@ -355,17 +358,15 @@ func (m *Memory) Status(ctx context.Context, t Type, resource, node string) (Sta
 	st.Token = ks.lastToken
 	st.QueueLength = ks.qlen()
 	if h := ks.holder; h != nil {
-		st.Held, st.Holder, st.AcquiredAt = true, h.node, m.wall(h.grantedAt)
-		if node == h.node && h.lease == LeaseTTL {
-			h.ttlAt = now.add(m.cfg.LockTTL)
-			s.reschedule(h)
+		st.Held, st.Holder, st.AcquiredAt = true, h.node(), m.wall(h.grantedAt)
+		if node == h.node() && h.sess == nil {
+			s.schedule(h, now)
 		}
 	}
-	if e := ks.queued[node]; e != nil {
-		st.Position = ks.position(e)
-		if e.lease == LeaseTTL {
-			e.ttlAt = now.add(m.cfg.LockTTL)
-			s.reschedule(e)
+	if e := ks.waiter(node); e != nil {
+		st.Position = ks.wq.position(e)
+		if e.sess == nil {
+			s.schedule(e, now)
 		}
 	}
 	if ks.hasRec && ks.rec.retained(now, m.cfg.CompletedRetention) {
@@ -402,7 +403,7 @@ func (m *Memory) Stats() Stats {
 	var st Stats
 	for _, s := range m.shards {
 		s.mu.Lock()
-		st.Keys += s.nkeys
+		st.Keys += s.keys.n
 		st.Held += s.held
 		st.Queued += s.queued
 		st.Grants += s.grants
@@ -423,22 +424,23 @@ func (m *Memory) Stats() Stats {
 	return st
 }
 
-// attach resolves e's lease and, for a session lease, records e's key in the
-// node's session so that the session's end can find it. Called under the
-// shard mutex (lock order: shard, session table, session, grace heap). A
-// session lease that would open a session beyond Config.MaxSessions is
-// refused, and e is left as it was.
-func (m *Memory) attach(e *entry, want Lease) error {
+// attach resolves the lease of node's entry e, names e's node, and, for a
+// session lease, links e into the node's session so that the session's end
+// can find it. Called under the shard mutex (lock order: shard, session
+// table, session, grace heap). A session lease that would open a session
+// beyond Config.MaxSessions is refused, and e is left as it was.
+func (s *shard) attach(e *entry, node string, want Lease) error {
+	m := s.m
 	if want == LeaseTTL || (want == LeaseAuto && m.sess.n.Load() == 0) {
-		e.lease = LeaseTTL
+		s.intern(e, node)
 		return nil
 	}
 	m.sess.mu.Lock()
-	s := m.sess.m[e.node]
-	if s == nil {
+	ss := m.sess.m[node]
+	if ss == nil {
 		if want == LeaseAuto {
 			m.sess.mu.Unlock()
-			e.lease = LeaseTTL
+			s.intern(e, node)
 			return nil
 		}
 		if err := m.sessionRoom(); err != nil {
@@ -447,21 +449,26 @@ func (m *Memory) attach(e *entry, want Lease) error {
 		}
 		// A session lease asked for without a stream starts the session in
 		// grace: a stream must open before it runs out.
-		s = m.newSessionLocked(e.node)
-		s.startGrace(m)
+		ss = m.newSessionLocked(node)
+		ss.startGrace(m)
 	}
-	s.mu.Lock()
-	s.keys[e.ks.key] = struct{}{}
-	s.mu.Unlock()
+	ss.mu.Lock()
+	ss.link(e)
+	if ss.id == (unique.Handle[string]{}) {
+		ss.id = unique.Make(ss.node)
+	}
+	e.sess, e.id = ss, ss.id
+	ss.mu.Unlock()
 	m.sess.mu.Unlock()
-	e.lease, e.sess = LeaseSession, s
 	return nil
 }
 
 func (m *Memory) detach(e *entry) {
 	if s := e.sess; s != nil {
 		s.mu.Lock()
-		delete(s.keys, e.ks.key)
+		if !s.ended { // an ended session's list is gone (endSessions)
+			s.unlink(e)
+		}
 		s.mu.Unlock()
 		e.sess = nil
 	}

@@ -78,7 +78,7 @@ func (m *Memory) opDeliver(it item) {
 func (s *shard) opJoined(t *txn, ks *keyState, node string) {
 	if s.m.ops.n.Load() > 0 {
 		s.m.ops.built.Add(1)
-		t.items = append(t.items, item{ev: &Event{Name: EventQueueJoined, Key: ks.key, Node: node}})
+		t.items = append(t.items, item{ev: &Event{Name: EventQueueJoined, Key: ks.key(), Node: node}})
 	}
 }
 
@@ -88,7 +88,7 @@ func (s *shard) opJoined(t *txn, ks *keyState, node string) {
 func (s *shard) opLeft(ks *keyState, node string) {
 	if s.m.ops.n.Load() > 0 {
 		s.m.ops.built.Add(1)
-		s.opq = append(s.opq, item{ev: &Event{Name: EventQueueLeft, Key: ks.key, Node: node}})
+		s.opq = append(s.opq, item{ev: &Event{Name: EventQueueLeft, Key: ks.key(), Node: node}})
 	}
 }
 

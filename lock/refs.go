@@ -145,17 +145,17 @@ func (s *shard) refConflict(k Key) error {
 // refsCompleted applies a successful pull or delete to the references: the
 // holder and every waiter it skipped now have the blob.
 func (s *shard) refsCompleted(t *txn, h *entry, waiters []*entry) {
-	res := h.ks.key.Resource
-	switch RefEffectOf(h.ks.key.Type, true) {
+	res := h.ks.res
+	switch RefEffectOf(h.ks.typ, true) {
 	case RefAddNode:
 		rs := s.refs[res]
 		if rs == nil {
 			rs = &refState{nodes: make(map[string]struct{}, 1+len(waiters))}
 			s.refs[res] = rs
 		}
-		rs.nodes[h.node] = struct{}{}
+		rs.nodes[h.node()] = struct{}{}
 		for _, w := range waiters {
-			rs.nodes[w.node] = struct{}{}
+			rs.nodes[w.node()] = struct{}{}
 		}
 		s.refChanged(t, res, rs)
 	case RefClear:

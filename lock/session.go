@@ -1,10 +1,13 @@
 package lock
 
 import (
+	"cmp"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
+	"unique"
 )
 
 // Sessions: a node's event log, kept while it streams and through a grace
@@ -27,16 +30,26 @@ func (t *sessionTable) get(node string) *session {
 // Config.SessionGrace and keeps its recent events for replay.
 type session struct {
 	node string
+	// id is node interned, the id of the session's entries, made at the
+	// first of them: a session that holds nothing does not pay for it.
+	// Guarded by the session table's mutex and mu.
+	id unique.Handle[string]
 
 	mu      sync.Mutex
 	streams []*stream
-	keys    map[Key]struct{} // keys this session holds or waits for under a session lease
-	ended   bool
+	// ents lists the entries that this session holds or waits for under a
+	// session lease, through entry.sprev and entry.snext, which mu guards:
+	// the session's end finds them there. An entry joins and leaves in O(1)
+	// and allocates nothing, where a set of keys cost a map entry each
+	// (docs/DESIGN.md, "What a held lock costs").
+	ents  *entry
+	nents int
+	ended bool
 
 	// The replay log: the session's recent events from logHead on, oldest
 	// first, at most Config.SessionLog of them and Config.SessionLogBytes
 	// of wire size (logBytes).
-	log      []Delivery
+	log      []logEntry
 	logHead  int
 	logBytes int
 	// lost is the id of the newest event the log let go, or the last id
@@ -53,7 +66,7 @@ type session struct {
 }
 
 func (m *Memory) newSessionLocked(node string) *session {
-	s := &session{node: node, keys: make(map[Key]struct{}), lost: m.seq.Load(), gidx: -1}
+	s := &session{node: node, lost: m.seq.Load(), gidx: -1}
 	m.sess.m[node] = s
 	m.sess.n.Add(1)
 	return s
@@ -74,8 +87,93 @@ func (s *session) startGrace(m *Memory) {
 	m.grace.set(m, s, m.now().add(m.cfg.SessionGrace))
 }
 
-// live is the replay log's events.
-func (s *session) live() []Delivery { return s.log[s.logHead:] }
+// link adds e to the session's entries. Called with s.mu held.
+func (s *session) link(e *entry) {
+	e.sprev, e.snext = nil, s.ents
+	if s.ents != nil {
+		s.ents.sprev = e
+	}
+	s.ents = e
+	s.nents++
+}
+
+// unlink takes e out of the session's entries. Called with s.mu held.
+func (s *session) unlink(e *entry) {
+	if e.sprev != nil {
+		e.sprev.snext = e.snext
+	} else {
+		s.ents = e.snext
+	}
+	if e.snext != nil {
+		e.snext.sprev = e.sprev
+	}
+	e.sprev, e.snext = nil, nil
+	s.nents--
+}
+
+// logEntry is one event of a session's replay log, 40 bytes. Most of a log
+// is the session's own lock_assigned events, one per grant, which no other
+// session shares: the log keeps such an event as the template of its type
+// (assigned), its resource and its token, and live builds it again, so
+// that the Event sent to the streams, and the encoding cached in it, are
+// not kept alive for a replay that seldom comes (docs/DESIGN.md, "Event
+// ids and replay"). Any other event is shared by every session that got
+// it, and is kept as it is.
+type logEntry struct {
+	id    uint64
+	ev    *Event // the event, or the template of a compact one
+	res   string // set only in a compact one: its resource, the key's own copy
+	token uint64 // a compact one's token
+}
+
+// assigned are the templates of compact lock_assigned events, by type.
+var assigned = [...]Event{
+	Pull:   {Name: EventLockAssigned, Key: Key{Type: Pull}},
+	Update: {Name: EventLockAssigned, Key: Key{Type: Update}},
+	Delete: {Name: EventLockAssigned, Key: Key{Type: Delete}},
+}
+
+// size is the entry's event's WireSize.
+func (le *logEntry) size(s *session) int {
+	if le.res != "" {
+		return wireSize(EventLockAssigned, le.res, s.node, "", "")
+	}
+	return le.ev.WireSize()
+}
+
+// live is the replay log's events, in order (Subscribe's replay).
+//
+// It builds every compact event of the log, up to SessionLog of them,
+// where Subscribe replays only those after its last event id: Subscribe
+// (stream.go) should ask for after(lastID) instead.
+func (s *session) live() []Delivery { return s.after(0) }
+
+// after is the replay log's events with an id above last, in order. The
+// lock_assigned events the log keeps compact are built anew, in one
+// allocation.
+func (s *session) after(last uint64) []Delivery {
+	log := s.log[s.logHead:]
+	i, _ := slices.BinarySearchFunc(log, last+1, func(le logEntry, id uint64) int { return cmp.Compare(le.id, id) })
+	log = log[i:]
+	n := 0
+	for i := range log {
+		if log[i].res != "" {
+			n++
+		}
+	}
+	built := make([]Event, n)
+	out := make([]Delivery, len(log))
+	for i := range log {
+		le := &log[i]
+		ev := le.ev
+		if le.res != "" {
+			ev, built = &built[0], built[1:]
+			ev.Name, ev.Key, ev.Node, ev.Token = EventLockAssigned, Key{le.ev.Key.Type, le.res}, s.node, le.token
+		}
+		out[i] = Delivery{ID: le.id, Event: ev}
+	}
+	return out
+}
 
 func (s *session) push(m *Memory, ev *Event) {
 	var slow []*stream
@@ -102,11 +200,15 @@ func (s *session) push(m *Memory, ev *Event) {
 // half the slice costs O(1) amortized an event.
 func (s *session) logAppend(cfg *Config, d Delivery) {
 	size := d.Event.WireSize()
+	le := logEntry{id: d.ID, ev: d.Event}
+	if ev := d.Event; ev.Name == EventLockAssigned && ev.Node == s.node {
+		le.ev, le.res, le.token = &assigned[ev.Key.Type], ev.Key.Resource, ev.Token
+	}
 	for s.logHead < len(s.log) && (len(s.log)-s.logHead >= cfg.SessionLog || s.logBytes+size > cfg.SessionLogBytes) {
 		old := &s.log[s.logHead]
-		s.lost = old.ID
-		s.logBytes -= old.Event.WireSize()
-		*old = Delivery{}
+		s.lost = old.id
+		s.logBytes -= old.size(s)
+		*old = logEntry{}
 		s.logHead++
 	}
 	if s.logHead > 0 && 2*s.logHead >= len(s.log) {
@@ -115,7 +217,7 @@ func (s *session) logAppend(cfg *Config, d Delivery) {
 		s.log = s.log[:n]
 		s.logHead = 0
 	}
-	s.log = append(s.log, d)
+	s.log = append(s.log, le)
 	s.logBytes += size
 }
 
@@ -281,16 +383,24 @@ func (m *Memory) endSessions(due []*session, now mono, drops map[*shard][]sessio
 			delete(m.sess.m, s.node)
 			m.sess.n.Add(-1)
 		}
-		keys := s.keys
-		s.keys, s.log, s.logHead, s.logBytes = nil, nil, 0, 0
+		// The entries are taken as keys: an entry may be released and
+		// reused before its shard is reached, a key is looked up again
+		// there (dropSessions). Their links go: an entry's detach leaves an
+		// ended session's list alone.
+		n := s.nents
+		for e := s.ents; e != nil; {
+			next := e.snext
+			k := e.ks.key()
+			sh := m.shardFor(k.Resource)
+			drops[sh] = append(drops[sh], sessionDrop{k, s})
+			e.sprev, e.snext = nil, nil
+			e = next
+		}
+		s.ents, s.nents, s.log, s.logHead, s.logBytes = nil, 0, nil, 0, 0
 		s.mu.Unlock()
 		m.sessionsLost.Add(1)
 		m.opSession(s)
-		m.log.Info("session lost", "node", s.node, "keys", len(keys))
-		for k := range keys {
-			sh := m.shardFor(k.Resource)
-			drops[sh] = append(drops[sh], sessionDrop{k, s})
-		}
+		m.log.Info("session lost", "node", s.node, "keys", n)
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"sync"
 	"time"
+	"unique"
 )
 
 // shard owns the keys of the resources that hash to it. Every field below mu
@@ -13,8 +14,7 @@ type shard struct {
 	m *Memory
 
 	mu      sync.Mutex
-	res     map[string]*resKeys // resource → its keys, one per type
-	nkeys   int
+	keys    keyTable
 	free    []*entry // released entries, reused to spare the hot path an allocation
 	leases  deadlineHeap
 	timer   *time.Timer
@@ -30,42 +30,38 @@ type shard struct {
 
 	out outbox
 	opq []item // operator-only events waiting for the next commit (opfeed.go)
+
+	ids [32]unique.Handle[string] // node ids interned last (intern)
 }
 
-// resKeys holds the keys of one resource, indexed by Type: a map keyed by
-// the resource string alone is faster than one keyed by Key, and the
-// reference-count rules look at every type of a resource at once.
-type resKeys [Delete + 1]*keyState
+// key returns the state of k, nil when k has none.
+func (s *shard) key(k Key) *keyState { return s.keys.get(k.Type, k.Resource) }
 
-func (s *shard) key(k Key) *keyState {
-	if r := s.res[k.Resource]; r != nil {
-		return r[k.Type]
-	}
-	return nil
-}
-
+// addKey adds ks, which has no state in the shard, to the shard's keys.
 func (s *shard) addKey(ks *keyState) {
-	r := s.res[ks.key.Resource]
-	if r == nil {
-		r = new(resKeys)
-		s.res[ks.key.Resource] = r
-	}
-	if r[ks.key.Type] == nil {
-		s.nkeys++
-		s.m.keys.Add(1)
-	}
-	r[ks.key.Type] = ks
+	s.keys.add(ks)
+	s.m.keys.Add(1)
 }
 
-func (s *shard) newEntry(node string, ks *keyState) *entry {
+// removeKey takes ks out of the shard's keys; false if it was not in them.
+func (s *shard) removeKey(ks *keyState) bool {
+	if !s.keys.remove(ks) {
+		return false
+	}
+	s.m.keys.Add(-1)
+	return true
+}
+
+// newEntry returns an entry for ks; attach names its node.
+func (s *shard) newEntry(ks *keyState) *entry {
 	if n := len(s.free); n > 0 {
 		e := s.free[n-1]
 		s.free[n-1] = nil
 		s.free = s.free[:n-1]
-		*e = entry{node: node, ks: ks, hidx: -1}
+		*e = entry{ks: ks, hidx: -1}
 		return e
 	}
-	return &entry{node: node, ks: ks, hidx: -1}
+	return &entry{ks: ks, hidx: -1}
 }
 
 // recycle keeps a released entry for reuse. Nothing may point to it: it is
@@ -77,25 +73,26 @@ func (s *shard) recycle(e *entry) {
 	}
 }
 
-// keyState is one key's holder, queue and retained completion record.
+// keyState is one key's holder, queue and retained completion record. A
+// held key that nobody waits for is the common case, and the struct is
+// laid out for it: what only waiters or completions need hangs off a
+// pointer that stays nil until then, and it takes 64 bytes
+// (docs/DESIGN.md, "What a held lock costs").
 type keyState struct {
-	key    Key
-	holder *entry
-	// queue is the FIFO of waiters from qhead on. A waiter removed from the
-	// middle leaves a nil slot (qdead counts them) and the slots are
-	// compacted once they are half the slice, so that removing any waiter
-	// costs O(1) amortized: a mass session loss removes N waiters in O(N),
-	// not O(N²) (docs/DESIGN.md, "How Memory keeps the rules").
-	queue     []*entry
-	qhead     int
-	qdead     int
-	qwork     uint64            // queue slots visited to remove waiters or find positions: the tests' measure of cost
-	queued    map[string]*entry // node → its queue entry; nil while the queue is empty
-	lastToken uint64
+	res       string // the resource, one copy for all its keys; it never changes
+	holder    *entry
+	wq        *waitQueue // allocated at the key's first waiter
+	lastToken uint64     // the last token issued: the holder's, while there is one
+	rec       *record    // allocated at the key's first completion: a held key needs none
+	sib       *keyState  // the next key in the shard's chain (keyTable)
+	hash      uint32     // the resource's hash in the shard's keyTable
+	typ       Type
+	unclaimed bool // the holder has a hand-off grant it has not confirmed: the claim timeout runs
 	hasRec    bool
-	rec       *record // allocated at the key's first completion: a held key needs none
-	inQueue   bool    // ks has an entry in the shard's record queue
+	inQueue   bool // ks has an entry in the shard's record queue
 }
+
+func (ks *keyState) key() Key { return Key{ks.typ, ks.res} }
 
 // record is a completion record and what the server needs to replay an
 // unlock whose answer was lost.
@@ -123,89 +120,119 @@ func (ks *keyState) replays(req UnlockRequest, now mono, retention time.Duration
 }
 
 // qlen is the number of waiters.
-func (ks *keyState) qlen() int { return len(ks.queue) - ks.qhead - ks.qdead }
-
-func (ks *keyState) qpush(e *entry) {
-	e.qidx = len(ks.queue)
-	ks.queue = append(ks.queue, e)
+func (ks *keyState) qlen() int {
+	if ks.wq == nil {
+		return 0
+	}
+	return ks.wq.len()
 }
 
-// qpop removes and returns the first waiter, nil when there is none.
-func (ks *keyState) qpop() *entry {
-	for ks.qhead < len(ks.queue) {
-		ks.qwork++
-		e := ks.queue[ks.qhead]
-		ks.queue[ks.qhead] = nil
-		ks.qhead++
+// waiter is node's queue entry, nil when node does not wait for ks.
+func (ks *keyState) waiter(node string) *entry {
+	if ks.wq == nil {
+		return nil
+	}
+	return ks.wq.byNode[node]
+}
+
+// waitQueue is a key's FIFO of waiters, q from head on. A waiter removed
+// from the middle leaves a nil slot (dead counts them) and the slots are
+// compacted once they are half the slice, so that removing any waiter
+// costs O(1) amortized: a mass session loss removes N waiters in O(N),
+// not O(N²) (docs/DESIGN.md, "How Memory keeps the rules"). It stays with
+// its key once allocated, so that a key handed from waiter to waiter
+// allocates nothing.
+type waitQueue struct {
+	q      []*entry
+	head   int
+	dead   int
+	work   uint64            // queue slots visited to remove waiters or find positions: the tests' measure of cost
+	byNode map[string]*entry // node → its queue entry
+}
+
+func (q *waitQueue) len() int { return len(q.q) - q.head - q.dead }
+
+func (q *waitQueue) push(e *entry) {
+	e.qidx = int32(len(q.q))
+	q.q = append(q.q, e)
+}
+
+// pop removes and returns the first waiter, nil when there is none.
+func (q *waitQueue) pop() *entry {
+	for q.head < len(q.q) {
+		q.work++
+		e := q.q[q.head]
+		q.q[q.head] = nil
+		q.head++
 		if e != nil {
-			ks.qsettle()
+			q.settle()
 			return e
 		}
-		ks.qdead--
+		q.dead--
 	}
-	ks.qsettle()
+	q.settle()
 	return nil
 }
 
-// qremove removes a waiter from anywhere in the queue in O(1) amortized.
-func (ks *keyState) qremove(e *entry) {
-	ks.queue[e.qidx] = nil
-	ks.qdead++
-	ks.qwork++
-	ks.qsettle()
+// remove removes a waiter from anywhere in the queue in O(1) amortized.
+func (q *waitQueue) remove(e *entry) {
+	q.q[e.qidx] = nil
+	q.dead++
+	q.work++
+	q.settle()
 }
 
-// qsettle trims nil slots at both ends, reuses the backing array once the
+// settle trims nil slots at both ends, reuses the backing array once the
 // queue is empty, and compacts a queue that is half holes.
-func (ks *keyState) qsettle() {
-	for ks.qhead < len(ks.queue) && ks.queue[ks.qhead] == nil {
-		ks.qhead++
-		ks.qdead--
-		ks.qwork++
+func (q *waitQueue) settle() {
+	for q.head < len(q.q) && q.q[q.head] == nil {
+		q.head++
+		q.dead--
+		q.work++
 	}
-	for n := len(ks.queue); n > ks.qhead && ks.queue[n-1] == nil; n-- {
-		ks.queue = ks.queue[:n-1]
-		ks.qdead--
-		ks.qwork++
+	for n := len(q.q); n > q.head && q.q[n-1] == nil; n-- {
+		q.q = q.q[:n-1]
+		q.dead--
+		q.work++
 	}
 	switch {
-	case ks.qhead == len(ks.queue):
-		if cap(ks.queue) > 4096 {
-			ks.queue = nil // let a burst's backing array go
+	case q.head == len(q.q):
+		if cap(q.q) > 4096 {
+			q.q = nil // let a burst's backing array go
 		} else {
-			ks.queue = ks.queue[:0]
+			q.q = q.q[:0]
 		}
-		ks.qhead = 0
-	case len(ks.queue) >= 64 && 2*(ks.qhead+ks.qdead) > len(ks.queue):
-		ks.qcompact()
+		q.head = 0
+	case len(q.q) >= 64 && 2*(q.head+q.dead) > len(q.q):
+		q.compact()
 	}
 }
 
-// qcompact moves the waiters to the front of the slice, in order.
-func (ks *keyState) qcompact() {
+// compact moves the waiters to the front of the slice, in order.
+func (q *waitQueue) compact() {
 	n := 0
-	ks.qwork += uint64(len(ks.queue) - ks.qhead)
-	for _, e := range ks.queue[ks.qhead:] {
+	q.work += uint64(len(q.q) - q.head)
+	for _, e := range q.q[q.head:] {
 		if e != nil {
-			e.qidx = n
-			ks.queue[n] = e
+			e.qidx = int32(n)
+			q.q[n] = e
 			n++
 		}
 	}
-	clear(ks.queue[n:])
-	ks.queue = ks.queue[:n]
-	ks.qhead, ks.qdead = 0, 0
+	clear(q.q[n:])
+	q.q = q.q[:n]
+	q.head, q.dead = 0, 0
 }
 
 // position is e's 1-based place in the queue: O(1) unless the queue has holes.
-func (ks *keyState) position(e *entry) int {
-	if ks.qdead == 0 {
-		return e.qidx - ks.qhead + 1
+func (q *waitQueue) position(e *entry) int {
+	if q.dead == 0 {
+		return int(e.qidx) - q.head + 1
 	}
 	p := 1
-	ks.qwork += uint64(e.qidx - ks.qhead)
-	for _, q := range ks.queue[ks.qhead:e.qidx] {
-		if q != nil {
+	q.work += uint64(int(e.qidx) - q.head)
+	for _, w := range q.q[q.head:e.qidx] {
+		if w != nil {
 			p++
 		}
 	}
@@ -213,20 +240,84 @@ func (ks *keyState) position(e *entry) int {
 }
 
 // entry is a holder or a queue entry: a queue entry becomes the holder on a
-// hand-off, keeping its lease.
+// hand-off, keeping its lease. It keeps only what cannot be derived, in 64
+// bytes: the holder's token is its key's last token, its lease is a
+// session lease exactly while it is in a session, and of its deadlines it
+// keeps the earliest alone: the claim timeout and max hold are fixed
+// offsets from the grant, and a ttl lease is renewed whenever the entry is
+// scheduled (docs/DESIGN.md, "What a held lock costs").
 type entry struct {
-	node      string
-	ks        *keyState
-	lease     Lease    // LeaseSession or LeaseTTL once attached
-	sess      *session // the session that keeps a LeaseSession entry alive
-	token     uint64
-	grantedAt mono
-	ttlAt     mono // ttl lease deadline; zero for a session lease
-	claimAt   mono // hand-off must be confirmed by then; zero once confirmed
-	maxAt     mono // max_hold deadline; zero when unlimited
-	at        mono // earliest of the above: the entry's place in the heap
-	hidx      int  // index in the shard's heap, -1 when not in it
-	qidx      int  // index in ks.queue while queued
+	// id is the node's interned id: every entry of a node shares one copy
+	// of it, the session's for a session lease, where a copy each cost a
+	// string each (docs/DESIGN.md, "What a held lock costs").
+	id   unique.Handle[string]
+	ks   *keyState
+	sess *session // the session of a session lease; nil for a ttl lease
+	// sprev and snext link the entries of sess (session.ents), guarded
+	// by sess.mu.
+	sprev, snext *entry
+	grantedAt    mono
+	at           mono // the earliest deadline (schedule): the entry's place in the heap
+	// hidx and qidx index the shard's heap and the key's queue: int32
+	// bounds each at 2³¹ entries, 128 GiB of them.
+	hidx int32 // -1 when not in the heap
+	qidx int32 // while queued
+}
+
+// lease is e's lease once attached.
+func (e *entry) lease() Lease {
+	if e.sess != nil {
+		return LeaseSession
+	}
+	return LeaseTTL
+}
+
+// node is e's node id.
+func (e *entry) node() string { return e.id.Value() }
+
+// intern names e's node, unless it is named already (a lease switch).
+// The shard keeps the ids it made last, by a cheap hash of the node id:
+// the nodes that lock keys of a shard are mostly few, and a hit spares
+// unique.Make its lookup in the process-wide table, some 25 ns where a
+// lock and its unlock take 300 (a miss costs a string comparison).
+func (s *shard) intern(e *entry, node string) {
+	if e.id != (unique.Handle[string]{}) {
+		return
+	}
+	i := (len(node)*31 + int(node[len(node)-1])) % len(s.ids)
+	if id := s.ids[i]; id != (unique.Handle[string]{}) && id.Value() == node {
+		e.id = id
+		return
+	}
+	e.id = unique.Make(node)
+	s.ids[i] = e.id
+}
+
+// deadline is e's earliest deadline as of now, zero when it has none: a
+// ttl lease renewed now, and for a holder the claim timeout (while
+// unclaimed) and max hold, both counted from the grant.
+func (e *entry) deadline(cfg *Config, now mono) mono {
+	var at mono
+	if e.sess == nil {
+		at = now.add(cfg.LockTTL)
+	}
+	if ks := e.ks; ks.holder == e {
+		if ks.unclaimed {
+			at = earliest(at, e.grantedAt.add(cfg.ClaimTimeout))
+		}
+		if cfg.MaxHold > 0 {
+			at = earliest(at, e.grantedAt.add(cfg.MaxHold))
+		}
+	}
+	return at
+}
+
+// earliest is the earlier of two deadlines, where zero means none.
+func earliest(a, b mono) mono {
+	if a == 0 || b < a {
+		return b
+	}
+	return a
 }
 
 // txn collects what a transition must do after the shard mutex is released:
@@ -291,19 +382,9 @@ func (s *shard) grant(t *txn, ks *keyState, e *entry, handoff bool) {
 	token := s.nextToken(ks, t.now)
 	ks.lastToken = token
 	ks.holder = e
-	e.token = token
 	e.grantedAt = t.now
-	e.claimAt, e.maxAt = 0, 0
-	if handoff && cfg.ClaimTimeout > 0 {
-		e.claimAt = t.now.add(cfg.ClaimTimeout)
-	}
-	if cfg.MaxHold > 0 {
-		e.maxAt = t.now.add(cfg.MaxHold)
-	}
-	if e.lease == LeaseTTL {
-		e.ttlAt = t.now.add(cfg.LockTTL)
-	}
-	s.reschedule(e)
+	ks.unclaimed = handoff && cfg.ClaimTimeout > 0
+	s.schedule(e, t.now) // a ttl lease restarts at the grant
 	s.held++
 	s.grants++
 	msg := "grant"
@@ -313,38 +394,35 @@ func (s *shard) grant(t *txn, ks *keyState, e *entry, handoff bool) {
 	}
 	if t.notify {
 		t.items = append(t.items, item{
-			ev:        &Event{Name: EventLockAssigned, Key: ks.key, Node: e.node, Token: token},
-			to:        []string{e.node},
+			ev:        &Event{Name: EventLockAssigned, Key: ks.key(), Node: e.node(), Token: token},
+			to:        []string{e.node()},
 			observers: true,
 		})
 	}
-	s.logf(t, slog.LevelDebug, msg, ks.key, e.node, token, "")
+	s.logf(t, slog.LevelDebug, msg, ks.key(), e.node(), token, "")
 }
 
 func (s *shard) enqueue(t *txn, ks *keyState, e *entry) {
-	if e.lease == LeaseTTL {
-		e.ttlAt = t.now.add(s.m.cfg.LockTTL)
+	if ks.wq == nil {
+		ks.wq = &waitQueue{byNode: make(map[string]*entry)}
 	}
-	ks.qpush(e)
-	if ks.queued == nil {
-		ks.queued = make(map[string]*entry)
-	}
-	ks.queued[e.node] = e
+	ks.wq.push(e)
+	ks.wq.byNode[e.node()] = e
 	s.queued++
-	s.reschedule(e)
-	s.opJoined(t, ks, e.node)
+	s.schedule(e, t.now)
+	s.opJoined(t, ks, e.node())
 }
 
 // dequeue removes a waiter from anywhere in the queue.
 func (s *shard) dequeue(ks *keyState, e *entry) {
-	ks.qremove(e)
+	ks.wq.remove(e)
 	s.forget(ks, e)
 }
 
-// forget drops a waiter that is no longer in ks.queue.
+// forget drops a waiter that is no longer in ks's queue.
 func (s *shard) forget(ks *keyState, e *entry) {
-	s.opLeft(ks, e.node)
-	delete(ks.queued, e.node)
+	s.opLeft(ks, e.node())
+	delete(ks.wq.byNode, e.node())
 	s.queued--
 	s.leases.remove(e)
 	s.m.detach(e)
@@ -352,36 +430,26 @@ func (s *shard) forget(ks *keyState, e *entry) {
 	s.recycle(e)
 }
 
-// renew refreshes an entry's lease on a repeated /lock, switching its kind
-// when the request names one. A switch to a session lease that would open a
-// session beyond the limit is refused, and the entry keeps its lease.
-func (s *shard) renew(t *txn, e *entry, want Lease) error {
+// renew switches an entry's lease on a repeated /lock when the request
+// names another kind; the caller then schedules it, which renews a ttl
+// lease. A switch to a session lease that would open a session beyond the
+// limit is refused, and the entry keeps its lease.
+func (s *shard) renew(e *entry, want Lease) error {
 	switch {
-	case want == LeaseTTL && e.lease != LeaseTTL:
+	case want == LeaseTTL && e.sess != nil:
 		s.m.detach(e)
-		e.lease = LeaseTTL
-	case want == LeaseSession && e.lease != LeaseSession:
-		if err := s.m.attach(e, want); err != nil {
-			return err
-		}
-	}
-	if e.lease == LeaseTTL {
-		e.ttlAt = t.now.add(s.m.cfg.LockTTL)
-	} else {
-		e.ttlAt = 0
+	case want == LeaseSession && e.sess == nil:
+		return s.attach(e, e.node(), want)
 	}
 	return nil
 }
 
-// reschedule puts e in the heap at its earliest deadline and arms the timer
-// if that deadline comes before the timer fires.
-func (s *shard) reschedule(e *entry) {
-	at := e.ttlAt
-	for _, d := range [...]mono{e.claimAt, e.maxAt} {
-		if d != 0 && (at == 0 || d < at) {
-			at = d
-		}
-	}
+// schedule (re)starts e's ttl lease at now, if it has one, and puts e in
+// the heap at its earliest deadline, arming the timer if that deadline
+// comes before the timer fires. Every caller means to renew the ttl
+// lease: a grant, an enqueue, a repeated /lock, a /status of the node.
+func (s *shard) schedule(e *entry, now mono) {
+	at := e.deadline(&s.m.cfg, now)
 	s.leases.set(e, at)
 	if at != 0 && (s.timerAt == 0 || at < s.timerAt) {
 		s.arm(at)
@@ -403,21 +471,24 @@ func (s *shard) arm(at mono) {
 // (docs/DESIGN.md, "Unlock").
 // It returns the node the key went to, "" if it became free.
 func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUnlock bool) string {
-	h := ks.holder
-	ks.holder = nil
+	h, token := ks.holder, ks.lastToken // a hand-off below issues the next token
+	ks.holder, ks.unclaimed = nil, false
 	s.held--
 	s.leases.remove(h)
 	s.m.detach(h)
-	k := ks.key
+	k := ks.key()
 	next := ""
 	var done *Event
 	if t.notify {
-		done = &Event{Name: EventOperationCompleted, Key: k, Node: h.node, Success: success, Error: errMsg, CompletedAt: s.m.wall(t.now)}
+		done = &Event{Name: EventOperationCompleted, Key: k, Node: h.node(), Success: success, Error: errMsg, CompletedAt: s.m.wall(t.now)}
 	}
 	if success && k.Type != Update {
-		ks.qcompact()
-		waiters := ks.queue
-		clear(ks.queued)
+		var waiters []*entry
+		if q := ks.wq; q != nil {
+			q.compact()
+			waiters = q.q
+			clear(q.byNode)
+		}
 		var to []string
 		if t.notify {
 			to = make([]string, 0, len(waiters))
@@ -427,7 +498,7 @@ func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUn
 			s.leases.remove(w)
 			s.m.detach(w)
 			if t.notify {
-				to = append(to, w.node)
+				to = append(to, w.node())
 			}
 		}
 		if s.refs != nil {
@@ -436,8 +507,10 @@ func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUn
 		for _, w := range waiters {
 			s.recycle(w)
 		}
-		clear(waiters)
-		ks.queue = waiters[:0]
+		if q := ks.wq; q != nil {
+			clear(waiters)
+			q.q = waiters[:0]
+		}
 		// The opposite operation must never be skipped as "just done".
 		if k.Type == Delete {
 			s.eraseRecord(Key{Pull, k.Resource})
@@ -456,7 +529,7 @@ func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUn
 		}
 	}
 	s.record(ks, record{
-		Completion: Completion{Node: h.node, Token: h.token, Success: success, Error: errMsg, CompletedAt: s.m.wall(t.now)},
+		Completion: Completion{Node: h.node(), Token: token, Success: success, Error: errMsg, CompletedAt: s.m.wall(t.now)},
 		at:         t.now,
 		viaUnlock:  viaUnlock,
 		next:       next,
@@ -471,27 +544,30 @@ func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUn
 // now leaves the queue and is told why.
 func (s *shard) promote(t *txn, ks *keyState) string {
 	for {
-		e := ks.qpop()
+		if ks.wq == nil {
+			return ""
+		}
+		e := ks.wq.pop()
 		if e == nil {
 			return ""
 		}
-		if s.refs != nil && ks.key.Type != Pull {
-			if err := s.refConflict(ks.key); err != nil {
-				node := e.node
+		if s.refs != nil && ks.typ != Pull {
+			if err := s.refConflict(ks.key()); err != nil {
+				node := e.node()
 				s.forget(ks, e)
 				if t.notify {
 					t.items = append(t.items, item{
-						ev: &Event{Name: EventOperationCompleted, Key: ks.key, Node: node, Error: "in_use", CompletedAt: s.m.wall(t.now)},
+						ev: &Event{Name: EventOperationCompleted, Key: ks.key(), Node: node, Error: "in_use", CompletedAt: s.m.wall(t.now)},
 						to: []string{node},
 					})
 				}
 				continue
 			}
 		}
-		delete(ks.queued, e.node)
+		delete(ks.wq.byNode, e.node())
 		s.queued--
 		s.grant(t, ks, e, true)
-		return e.node
+		return e.node()
 	}
 }
 
@@ -512,18 +588,18 @@ func (s *shard) expire() {
 			ks := e.ks
 			s.expiries++
 			if ks.holder != e {
-				s.logf(&t, slog.LevelInfo, "queue entry expired", ks.key, e.node, 0, "lock expired")
+				s.logf(&t, slog.LevelInfo, "queue entry expired", ks.key(), e.node(), 0, "lock expired")
 				s.dequeue(ks, e)
 				continue
 			}
 			why := "lock expired"
-			switch {
-			case e.maxAt != 0 && e.maxAt <= t.now:
+			switch cfg := &m.cfg; {
+			case cfg.MaxHold > 0 && e.grantedAt.add(cfg.MaxHold) <= t.now:
 				why = "max hold exceeded"
-			case e.claimAt != 0 && e.claimAt <= t.now:
+			case ks.unclaimed && e.grantedAt.add(cfg.ClaimTimeout) <= t.now:
 				why = "not claimed"
 			}
-			s.logf(&t, slog.LevelInfo, "hold expired", ks.key, e.node, e.token, why)
+			s.logf(&t, slog.LevelInfo, "hold expired", ks.key(), e.node(), ks.lastToken, why)
 			s.release(&t, ks, false, why, false)
 		}
 		more = len(s.leases) > 0 && s.leases[0].at <= t.now
@@ -549,12 +625,12 @@ func (s *shard) dropSessions(drops []sessionDrop) {
 				switch {
 				case ks == nil:
 				case !holds:
-					if e := ks.queued[d.sess.node]; e != nil && e.sess == d.sess {
+					if e := ks.waiter(d.sess.node); e != nil && e.sess == d.sess {
 						s.dequeue(ks, e)
 					}
 				case ks.holder != nil && ks.holder.sess == d.sess:
 					h := ks.holder
-					s.logf(&t, slog.LevelInfo, "session lost", d.key, h.node, h.token, "session lost")
+					s.logf(&t, slog.LevelInfo, "session lost", d.key, h.node(), ks.lastToken, "session lost")
 					s.release(&t, ks, false, "session lost", false)
 				}
 			}
@@ -580,7 +656,7 @@ func (s *shard) record(ks *keyState, r record) {
 	}
 	ks.hasRec, *ks.rec = true, r
 	// A refused waiter may have let maybeDrop forget ks in this transition.
-	if s.key(ks.key) == nil {
+	if s.key(ks.key()) == nil {
 		s.addKey(ks)
 	}
 	q := &s.records
@@ -619,16 +695,8 @@ func (s *shard) eraseRecord(k Key) {
 // "Fencing tokens").
 func (s *shard) maybeDrop(ks *keyState) {
 	if ks.holder == nil && ks.qlen() == 0 && !ks.hasRec {
-		r := s.res[ks.key.Resource]
-		if r == nil || r[ks.key.Type] != ks {
-			return
-		}
-		s.forgetToken(ks)
-		r[ks.key.Type] = nil
-		s.nkeys--
-		s.m.keys.Add(-1)
-		if *r == (resKeys{}) {
-			delete(s.res, ks.key.Resource)
+		if s.removeKey(ks) {
+			s.forgetToken(ks)
 		}
 	}
 }
