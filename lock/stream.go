@@ -1,7 +1,6 @@
 package lock
 
 import (
-	"cmp"
 	"context"
 	"fmt"
 	"slices"
@@ -247,11 +246,7 @@ func (m *Memory) Subscribe(ctx context.Context, req SubscribeRequest) (Stream, S
 		sub.ID = m.seq.Load()
 		if hasLast && lastID <= sub.ID {
 			sub.ID = lastID
-			live := s.live()
-			i, _ := slices.BinarySearchFunc(live, lastID+1, func(d Delivery, id uint64) int {
-				return cmp.Compare(d.ID, id)
-			})
-			sub.Replay = slices.Clone(live[i:])
+			sub.Replay = s.after(lastID)
 			// What the log let go cannot be replayed, nor what a session
 			// that ended had (a stream with a last event id that finds no
 			// session lost it to the grace): the subscribed event's id
