@@ -1,6 +1,8 @@
 package server
 
 import (
+	"context"
+	"crypto/tls"
 	"errors"
 	"net"
 	"runtime"
@@ -56,7 +58,8 @@ type hubStream struct {
 	state  uint8
 	again  bool   // woken while busy: look again when the write is done
 	ping   bool   // quiet for half the ping interval: write a ping
-	closed bool   // ended: nothing is written any more
+	ending bool   // shut: nothing more is written, the reader will end it
+	closed bool   // ended: released, out of the hub
 	out    []byte // bytes to write before any event: the header and first
 
 	lastWrite atomic.Int64 // h.now() at the last write
@@ -94,15 +97,17 @@ func (h *hub) admit() bool {
 }
 
 // start serves conn as an event stream of src; first (response header and
-// the first events) goes out before anything else. It returns false when
-// the server is draining: the caller then closes conn and releases.
-func (h *hub) start(conn net.Conn, src source, first []byte, release func()) bool {
+// the first events) goes out before anything else. The stream ends when
+// revoked (if not nil) is done: the credential that opened it is gone
+// (docs/SECURITY.md). start returns nil when the server is draining: the
+// caller then closes conn and releases.
+func (h *hub) start(conn net.Conn, src source, first []byte, revoked context.Context, release func()) *hubStream {
 	st := &hubStream{h: h, conn: conn, raw: rawConn(conn), src: src, release: release, out: first}
 	st.lastWrite.Store(h.now())
 	h.mu.Lock()
 	if h.stopped {
 		h.mu.Unlock()
-		return false
+		return nil
 	}
 	if !h.started {
 		h.started = true
@@ -113,9 +118,14 @@ func (h *hub) start(conn net.Conn, src source, first []byte, release func()) boo
 	h.queue = append(h.queue, st)
 	h.wake.Signal()
 	h.mu.Unlock()
+	if revoked != nil {
+		stop := context.AfterFunc(revoked, st.shut)
+		release := st.release
+		st.release = func() { stop(); release() }
+	}
 	go st.readLoop()
 	src.notify(st.wakeUp)
-	return true
+	return st
 }
 
 // run starts the writers and the pinger, which stop once the server is
@@ -165,10 +175,23 @@ func (h *hub) writer() {
 		}
 		h.mu.Unlock()
 		for _, st := range batch {
-			st.write()
+			st.writeOne()
 		}
 		clear(batch)
 	}
+}
+
+// writeOne writes st. A panic (in encoding an event, say) ends that
+// stream alone, as it would end its connection in a request's goroutine.
+func (st *hubStream) writeOne() {
+	defer func() {
+		if p := recover(); p != nil {
+			st.h.s.panicked(p, st.conn.RemoteAddr().String())
+			st.shut()
+			st.idle()
+		}
+	}()
+	st.write()
 }
 
 // wakeUp queues st for a writer: its feed has events or has ended.
@@ -176,7 +199,7 @@ func (st *hubStream) wakeUp() {
 	h := st.h
 	h.mu.Lock()
 	switch {
-	case st.closed:
+	case st.closed || st.ending:
 	case st.state == streamIdle:
 		st.state = streamQueued
 		h.queue = append(h.queue, st)
@@ -190,18 +213,9 @@ func (st *hubStream) wakeUp() {
 // write writes what st has: its first bytes, its feed's events or a ping.
 // st is busy.
 func (st *hubStream) write() {
-	select {
-	case <-st.src.done:
-		// The feed ended (too slow, or the backend closed): ending the
-		// response makes the client reconnect with Last-Event-ID.
-		st.conn.Close()
-		st.idle()
-		return
-	default:
-	}
 	h := st.h
 	h.mu.Lock()
-	if st.closed {
+	if st.closed || st.ending {
 		st.state = streamIdle
 		h.mu.Unlock()
 		return
@@ -212,55 +226,64 @@ func (st *hubStream) write() {
 	ping := st.ping
 	st.ping = false
 	h.mu.Unlock()
-	b = st.src.fill(b)
-	if len(b) == 0 && ping {
-		b = append(b, ": ping\n\n"...)
-	}
-	if len(b) == 0 {
-		giveBack(bp, b)
-		st.idle()
-		return
+	ended := false
+	select {
+	case <-st.src.done:
+		// The feed ended (too slow, or the backend closed): the response
+		// ends, after its first bytes if they are not out yet, and the
+		// client reconnects with Last-Event-ID.
+		ended = true
+	default:
+		b = st.src.fill(b)
+		if len(b) == 0 && ping {
+			b = append(b, ": ping\n\n"...)
+		}
 	}
 	n, err := st.writeNow(b)
-	if err != nil {
-		st.conn.Close()
-		giveBack(bp, b)
-		st.idle()
+	if err == nil && n < len(b) {
+		if st.raw != nil {
+			h.s.metrics.fullSockets.Inc()
+		}
+		// The socket is full: this stream's own goroutine waits for it,
+		// up to the write timeout, and the writer goes on with the
+		// others. It counts as an open stream: Drain returns once it has
+		// finished too.
+		h.s.openStreams.Add(1)
+		go st.writeSlow(bp, b, n, ended)
 		return
 	}
-	st.lastWrite.Store(h.now())
-	if n == len(b) {
-		giveBack(bp, b)
-		st.idle()
-		return
+	if n > 0 {
+		st.lastWrite.Store(h.now())
 	}
-	if st.raw != nil {
-		h.s.metrics.fullSockets.Inc()
+	giveBack(bp, b)
+	if err != nil || ended {
+		st.shut()
 	}
-	// The socket is full: this stream's own goroutine waits for it, up to
-	// the write timeout, and the writer goes on with the others. It counts
-	// as an open stream: Drain returns once it has finished too.
-	h.s.openStreams.Add(1)
-	go st.writeSlow(bp, b, n)
+	st.idle()
 }
 
 // writeSlow writes b[n:] waiting as long as the write timeout allows, then
-// makes st idle again.
-func (st *hubStream) writeSlow(bp *[]byte, b []byte, n int) {
+// makes st idle again, or ends it when its feed had ended.
+func (st *hubStream) writeSlow(bp *[]byte, b []byte, n int, ended bool) {
 	defer st.h.s.openStreams.Done()
 	_ = st.conn.SetWriteDeadline(time.Now().Add(st.h.s.writeTimeout))
-	if _, err := st.conn.Write(b[n:]); err != nil {
-		st.conn.Close()
-	} else {
+	_, err := st.conn.Write(b[n:])
+	if err == nil {
+		// A deadline left behind would fail the writers' next write on
+		// this socket once it passed.
+		_ = st.conn.SetWriteDeadline(time.Time{})
 		st.lastWrite.Store(st.h.now())
 	}
 	giveBack(bp, b)
+	if err != nil || ended {
+		st.shut()
+	}
 	st.idle()
 }
 
 // writeNow writes as much of b as the socket takes without waiting.
 func (st *hubStream) writeNow(b []byte) (int, error) {
-	if st.raw == nil {
+	if st.raw == nil || len(b) == 0 {
 		return 0, nil
 	}
 	var n int
@@ -289,7 +312,7 @@ func (st *hubStream) idle() {
 	h := st.h
 	h.mu.Lock()
 	switch {
-	case st.closed:
+	case st.closed || st.ending:
 		st.state = streamIdle
 	case st.again || st.ping:
 		st.again = false
@@ -307,6 +330,35 @@ func (st *hubStream) idle() {
 func giveBack(bp *[]byte, b []byte) {
 	*bp = b
 	putBuf(bp)
+}
+
+// shut ends st from the server's side: nothing more is written to it, and
+// its transport closes at once; its reader then sees the end and releases
+// it. A TLS connection's Close would first send close_notify, which waits
+// (for a blocked write, then up to 5 s) on a socket its peer does not
+// read: that wait must hold neither a writer nor Drain.
+func (st *hubStream) shut() {
+	h := st.h
+	h.mu.Lock()
+	st.ending = true
+	h.mu.Unlock()
+	_ = transport(st.conn).Close()
+}
+
+// transport is the connection under c's TLS, or c.
+func transport(c net.Conn) net.Conn {
+	for {
+		switch v := c.(type) {
+		case passedTLSConn:
+			c = v.tc
+		case *passedConn:
+			c = v.Conn
+		case *tls.Conn:
+			c = v.NetConn()
+		default:
+			return c
+		}
+	}
 }
 
 // readLoop waits for the peer to leave (it sends nothing more), then ends
@@ -347,7 +399,7 @@ func (st *hubStream) end() {
 // pinger marks the streams quiet for half the ping interval every half
 // interval, so that none is quiet for longer than the interval.
 func (h *hub) pinger() {
-	t := time.NewTicker(h.s.ping / 2)
+	t := time.NewTicker(max(h.s.ping/2, time.Millisecond))
 	defer t.Stop()
 	for {
 		select {
@@ -377,14 +429,14 @@ func (h *hub) pinger() {
 func (h *hub) stop() {
 	h.mu.Lock()
 	h.stopped = true
-	conns := make([]net.Conn, 0, len(h.all))
+	all := make([]*hubStream, 0, len(h.all))
 	for st := range h.all {
-		conns = append(conns, st.conn)
+		all = append(all, st)
 	}
 	h.wake.Broadcast()
 	h.mu.Unlock()
-	for _, c := range conns {
-		c.Close()
+	for _, st := range all {
+		st.shut()
 	}
 }
 

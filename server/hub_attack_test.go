@@ -21,7 +21,6 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
-	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -240,7 +239,7 @@ func (e *env) startRaw(conn net.Conn, src source, out string) (released *atomic.
 		e.t.Fatal("the hub refused a stream")
 	}
 	e.srv.metrics.streams.Inc()
-	if !e.srv.hub.start(conn, src, []byte(out), func() { released.Add(1) }) {
+	if e.srv.hub.start(conn, src, []byte(out), nil, func() { released.Add(1) }) == nil {
 		e.t.Fatal("the hub refused a stream")
 	}
 	return released
@@ -464,13 +463,6 @@ func (e *env) stalledTLSStreams(t *testing.T, k int) (feeds []*fakeFeed) {
 	return feeds
 }
 
-// closeNotifyUnderWay reports whether a goroutine is in tls.Conn.Close,
-// sending close_notify.
-func closeNotifyUnderWay() bool {
-	buf := make([]byte, 1<<20)
-	return bytes.Contains(buf[:runtime.Stack(buf, true)], []byte("crypto/tls.(*Conn).closeNotify"))
-}
-
 // shutdownWithin runs Shutdown with a 1 s context and fails the test
 // unless it returns within limit.
 func (e *env) shutdownWithin(t *testing.T, limit time.Duration, why string) {
@@ -493,19 +485,10 @@ func (e *env) shutdownWithin(t *testing.T, limit time.Duration, why string) {
 // TestHubAttackShutdownWithStalledTLSStream: Shutdown "stops the server
 // within ctx whatever clients do" (conns.go). One idle HTTP/1.1-over-TLS
 // stream whose peer stopped reading, with a full socket, and events for it
-// now and then: Shutdown never returns. hub.stop (called by startDrain
-// before Shutdown looks at ctx) closes the stream's *tls.Conn; with no
-// write in flight, tls.Conn.Close sends close_notify and waits for the
-// full socket under a 5 s write deadline. Meanwhile the stream is still
-// written (it is not marked closed, and its reader has not ended: the
-// socket under TLS is not closed until close_notify is out): a writer
-// hands each event to writeSlow, whose SetWriteDeadline(now + write
-// timeout) moves the deadline of the blocked close_notify write on. It
-// never expires. The pings do the same where events do not come: hub.stop
-// runs before s.drain() stops the pinger, and with the defaults the
-// pinger's tick (7.5 s) is shorter than the write timeout (10 s). Before
-// the hub the stream's goroutine returned on drained and wrote nothing
-// more: 5 s at most.
+// now and then. It never returned when hub.stop closed the stream's
+// *tls.Conn: Close sent close_notify to the full socket, and each event's
+// writeSlow moved that blocked write's deadline on. The hub now shuts a
+// stream (nothing more is written) and closes the socket under its TLS.
 func TestHubAttackShutdownWithStalledTLSStream(t *testing.T) {
 	e := newEnvWith(t, envConfig{opts: Options{PingInterval: time.Hour}}) // write timeout 10 s
 	f := e.stalledTLSStreams(t, 1)[0]
@@ -513,7 +496,6 @@ func TestHubAttackShutdownWithStalledTLSStream(t *testing.T) {
 	defer cancel()
 	done := make(chan error, 1)
 	go func() { done <- e.srv.Shutdown(ctx) }()
-	kit.WaitFor(t, "Shutdown's tls.Conn.Close to be sending close_notify", closeNotifyUnderWay)
 	// Events for the stream: one every 500 ms, for at most 20 s.
 	start := time.Now()
 	for i := 0; ; i++ {
@@ -632,14 +614,11 @@ func (ps *pipeTLSServer) stalledStream(t *testing.T, node, token string) {
 // TestHubAttackRevokedTLSStreamEnds: a stream whose token is removed ends
 // (docs/SECURITY.md): its session loses it, and with it what the session
 // holds after the grace. Over TLS (HTTP/1.1, hijacked), with the peer not
-// reading and the stream idle: the revocation's context.AfterFunc closes
-// the *tls.Conn, whose Close waits to send close_notify to the full
-// socket; every event for the node meanwhile goes to writeSlow, whose
-// SetWriteDeadline moves that blocked write's deadline on (the pings do
-// the same with the defaults: a tick every 7.5 s, a write timeout of 10
-// s). The stream's reader never ends, the session keeps its stream for as
-// long as the node gets events: a revoked client that stops reading keeps
-// its session and its locks.
+// reading and the stream idle, and events for the node going on: when the
+// revocation closed the *tls.Conn, Close waited to send close_notify to
+// the full socket while every event's writeSlow moved that write's
+// deadline on, and a revoked client that stopped reading kept its session
+// and its locks.
 func TestHubAttackRevokedTLSStreamEnds(t *testing.T) {
 	ps := newPipeTLSServer(t, Options{PingInterval: time.Hour})
 	ps.stalledStream(t, "a", tokA)
@@ -650,8 +629,6 @@ func TestHubAttackRevokedTLSStreamEnds(t *testing.T) {
 	if err := ps.srv.Reload(); err != nil {
 		t.Fatal(err)
 	}
-	// The revocation's close is under way: it waits to send close_notify.
-	kit.WaitFor(t, "the revoked stream's tls.Conn.Close to be sending close_notify", closeNotifyUnderWay)
 	// a's events go on (another node's hand-offs, an observer's key): one
 	// every 500 ms, for at most 20 s. 5 s (close_notify's own deadline)
 	// should end the stream.

@@ -62,8 +62,7 @@ func (s *Server) handleSubscribe(w http.ResponseWriter, r *http.Request) error {
 	for _, d := range sub.Replay {
 		first = appendDelivery(first, d)
 	}
-	s.eventStream(w, r, first, deliveries(st), func() { st.Close(); releaseSlot() })
-	return nil
+	return s.eventStream(w, r, first, deliveries(st), func() { st.Close(); releaseSlot() })
 }
 
 // deliveries is the source of a session stream or key observer.
@@ -92,10 +91,10 @@ func deliveries(st lock.Stream) source {
 // keeps one small goroutine, which matters with thousands of idle
 // sessions. Other protocols (HTTP/2 behind TLS) stream through the
 // ResponseWriter, from the handler's goroutine.
-func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byte, src source, release func()) {
+func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byte, src source, release func()) error {
 	if !s.hub.admit() {
-		release() // draining: the response ends at once
-		return
+		release()
+		return api.ErrUnavailable // draining
 	}
 	s.metrics.streams.Inc()
 	if conn, brw, err := http.NewResponseController(w).Hijack(); err == nil {
@@ -110,20 +109,14 @@ func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byt
 		out = append(out, "\r\n\r\n"...)
 		out = append(out, first...)
 		revoked, stop := s.revocation(r.Context())
-		if revoked != nil {
-			// The credential that opened the stream is gone
-			// (docs/SECURITY.md).
-			stopRevoked := context.AfterFunc(revoked, func() { conn.Close() })
-			stop = func(stop func()) func() { return func() { stopRevoked(); stop() } }(stop)
-		}
-		if !s.hub.start(conn, src, out, func() { stop(); release() }) {
+		if s.hub.start(conn, src, out, revoked, func() { stop(); release() }) == nil {
 			conn.Close()
 			stop()
 			release()
 			s.metrics.streams.Dec()
 			s.openStreams.Done()
 		}
-		return
+		return nil
 	}
 	defer s.openStreams.Done()
 	defer s.metrics.streams.Dec()
@@ -169,6 +162,7 @@ func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byt
 		}
 		return rc.Flush()
 	})
+	return nil
 }
 
 // streamLoop writes first, then src's events as they come and a ping when

@@ -231,8 +231,7 @@ func (s *Server) handleUIEvents(w http.ResponseWriter, r *http.Request) error {
 		return err
 	}
 	first := fmt.Appendf(nil, "retry: 1000\nevent: subscribed\ndata: {\"event\":\"subscribed\",\"epoch\":%q}\n\n", s.info.Epoch)
-	s.eventStream(w, r, first, opEvents(st), st.Close)
-	return nil
+	return s.eventStream(w, r, first, opEvents(st), st.Close)
 }
 
 // opEvents is the source of an operator feed.
