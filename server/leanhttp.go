@@ -159,9 +159,16 @@ func stale(d, now time.Time, timeout time.Duration) bool {
 	return now.Add(timeout).Sub(d) > min(time.Second, timeout/2)
 }
 
+// writeLeanAnswer writes an answer into bw's free space, which it fits
+// but for a large body: the head built in a local array escaped, an
+// allocation per request.
 func writeLeanAnswer(bw *bufio.Writer, status int, body []byte, epoch string, close bool) {
-	var h [256]byte
-	b := append(h[:0], "HTTP/1.1 "...)
+	_, _ = bw.Write(appendLeanAnswer(bw.AvailableBuffer(), status, body, epoch, close))
+}
+
+// appendLeanAnswer appends the whole HTTP answer, head and body, to b.
+func appendLeanAnswer(b []byte, status int, body []byte, epoch string, close bool) []byte {
+	b = append(b, "HTTP/1.1 "...)
 	b = strconv.AppendInt(b, int64(status), 10)
 	b = append(b, ' ')
 	b = append(b, http.StatusText(status)...)
@@ -180,8 +187,7 @@ func writeLeanAnswer(bw *bufio.Writer, status int, body []byte, epoch string, cl
 		b = append(b, "\r\nWWW-Authenticate: "+wwwAuthenticateValue...)
 	}
 	b = append(b, "\r\n\r\n"...)
-	_, _ = bw.Write(b)
-	_, _ = bw.Write(body)
+	return append(b, body...)
 }
 
 // leanRequest is a request the lean loop answers. Its slices point into the
