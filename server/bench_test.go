@@ -183,5 +183,5 @@ func BenchmarkLeanLoopPairs(b *testing.B) {
 	s.trackLean(lc, true)
 	b.ReportAllocs()
 	b.ResetTimer()
-	s.serveLean(lc, newPassListener(mc.LocalAddr()), &http.Server{})
+	s.serveLean(lc, newPassListener(mc.LocalAddr()), &http.Server{}, handover{})
 }
