@@ -43,7 +43,7 @@ func parseFast(data []byte) (f fastFields, ok bool) {
 		switch string(key) { // no allocation: the compiler compares the bytes
 		case "type":
 			bit = 1 << 0
-			f.typ, i, ok = fastString(data, i)
+			f.typ, i, ok = fastName(data, i, "pull", "update", "delete")
 		case "resource_id":
 			bit = 1 << 1
 			f.resource, i, ok = fastString(data, i)
@@ -52,7 +52,7 @@ func parseFast(data []byte) (f fastFields, ok bool) {
 			f.node, i, ok = fastString(data, i)
 		case "lease":
 			bit = 1 << 3
-			f.lease, i, ok = fastString(data, i)
+			f.lease, i, ok = fastName(data, i, "session", "ttl")
 		case "error":
 			bit = 1 << 4
 			f.errMsg, i, ok = fastString(data, i)
@@ -113,6 +113,18 @@ func fastRaw(data []byte, i int) ([]byte, int, bool) {
 
 func fastString(data []byte, i int) (string, int, bool) {
 	b, j, ok := fastRaw(data, i)
+	return string(b), j, ok
+}
+
+// fastName is fastString for a field with a few known values: a known
+// one is returned as the constant, without allocating a string for it.
+func fastName(data []byte, i int, names ...string) (string, int, bool) {
+	b, j, ok := fastRaw(data, i)
+	for _, n := range names {
+		if string(b) == n {
+			return n, j, ok
+		}
+	}
 	return string(b), j, ok
 }
 

@@ -171,46 +171,70 @@ func sanitize(s string) string {
 
 // ParseLock decodes and validates a /lock body.
 func ParseLock(data []byte) (lock.LockRequest, error) {
-	var w LockRequest
 	// Fields of other requests are ignored, as encoding/json ignores them.
-	if f, ok := parseFast(data); ok {
-		w = LockRequest{Type: f.typ, ResourceID: f.resource, NodeID: f.node, Lease: f.lease, SkipRecent: f.skipRecent}
-	} else if err := decode(data, &w); err != nil {
-		return lock.LockRequest{}, err
+	f, ok := parseFast(data)
+	if !ok {
+		var err error
+		if f, err = decodeLock(data); err != nil {
+			return lock.LockRequest{}, err
+		}
 	}
-	t, err := lock.ParseType(w.Type)
+	t, err := lock.ParseType(f.typ)
 	if err != nil {
 		return lock.LockRequest{}, err
 	}
-	lease, err := lock.ParseLease(w.Lease)
+	lease, err := lock.ParseLease(f.lease)
 	if err != nil {
 		return lock.LockRequest{}, err
 	}
-	r := lock.LockRequest{Type: t, Resource: w.ResourceID, Node: w.NodeID, Lease: lease, SkipRecent: w.SkipRecent}
+	r := lock.LockRequest{Type: t, Resource: f.resource, Node: f.node, Lease: lease, SkipRecent: f.skipRecent}
 	return r, r.Validate()
+}
+
+// decodeLock reads with encoding/json a /lock body the fast scanner does
+// not take. It is a function of its own so that the request it decodes
+// into, which escapes through json.Unmarshal, is allocated only here and
+// not on the fast path.
+func decodeLock(data []byte) (fastFields, error) {
+	var w LockRequest
+	if err := decode(data, &w); err != nil {
+		return fastFields{}, err
+	}
+	return fastFields{typ: w.Type, resource: w.ResourceID, node: w.NodeID, lease: w.Lease, skipRecent: w.SkipRecent}, nil
 }
 
 // ParseUnlock decodes and validates an /unlock body.
 func ParseUnlock(data []byte) (lock.UnlockRequest, error) {
-	var w UnlockRequest
-	if f, ok := parseFast(data); ok {
-		w = UnlockRequest{Type: f.typ, ResourceID: f.resource, NodeID: f.node, Error: f.errMsg, Token: f.token}
-		if f.hasSuccess {
-			w.Success = &f.success
+	f, ok := parseFast(data)
+	if !ok {
+		var err error
+		if f, err = decodeUnlock(data); err != nil {
+			return lock.UnlockRequest{}, err
 		}
-	} else if err := decode(data, &w); err != nil {
-		return lock.UnlockRequest{}, err
 	}
-	t, err := lock.ParseType(w.Type)
+	t, err := lock.ParseType(f.typ)
 	if err != nil {
 		return lock.UnlockRequest{}, err
 	}
-	success := w.Error == ""
-	if w.Success != nil {
-		success = *w.Success
+	success := f.errMsg == ""
+	if f.hasSuccess {
+		success = f.success
 	}
-	r := lock.UnlockRequest{Type: t, Resource: w.ResourceID, Node: w.NodeID, Success: success, Error: w.Error, Token: w.Token}
+	r := lock.UnlockRequest{Type: t, Resource: f.resource, Node: f.node, Success: success, Error: f.errMsg, Token: f.token}
 	return r, r.Validate()
+}
+
+// decodeUnlock is decodeLock for an /unlock body.
+func decodeUnlock(data []byte) (fastFields, error) {
+	var w UnlockRequest
+	if err := decode(data, &w); err != nil {
+		return fastFields{}, err
+	}
+	f := fastFields{typ: w.Type, resource: w.ResourceID, node: w.NodeID, errMsg: w.Error, token: w.Token}
+	if w.Success != nil {
+		f.success, f.hasSuccess = *w.Success, true
+	}
+	return f, nil
 }
 
 // ParseKey decodes and validates a /cancel body.

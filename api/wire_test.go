@@ -152,3 +152,18 @@ func TestFastPathTaken(t *testing.T) {
 		t.Fatal("an escaped string took the fast path")
 	}
 }
+
+// TestParseAllocs: the fast path allocates the two identifiers it returns
+// and nothing else; the type and the lease are constants.
+func TestParseAllocs(t *testing.T) {
+	lockBody := []byte(`{"type":"pull","resource_id":"r1","node_id":"n1","lease":"ttl"}`)
+	unlockBody := []byte(`{"type":"update","resource_id":"r1","node_id":"n1","success":true,"token":7}`)
+	for name, f := range map[string]func(){
+		"ParseLock":   func() { _, _ = ParseLock(lockBody) },
+		"ParseUnlock": func() { _, _ = ParseUnlock(unlockBody) },
+	} {
+		if n := testing.AllocsPerRun(100, f); n > 2 {
+			t.Errorf("%s: %v allocations, want 2 at most (resource_id and node_id)", name, n)
+		}
+	}
+}

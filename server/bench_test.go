@@ -2,10 +2,13 @@ package server
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -13,6 +16,7 @@ import (
 
 	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/internal/rawhttp"
+	"github.com/dlock/dlock/lock"
 )
 
 // benchServer runs a real server on a loopback listener, with the ping
@@ -125,4 +129,59 @@ func BenchmarkHTTPHandoff(b *testing.B) {
 func readEvent(b *testing.B, s *kit.Stream, name string) {
 	for s.Next(b).Event != name {
 	}
+}
+
+// memConn feeds the lean loop lock + unlock pairs from memory, one request
+// a Read as a client waiting for each answer sends them, and discards the
+// answers: what the loop costs without the kernel's share.
+type memConn struct {
+	n, pairs  int
+	req, body []byte
+	unlock    bool
+}
+
+func (c *memConn) Read(p []byte) (int, error) {
+	if c.n >= c.pairs {
+		return 0, io.EOF
+	}
+	path := "/lock"
+	if c.unlock {
+		path = "/unlock"
+	}
+	c.body = append(c.body[:0], `{"type":"pull","resource_id":"bench-`...)
+	c.body = strconv.AppendInt(c.body, int64(c.n%4096), 10)
+	c.body = append(c.body, `","node_id":"w1","lease":"ttl"}`...)
+	c.req = append(append(append(c.req[:0], "POST "...), path...), " HTTP/1.1\r\nHost: 127.0.0.1:7380\r\nContent-Type: application/json\r\nContent-Length: "...)
+	c.req = append(append(strconv.AppendInt(c.req, int64(len(c.body)), 10), "\r\n\r\n"...), c.body...)
+	if c.unlock {
+		c.n++
+	}
+	c.unlock = !c.unlock
+	return copy(p, c.req), nil
+}
+
+func (c *memConn) Write(p []byte) (int, error)      { return len(p), nil }
+func (c *memConn) Close() error                     { return nil }
+func (c *memConn) LocalAddr() net.Addr              { return &net.TCPAddr{} }
+func (c *memConn) RemoteAddr() net.Addr             { return &net.TCPAddr{} }
+func (c *memConn) SetDeadline(time.Time) error      { return nil }
+func (c *memConn) SetReadDeadline(time.Time) error  { return nil }
+func (c *memConn) SetWriteDeadline(time.Time) error { return nil }
+
+// BenchmarkLeanLoopPairs: the lean loop serving lock + unlock pairs on
+// distinct keys from memory, without syscalls. One op is one pair; its
+// allocations are the server's and the lock manager's.
+func BenchmarkLeanLoopPairs(b *testing.B) {
+	m, err := lock.NewMemory(context.Background(), lock.DefaultConfig())
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer m.Close()
+	s := New(m, Options{})
+	mc := &memConn{pairs: b.N}
+	lc := &leanConn{Conn: mc}
+	s.trackLean(lc, true)
+	b.ReportAllocs()
+	b.ResetTimer()
+	s.serveLean(lc, newPassListener(mc.LocalAddr()), &http.Server{}, handover{})
 }

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"runtime"
 	"runtime/debug"
 	"sync"
 	"sync/atomic"
@@ -73,6 +74,9 @@ func (s *Server) Serve(ln net.Listener, hs *http.Server) error {
 			continue
 		}
 		s.conns.Add(1)
+		if p := s.pollerFor(c); p != nil && p.adopt(c, pass, hs) {
+			continue
+		}
 		var conn net.Conn = &trackedConn{Conn: c, open: &s.conns}
 		if s.certs != nil {
 			// The handshake runs in the connection's goroutine
@@ -84,7 +88,7 @@ func (s *Server) Serve(ln net.Listener, hs *http.Server) error {
 			lc.Close()
 			continue
 		}
-		go s.serveLean(lc, pass, hs)
+		go s.serveLean(lc, pass, hs, handover{})
 	}
 }
 
@@ -217,6 +221,9 @@ func (s *Server) stopLean() {
 			_ = lc.SetReadDeadline(time.Now())
 		}
 	}
+	for _, p := range s.pollers {
+		p.wake()
+	}
 	passes, lns := s.passes, s.listeners
 	s.mu.Unlock()
 	for _, ln := range lns {
@@ -276,4 +283,36 @@ func (s *Server) Shutdown(ctx context.Context) error {
 		return fmt.Errorf("shutdown: connections closed unfinished: %w", err)
 	}
 	return nil
+}
+
+// pollerFor returns the event loop's poller (poller.go) for a new
+// connection, or nil: without Options.EventLoop, over TLS (the lean loop
+// reads through crypto/tls), for a connection that is not plain TCP, or
+// once the server closes. The pollers start with the first plain-TCP
+// connection: one for every two CPUs, each one goroutine that serves many
+// connections, which leaves CPU for the rest of the server and the system.
+func (s *Server) pollerFor(c net.Conn) *poller {
+	if _, ok := c.(*net.TCPConn); !ok || !s.eventLoop || s.certs != nil {
+		return nil
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.pollers == nil && !s.closing.Load() {
+		s.pollers = []*poller{}
+		for range (runtime.GOMAXPROCS(0) + 1) / 2 {
+			p := newPoller(s)
+			if p == nil {
+				s.log.Warn("no epoll: the event loop is off")
+				break
+			}
+			s.pollers = append(s.pollers, p)
+			s.leanWG.Add(1)
+			go p.run()
+		}
+	}
+	if len(s.pollers) == 0 {
+		return nil
+	}
+	s.nextPoller++
+	return s.pollers[s.nextPoller%len(s.pollers)]
 }

@@ -155,7 +155,13 @@ func exchange(t *testing.T, c net.Conn, raw string) *http.Response {
 // arriving is dropped after the read timeout, on the lean loop and on
 // net/http (which, given the connection by the lean loop, had none).
 func TestHalfSentRequestTimesOut(t *testing.T) {
-	e := newEnvWith(t, envConfig{opts: Options{ReadTimeout: 100 * time.Millisecond}})
+	for _, l := range loops {
+		t.Run(l.name, func(t *testing.T) { testHalfSentRequestTimesOut(t, l.goroutines) })
+	}
+}
+
+func testHalfSentRequestTimesOut(t *testing.T, goroutines bool) {
+	e := newEnvWith(t, envConfig{goroutines: goroutines, opts: Options{ReadTimeout: 100 * time.Millisecond}})
 	for _, c := range []struct{ name, raw string }{
 		{"lean loop, body", "POST /lock HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"type\""},
 		{"lean loop, headers", "POST /lock HTTP/1.1\r\nHost: x\r\nContent-Len"},
@@ -197,7 +203,13 @@ func pipelineUntilBlocked(t *testing.T, c net.Conn) (blocked bool) {
 // TestNonReadingClientTimesOut: a client that pipelines requests and never
 // reads the answers is dropped after the write timeout.
 func TestNonReadingClientTimesOut(t *testing.T) {
-	e := newEnvWith(t, envConfig{opts: Options{WriteTimeout: 100 * time.Millisecond}})
+	for _, l := range loops {
+		t.Run(l.name, func(t *testing.T) { testNonReadingClientTimesOut(t, l.goroutines) })
+	}
+}
+
+func testNonReadingClientTimesOut(t *testing.T, goroutines bool) {
+	e := newEnvWith(t, envConfig{goroutines: goroutines, opts: Options{WriteTimeout: 100 * time.Millisecond}})
 	c := e.dial()
 	// Blocked, our writes go on failing by our deadline until the server
 	// gives up and closes; then they fail for that.
@@ -209,7 +221,13 @@ func TestNonReadingClientTimesOut(t *testing.T) {
 // do: one pipelines and never reads, one sends half a request to net/http,
 // one holds an event stream and does not read it.
 func TestShutdownBounded(t *testing.T) {
-	e := newEnvWith(t, envConfig{opts: Options{ReadTimeout: time.Hour, WriteTimeout: time.Hour}})
+	for _, l := range loops {
+		t.Run(l.name, func(t *testing.T) { testShutdownBounded(t, l.goroutines) })
+	}
+}
+
+func testShutdownBounded(t *testing.T, goroutines bool) {
+	e := newEnvWith(t, envConfig{goroutines: goroutines, opts: Options{ReadTimeout: time.Hour, WriteTimeout: time.Hour}})
 	stream := e.dial()
 	if _, err := io.WriteString(stream, "GET /subscribe?node_id=a HTTP/1.1\r\nHost: x\r\n\r\n"); err != nil {
 		t.Fatal(err)
@@ -285,7 +303,13 @@ func cmpOr(a, b int) int {
 // TestPanicRecovered: a panic while serving a request closes that
 // connection, is counted, and the server goes on, on both loops.
 func TestPanicRecovered(t *testing.T) {
-	e := newEnvWith(t, envConfig{prep: func(s *Server) {
+	for _, l := range loops {
+		t.Run(l.name, func(t *testing.T) { testPanicRecovered(t, l.goroutines) })
+	}
+}
+
+func testPanicRecovered(t *testing.T, goroutines bool) {
+	e := newEnvWith(t, envConfig{goroutines: goroutines, prep: func(s *Server) {
 		rt := s.routes["/cancel"]
 		core := rt.core
 		rt.core = func(ctx context.Context, body, buf []byte) (int, []byte) {
@@ -375,7 +399,13 @@ func TestRequestView(t *testing.T) {
 // flush: that write too must be bounded by the write timeout (it blocked
 // for ever when the deadline was set only before explicit flushes).
 func TestPipelinedFloodNeverReadTimesOut(t *testing.T) {
-	e := newEnvWith(t, envConfig{opts: Options{WriteTimeout: 100 * time.Millisecond}})
+	for _, l := range loops {
+		t.Run(l.name, func(t *testing.T) { testPipelinedFloodNeverReadTimesOut(t, l.goroutines) })
+	}
+}
+
+func testPipelinedFloodNeverReadTimesOut(t *testing.T, goroutines bool) {
+	e := newEnvWith(t, envConfig{goroutines: goroutines, opts: Options{WriteTimeout: 100 * time.Millisecond}})
 	c := e.dial()
 	_ = c.(*net.TCPConn).SetReadBuffer(4096)
 	body := `{"type":"pull","resource_id":"x","node_id":"nope"}`

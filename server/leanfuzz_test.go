@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/textproto"
 	"strconv"
+	"strings"
 	"testing"
 
 	"golang.org/x/net/http/httpguts"
@@ -93,6 +94,32 @@ func leanReads(data []byte) []leanRead {
 			return out
 		}
 	}
+}
+
+// pollerReads runs the event loop's parser over data as a poller does
+// (poller.go): read after read of up to leanBufSize bytes, each answered
+// request by request, until a read leaves bytes it does not answer (the
+// connection then goes to the lean loop's goroutine).
+func pollerReads(data []byte) []leanRead {
+	var out []leanRead
+	pos := 0
+	for pos < len(data) {
+		b := data[pos:min(len(data), pos+leanBufSize)]
+		for len(b) > 0 {
+			req, st := leanNext(b)
+			if st != leanServe {
+				return out
+			}
+			pos += req.size
+			rq := request{head: req.head}
+			out = append(out, leanRead{path: req.path, auth: rq.header("Authorization"), body: bytes.Clone(req.body), end: pos, close: req.close})
+			b = b[req.size:]
+			if req.close {
+				return out
+			}
+		}
+	}
+	return out
 }
 
 type countingReader struct {
@@ -185,15 +212,28 @@ func hostsAt(data []byte) []string {
 // FuzzLeanMatchesNetHTTP holds the lean loop to net/http: every request
 // the lean loop answers on a connection is one net/http reads at the same
 // place, with the same method, path, body, Authorization and keep-alive,
-// and does not refuse.
+// and does not refuse. The event loop, which answers what it read before
+// it hands a connection to the lean loop, answers the same requests as the
+// lean loop, up to where it hands over.
 func FuzzLeanMatchesNetHTTP(f *testing.F) {
 	for _, c := range framingCases {
 		f.Add([]byte(c.raw))
 	}
 	f.Add([]byte(rawPost("/lock", smuggleLock) + rawPost("/unlock", "{}", "Authorization: Bearer t", "Connection: close")))
 	f.Add([]byte(rawPost("/cancel", "{}", "Connection: keep-alive") + "\r\n" + rawPost("/lock", "{}")))
+	// Pipelined requests across the event loop's first read.
+	f.Add([]byte(strings.Repeat(rawPost("/lock", smuggleLock), 2*leanBufSize/len(rawPost("/lock", smuggleLock))+1)))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		lean := leanReads(data)
+		polled := pollerReads(data)
+		if len(polled) > len(lean) {
+			t.Fatalf("%q: the event loop answers %d requests, the lean loop %d", data, len(polled), len(lean))
+		}
+		for i, p := range polled {
+			if l := lean[i]; p.path != l.path || !bytes.Equal(p.body, l.body) || p.end != l.end || p.auth != l.auth || p.close != l.close {
+				t.Fatalf("%q: request %d: the event loop read %+v, the lean loop %+v", data, i, p, l)
+			}
+		}
 		if len(lean) == 0 {
 			return
 		}

@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/tls"
+	"io"
 	"net"
 	"net/http"
 	"strconv"
@@ -44,9 +45,17 @@ type leanConn struct {
 // (server.go); the values are the interned path strings.
 var leanPaths = map[string]string{"/lock": "/lock", "/unlock": "/unlock", "/cancel": "/cancel"}
 
+// handover is what a connection brings from the poller (poller.go) to the
+// lean loop: bytes read and not yet answered, and an answer not all
+// written, after which the connection closes when close is set.
+type handover struct {
+	in, out []byte
+	close   bool
+}
+
 // serveLean runs the lean loop on one connection until it ends or is passed
 // to net/http through pass.
-func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server) {
+func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server, ho handover) {
 	passed := false
 	defer func() {
 		if p := recover(); p != nil {
@@ -76,13 +85,26 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server) {
 			return
 		}
 	}
-	br := bufio.NewReaderSize(lc, leanBufSize)
-	bw := bufio.NewWriterSize(lc, leanBufSize)
-	var scratch []byte
-	idle := hs.IdleTimeout
-	if idle <= 0 {
-		idle = 2 * time.Minute
+	var src io.Reader = lc
+	if len(ho.in) > 0 {
+		src = &prefixReader{b: ho.in, r: lc}
 	}
+	br := bufio.NewReaderSize(src, leanBufSize)
+	if len(ho.in) > 0 {
+		// All of it in br at once, as passedConn expects.
+		if _, err := br.Peek(len(ho.in)); err != nil {
+			return
+		}
+	}
+	bw := bufio.NewWriterSize(lc, leanBufSize)
+	if len(ho.out) > 0 {
+		_ = lc.SetWriteDeadline(time.Now().Add(s.writeTimeout))
+		if _, err := lc.Write(ho.out); err != nil || ho.close {
+			return
+		}
+	}
+	var scratch []byte
+	idle := idleTimeout(hs)
 	// Deadlines are moved at most once a second (stale): moving them per
 	// request cost 5 % of the CPU under load. The read deadline bounds an
 	// idle connection; once a request has begun and is not all there, it
@@ -151,6 +173,30 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server) {
 	}
 }
 
+// idleTimeout is how long a connection may wait between requests: hs's,
+// or net/http's default in effect.
+func idleTimeout(hs *http.Server) time.Duration {
+	if hs.IdleTimeout > 0 {
+		return hs.IdleTimeout
+	}
+	return 2 * time.Minute
+}
+
+// prefixReader reads b, then r.
+type prefixReader struct {
+	b []byte
+	r io.Reader
+}
+
+func (p *prefixReader) Read(b []byte) (int, error) {
+	if len(p.b) > 0 {
+		n := copy(b, p.b)
+		p.b = p.b[n:]
+		return n, nil
+	}
+	return p.r.Read(b)
+}
+
 // stale reports whether a deadline d set for timeout should move on at
 // now: when it would move by more than a second, or by half the timeout if
 // that is less. A blocked read or write then ends between half and all of
@@ -159,9 +205,16 @@ func stale(d, now time.Time, timeout time.Duration) bool {
 	return now.Add(timeout).Sub(d) > min(time.Second, timeout/2)
 }
 
+// writeLeanAnswer writes an answer into bw's free space, which it fits
+// but for a large body: the head built in a local array escaped, an
+// allocation per request.
 func writeLeanAnswer(bw *bufio.Writer, status int, body []byte, epoch string, close bool) {
-	var h [256]byte
-	b := append(h[:0], "HTTP/1.1 "...)
+	_, _ = bw.Write(appendLeanAnswer(bw.AvailableBuffer(), status, body, epoch, close))
+}
+
+// appendLeanAnswer appends the whole HTTP answer, head and body, to b.
+func appendLeanAnswer(b []byte, status int, body []byte, epoch string, close bool) []byte {
+	b = append(b, "HTTP/1.1 "...)
 	b = strconv.AppendInt(b, int64(status), 10)
 	b = append(b, ' ')
 	b = append(b, http.StatusText(status)...)
@@ -180,8 +233,7 @@ func writeLeanAnswer(bw *bufio.Writer, status int, body []byte, epoch string, cl
 		b = append(b, "\r\nWWW-Authenticate: "+wwwAuthenticateValue...)
 	}
 	b = append(b, "\r\n\r\n"...)
-	_, _ = bw.Write(b)
-	_, _ = bw.Write(body)
+	return append(b, body...)
 }
 
 // leanRequest is a request the lean loop answers. Its slices point into the
@@ -231,21 +283,48 @@ func peekRequest(br *bufio.Reader, waiting func()) (req leanRequest, st leanStat
 			return req, leanMore
 		}
 	}
-	req, ok := parseHead(buf[:end])
-	if !ok {
-		return req, leanPass
+	if req, st = leanFrame(buf, end, br.Size()); st != leanMore {
+		return req, st
 	}
-	if req.size > br.Size() {
-		return req, leanPass
-	}
-	if br.Buffered() < req.size && waiting != nil {
+	if waiting != nil {
 		waiting()
 	}
 	full, err := br.Peek(req.size)
 	if err != nil {
 		return req, leanMore
 	}
-	req.body = full[len(req.head)+2:]
+	req.body = full[end:]
+	return req, leanServe
+}
+
+// leanNext recognises a request at the start of b, the bytes read so far
+// from a connection, by the rules of peekRequest with a buffer of
+// leanBufSize; leanMore means that b does not hold all of it yet.
+func leanNext(b []byte) (req leanRequest, st leanStatus) {
+	end, ok := headEnd(b, 0)
+	switch {
+	case !ok:
+		return req, leanPass
+	case end >= 0:
+		return leanFrame(b, end, leanBufSize)
+	case len(b) >= leanBufSize:
+		return req, leanPass // headers larger than the buffer
+	}
+	return req, leanMore
+}
+
+// leanFrame takes the request whose head, checked by headEnd, is b[:end],
+// when the whole request fits in size bytes; leanMore means b does not hold
+// all of its body yet.
+func leanFrame(b []byte, end, size int) (req leanRequest, st leanStatus) {
+	req, ok := parseHead(b[:end])
+	if !ok || req.size > size {
+		return req, leanPass
+	}
+	if len(b) < req.size {
+		return req, leanMore
+	}
+	req.body = b[end:req.size]
 	return req, leanServe
 }
 

@@ -55,7 +55,13 @@ func bodyOf(r *http.Response) string { b, _ := io.ReadAll(r.Body); return string
 // hands a connection to net/http at the first request it does not take,
 // with nothing lost.
 func TestLeanLoop(t *testing.T) {
-	e := newEnv(t, nil)
+	for _, l := range loops {
+		t.Run(l.name, func(t *testing.T) { testLeanLoop(t, l.goroutines) })
+	}
+}
+
+func testLeanLoop(t *testing.T, goroutines bool) {
+	e := newEnvWith(t, envConfig{goroutines: goroutines})
 	addr := strings.TrimPrefix(e.ts.URL, "http://")
 	lockA := `{"type":"pull","resource_id":"r","node_id":"a"}`
 	lockB := `{"type":"pull","resource_id":"r","node_id":"b"}`

@@ -54,6 +54,12 @@ type Options struct {
 	// when it has a client CA, every request but GET /healthz needs a
 	// client certificate, and may name only a node the certificate names.
 	TLS *auth.Certs
+	// EventLoop serves plain-TCP connections between requests from event
+	// loops that answer /lock, /unlock and /cancel themselves (poller.go),
+	// for less CPU per request. Set it only for a backend whose TryLock,
+	// Unlock and Cancel never wait, as lock.Memory without a RefStore:
+	// one that waited would hold up every connection of its loop.
+	EventLoop bool
 }
 
 // Defaults of the Options' timeouts.
@@ -118,6 +124,11 @@ type Server struct {
 	https     []*http.Server
 	leanConns map[*leanConn]struct{}
 	leanWG    sync.WaitGroup
+	// The event loop's pollers (poller.go), started by the first
+	// connection they take; guarded by mu.
+	eventLoop  bool
+	pollers    []*poller
+	nextPoller int
 }
 
 // New returns a Server for b. The server holds no lock state: every rule is
@@ -151,6 +162,7 @@ func New(b lock.Backend, opts Options) *Server {
 		closed:       make(chan struct{}),
 		tokens:       opts.Tokens,
 		certs:        opts.TLS,
+		eventLoop:    opts.EventLoop,
 	}
 	s.mtls = s.certs != nil && s.certs.ClientAuth()
 	s.guarded = s.tokens != nil || s.mtls
@@ -221,7 +233,7 @@ type request struct {
 	// answered), body the whole body.
 	head []byte
 	body []byte
-	conn net.Conn
+	conn interface{ RemoteAddr() net.Addr }
 	// peer is the client certificate, with mTLS.
 	peer *auth.Peer
 }

@@ -32,8 +32,8 @@ type env struct {
 	ts  *httptest.Server
 }
 
-// newEnv runs a server as dlock serve does: the lean loop in front of
-// net/http (Serve).
+// newEnv runs a server as dlock serve does: the event loop and the lean
+// loop in front of net/http (Serve).
 func newEnv(t testing.TB, mod func(*lock.Config)) *env { return newEnvMode(t, mod, true) }
 
 // newEnvMode with lean=false serves through net/http alone (httptest).
@@ -43,12 +43,22 @@ func newEnvMode(t testing.TB, mod func(*lock.Config), lean bool) *env {
 
 // envConfig is a test server's setup; the zero value is newEnv's.
 type envConfig struct {
-	mod    func(*lock.Config)
-	serial bool                            // net/http alone, without the lean loop
-	opts   Options                         // PingInterval defaults to 50 ms
-	prep   func(*Server)                   // called before serving
-	wrap   func(net.Listener) net.Listener // wraps the listener Serve gets
+	mod        func(*lock.Config)
+	serial     bool                            // net/http alone, without the lean loop
+	goroutines bool                            // the lean loop without the event loop
+	opts       Options                         // PingInterval defaults to 50 ms
+	prep       func(*Server)                   // called before serving
+	wrap       func(net.Listener) net.Listener // wraps the listener Serve gets
+	idle       time.Duration                   // the http.Server's IdleTimeout
 }
+
+// loops are the two ways the lean loop runs, for the tests that hold both
+// to the same rules: a goroutine a connection, and the event loop, which
+// hands a connection to a goroutine of its own whenever it has to wait.
+var loops = []struct {
+	name       string
+	goroutines bool
+}{{"event loop", false}, {"goroutines", true}}
 
 func newEnvWith(t testing.TB, ec envConfig) *env {
 	t.Helper()
@@ -64,11 +74,15 @@ func newEnvWith(t testing.TB, ec envConfig) *env {
 	if opts.PingInterval == 0 {
 		opts.PingInterval = 50 * time.Millisecond
 	}
+	if !ec.goroutines {
+		opts.EventLoop = true // as dlock serve sets it
+	}
 	srv := New(m, opts)
 	if ec.prep != nil {
 		ec.prep(srv)
 	}
 	ts := httptest.NewUnstartedServer(srv)
+	ts.Config.IdleTimeout = ec.idle
 	if !ec.serial {
 		ln := ts.Listener
 		if ec.wrap != nil {

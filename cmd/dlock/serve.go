@@ -183,7 +183,9 @@ func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	srv := server.New(m, server.Options{Logger: log, MaxConns: c.conns.max, ReadTimeout: c.conns.read, WriteTimeout: c.conns.write, Tokens: tokens, TLS: certs})
+	// The event loop answers requests inline; with refcount=server, an
+	// /unlock may wait for its references to reach the disk.
+	srv := server.New(m, server.Options{Logger: log, MaxConns: c.conns.max, ReadTimeout: c.conns.read, WriteTimeout: c.conns.write, Tokens: tokens, TLS: certs, EventLoop: c.lock.RefStore == nil})
 	stopReload := reloadOn(c.reload, srv, log)
 	defer stopReload()
 	ping := min(15*time.Second, c.lock.LockTTL/4)

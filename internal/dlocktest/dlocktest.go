@@ -254,7 +254,9 @@ func (s *Server) serve(ln net.Listener) {
 	if err != nil {
 		s.t.Fatal(err)
 	}
-	so := server.Options{PingInterval: 200 * time.Millisecond}
+	// The event loop as dlock serve has it: on unless references are
+	// saved to disk inside the calls it would make.
+	so := server.Options{PingInterval: 200 * time.Millisecond, EventLoop: cfg.RefStore == nil}
 	s.loadAuth(&so)
 	if s.opts.Server != nil {
 		s.opts.Server(&so)

@@ -1,0 +1,366 @@
+package server
+
+import (
+	"encoding/binary"
+	"net"
+	"net/http"
+	"os"
+	"runtime"
+	"sync"
+	"syscall"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// The event loop (Options.EventLoop). Plain-TCP connections wait between
+// requests in one epoll set, and one goroutine, a poller, reads, answers
+// and writes for all of them, as Redis does. A connection with a goroutine
+// of its own pays, per request, a read that returns EAGAIN and a park and
+// wake-up in Go's netpoller, with the scheduler's work around them; the
+// poller reads a connection only when epoll says it has a request. On a
+// 2-core machine that was a third of the server's CPU per lock + unlock.
+//
+// A poller answers only what it read whole: requests the lean loop takes
+// (leanNext, the same parser), and answers that one write takes. Anything
+// else — half a request, a request the lean loop passes to net/http, an
+// answer the client is slow to take, a panic — leaves the poller: the
+// connection, with the bytes read and the answer not yet written, goes to
+// a goroutine of its own in the lean loop (serveLean) for the rest of its
+// life, where the read and write timeouts apply as before. So a poller
+// never waits on a client, and a connection it holds is always between
+// requests, under the idle timeout alone, which a sweep enforces.
+//
+// The poller calls the backend itself: a call that waited would hold up
+// every connection of the poller. Hence the option, for backends that
+// never wait.
+
+// maxPollEvents is the most connections one epoll_wait returns.
+const maxPollEvents = 256
+
+// poller is one event loop and its connections.
+type poller struct {
+	s      *Server
+	epfd   int
+	wakefd int // an eventfd: stopLean wakes the loop with it
+	start  time.Time
+
+	mu sync.Mutex // guards conns, n, closed and every
+	// conns are the connections by descriptor: a lookup per request is
+	// an index, not a map's hash.
+	conns  []*pollConn
+	n      int  // connections in conns
+	closed bool // epfd, wakefd and every connection are closed
+	// every is the time between sweeps for idle connections: a quarter of
+	// the shortest idle timeout, a second at most.
+	every time.Duration
+}
+
+// pollConn is a connection a poller holds. Its descriptor is the poller's
+// alone: Go's netpoller does not know it, or it would be woken by every
+// request too.
+type pollConn struct {
+	fd     int
+	remote net.Addr
+	pass   *passListener
+	hs     *http.Server
+	idle   time.Duration // the idle timeout
+	last   time.Duration // since poller.start: its last request
+}
+
+func (c *pollConn) RemoteAddr() net.Addr { return c.remote }
+
+// newPoller opens a poller; nil when epoll is not there to use.
+func newPoller(s *Server) *poller {
+	epfd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	if err != nil {
+		return nil
+	}
+	wakefd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+	if err != nil {
+		unix.Close(epfd)
+		return nil
+	}
+	ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(wakefd)}
+	if err := unix.EpollCtl(epfd, unix.EPOLL_CTL_ADD, wakefd, &ev); err != nil {
+		unix.Close(epfd)
+		unix.Close(wakefd)
+		return nil
+	}
+	return &poller{s: s, epfd: epfd, wakefd: wakefd, start: time.Now(), every: time.Second}
+}
+
+// adopt takes a new plain-TCP connection into the poller, or reports
+// false and leaves c as it was. An adopted c is closed: the poller keeps a
+// duplicate of its descriptor, outside Go's netpoller.
+func (p *poller) adopt(c net.Conn, pass *passListener, hs *http.Server) bool {
+	tc, ok := c.(*net.TCPConn)
+	p.mu.Lock()
+	closed := p.closed // after an epoll_wait failure: serve c without it
+	p.mu.Unlock()
+	if !ok || closed {
+		return false
+	}
+	raw, err := tc.SyscallConn()
+	if err != nil {
+		return false
+	}
+	fd := -1
+	if cerr := raw.Control(func(s uintptr) {
+		fd, err = unix.FcntlInt(s, unix.F_DUPFD_CLOEXEC, 0)
+	}); cerr != nil || err != nil {
+		return false
+	}
+	pc := &pollConn{fd: fd, remote: tc.RemoteAddr(), pass: pass, hs: hs, idle: idleTimeout(hs)}
+	tc.Close() // the socket stays open through fd
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed { // since just now: the server closes
+		p.closeFD(pc)
+		return true
+	}
+	pc.last = time.Since(p.start)
+	ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(fd)}
+	if err := unix.EpollCtl(p.epfd, unix.EPOLL_CTL_ADD, fd, &ev); err != nil {
+		p.closeFD(pc)
+		return true
+	}
+	if fd >= len(p.conns) {
+		p.conns = append(p.conns, make([]*pollConn, fd+1-len(p.conns))...)
+	}
+	p.conns[fd] = pc
+	p.n++
+	p.every = min(p.every, max(pc.idle/4, time.Millisecond))
+	return true
+}
+
+// wake makes the loop look at s.closing.
+func (p *poller) wake() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if !p.closed {
+		var one [8]byte
+		binary.NativeEndian.PutUint64(one[:], 1)
+		_, _ = unix.Write(p.wakefd, one[:])
+	}
+}
+
+// run is the event loop. It returns when the server closes, closing every
+// connection it holds: they are all between requests.
+func (p *poller) run() {
+	defer p.s.leanWG.Done()
+	events := make([]unix.EpollEvent, maxPollEvents)
+	buf := make([]byte, leanBufSize)
+	var out, scratch []byte
+	var swept, yielded time.Duration
+	for {
+		p.mu.Lock()
+		nextSweep := swept + p.every
+		p.mu.Unlock()
+		wait := int(max(nextSweep-time.Since(p.start), 0)/time.Millisecond) + 1
+		n, err := unix.EpollWait(p.epfd, events, wait)
+		if err != nil && err != unix.EINTR {
+			p.s.log.Error("epoll_wait failed; the event loop's connections are closed", "err", err)
+			p.closeAll()
+			return
+		}
+		if p.s.closing.Load() {
+			p.closeAll()
+			return
+		}
+		now := time.Since(p.start)
+		for _, ev := range events[:max(n, 0)] {
+			p.mu.Lock()
+			pc := p.get(int(ev.Fd))
+			p.mu.Unlock()
+			if pc == nil {
+				continue // the eventfd, or a connection closed in this batch
+			}
+			pc.last = now
+			out, scratch = p.serve(pc, buf, out[:0], scratch[:0])
+		}
+		if now >= nextSweep {
+			swept = now
+			p.sweep(now)
+		}
+		// A goroutine that never passes through the scheduler looks to
+		// the runtime's sysmon like one that runs for ever: every 10 ms it
+		// takes the P away mid-syscall and then polls every 20 µs for a
+		// while, which cost 10 % of the CPU. A yield now and then tells it
+		// otherwise; one per batch would wake another thread each time.
+		if now-yielded >= 5*time.Millisecond {
+			yielded = now
+			runtime.Gosched()
+		}
+	}
+}
+
+// serve reads what one connection sent and answers it. out and scratch
+// are the loop's buffers, returned for the next connection.
+func (p *poller) serve(pc *pollConn, buf, out, scratch []byte) (_, _ []byte) {
+	defer func() {
+		if r := recover(); r != nil {
+			// As net/http does: log, drop this connection, keep serving.
+			p.s.panicked(r, pc.remote.String())
+			p.drop(pc)
+		}
+	}()
+	n, err := rawIO(unix.SYS_READ, pc.fd, buf)
+	if err == unix.EAGAIN || err == unix.EINTR {
+		return out, scratch
+	}
+	if n <= 0 {
+		p.drop(pc) // the client closed, or the connection broke
+		return out, scratch
+	}
+	data := buf[:n]
+	closing := false
+	for len(data) > 0 && !closing {
+		req, st := leanNext(data)
+		if st != leanServe {
+			break
+		}
+		rq := request{method: http.MethodPost, path: req.path, head: req.head, body: req.body, conn: pc}
+		status, body := p.s.serveRequest(&rq, scratch)
+		out = appendLeanAnswer(out, status, body, p.s.epoch[0], req.close)
+		scratch = body[:0]
+		data = data[req.size:]
+		closing = req.close
+	}
+	if closing {
+		data = nil // what follows a Connection: close is not read
+	}
+	w := 0
+	if len(out) > 0 {
+		w, err = rawIO(unix.SYS_WRITE, pc.fd, out)
+		if err != nil && err != unix.EAGAIN && err != unix.EINTR {
+			p.drop(pc)
+			return out, scratch
+		}
+		w = max(w, 0)
+	}
+	switch {
+	case w < len(out) || len(data) > 0:
+		p.handOver(pc, handover{in: data, out: out[w:], close: closing})
+	case closing:
+		p.drop(pc)
+	}
+	return out, scratch
+}
+
+// handOver moves a connection from the poller to a goroutine of its own in
+// the lean loop, with ho's bytes.
+func (p *poller) handOver(pc *pollConn, ho handover) {
+	if !p.remove(pc) {
+		return
+	}
+	ho.in, ho.out = clone(ho.in), clone(ho.out) // they are the loop's buffers
+	f := os.NewFile(uintptr(pc.fd), "")
+	c, err := net.FileConn(f) // a duplicate, in Go's netpoller
+	f.Close()
+	if err != nil {
+		p.s.conns.Add(-1)
+		p.s.log.Warn("an event loop could not hand a connection over; it is closed", "remote", pc.remote.String(), "err", err)
+		return
+	}
+	lc := &leanConn{Conn: &trackedConn{Conn: c, open: &p.s.conns}}
+	if !p.s.trackLean(lc, true) {
+		lc.Close()
+		return
+	}
+	go p.s.serveLean(lc, pc.pass, pc.hs, ho)
+}
+
+// rawIO is read or write (trap) on a connection's non-blocking descriptor
+// without telling the scheduler, as syscall.Read and Write do, that it
+// may block: it never does, and the telling and its undoing
+// (entersyscall, exitsyscall) were 3 % of the CPU of a request.
+func rawIO(trap uintptr, fd int, b []byte) (int, error) {
+	n, _, e := syscall.RawSyscall(trap, uintptr(fd), uintptr(unsafe.Pointer(unsafe.SliceData(b))), uintptr(len(b)))
+	if e != 0 {
+		return -1, e
+	}
+	return int(n), nil
+}
+
+func clone(b []byte) []byte {
+	if len(b) == 0 {
+		return nil
+	}
+	return append([]byte(nil), b...)
+}
+
+// get returns the connection with descriptor fd, or nil. p.mu is held.
+func (p *poller) get(fd int) *pollConn {
+	if fd < 0 || fd >= len(p.conns) {
+		return nil
+	}
+	return p.conns[fd]
+}
+
+// forget takes pc out of conns if it is there. p.mu is held.
+func (p *poller) forget(pc *pollConn) bool {
+	if p.get(pc.fd) != pc {
+		return false
+	}
+	p.conns[pc.fd] = nil
+	p.n--
+	return true
+}
+
+// remove takes pc out of the poller, its descriptor still open; false if
+// it was not there (closed already).
+func (p *poller) remove(pc *pollConn) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if !p.forget(pc) {
+		return false
+	}
+	_ = unix.EpollCtl(p.epfd, unix.EPOLL_CTL_DEL, pc.fd, nil)
+	return true
+}
+
+// drop closes a connection the poller holds.
+func (p *poller) drop(pc *pollConn) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.forget(pc) {
+		p.closeFD(pc)
+	}
+}
+
+// closeFD closes pc's descriptor, which also takes it out of the epoll
+// set. p.mu is held: no new connection has the descriptor's number before
+// it is out of conns.
+func (p *poller) closeFD(pc *pollConn) {
+	unix.Close(pc.fd)
+	p.s.conns.Add(-1)
+}
+
+// sweep closes the connections idle for their idle timeout.
+func (p *poller) sweep(now time.Duration) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, pc := range p.conns {
+		if pc != nil && now-pc.last >= pc.idle {
+			p.forget(pc)
+			p.closeFD(pc)
+		}
+	}
+}
+
+// closeAll closes every connection and the poller itself.
+func (p *poller) closeAll() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.closed = true
+	for _, pc := range p.conns {
+		if pc != nil {
+			p.forget(pc)
+			p.closeFD(pc)
+		}
+	}
+	unix.Close(p.epfd)
+	unix.Close(p.wakefd)
+}
