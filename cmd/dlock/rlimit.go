@@ -12,10 +12,12 @@ import (
 const connsReserve = 256
 
 // maxConnsCap bounds the default --max-conns whatever the fd limit. A
-// connection costs the server about 19 KiB (idle keep-alive) to 22 KiB (a
-// session stream) of resident memory, measured over 4,000 of each, plus a
-// few KiB of kernel socket state: 200,000 take about 5 GiB, which leaves a
-// 24 GiB machine room for the lock state and for sockets with data queued.
+// connection costs the server at most about 19 KiB of resident memory (an
+// idle keep-alive connection with a goroutine of its own, as over TLS; one
+// waiting in the event loop costs far less) and a session stream about
+// 7 KiB (measured over 10,000, docs/BENCHMARKS.md), plus a few KiB of kernel
+// socket state: 200,000 take at most about 5 GiB, which leaves a 24 GiB
+// machine room for the lock state and for sockets with data queued.
 const maxConnsCap = 200_000
 
 // raiseFileLimit raises the soft RLIMIT_NOFILE to the hard limit, so that
