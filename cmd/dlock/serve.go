@@ -38,14 +38,22 @@ type serveConfig struct {
 	dataDir  string
 	logLevel slog.Level
 	debug    string // pprof listen address, "" for none
-	conns    connConfig
-	creds    credConfig
+	// eventLoop serves plain-TCP keep-alive connections from one epoll
+	// set (docs/DESIGN.md, "The fast path"); never with refcount=server.
+	eventLoop bool
+	conns     connConfig
+	creds     credConfig
 	// ready, when set, receives the bound address once the server accepts.
 	ready func(net.Addr)
 	// reload, when set, replaces SIGHUP as the signal to re-read the
 	// credentials (tests).
 	reload <-chan os.Signal
 }
+
+// useEventLoop reports whether the server takes the event loop. It answers
+// requests inline; with refcount=server an /unlock may wait for its
+// references to reach the disk, and every connection of the loop with it.
+func (c serveConfig) useEventLoop() bool { return c.eventLoop && c.refcount != "server" }
 
 func defaultDataDir() string {
 	if os.Geteuid() == 0 {
@@ -86,6 +94,7 @@ func parseServe(args []string, getenv func(string) string, stderr io.Writer) (se
 	fs.StringVar(&c.dataDir, "data-dir", defaultDataDir(), "directory of durable state, one server each: the token ceiling, and references with refcount=server (\"\": none; tokens then rest on the wall clock)")
 	fs.TextVar(&c.logLevel, "log-level", slog.LevelInfo, "log level: debug, info, warn or error")
 	fs.StringVar(&c.debug, "debug-listen", "", "serve Go's pprof profiles on this address (e.g. 127.0.0.1:6060); off by default")
+	fs.BoolVar(&c.eventLoop, "event-loop", true, "serve plain-TCP keep-alive connections from one event loop (epoll) instead of a goroutine each; always off with --refcount=server, whose unlocks may wait for the disk")
 	fs.IntVar(&c.conns.max, "max-conns", 0, fmt.Sprintf("most open client connections; past it a new one is answered 503 overloaded (0: the open-file limit minus %d, at most %d)", connsReserve, maxConnsCap))
 	fs.DurationVar(&c.conns.read, "read-timeout", server.DefaultReadTimeout, "time a request's headers and body have to arrive")
 	fs.DurationVar(&c.conns.write, "write-timeout", server.DefaultWriteTimeout, "longest a write (an answer or an event) waits for a client that does not read")
@@ -183,9 +192,7 @@ func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	// The event loop answers requests inline; with refcount=server, an
-	// /unlock may wait for its references to reach the disk.
-	srv := server.New(m, server.Options{Logger: log, MaxConns: c.conns.max, ReadTimeout: c.conns.read, WriteTimeout: c.conns.write, Tokens: tokens, TLS: certs, EventLoop: c.lock.RefStore == nil})
+	srv := server.New(m, server.Options{Logger: log, MaxConns: c.conns.max, ReadTimeout: c.conns.read, WriteTimeout: c.conns.write, Tokens: tokens, TLS: certs, EventLoop: c.useEventLoop()})
 	stopReload := reloadOn(c.reload, srv, log)
 	defer stopReload()
 	ping := min(15*time.Second, c.lock.LockTTL/4)

@@ -192,3 +192,28 @@ func TestServeDataDir(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestServeEventLoop: the event loop is on by default, off with
+// --event-loop=false (or DLOCK_EVENT_LOOP=false), and always off with
+// --refcount=server.
+func TestServeEventLoop(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		env  map[string]string
+		want bool
+	}{
+		{nil, nil, true},
+		{[]string{"--event-loop=false"}, nil, false},
+		{nil, map[string]string{"DLOCK_EVENT_LOOP": "false"}, false},
+		{[]string{"--refcount", "server"}, nil, false},
+		{[]string{"--refcount", "server", "--event-loop=true"}, nil, false},
+	} {
+		c, err := parseServe(tc.args, func(k string) string { return tc.env[k] }, io.Discard)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := c.useEventLoop(); got != tc.want {
+			t.Errorf("%v %v: event loop %v, want %v", tc.args, tc.env, got, tc.want)
+		}
+	}
+}
