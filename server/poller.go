@@ -113,19 +113,18 @@ func (p *poller) adopt(c net.Conn, pass *passListener, hs *http.Server) bool {
 		return false
 	}
 	pc := &pollConn{fd: fd, remote: tc.RemoteAddr(), pass: pass, hs: hs, idle: idleTimeout(hs)}
-	tc.Close() // the socket stays open through fd
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.closed { // since just now: the server closes
-		p.closeFD(pc)
-		return true
-	}
-	pc.last = time.Since(p.start)
+	// Registered before c lets go of the socket: a poller closed since
+	// just now, or an epoll set that takes no more (ENOSPC at
+	// max_user_watches, ENOMEM), leaves c to a goroutine of its own.
 	ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(fd)}
-	if err := unix.EpollCtl(p.epfd, unix.EPOLL_CTL_ADD, fd, &ev); err != nil {
-		p.closeFD(pc)
-		return true
+	if p.closed || unix.EpollCtl(p.epfd, unix.EPOLL_CTL_ADD, fd, &ev) != nil {
+		unix.Close(fd)
+		return false
 	}
+	tc.Close() // the socket stays open through fd
+	pc.last = time.Since(p.start)
 	if fd >= len(p.conns) {
 		p.conns = append(p.conns, make([]*pollConn, fd+1-len(p.conns))...)
 	}
@@ -162,11 +161,13 @@ func (p *poller) run() {
 		n, err := unix.EpollWait(p.epfd, events, wait)
 		if err != nil && err != unix.EINTR {
 			p.s.log.Error("epoll_wait failed; the event loop's connections are closed", "err", err)
-			p.closeAll()
+			// EBADF: the epoll descriptor is not ours any more, and its
+			// number may be another file's now.
+			p.closeAll(err != unix.EBADF)
 			return
 		}
 		if p.s.closing.Load() {
-			p.closeAll()
+			p.closeAll(true)
 			return
 		}
 		now := time.Since(p.start)
@@ -257,13 +258,37 @@ func (p *poller) handOver(pc *pollConn, ho handover) {
 	}
 	ho.in, ho.out = clone(ho.in), clone(ho.out) // they are the loop's buffers
 	f := os.NewFile(uintptr(pc.fd), "")
-	c, err := net.FileConn(f) // a duplicate, in Go's netpoller
-	f.Close()
+	c, err := fileConn(f) // a duplicate, in Go's netpoller
 	if err != nil {
-		p.s.conns.Add(-1)
-		p.s.log.Warn("an event loop could not hand a connection over; it is closed", "remote", pc.remote.String(), "err", err)
+		// No descriptor to spare (EMFILE) for the duplicate. The requests
+		// whose answers are in ho.out have run: those answers still go
+		// out, through f, within the write timeout, from a goroutine of
+		// their own; then the connection closes.
+		p.s.log.Warn("an event loop could not hand a connection over; it is closed after the answers it owes", "remote", pc.remote.String(), "err", err)
+		p.s.leanWG.Add(1) // the loop holds one: never from zero
+		go func() {
+			defer p.s.leanWG.Done()
+			if rc, err := f.SyscallConn(); err == nil && len(ho.out) > 0 {
+				_ = rc.Write(func(fd uintptr) bool {
+					writeOwed(int(fd), ho.out, time.Now().Add(p.s.writeTimeout))
+					return true
+				})
+				// Closed with requests unread, the socket would send a
+				// reset, which can overtake the answers: half-close, and
+				// read what the client still sends for a moment first,
+				// as net/http does before it closes.
+				_ = rc.Read(func(fd uintptr) bool {
+					_ = unix.Shutdown(int(fd), unix.SHUT_WR)
+					drainFor(int(fd), time.Now().Add(min(p.s.readTimeout, time.Second)))
+					return true
+				})
+			}
+			f.Close()
+			p.s.conns.Add(-1)
+		}()
 		return
 	}
+	f.Close()
 	lc := &leanConn{Conn: &trackedConn{Conn: c, open: &p.s.conns}}
 	if !p.s.trackLean(lc, true) {
 		lc.Close()
@@ -271,6 +296,57 @@ func (p *poller) handOver(pc *pollConn, ho handover) {
 	}
 	go p.s.serveLean(lc, pc.pass, pc.hs, ho)
 }
+
+// writeOwed writes b to the non-blocking descriptor fd, waiting in
+// poll(2) while the socket is full, until deadline at the latest.
+func writeOwed(fd int, b []byte, deadline time.Time) {
+	for len(b) > 0 {
+		n, err := unix.Write(fd, b)
+		switch {
+		case err == unix.EINTR:
+		case err == unix.EAGAIN:
+			left := time.Until(deadline)
+			if left <= 0 {
+				return
+			}
+			pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLOUT}}
+			if _, err := unix.Poll(pfd, int(min(left, time.Second)/time.Millisecond)+1); err != nil && err != unix.EINTR {
+				return
+			}
+		case err != nil:
+			return
+		default:
+			b = b[n:]
+		}
+	}
+}
+
+// drainFor reads and drops what arrives on the non-blocking descriptor fd
+// until the peer closes or deadline.
+func drainFor(fd int, deadline time.Time) {
+	var b [4096]byte
+	for {
+		n, err := unix.Read(fd, b[:])
+		switch {
+		case err == unix.EINTR:
+		case err == unix.EAGAIN:
+			left := time.Until(deadline)
+			if left <= 0 {
+				return
+			}
+			pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+			if _, err := unix.Poll(pfd, int(left/time.Millisecond)+1); err != nil && err != unix.EINTR {
+				return
+			}
+		case err != nil || n == 0:
+			return
+		}
+	}
+}
+
+// fileConn is net.FileConn; tests make it fail as it does without a spare
+// descriptor.
+var fileConn = net.FileConn
 
 // rawIO is read or write (trap) on a connection's non-blocking descriptor
 // without telling the scheduler, as syscall.Read and Write do, that it
@@ -330,10 +406,13 @@ func (p *poller) drop(pc *pollConn) {
 	}
 }
 
-// closeFD closes pc's descriptor, which also takes it out of the epoll
-// set. p.mu is held: no new connection has the descriptor's number before
-// it is out of conns.
+// closeFD takes pc's descriptor out of the epoll set and closes it. The
+// close alone would leave it in the set if a copy of the socket were open
+// elsewhere (a child forked just then), and the set would report a number
+// that a new connection may get. p.mu is held: no new connection has the
+// descriptor's number before it is out of conns.
 func (p *poller) closeFD(pc *pollConn) {
+	_ = unix.EpollCtl(p.epfd, unix.EPOLL_CTL_DEL, pc.fd, nil)
 	unix.Close(pc.fd)
 	p.s.conns.Add(-1)
 }
@@ -350,17 +429,23 @@ func (p *poller) sweep(now time.Duration) {
 	}
 }
 
-// closeAll closes every connection and the poller itself.
-func (p *poller) closeAll() {
+// closeAll closes every connection and the poller itself; its epoll
+// descriptor too unless ownEpoll is false.
+func (p *poller) closeAll(ownEpoll bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.closed = true
+	if !ownEpoll {
+		p.epfd = -1 // closeFD's EPOLL_CTL_DEL must not reach another file
+	}
 	for _, pc := range p.conns {
 		if pc != nil {
 			p.forget(pc)
 			p.closeFD(pc)
 		}
 	}
-	unix.Close(p.epfd)
+	if p.epfd >= 0 {
+		unix.Close(p.epfd)
+	}
 	unix.Close(p.wakefd)
 }

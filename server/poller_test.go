@@ -2,12 +2,18 @@ package server
 
 import (
 	"bufio"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"os"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
+
+	"github.com/dlock/dlock/internal/dlocktest/kit"
+	"golang.org/x/sys/unix"
 )
 
 // pollerConns counts the connections the event loop holds, and the lean
@@ -124,4 +130,94 @@ func TestCloseEndsIdleConnections(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestEventLoopHandOverWithoutDescriptor: when a connection must leave the
+// event loop and no descriptor is left for its duplicate (EMFILE), every
+// request that ran is still answered before the connection closes: a
+// client must not hold a lock it never heard of.
+func TestEventLoopHandOverWithoutDescriptor(t *testing.T) {
+	failed := make(chan struct{}, 1)
+	fileConn = func(*os.File) (net.Conn, error) {
+		select {
+		case failed <- struct{}{}:
+		default:
+		}
+		return nil, syscall.EMFILE
+	}
+	t.Cleanup(func() { fileConn = net.FileConn })
+	e := pollerEnv(t, envConfig{})
+	// Small socket buffers at both ends, the client's set before it
+	// connects: a few dozen answers fill them, and the event loop must
+	// hand the connection over with answers it could not write.
+	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
+		return rc.Control(func(fd uintptr) { _ = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF, 4096) })
+	}}
+	c, err := d.Dial("tcp", e.addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	_ = c.SetDeadline(time.Now().Add(kit.Patience))
+	if r := exchange(t, c, rawPost("/cancel", smuggleLock)); r.StatusCode != 200 {
+		t.Fatal(r.StatusCode)
+	}
+	kit.WaitFor(t, "the connection in the event loop", func() bool { p, _ := e.pollerConns(); return p == 1 })
+	e.srv.mu.Lock()
+	for _, p := range e.srv.pollers {
+		p.mu.Lock()
+		for _, pc := range p.conns {
+			if pc != nil {
+				_ = unix.SetsockoptInt(pc.fd, unix.SOL_SOCKET, unix.SO_SNDBUF, 4096)
+			}
+		}
+		p.mu.Unlock()
+	}
+	e.srv.mu.Unlock()
+	// Locks on distinct keys, each request 256 bytes and written 16 at a
+	// time, so that the event loop's reads (4 KiB) end between requests.
+	const n = 4000
+	req := func(i int) string {
+		r := ""
+		for pad := 0; len(r) < 256; pad++ {
+			r = rawPost("/lock", fmt.Sprintf(`{"type":"pull","resource_id":"k%06d%s","node_id":"a"}`, i, strings.Repeat("x", pad)))
+		}
+		return r
+	}
+	if len(req(0)) != 256 {
+		t.Fatalf("a request is %d bytes", len(req(0)))
+	}
+	go func() {
+		for i := 0; i < n; i += 16 {
+			var sb strings.Builder
+			for j := i; j < i+16; j++ {
+				sb.WriteString(req(j))
+			}
+			if _, err := io.WriteString(c, sb.String()); err != nil {
+				return
+			}
+		}
+	}()
+	select {
+	case <-failed:
+	case <-time.After(kit.Patience):
+		t.Fatal("the event loop never handed the connection over")
+	}
+	br := bufio.NewReader(c)
+	answered := 0
+	for {
+		r, err := http.ReadResponse(br, nil)
+		if err != nil {
+			break // the connection closed after what it owed
+		}
+		if body := bodyOf(r); r.StatusCode != 200 || !strings.Contains(body, `"acquired":true`) {
+			t.Fatalf("answer %d: %d %s", answered, r.StatusCode, body)
+		}
+		answered++
+	}
+	held := e.m.Stats().Held
+	if answered != held || held == 0 || held == n {
+		t.Fatalf("%d locks taken, %d answered (of %d requests sent)", held, answered, n)
+	}
+	kit.WaitFor(t, "the connection to be counted closed", func() bool { return e.srv.conns.Load() == 0 })
 }
