@@ -305,12 +305,7 @@ func writeOwed(fd int, b []byte, deadline time.Time) {
 		switch {
 		case err == unix.EINTR:
 		case err == unix.EAGAIN:
-			left := time.Until(deadline)
-			if left <= 0 {
-				return
-			}
-			pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLOUT}}
-			if _, err := unix.Poll(pfd, int(min(left, time.Second)/time.Millisecond)+1); err != nil && err != unix.EINTR {
+			if !pollUntil(fd, unix.POLLOUT, deadline) {
 				return
 			}
 		case err != nil:
@@ -319,6 +314,18 @@ func writeOwed(fd int, b []byte, deadline time.Time) {
 			b = b[n:]
 		}
 	}
+}
+
+// pollUntil waits in poll(2) for events on fd, until deadline at the
+// latest; false when the deadline passed or poll failed.
+func pollUntil(fd int, events int16, deadline time.Time) bool {
+	left := time.Until(deadline)
+	if left <= 0 {
+		return false
+	}
+	pfd := []unix.PollFd{{Fd: int32(fd), Events: events}}
+	_, err := unix.Poll(pfd, int(left/time.Millisecond)+1)
+	return err == nil || err == unix.EINTR
 }
 
 // drainFor reads and drops what arrives on the non-blocking descriptor fd
@@ -330,12 +337,7 @@ func drainFor(fd int, deadline time.Time) {
 		switch {
 		case err == unix.EINTR:
 		case err == unix.EAGAIN:
-			left := time.Until(deadline)
-			if left <= 0 {
-				return
-			}
-			pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
-			if _, err := unix.Poll(pfd, int(left/time.Millisecond)+1); err != nil && err != unix.EINTR {
+			if !pollUntil(fd, unix.POLLIN, deadline) {
 				return
 			}
 		case err != nil || n == 0:

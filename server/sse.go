@@ -66,12 +66,15 @@ func (s *Server) handleSubscribe(w http.ResponseWriter, r *http.Request) error {
 }
 
 // deliveries is the source of a session stream or key observer.
-func deliveries(st lock.Stream) source {
-	var pending []lock.Delivery
-	return source{ready: st.Ready(), done: st.Done(), notify: st.Notify, fill: func(b []byte) []byte {
-		pending = st.Take(pending[:0])
-		for _, d := range pending {
-			b = appendDelivery(b, d)
+func deliveries(st lock.Stream) source { return feedSource(st, appendDelivery) }
+
+// feedSource is the source of a feed whose items appendItem encodes.
+func feedSource[T any](f lock.Feed[T], appendItem func([]byte, T) []byte) source {
+	var pending []T
+	return source{ready: f.Ready(), done: f.Done(), notify: f.Notify, fill: func(b []byte) []byte {
+		pending = f.Take(pending[:0])
+		for _, it := range pending {
+			b = appendItem(b, it)
 		}
 		clear(pending)
 		if cap(pending) > 64 {

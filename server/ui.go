@@ -235,20 +235,7 @@ func (s *Server) handleUIEvents(w http.ResponseWriter, r *http.Request) error {
 }
 
 // opEvents is the source of an operator feed.
-func opEvents(st lock.OpStream) source {
-	var pending []lock.OpEvent
-	return source{ready: st.Ready(), done: st.Done(), notify: st.Notify, fill: func(b []byte) []byte {
-		pending = st.Take(pending[:0])
-		for _, ev := range pending {
-			b = appendOpEvent(b, ev)
-		}
-		clear(pending)
-		if cap(pending) > 64 {
-			pending = nil
-		}
-		return b
-	}}
-}
+func opEvents(st lock.OpStream) source { return feedSource(st, appendOpEvent) }
 
 // appendOpEvent appends one SSE frame. Lock events carry the data session
 // streams get (encoded once for all); queue and session events have
