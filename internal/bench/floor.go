@@ -9,8 +9,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"net/http"
-	"net/url"
 	"os/exec"
 	"runtime"
 	"slices"
@@ -44,34 +42,11 @@ type frameStream struct {
 }
 
 func subscribeFrames(d rawhttp.Dialer, base, node string) (*frameStream, error) {
-	// Dial does the TLS handshake of an https:// base; the request is
-	// written on the connection itself.
-	c, err := d.Dial(base)
+	c, resp, err := d.OpenSubscribe(base, node)
 	if err != nil {
 		return nil, err
 	}
-	req, err := http.NewRequest(http.MethodGet, base+"/subscribe?node_id="+url.QueryEscape(node), nil)
-	if err != nil {
-		c.Close()
-		return nil, err
-	}
-	if d.Token != "" {
-		req.Header.Set("Authorization", "Bearer "+d.Token)
-	}
-	if err := req.Write(c.Conn); err != nil {
-		c.Close()
-		return nil, err
-	}
-	resp, err := http.ReadResponse(bufio.NewReaderSize(c.Conn, 4096), req)
-	if err != nil {
-		c.Close()
-		return nil, err
-	}
-	if resp.StatusCode != http.StatusOK {
-		c.Close()
-		return nil, fmt.Errorf("subscribe: %s", resp.Status)
-	}
-	s := &frameStream{conn: c.Conn, r: bufio.NewReaderSize(resp.Body, 4096)}
+	s := &frameStream{conn: c, r: bufio.NewReaderSize(resp.Body, 4096)}
 	for {
 		name, _, err := s.Next()
 		if err != nil {

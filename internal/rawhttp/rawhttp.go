@@ -165,33 +165,42 @@ type Stream struct {
 	ev   Event
 }
 
-// Subscribe opens node's session stream and reads up to its subscribed event.
-func (d Dialer) Subscribe(base, node string) (*Stream, error) {
+// OpenSubscribe opens node's session stream: the connection and the 200
+// answer, whose body is the stream.
+func (d Dialer) OpenSubscribe(base, node string) (net.Conn, *http.Response, error) {
 	c, _, err := d.dial(base)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	req, err := http.NewRequest(http.MethodGet, base+"/subscribe?node_id="+url.QueryEscape(node), nil)
 	if err != nil {
 		c.Close()
-		return nil, err
+		return nil, nil, err
 	}
 	if d.Token != "" {
 		req.Header.Set("Authorization", "Bearer "+d.Token)
 	}
 	if err := req.Write(c); err != nil {
 		c.Close()
-		return nil, err
+		return nil, nil, err
 	}
-	br := bufio.NewReaderSize(c, 4096)
-	resp, err := http.ReadResponse(br, req)
+	resp, err := http.ReadResponse(bufio.NewReaderSize(c, 4096), req)
 	if err != nil {
 		c.Close()
-		return nil, err
+		return nil, nil, err
 	}
 	if resp.StatusCode != http.StatusOK {
 		c.Close()
-		return nil, fmt.Errorf("subscribe: %s", resp.Status)
+		return nil, nil, fmt.Errorf("subscribe: %s", resp.Status)
+	}
+	return c, resp, nil
+}
+
+// Subscribe opens node's session stream and reads up to its subscribed event.
+func (d Dialer) Subscribe(base, node string) (*Stream, error) {
+	c, resp, err := d.OpenSubscribe(base, node)
+	if err != nil {
+		return nil, err
 	}
 	s := &Stream{conn: c, resp: resp, r: bufio.NewReaderSize(resp.Body, 4096)}
 	for {
