@@ -1,0 +1,71 @@
+package etcdtest
+
+import (
+	"context"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestCluster: dlock's client (etcd client v3.7) against a cluster of
+// Debian's etcd (3.4 here): transactions, leases and watches; one member of
+// three killed, writes go on; restarted, it rejoins.
+func TestCluster(t *testing.T) {
+	start := time.Now()
+	c := StartCluster(t, 3)
+	out, _ := exec.Command(EtcdBinary(t), "--version").Output()
+	version, _, _ := strings.Cut(string(out), "\n")
+	t.Logf("3-member cluster of %s ready in %v at %v", version, time.Since(start), c.Endpoints())
+	cl := c.Client(t)
+	exercise(t, cl, Prefix(t))
+
+	p := Prefix(t)
+	put := func(what string) {
+		t.Helper()
+		// A request in flight to the killed member fails; the client's
+		// next try goes to another.
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			ctx, cancel := context.WithTimeout(t.Context(), 2*time.Second)
+			_, err := cl.Put(ctx, p+what, what)
+			cancel()
+			if err == nil {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("put %s: %v", what, err)
+			}
+			t.Logf("put %s: %v (trying again)", what, err)
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+	c.Kill(1)
+	if c.Running(1) {
+		t.Fatal("member 1 runs after Kill")
+	}
+	put("with-two")
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Second)
+	if err := c.Healthy(ctx); err == nil {
+		t.Error("healthy with a member killed")
+	}
+	cancel()
+
+	start = time.Now()
+	c.Restart(1)
+	t.Logf("member 1 rejoined in %v", time.Since(start))
+	c.WaitHealthy(t)
+	put("with-three")
+	// The restarted member has what was written while it was down.
+	r, err := c.ClientOf(t, c.Endpoints()[1]).Get(t.Context(), p+"with-two")
+	if err != nil || len(r.Kvs) != 1 {
+		t.Fatalf("member 1's read of the write made while it was down: %+v %v", r, err)
+	}
+	c.Stop()
+	c.Stop() // idempotent
+	for i := range 3 {
+		if c.Running(i) {
+			t.Errorf("member %d runs after Stop", i)
+		}
+	}
+}
