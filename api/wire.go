@@ -425,6 +425,7 @@ var codes = []struct {
 	{lock.ErrDeleting, CodeDeleting, http.StatusConflict, 0},
 	{lock.ErrUpdating, CodeUpdating, http.StatusConflict, 0},
 	{lock.ErrClosed, CodeUnavailable, http.StatusServiceUnavailable, 1},
+	{lock.ErrUnavailable, CodeUnavailable, http.StatusServiceUnavailable, 1},
 	{ErrUnavailable, CodeUnavailable, http.StatusServiceUnavailable, 1},
 	{ErrOverloaded, CodeOverloaded, http.StatusServiceUnavailable, 1},
 	{lock.ErrTooManySessions, CodeTooManySessions, http.StatusTooManyRequests, 1},

@@ -274,6 +274,10 @@ var (
 	ErrUpdating    = errors.New("resource is being updated")
 	ErrRefCountOff = errors.New("reference counting is off")
 	ErrClosed      = errors.New("lock manager is closed")
+	// ErrUnavailable is a backend that cannot reach its state (an etcd
+	// cluster without quorum, or out of reach): try again, maybe on
+	// another server.
+	ErrUnavailable = errors.New("lock state is unavailable")
 
 	// Limits (docs/SECURITY.md): the caller may try again later.
 	ErrTooManySessions = errors.New("too many sessions")

@@ -1,0 +1,226 @@
+// Package etcd is a lock.Backend that keeps every piece of lock state in
+// etcd, so that any number of dlock servers pointed at one etcd cluster act
+// as one lock service: any server answers any request for any key, with no
+// leader among them and no replication of dlock's own (docs/DESIGN.md, "An
+// etcd backend"). Each change is one etcd transaction guarded by the mod
+// revisions of what it read; sessions are etcd leases; every server derives
+// the events of every change from one watch, so that event ids are the same
+// on every server and a stream resumes anywhere with Last-Event-ID.
+package etcd
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"hash/maphash"
+	"log/slog"
+	"math"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/dlock/dlock/lock"
+)
+
+// DefaultPrefix is where a data set's records live unless told otherwise.
+const DefaultPrefix = "/dlock/"
+
+// Backend is the etcd lock.Backend. Make one with New.
+type Backend struct {
+	cli         *clientv3.Client
+	n           names
+	cfg         lock.Config
+	log         *slog.Logger
+	refCounting bool
+	epoch       string
+	graceTTL    int64 // the session lease's TTL in seconds
+	seed        maphash.Seed
+	stripes     [256]sync.Mutex
+
+	ctx    context.Context // ends at Close
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+	closed atomic.Bool
+
+	lastCommit atomic.Int64 // the newest revision this backend committed
+
+	w *watcher
+	s *sessions
+
+	grants, handoffs, expiries, sessionsLost, slowStreams  atomic.Uint64
+	refusedSessions, refusedNodeStreams, refusedQueue      atomic.Uint64
+	refusedKeys, refusedWatchers, truncatedErrors, replays atomic.Uint64
+	conflicts                                              atomic.Uint64
+}
+
+var _ lock.Backend = (*Backend)(nil)
+
+// New opens the data set under prefix (DefaultPrefix when empty) on cli,
+// which stays the caller's to close after the backend. cfg's rule settings
+// apply as in lock.Memory; Shards and TokenCeiling mean nothing here, and
+// cfg.RefStore not nil only turns reference counting on: references live
+// in etcd. Every server of one data set must run with the same cfg.
+func New(ctx context.Context, cli *clientv3.Client, prefix string, cfg lock.Config) (*Backend, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, fmt.Errorf("%w: %w", lock.ErrInvalid, err)
+	}
+	if prefix == "" {
+		prefix = DefaultPrefix
+	}
+	if !strings.HasSuffix(prefix, "/") {
+		prefix += "/"
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	b := &Backend{
+		cli:         cli,
+		n:           names{p: prefix},
+		cfg:         cfg,
+		log:         log,
+		refCounting: cfg.RefStore != nil,
+		graceTTL:    max(1, int64(math.Ceil(cfg.SessionGrace.Seconds()))),
+		seed:        maphash.MakeSeed(),
+	}
+	var err error
+	if b.epoch, err = b.loadEpoch(ctx); err != nil {
+		return nil, err
+	}
+	b.ctx, b.cancel = context.WithCancel(context.Background())
+	b.s = newSessions(b)
+	b.w = newWatcher(b)
+	if err := b.w.start(ctx); err != nil {
+		b.cancel()
+		b.wg.Wait()
+		return nil, err
+	}
+	b.wg.Add(2)
+	go b.timers()
+	go b.sweepOrphans()
+	return b, nil
+}
+
+// loadEpoch reads the data set's epoch, made by the first server that
+// opens it.
+func (b *Backend) loadEpoch(ctx context.Context) (string, error) {
+	var raw [8]byte
+	_, _ = rand.Read(raw[:])
+	mine := hex.EncodeToString(raw[:])
+	key := b.n.epoch()
+	resp, err := b.cli.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(key), "=", 0)).
+		Then(clientv3.OpPut(key, mine)).Else(clientv3.OpGet(key)).Commit()
+	if err != nil {
+		return "", b.etcdErr("reading the epoch", err)
+	}
+	if resp.Succeeded {
+		return mine, nil
+	}
+	kvs := resp.Responses[0].GetResponseRange().GetKvs()
+	if len(kvs) == 0 {
+		return "", fmt.Errorf("etcd backend: the epoch vanished while read")
+	}
+	return string(kvs[0].Value), nil
+}
+
+// Info describes the backend: the epoch is the data set's, the same on
+// every server.
+func (b *Backend) Info() lock.Info {
+	return lock.Info{Epoch: b.epoch, RefCounting: b.refCounting, LockTTL: b.cfg.LockTTL}
+}
+
+// Stats returns the cluster's gauges, as this server's watch has seen them
+// (after the changes this backend made), and this server's counters.
+func (b *Backend) Stats() lock.Stats {
+	b.w.caughtUp(b.lastCommit.Load(), time.Second)
+	st := b.w.stats()
+	st.Grants = b.grants.Load()
+	st.Handoffs = b.handoffs.Load()
+	st.Expiries = b.expiries.Load()
+	st.SessionsLost = b.sessionsLost.Load()
+	st.SlowStreams = b.slowStreams.Load()
+	st.RefusedSessions = b.refusedSessions.Load()
+	st.RefusedNodeStreams = b.refusedNodeStreams.Load()
+	st.RefusedQueue = b.refusedQueue.Load()
+	st.RefusedKeys = b.refusedKeys.Load()
+	st.RefusedWatchers = b.refusedWatchers.Load()
+	st.TruncatedErrors = b.truncatedErrors.Load()
+	st.ReplayGaps = b.replays.Load()
+	return st
+}
+
+// Close ends every stream and timer of this server. The state stays in
+// etcd: holds, queues and sessions go on, and a session whose streams were
+// here lives on while its node reconnects to another server within the
+// grace. It does not close the etcd client.
+func (b *Backend) Close() error {
+	if b.closed.Swap(true) {
+		return lock.ErrClosed
+	}
+	b.cancel()
+	b.s.closeAll()
+	b.w.closeAll()
+	b.wg.Wait()
+	return nil
+}
+
+func (b *Backend) alive() error {
+	if b.closed.Load() {
+		return lock.ErrClosed
+	}
+	return nil
+}
+
+// committed notes a revision this backend wrote, so that Stats and
+// Subscribe can wait until the watch has seen it.
+func (b *Backend) committed(rev int64) {
+	for {
+		old := b.lastCommit.Load()
+		if rev <= old || b.lastCommit.CompareAndSwap(old, rev) {
+			return
+		}
+	}
+}
+
+// etcdErr wraps an error of the etcd client: a closed backend's calls end
+// with lock.ErrClosed, an etcd cluster out of reach or without quorum with
+// lock.ErrUnavailable (503: try again, maybe on another server), a context
+// that ended with its own error.
+func (b *Backend) etcdErr(what string, err error) error {
+	if b.closed.Load() {
+		return lock.ErrClosed
+	}
+	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		return err
+	}
+	if s, ok := status.FromError(err); ok {
+		switch s.Code() {
+		case codes.Unavailable, codes.DeadlineExceeded, codes.Canceled, codes.Aborted, codes.ResourceExhausted:
+			return fmt.Errorf("%w: etcd: %s: %v", lock.ErrUnavailable, what, err)
+		}
+	}
+	return fmt.Errorf("etcd backend: %s: %w", what, err)
+}
+
+// revokeLater revokes a lease this backend granted and did not use.
+func (b *Backend) revokeLater(id int64) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_, _ = b.cli.Revoke(ctx, clientv3.LeaseID(id))
+}
+
+func jsonUnmarshal(v []byte, out any) error {
+	if err := json.Unmarshal(v, out); err != nil {
+		return fmt.Errorf("etcd backend: a record that is not ours: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,166 @@
+package etcd
+
+import (
+	"sync"
+
+	"github.com/dlock/dlock/lock"
+)
+
+// feed is a Stream of this server: a node's session stream, an observer of
+// one key, or both.
+type feed struct {
+	b       *Backend
+	node    string
+	observe *lock.Key
+
+	mu       sync.Mutex
+	queue    []lock.Delivery
+	ready    chan struct{}
+	done     chan struct{}
+	notify   func()
+	ended    bool
+	slow     bool
+	released bool // the session's count of streams no longer has it
+}
+
+func newFeed(b *Backend, node string, observe *lock.Key) *feed {
+	return &feed{b: b, node: node, observe: observe, ready: make(chan struct{}, 1), done: make(chan struct{})}
+}
+
+func (f *feed) Ready() <-chan struct{} { return f.ready }
+func (f *feed) Done() <-chan struct{}  { return f.done }
+
+func (f *feed) Take(buf []lock.Delivery) []lock.Delivery {
+	f.mu.Lock()
+	buf = append(buf, f.queue...)
+	clear(f.queue)
+	f.queue = f.queue[:0]
+	f.mu.Unlock()
+	return buf
+}
+
+func (f *feed) Slow() bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.slow
+}
+
+func (f *feed) Notify(fn func()) {
+	f.mu.Lock()
+	f.notify = fn
+	now := len(f.queue) > 0 || f.ended
+	f.mu.Unlock()
+	if now {
+		fn()
+	}
+}
+
+// push queues d; false when the feed did not keep up and was ended for it
+// (the caller drops it from the watcher).
+func (f *feed) push(d lock.Delivery) bool {
+	f.mu.Lock()
+	if f.ended {
+		f.mu.Unlock()
+		return true
+	}
+	if len(f.queue) >= f.b.cfg.StreamBuffer {
+		f.mu.Unlock()
+		f.b.slowStreams.Add(1)
+		f.end(true)
+		return false
+	}
+	f.queue = append(f.queue, d)
+	first := len(f.queue) == 1
+	fn := f.notify
+	f.mu.Unlock()
+	select {
+	case f.ready <- struct{}{}:
+	default:
+	}
+	if first && fn != nil {
+		fn()
+	}
+	return true
+}
+
+// end closes the feed; the first call wins.
+func (f *feed) end(slow bool) {
+	f.mu.Lock()
+	if f.ended {
+		f.mu.Unlock()
+		return
+	}
+	f.ended, f.slow = true, slow
+	fn := f.notify
+	close(f.done)
+	f.mu.Unlock()
+	if fn != nil {
+		fn()
+	}
+}
+
+// Close ends the feed. Closing a node's last session stream on this server
+// stops keeping its session alive: unless another stream keeps it, here or
+// on another server, the session ends after its grace.
+func (f *feed) Close() {
+	w := f.b.w
+	w.mu.Lock()
+	w.dropLocked(f)
+	w.mu.Unlock()
+	f.end(false)
+	f.b.s.release(f)
+}
+
+// dropLocked takes f out of the watcher's tables; w.mu held.
+func (w *watcher) dropLocked(f *feed) {
+	if f.observe != nil {
+		if l := w.observers[*f.observe]; removeFeed(&l, f) {
+			w.nWatchers--
+			if len(l) == 0 {
+				delete(w.observers, *f.observe)
+			} else {
+				w.observers[*f.observe] = l
+			}
+		}
+	}
+	if f.node != "" {
+		if l := w.streams[f.node]; removeFeed(&l, f) {
+			if len(l) == 0 {
+				delete(w.streams, f.node)
+			} else {
+				w.streams[f.node] = l
+			}
+		}
+	}
+}
+
+// removeFeed removes f from *l without changing the slice others may be
+// iterating.
+func removeFeed(l *[]*feed, f *feed) bool {
+	for i, g := range *l {
+		if g == f {
+			n := make([]*feed, 0, len(*l)-1)
+			n = append(n, (*l)[:i]...)
+			*l = append(n, (*l)[i+1:]...)
+			return true
+		}
+	}
+	return false
+}
+
+// closeAll ends every stream of this server (Close).
+func (w *watcher) closeAll() {
+	w.mu.Lock()
+	var all []*feed
+	for _, l := range w.streams {
+		all = append(all, l...)
+	}
+	for _, l := range w.observers {
+		all = append(all, l...)
+	}
+	w.streams, w.observers, w.nWatchers = map[string][]*feed{}, map[lock.Key][]*feed{}, 0
+	w.mu.Unlock()
+	for _, f := range all {
+		f.end(false)
+	}
+}

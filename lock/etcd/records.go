@@ -1,0 +1,248 @@
+package etcd
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/url"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/dlock/dlock/lock"
+)
+
+// The records under the prefix P (docs/DESIGN.md, "An etcd backend"):
+//
+//	P/epoch                     the data set's epoch
+//	P/k/<type>/<res>            keyRec: holder, token, deadlines, queue count, completion
+//	P/q/<type>/<res>/<seq>      waitRec: one waiter, in FIFO order (seq in hex, fixed width)
+//	P/qn/<type>/<res>/<node>    the waiter's seq: no duplicate entry, and its position
+//	P/s/<node>                  a session, attached to its etcd lease
+//	P/n/<node>/<type>/<res>     the session lease id of a session-leased hold or wait
+//	P/r/<res>                   refRec: the nodes referencing the resource
+//	P/lost/<node>/<lease>       the claim of the server that ends a lost session
+//
+// Resources and nodes are path-escaped, so that no id contains the "/" that
+// separates a resource from the seq after it.
+
+// keyRec is a key's record. Every change of the key's queue writes it too,
+// so that its mod revision guards the whole key in a transaction.
+type keyRec struct {
+	Holder   string `json:"h,omitempty"`
+	Token    uint64 `json:"t,omitempty"`   // the holder's token, or the last one issued
+	Lease    uint8  `json:"l,omitempty"`   // lock.LeaseSession or lock.LeaseTTL
+	SLease   int64  `json:"sl,omitempty"`  // the etcd lease of the holder's session
+	Acquired int64  `json:"at,omitempty"`  // unix nanoseconds
+	TTL      int64  `json:"ttl,omitempty"` // ttl lease deadline
+	Claim    int64  `json:"cl,omitempty"`  // a hand-off not yet confirmed must be by then
+	MaxHold  int64  `json:"mh,omitempty"`
+	Queue    int    `json:"q,omitempty"`  // waiters
+	Seq      uint64 `json:"s,omitempty"`  // the next waiter's seq
+	WaitTTL  int64  `json:"wt,omitempty"` // no ttl waiter expires before this
+	Done     *done  `json:"c,omitempty"`  // the retained completion record
+	X        *trans `json:"x,omitempty"`  // the transition this write made
+}
+
+// done is a completion.
+type done struct {
+	Node   string `json:"n"`
+	Token  uint64 `json:"t"`
+	OK     bool   `json:"ok,omitempty"`
+	Err    string `json:"e,omitempty"`
+	At     int64  `json:"at"`
+	Next   string `json:"nx,omitempty"`
+	Unlock bool   `json:"u,omitempty"` // written by an unlock: replayable
+}
+
+// trans is what a write did that streams are told: every server derives the
+// same events, with the same ids, from it (watch.go).
+type trans struct {
+	Assigned string   `json:"a,omitempty"` // lock_assigned to this node, with the record's token
+	Done     *done    `json:"c,omitempty"` // operation_completed
+	Skip     bool     `json:"k,omitempty"` // the waiters removed by this write were skipped
+	Refused  []string `json:"r,omitempty"` // waiters refused at promotion (in_use)
+}
+
+// waitRec is one waiter.
+type waitRec struct {
+	Node   string `json:"n"`
+	Lease  uint8  `json:"l"`
+	SLease int64  `json:"sl,omitempty"`
+	TTL    int64  `json:"ttl,omitempty"`
+}
+
+// refRec is a resource's references.
+type refRec struct {
+	Nodes []string `json:"n"` // sorted
+}
+
+// sessRec is a session's record.
+type sessRec struct {
+	Lease int64 `json:"l"`
+}
+
+func (r *keyRec) held() bool { return r.Holder != "" }
+
+// empty reports a record that keeps nothing: the key is absent.
+func (r *keyRec) empty(now time.Time, retention time.Duration) bool {
+	return !r.held() && r.Queue == 0 && !r.retained(now, retention)
+}
+
+// retained reports whether the completion record is still to be used.
+func (r *keyRec) retained(now time.Time, retention time.Duration) bool {
+	return r.Done != nil && now.Sub(time.Unix(0, r.Done.At)) < retention
+}
+
+// deadline is the earliest time a timer must look at the key, 0 for none.
+func (r *keyRec) deadline(retention time.Duration) int64 {
+	var d int64
+	early := func(t int64) {
+		if t != 0 && (d == 0 || t < d) {
+			d = t
+		}
+	}
+	if r.held() {
+		if r.Lease == uint8(lock.LeaseTTL) {
+			early(r.TTL)
+		}
+		early(r.Claim)
+		early(r.MaxHold)
+	}
+	if r.Queue > 0 {
+		early(r.WaitTTL)
+		if !r.held() {
+			early(1) // waiters of a free key are promoted at once
+		}
+	}
+	if r.Done != nil {
+		early(r.Done.At + int64(retention))
+	}
+	if !r.held() && r.Queue == 0 && r.Done == nil {
+		early(1) // an empty record is dropped at once
+	}
+	return d
+}
+
+func encode(v any) string {
+	b, err := json.Marshal(v)
+	if err != nil {
+		panic(fmt.Sprintf("etcd backend: encoding %T: %v", v, err)) // only plain structs of strings and numbers
+	}
+	return string(b)
+}
+
+func decodeKey(b []byte) (keyRec, error) {
+	var r keyRec
+	if len(b) == 0 {
+		return r, nil
+	}
+	if err := json.Unmarshal(b, &r); err != nil {
+		return r, fmt.Errorf("etcd backend: a key record that is not ours: %w", err)
+	}
+	return r, nil
+}
+
+// names builds the etcd keys of one data set.
+type names struct{ p string }
+
+var typeNames = [...]string{lock.Pull: "pull", lock.Update: "update", lock.Delete: "delete"}
+
+func esc(s string) string { return url.PathEscape(s) }
+
+func (n names) epoch() string { return n.p + "epoch" }
+func (n names) keys() string  { return n.p + "k/" }
+func (n names) key(k lock.Key) string {
+	return n.p + "k/" + typeNames[k.Type] + "/" + esc(k.Resource)
+}
+func (n names) queue(k lock.Key) string {
+	return n.p + "q/" + typeNames[k.Type] + "/" + esc(k.Resource) + "/"
+}
+func (n names) wait(k lock.Key, seq uint64) string {
+	return n.queue(k) + fmt.Sprintf("%016x", seq)
+}
+func (n names) queueNodes(k lock.Key) string {
+	return n.p + "qn/" + typeNames[k.Type] + "/" + esc(k.Resource) + "/"
+}
+func (n names) queueNode(k lock.Key, node string) string { return n.queueNodes(k) + esc(node) }
+func (n names) sessions() string                         { return n.p + "s/" }
+func (n names) session(node string) string               { return n.p + "s/" + esc(node) }
+func (n names) nodeIndexes() string                      { return n.p + "n/" }
+func (n names) nodeIndex(node string) string             { return n.p + "n/" + esc(node) + "/" }
+func (n names) nodeKey(node string, k lock.Key) string {
+	return n.nodeIndex(node) + typeNames[k.Type] + "/" + esc(k.Resource)
+}
+func (n names) refs() string                   { return n.p + "r/" }
+func (n names) ref(res string) string          { return n.p + "r/" + esc(res) }
+func (n names) lost(node string, l int64) string { return n.p + "lost/" + esc(node) + "/" + strconv.FormatInt(l, 16) }
+
+// parseKey reads a key back from its record's etcd key ("P/k/<type>/<res>").
+func (n names) parseKey(etcdKey string) (lock.Key, bool) {
+	rest, ok := strings.CutPrefix(etcdKey, n.keys())
+	if !ok {
+		return lock.Key{}, false
+	}
+	ts, res, ok := strings.Cut(rest, "/")
+	if !ok {
+		return lock.Key{}, false
+	}
+	t, err := lock.ParseType(ts)
+	if err != nil {
+		return lock.Key{}, false
+	}
+	r, err := url.PathUnescape(res)
+	if err != nil {
+		return lock.Key{}, false
+	}
+	return lock.Key{Type: t, Resource: r}, true
+}
+
+// parseWait reads the key of a waiter's etcd key ("P/q/<type>/<res>/<seq>").
+func (n names) parseWait(etcdKey string) (lock.Key, bool) {
+	rest, ok := strings.CutPrefix(etcdKey, n.p+"q/")
+	if !ok {
+		return lock.Key{}, false
+	}
+	i := strings.LastIndexByte(rest, '/')
+	if i < 0 {
+		return lock.Key{}, false
+	}
+	return n.parseKey(n.keys() + rest[:i])
+}
+
+// parseNode reads the node of a session's etcd key ("P/s/<node>").
+func (n names) parseNode(etcdKey string) (string, bool) {
+	rest, ok := strings.CutPrefix(etcdKey, n.sessions())
+	if !ok {
+		return "", false
+	}
+	node, err := url.PathUnescape(rest)
+	return node, err == nil
+}
+
+// parseNodeIndex reads a node index entry ("P/n/<node>/<type>/<res>").
+func (n names) parseNodeIndex(etcdKey string) (string, lock.Key, bool) {
+	rest, ok := strings.CutPrefix(etcdKey, n.nodeIndexes())
+	if !ok {
+		return "", lock.Key{}, false
+	}
+	ns, kp, ok := strings.Cut(rest, "/")
+	if !ok {
+		return "", lock.Key{}, false
+	}
+	node, err := url.PathUnescape(ns)
+	if err != nil {
+		return "", lock.Key{}, false
+	}
+	k, ok := n.parseKey(n.keys() + kp)
+	return node, k, ok
+}
+
+// parseRef reads a resource back from its references' etcd key.
+func (n names) parseRef(etcdKey string) (string, bool) {
+	rest, ok := strings.CutPrefix(etcdKey, n.refs())
+	if !ok {
+		return "", false
+	}
+	r, err := url.PathUnescape(rest)
+	return r, err == nil
+}

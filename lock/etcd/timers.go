@@ -1,0 +1,138 @@
+package etcd
+
+import (
+	"context"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.etcd.io/etcd/api/v3/mvccpb"
+
+	"github.com/dlock/dlock/lock"
+)
+
+type kvLike = *mvccpb.KeyValue
+
+// timers runs the deadlines of every key (ttl leases, claim timeouts, max
+// hold, completion retention, waiters of a free key), as this server's
+// watch knows them. Every server runs them: each firing is a transaction
+// guarded by the record it read, so the first one to act wins and the
+// others find nothing left to do — a deadline fires once in the cluster
+// (docs/DESIGN.md, "An etcd backend").
+func (b *Backend) timers() {
+	defer b.wg.Done()
+	t := time.NewTimer(time.Hour)
+	defer t.Stop()
+	for {
+		k, at, ok := b.w.next()
+		wait := time.Hour
+		if ok {
+			wait = time.Until(time.Unix(0, at))
+		}
+		if !ok || wait > 0 {
+			t.Reset(wait)
+			select {
+			case <-b.ctx.Done():
+				return
+			case <-b.w.wake:
+				continue
+			case <-t.C:
+				continue
+			}
+		}
+		if err := b.expire(k); err != nil && b.ctx.Err() == nil {
+			b.log.Warn("etcd backend: a timer failed", "key", k.String(), "err", err)
+			// Try again a little later rather than spin on an etcd
+			// that does not answer.
+			b.w.postpone(k, time.Now().Add(time.Second).UnixNano())
+		}
+	}
+}
+
+// expire applies whatever deadlines of k have passed.
+func (b *Backend) expire(k lock.Key) error {
+	ctx, cancel := context.WithTimeout(b.ctx, 30*time.Second)
+	defer cancel()
+	var expired, grants uint64
+	_, err := b.run(ctx, k, func(t *tx) error {
+		expired, grants = 0, 0
+		now := time.Now()
+		nowNs := now.UnixNano()
+		r := &t.rec
+		if t.recRev == 0 {
+			return nil
+		}
+		changed := false
+		// Waiters whose ttl lease ran out leave first, so that no hold is
+		// handed to one of them.
+		if r.Queue > 0 && r.WaitTTL != 0 && r.WaitTTL <= nowNs {
+			ws, err := t.head(0)
+			if err != nil {
+				return err
+			}
+			r.WaitTTL = 0
+			for _, w := range ws {
+				if w.Lease == uint8(lock.LeaseTTL) && w.TTL <= nowNs {
+					t.dequeue(w.seq, w.Node)
+					r.Queue--
+					expired++
+					continue
+				}
+				if w.Lease == uint8(lock.LeaseTTL) {
+					r.WaitTTL = minDeadline(r.WaitTTL, w.TTL)
+				}
+			}
+			changed = true
+		}
+		if r.held() {
+			reason := ""
+			switch {
+			case r.MaxHold != 0 && r.MaxHold <= nowNs:
+				reason = "max hold exceeded"
+			case r.Claim != 0 && r.Claim <= nowNs:
+				reason = "not claimed"
+			case r.Lease == uint8(lock.LeaseTTL) && r.TTL <= nowNs:
+				reason = "lock expired"
+			}
+			if reason != "" {
+				next, err := t.end(false, reason, false, now)
+				if err != nil {
+					return err
+				}
+				expired++
+				if next != "" {
+					grants++
+				}
+				return nil
+			}
+		} else if r.Queue > 0 {
+			x := &trans{}
+			next, err := t.promote(x, now)
+			if err != nil {
+				return err
+			}
+			if next != "" {
+				grants++
+			}
+			t.put(x)
+			return nil
+		}
+		if r.Done != nil && !r.retained(now, b.cfg.CompletedRetention) {
+			r.Done = nil
+			changed = true
+		}
+		if !r.held() && r.Queue == 0 && r.Done == nil && t.recOp < 0 && len(t.ops) == 0 {
+			t.op(clientv3.OpDelete(b.n.key(k)))
+			return nil
+		}
+		if changed {
+			t.put(nil)
+		}
+		return nil
+	})
+	if err == nil {
+		b.expiries.Add(expired)
+		b.grants.Add(grants)
+		b.handoffs.Add(grants)
+	}
+	return err
+}

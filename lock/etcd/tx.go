@@ -1,0 +1,255 @@
+package etcd
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"hash/maphash"
+	"sort"
+	"strconv"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/dlock/dlock/lock"
+)
+
+// tx is one attempt at one change of one resource's keys: linearizable
+// reads, each of which adds a comparison, then one etcd transaction that
+// applies the change only if nothing read has changed since
+// (docs/DESIGN.md, "An etcd backend"). Every change of a key's queue writes
+// the key's record too, so the record's mod revision guards the queue.
+type tx struct {
+	b   *Backend
+	ctx context.Context
+	k   lock.Key
+
+	rec     keyRec
+	recRev  int64 // mod revision of the record, 0 when absent
+	readRev int64 // the revision the record was read at
+
+	cmps    []clientv3.Cmp
+	ops     []clientv3.Op
+	guarded map[string]bool
+	recOp   int // the index in ops of the record's write, -1 before it
+}
+
+// errConflict is a transaction whose reads changed: it is tried again.
+var errConflict = errors.New("etcd backend: conflict")
+
+// run applies fn to k's state until its transaction commits without
+// conflict. fn is called again on each attempt and must keep its results
+// in variables it resets. Calls for one resource on one server wait for
+// each other, so that only servers compete for a key, not requests.
+func (b *Backend) run(ctx context.Context, k lock.Key, fn func(t *tx) error) (int64, error) {
+	mu := &b.stripes[maphash.String(b.seed, k.Resource)%uint64(len(b.stripes))]
+	mu.Lock()
+	defer mu.Unlock()
+	for attempt := 0; ; attempt++ {
+		if err := b.alive(); err != nil {
+			return 0, err
+		}
+		if err := ctx.Err(); err != nil {
+			return 0, err
+		}
+		t := &tx{b: b, ctx: ctx, k: k, guarded: map[string]bool{}, recOp: -1}
+		if err := t.load(); err != nil {
+			return 0, err
+		}
+		if err := fn(t); err != nil {
+			return 0, err
+		}
+		if len(t.ops) == 0 {
+			return t.readRev, nil
+		}
+		resp, err := b.cli.Txn(ctx).If(t.cmps...).Then(t.ops...).Commit()
+		if err != nil {
+			return 0, b.etcdErr("transaction", err)
+		}
+		if resp.Succeeded {
+			b.committed(resp.Header.Revision)
+			return resp.Header.Revision, nil
+		}
+		b.conflicts.Add(1)
+	}
+}
+
+// load reads the key's record.
+func (t *tx) load() error {
+	resp, err := t.b.cli.Get(t.ctx, t.b.n.key(t.k))
+	if err != nil {
+		return t.b.etcdErr("reading a key", err)
+	}
+	t.readRev = resp.Header.Revision
+	kk := t.b.n.key(t.k)
+	t.guarded[kk] = true
+	if len(resp.Kvs) == 0 {
+		t.cmps = append(t.cmps, clientv3.Compare(clientv3.CreateRevision(kk), "=", 0))
+		return nil
+	}
+	kv := resp.Kvs[0]
+	t.recRev = kv.ModRevision
+	t.cmps = append(t.cmps, clientv3.Compare(clientv3.ModRevision(kk), "=", kv.ModRevision))
+	t.rec, err = decodeKey(kv.Value)
+	return err
+}
+
+// get reads another record and guards the transaction with it.
+func (t *tx) get(key string) ([]byte, int64, error) {
+	resp, err := t.b.cli.Get(t.ctx, key)
+	if err != nil {
+		return nil, 0, t.b.etcdErr("reading", err)
+	}
+	if !t.guarded[key] {
+		t.guarded[key] = true
+		if len(resp.Kvs) == 0 {
+			t.cmps = append(t.cmps, clientv3.Compare(clientv3.CreateRevision(key), "=", 0))
+		} else {
+			t.cmps = append(t.cmps, clientv3.Compare(clientv3.ModRevision(key), "=", resp.Kvs[0].ModRevision))
+		}
+	}
+	if len(resp.Kvs) == 0 {
+		return nil, 0, nil
+	}
+	return resp.Kvs[0].Value, resp.Kvs[0].ModRevision, nil
+}
+
+// sibling reads another type's record of the same resource.
+func (t *tx) sibling(typ lock.Type) (keyRec, error) {
+	v, _, err := t.get(t.b.n.key(lock.Key{Type: typ, Resource: t.k.Resource}))
+	if err != nil {
+		return keyRec{}, err
+	}
+	return decodeKey(v)
+}
+
+// refs reads the resource's references.
+func (t *tx) refs() (refRec, error) {
+	v, _, err := t.get(t.b.n.ref(t.k.Resource))
+	var r refRec
+	if err != nil || v == nil {
+		return r, err
+	}
+	if err := jsonUnmarshal(v, &r); err != nil {
+		return r, err
+	}
+	return r, nil
+}
+
+// session reads a node's session: its etcd lease, 0 when it has none.
+func (t *tx) session(node string) (int64, error) {
+	v, _, err := t.get(t.b.n.session(node))
+	if err != nil || v == nil {
+		return 0, err
+	}
+	var s sessRec
+	if err := jsonUnmarshal(v, &s); err != nil {
+		return 0, err
+	}
+	return s.Lease, nil
+}
+
+// waiting returns node's seq in the queue.
+func (t *tx) waiting(node string) (uint64, bool, error) {
+	if t.rec.Queue == 0 {
+		return 0, false, nil
+	}
+	resp, err := t.b.cli.Get(t.ctx, t.b.n.queueNode(t.k, node))
+	if err != nil {
+		return 0, false, t.b.etcdErr("reading the queue", err)
+	}
+	if len(resp.Kvs) == 0 {
+		return 0, false, nil
+	}
+	seq, err := strconv.ParseUint(string(resp.Kvs[0].Value), 16, 64)
+	if err != nil {
+		return 0, false, fmt.Errorf("etcd backend: a queue index that is not ours: %w", err)
+	}
+	return seq, true, nil
+}
+
+// wait reads the waiter at seq.
+func (t *tx) wait(seq uint64) (waitRec, error) {
+	var w waitRec
+	resp, err := t.b.cli.Get(t.ctx, t.b.n.wait(t.k, seq))
+	if err != nil {
+		return w, t.b.etcdErr("reading the queue", err)
+	}
+	if len(resp.Kvs) == 0 {
+		return w, fmt.Errorf("etcd backend: queue entry %d of %v is missing", seq, t.k)
+	}
+	return w, jsonUnmarshal(resp.Kvs[0].Value, &w)
+}
+
+// position is the 1-based place of the waiter at seq.
+func (t *tx) position(seq uint64) (int, error) {
+	resp, err := t.b.cli.Get(t.ctx, t.b.n.queue(t.k), clientv3.WithRange(t.b.n.wait(t.k, seq+1)), clientv3.WithCountOnly())
+	if err != nil {
+		return 0, t.b.etcdErr("counting the queue", err)
+	}
+	return int(resp.Count), nil
+}
+
+// seqWait is a waiter with its seq.
+type seqWait struct {
+	seq uint64
+	waitRec
+}
+
+// head reads up to n waiters from the front of the queue; all of them when
+// n is 0.
+func (t *tx) head(n int) ([]seqWait, error) {
+	if t.rec.Queue == 0 {
+		return nil, nil
+	}
+	opts := []clientv3.OpOption{clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend)}
+	if n > 0 {
+		opts = append(opts, clientv3.WithLimit(int64(n)))
+	}
+	resp, err := t.b.cli.Get(t.ctx, t.b.n.queue(t.k), opts...)
+	if err != nil {
+		return nil, t.b.etcdErr("reading the queue", err)
+	}
+	out := make([]seqWait, 0, len(resp.Kvs))
+	prefix := len(t.b.n.queue(t.k))
+	for _, kv := range resp.Kvs {
+		seq, err := strconv.ParseUint(string(kv.Key[prefix:]), 16, 64)
+		if err != nil {
+			return nil, fmt.Errorf("etcd backend: a queue entry that is not ours: %w", err)
+		}
+		var w waitRec
+		if err := jsonUnmarshal(kv.Value, &w); err != nil {
+			return nil, err
+		}
+		out = append(out, seqWait{seq, w})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].seq < out[j].seq })
+	return out, nil
+}
+
+// put writes the key's record with the transition x (nil: no event).
+func (t *tx) put(x *trans) {
+	t.rec.X = x
+	op := clientv3.OpPut(t.b.n.key(t.k), encode(&t.rec))
+	if t.recOp >= 0 {
+		t.ops[t.recOp] = op // one write of a key per transaction
+		return
+	}
+	t.recOp = len(t.ops)
+	t.ops = append(t.ops, op)
+}
+
+func (t *tx) op(op clientv3.Op) { t.ops = append(t.ops, op) }
+
+// dequeue removes the waiter at seq (the record's count is the caller's).
+func (t *tx) dequeue(seq uint64, node string) {
+	t.op(clientv3.OpDelete(t.b.n.wait(t.k, seq)))
+	t.op(clientv3.OpDelete(t.b.n.queueNode(t.k, node)))
+}
+
+// index notes a session-leased hold or wait of node, so that the end of the
+// session finds it (session.go).
+func (t *tx) index(node string, slease int64) {
+	if slease != 0 {
+		t.op(clientv3.OpPut(t.b.n.nodeKey(node, t.k), strconv.FormatInt(slease, 16)))
+	}
+}

@@ -1,0 +1,558 @@
+package etcd
+
+import (
+	"container/heap"
+	"context"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+
+	"go.etcd.io/etcd/api/v3/mvccpb"
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/dlock/dlock/lock"
+)
+
+// idsPerRev is how many event ids one revision has: an event's id is its
+// revision × idsPerRev + its index among the events the revision's change
+// made (0 lock_assigned, 1 operation_completed, 2 on refusals). Every server
+// derives the same events from the same change, so an id means the same
+// event on every server and a stream resumes anywhere (docs/DESIGN.md, "An
+// etcd backend").
+const idsPerRev = 8
+
+// watcher follows every change of the data set with one watch: it keeps
+// the counts and deadlines of the keys, the sessions and their replay logs,
+// and hands each change's events to the streams of this server.
+type watcher struct {
+	b *Backend
+
+	mu        sync.Mutex
+	advanced  chan struct{} // closed and replaced when processed moves
+	processed int64         // every change up to this revision is applied
+	floor     int64         // the revision the watch began after
+
+	keys              map[lock.Key]keyInfo
+	nKeys, nHeld, nQd int
+	deadlines         deadlineHeap
+	wake              chan struct{}
+
+	sessions map[string]*sessInfo
+
+	streams   map[string][]*feed // a node's session streams on this server
+	observers map[lock.Key][]*feed
+	nWatchers int
+}
+
+type keyInfo struct {
+	held, kept bool
+	queue      int
+	deadline   int64
+}
+
+// sessInfo is a session as the watch saw it, with its replay log.
+type sessInfo struct {
+	lease   int64
+	created int64
+	log     []lock.Delivery
+	bytes   int
+	dropped uint64 // the id of the newest event the log let go
+}
+
+func newWatcher(b *Backend) *watcher {
+	return &watcher{
+		b:         b,
+		advanced:  make(chan struct{}),
+		keys:      map[lock.Key]keyInfo{},
+		wake:      make(chan struct{}, 1),
+		sessions:  map[string]*sessInfo{},
+		streams:   map[string][]*feed{},
+		observers: map[lock.Key][]*feed{},
+	}
+}
+
+// start reads the keys and sessions, then follows every change after them.
+func (w *watcher) start(ctx context.Context) error {
+	rev, err := w.list(ctx)
+	if err != nil {
+		return err
+	}
+	w.b.wg.Add(1)
+	go w.follow(rev)
+	return nil
+}
+
+// list reads the state as of one revision.
+func (w *watcher) list(ctx context.Context) (int64, error) {
+	b := w.b
+	resp, err := b.cli.Get(ctx, b.n.epoch())
+	if err != nil {
+		return 0, b.etcdErr("listing", err)
+	}
+	rev := resp.Header.Revision
+	keys := map[lock.Key]keyInfo{}
+	var nKeys, nHeld, nQd int
+	var dl deadlineHeap
+	err = w.page(ctx, b.n.keys(), rev, func(kv *mvccpb.KeyValue) {
+		k, ok := b.n.parseKey(string(kv.Key))
+		if !ok {
+			return
+		}
+		r, err := decodeKey(kv.Value)
+		if err != nil {
+			return
+		}
+		ki := info(&r, b.cfg.CompletedRetention)
+		keys[k] = ki
+		nKeys, nHeld, nQd = nKeys+b2i(ki.kept), nHeld+b2i(ki.held), nQd+ki.queue
+		if ki.deadline != 0 {
+			dl = append(dl, deadline{at: ki.deadline, k: k})
+		}
+	})
+	if err != nil {
+		return 0, err
+	}
+	sessions := map[string]*sessInfo{}
+	err = w.page(ctx, b.n.sessions(), rev, func(kv *mvccpb.KeyValue) {
+		node, ok := b.n.parseNode(string(kv.Key))
+		var s sessRec
+		if !ok || jsonUnmarshal(kv.Value, &s) != nil {
+			return
+		}
+		sessions[node] = &sessInfo{lease: s.Lease, created: kv.CreateRevision, dropped: uint64(rev)*idsPerRev + idsPerRev - 1}
+	})
+	if err != nil {
+		return 0, err
+	}
+	heap.Init(&dl)
+	w.mu.Lock()
+	w.keys, w.nKeys, w.nHeld, w.nQd, w.deadlines = keys, nKeys, nHeld, nQd, dl
+	for node, s := range sessions {
+		if old := w.sessions[node]; old != nil && old.lease == s.lease {
+			continue // a relist keeps the logs of sessions that go on
+		}
+		w.sessions[node] = s
+	}
+	for node := range w.sessions {
+		if sessions[node] == nil {
+			delete(w.sessions, node)
+		}
+	}
+	w.floor = max(w.floor, rev)
+	w.setProcessed(rev)
+	w.mu.Unlock()
+	w.poke()
+	return rev, nil
+}
+
+func b2i(v bool) int {
+	if v {
+		return 1
+	}
+	return 0
+}
+
+func info(r *keyRec, retention time.Duration) keyInfo {
+	return keyInfo{held: r.held(), kept: r.held() || r.Queue > 0 || r.Done != nil, queue: r.Queue, deadline: r.deadline(retention)}
+}
+
+// page reads every record under prefix at rev, a thousand at a time.
+func (w *watcher) page(ctx context.Context, prefix string, rev int64, fn func(*mvccpb.KeyValue)) error {
+	end := clientv3.GetPrefixRangeEnd(prefix)
+	from := prefix
+	for {
+		resp, err := w.b.cli.Get(ctx, from, clientv3.WithRange(end), clientv3.WithRev(rev), clientv3.WithLimit(1000), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend))
+		if err != nil {
+			return w.b.etcdErr("listing", err)
+		}
+		for _, kv := range resp.Kvs {
+			fn(kv)
+		}
+		if !resp.More || len(resp.Kvs) == 0 {
+			return nil
+		}
+		from = string(resp.Kvs[len(resp.Kvs)-1].Key) + "\x00"
+	}
+}
+
+// follow applies every change after rev until the backend closes. A watch
+// that fails (compacted past, etcd gone) is opened again after a new list;
+// the replay logs then start again from that list (a reconnect from before
+// it is told Missed).
+func (w *watcher) follow(rev int64) {
+	defer w.b.wg.Done()
+	b := w.b
+	for b.ctx.Err() == nil {
+		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(b.ctx))
+		ch := b.cli.Watch(wctx, b.n.p, clientv3.WithPrefix(), clientv3.WithRev(rev+1), clientv3.WithPrevKV())
+		rev = w.consume(ch, rev)
+		cancel()
+		for b.ctx.Err() == nil {
+			lctx, lcancel := context.WithTimeout(b.ctx, 10*time.Second)
+			r, err := w.list(lctx)
+			lcancel()
+			if err == nil {
+				rev = r
+				break
+			}
+			b.log.Warn("etcd backend: listing the lock state after a watch ended", "err", err)
+			select {
+			case <-b.ctx.Done():
+			case <-time.After(time.Second):
+			}
+		}
+	}
+}
+
+// consume applies the watch's changes, a revision at a time, and returns
+// the last revision applied when the watch ends.
+func (w *watcher) consume(ch clientv3.WatchChan, rev int64) int64 {
+	for resp := range ch {
+		if err := resp.Err(); err != nil {
+			w.b.log.Warn("etcd backend: the watch ended", "err", err)
+			return rev
+		}
+		evs := resp.Events
+		for len(evs) > 0 {
+			r := evs[0].Kv.ModRevision
+			n := 1
+			for n < len(evs) && evs[n].Kv.ModRevision == r {
+				n++
+			}
+			w.apply(evs[:n], r)
+			rev = r
+			evs = evs[n:]
+		}
+		if resp.IsProgressNotify() && resp.Header.Revision > rev {
+			rev = resp.Header.Revision
+			w.mu.Lock()
+			w.setProcessed(rev)
+			w.mu.Unlock()
+		}
+	}
+	return rev
+}
+
+// setProcessed moves processed on and wakes who waits for it; w.mu held.
+func (w *watcher) setProcessed(rev int64) {
+	if rev > w.processed {
+		w.processed = rev
+		close(w.advanced)
+		w.advanced = make(chan struct{})
+	}
+}
+
+// caughtUp waits, at most d, until the watch has applied rev.
+func (w *watcher) caughtUp(rev int64, d time.Duration) bool {
+	var timeout <-chan time.Time
+	for {
+		w.mu.Lock()
+		ok, ch := w.processed >= rev, w.advanced
+		w.mu.Unlock()
+		if ok {
+			return true
+		}
+		if timeout == nil {
+			t := time.NewTimer(d)
+			defer t.Stop()
+			timeout = t.C
+		}
+		select {
+		case <-ch:
+		case <-timeout:
+			return false
+		case <-w.b.ctx.Done():
+			return false
+		}
+	}
+}
+
+// change is one key's record as a revision left it.
+type change struct {
+	k       lock.Key
+	rec     keyRec
+	deleted bool
+}
+
+// apply applies the changes of one revision and delivers their events.
+func (w *watcher) apply(evs []*clientv3.Event, rev int64) {
+	b := w.b
+	var (
+		changes []change
+		skipped map[lock.Key][]string
+		ended   []endedSession
+	)
+	w.mu.Lock()
+	for _, ev := range evs {
+		key := string(ev.Kv.Key)
+		switch {
+		case strings.HasPrefix(key, b.n.keys()):
+			k, ok := b.n.parseKey(key)
+			if !ok {
+				continue
+			}
+			c := change{k: k, deleted: ev.Type == mvccpb.DELETE}
+			if !c.deleted {
+				r, err := decodeKey(ev.Kv.Value)
+				if err != nil {
+					continue
+				}
+				c.rec = r
+			}
+			changes = append(changes, c)
+		case strings.HasPrefix(key, b.n.p+"q/"):
+			if ev.Type != mvccpb.DELETE || ev.PrevKv == nil {
+				continue
+			}
+			k, ok := b.n.parseWait(key)
+			var wr waitRec
+			if !ok || jsonUnmarshal(ev.PrevKv.Value, &wr) != nil {
+				continue
+			}
+			if skipped == nil {
+				skipped = map[lock.Key][]string{}
+			}
+			skipped[k] = append(skipped[k], wr.Node)
+		case strings.HasPrefix(key, b.n.sessions()):
+			node, ok := b.n.parseNode(key)
+			if !ok {
+				continue
+			}
+			if ev.Type == mvccpb.DELETE {
+				if s := w.sessions[node]; s != nil {
+					delete(w.sessions, node)
+					ended = append(ended, endedSession{node, s.lease})
+				}
+				continue
+			}
+			var sr sessRec
+			if jsonUnmarshal(ev.Kv.Value, &sr) != nil {
+				continue
+			}
+			if s := w.sessions[node]; s != nil && s.lease == sr.Lease {
+				continue
+			}
+			// A session begins: its log starts before this revision's
+			// events, which it receives.
+			w.sessions[node] = &sessInfo{lease: sr.Lease, created: rev, dropped: uint64(rev)*idsPerRev - 1}
+		}
+	}
+	var released []*feed
+	for _, c := range changes {
+		w.track(c)
+		if !c.deleted && c.rec.X != nil {
+			released = append(released, w.deliver(c, rev, skipped[c.k])...)
+		}
+	}
+	// A session that ended closes its streams here: the node reconnects
+	// and learns from Missed that its holds are gone.
+	for _, e := range ended {
+		for _, f := range w.streams[e.node] {
+			w.dropLocked(f)
+			f.end(false)
+			released = append(released, f)
+		}
+	}
+	w.setProcessed(rev)
+	w.mu.Unlock()
+	for _, f := range released {
+		b.s.release(f)
+	}
+	for _, e := range ended {
+		b.sessionEnded(e.node, e.lease)
+	}
+	w.poke()
+}
+
+// endedSession is a session the watch saw end.
+type endedSession struct {
+	node  string
+	lease int64
+}
+
+// track updates the counts and deadlines for a key's new record; w.mu held.
+func (w *watcher) track(c change) {
+	old := w.keys[c.k]
+	var ki keyInfo
+	if !c.deleted {
+		ki = info(&c.rec, w.b.cfg.CompletedRetention)
+	}
+	w.nKeys += b2i(ki.kept) - b2i(old.kept)
+	w.nHeld += b2i(ki.held) - b2i(old.held)
+	w.nQd += ki.queue - old.queue
+	if c.deleted {
+		delete(w.keys, c.k)
+		return
+	}
+	w.keys[c.k] = ki
+	if ki.deadline != 0 && ki.deadline != old.deadline {
+		heap.Push(&w.deadlines, deadline{at: ki.deadline, k: c.k})
+	}
+}
+
+// deliver hands the events of one key's change to this server's streams
+// and to the replay logs of the sessions they are for; w.mu held. It returns
+// the streams it closed for not keeping up.
+func (w *watcher) deliver(c change, rev int64, skipped []string) []*feed {
+	x := c.rec.X
+	base := uint64(rev) * idsPerRev
+	var released []*feed
+	send := func(id uint64, ev *lock.Event, to []string, observers bool) {
+		d := lock.Delivery{ID: id, Event: ev}
+		var sent map[string]bool
+		if observers && len(to) > 0 {
+			sent = make(map[string]bool, len(to))
+		}
+		for _, node := range to {
+			s := w.sessions[node]
+			if s == nil {
+				continue // events go only to sessions that exist
+			}
+			w.logEvent(s, d)
+			for _, f := range w.streams[node] {
+				if !f.push(d) {
+					w.dropLocked(f)
+					released = append(released, f)
+				}
+			}
+			if sent != nil {
+				sent[node] = true
+			}
+		}
+		if !observers {
+			return
+		}
+		for _, f := range w.observers[c.k] {
+			if f.node != "" && sent[f.node] {
+				continue // a session that observes too gets the event once
+			}
+			if !f.push(d) {
+				w.dropLocked(f)
+				released = append(released, f)
+			}
+		}
+	}
+	if x.Assigned != "" {
+		ev := &lock.Event{Name: lock.EventLockAssigned, Key: c.k, Node: x.Assigned, Token: c.rec.Token}
+		send(base, ev, []string{x.Assigned}, true)
+	}
+	if d := x.Done; d != nil {
+		ev := &lock.Event{Name: lock.EventOperationCompleted, Key: c.k, Node: d.Node, Success: d.OK, Error: d.Err, CompletedAt: time.Unix(0, d.At), NextHolder: d.Next}
+		var to []string
+		if x.Skip {
+			to = skipped
+		}
+		send(base+1, ev, to, true)
+	}
+	for i, node := range x.Refused {
+		at := time.Now()
+		if x.Done != nil {
+			at = time.Unix(0, x.Done.At)
+		}
+		ev := &lock.Event{Name: lock.EventOperationCompleted, Key: c.k, Node: node, Error: "in_use", CompletedAt: at}
+		send(base+2+uint64(i), ev, []string{node}, false)
+	}
+	return released
+}
+
+// logEvent appends to a session's replay log within its bounds; w.mu held.
+func (w *watcher) logEvent(s *sessInfo, d lock.Delivery) {
+	s.log = append(s.log, d)
+	s.bytes += d.Event.WireSize()
+	cfg := &w.b.cfg
+	n := 0
+	for len(s.log)-n > cfg.SessionLog || s.bytes > cfg.SessionLogBytes {
+		s.bytes -= s.log[n].Event.WireSize()
+		s.dropped = s.log[n].ID
+		n++
+	}
+	if n > 0 {
+		s.log = append(s.log[:0:0], s.log[n:]...)
+	}
+}
+
+// stats returns the cluster's gauges as the watch saw them.
+func (w *watcher) stats() lock.Stats {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return lock.Stats{Keys: w.nKeys, Held: w.nHeld, Queued: w.nQd, Sessions: len(w.sessions)}
+}
+
+func (w *watcher) keyCount() int {
+	w.b.w.caughtUp(w.b.lastCommit.Load(), time.Second)
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.nKeys
+}
+
+func (w *watcher) sessionCount() int {
+	w.b.w.caughtUp(w.b.lastCommit.Load(), time.Second)
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return len(w.sessions)
+}
+
+func (b *Backend) keyCount() int { return b.w.keyCount() }
+
+// roomForSession refuses a session beyond Config.MaxSessions, counted in
+// the whole cluster as this server's watch has seen it.
+func (b *Backend) roomForSession() error {
+	if b.cfg.MaxSessions > 0 && b.w.sessionCount() >= b.cfg.MaxSessions {
+		b.refusedSessions.Add(1)
+		return fmt.Errorf("%w: %d sessions, at most %d are allowed", lock.ErrTooManySessions, b.cfg.MaxSessions, b.cfg.MaxSessions)
+	}
+	return nil
+}
+
+// poke wakes the timers after the deadlines changed.
+func (w *watcher) poke() {
+	select {
+	case w.wake <- struct{}{}:
+	default:
+	}
+}
+
+// next returns the earliest deadline and its key.
+func (w *watcher) next() (lock.Key, int64, bool) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for w.deadlines.Len() > 0 {
+		d := w.deadlines[0]
+		if ki, ok := w.keys[d.k]; !ok || ki.deadline != d.at {
+			heap.Pop(&w.deadlines) // stale
+			continue
+		}
+		return d.k, d.at, true
+	}
+	return lock.Key{}, 0, false
+}
+
+// postpone moves k's deadline when its timer could not act on it.
+func (w *watcher) postpone(k lock.Key, at int64) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if ki, ok := w.keys[k]; ok && ki.deadline != 0 && ki.deadline < at {
+		ki.deadline = at
+		w.keys[k] = ki
+		heap.Push(&w.deadlines, deadline{at: at, k: k})
+	}
+}
+
+type deadline struct {
+	at int64
+	k  lock.Key
+}
+
+type deadlineHeap []deadline
+
+func (h deadlineHeap) Len() int           { return len(h) }
+func (h deadlineHeap) Less(i, j int) bool { return h[i].at < h[j].at }
+func (h deadlineHeap) Swap(i, j int)      { h[i], h[j] = h[j], h[i] }
+func (h *deadlineHeap) Push(x any)        { *h = append(*h, x.(deadline)) }
+func (h *deadlineHeap) Pop() any {
+	old := *h
+	x := old[len(old)-1]
+	*h = old[:len(old)-1]
+	return x
+}
