@@ -171,9 +171,11 @@ func (n names) nodeIndex(node string) string             { return n.p + "n/" + e
 func (n names) nodeKey(node string, k lock.Key) string {
 	return n.nodeIndex(node) + typeNames[k.Type] + "/" + esc(k.Resource)
 }
-func (n names) refs() string                   { return n.p + "r/" }
-func (n names) ref(res string) string          { return n.p + "r/" + esc(res) }
-func (n names) lost(node string, l int64) string { return n.p + "lost/" + esc(node) + "/" + strconv.FormatInt(l, 16) }
+func (n names) refs() string          { return n.p + "r/" }
+func (n names) ref(res string) string { return n.p + "r/" + esc(res) }
+func (n names) lost(node string, l int64) string {
+	return n.p + "lost/" + esc(node) + "/" + strconv.FormatInt(l, 16)
+}
 
 // parseKey reads a key back from its record's etcd key ("P/k/<type>/<res>").
 func (n names) parseKey(etcdKey string) (lock.Key, bool) {
