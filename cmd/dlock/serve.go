@@ -18,6 +18,7 @@ import (
 
 	"github.com/dlock/dlock/internal/datadir"
 	"github.com/dlock/dlock/lock"
+	"github.com/dlock/dlock/lock/etcd"
 	"github.com/dlock/dlock/refcount"
 	"github.com/dlock/dlock/server"
 )
@@ -34,6 +35,8 @@ type connConfig struct {
 type serveConfig struct {
 	listen   string
 	lock     lock.Config
+	backend  string // memory or etcd
+	etcd     etcdConfig
 	refcount string
 	dataDir  string
 	logLevel slog.Level
@@ -53,7 +56,10 @@ type serveConfig struct {
 // useEventLoop reports whether the server takes the event loop. It answers
 // requests inline; with refcount=server an /unlock may wait for its
 // references to reach the disk, and every connection of the loop with it.
-func (c serveConfig) useEventLoop() bool { return c.eventLoop && c.refcount != "server" }
+// The etcd backend's calls wait on etcd, so it never takes the loop either.
+func (c serveConfig) useEventLoop() bool {
+	return c.eventLoop && c.refcount != "server" && c.backend == "memory"
+}
 
 func defaultDataDir() string {
 	if os.Geteuid() == 0 {
@@ -75,6 +81,8 @@ func parseServe(args []string, getenv func(string) string, stderr io.Writer) (se
 	fs := flag.NewFlagSet("dlock serve", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.StringVar(&c.listen, "listen", "127.0.0.1:7380", "address to listen on")
+	fs.StringVar(&c.backend, "backend", "memory", "where lock state lives: memory (this process) or etcd (an etcd cluster that any number of dlock servers share)")
+	c.etcd.flags(fs)
 	fs.IntVar(&c.lock.Shards, "shards", c.lock.Shards, "number of lock-manager shards")
 	fs.BoolVar(&c.lock.AllowMultiNodeDownload, "allow-multi-node-download", c.lock.AllowMultiNodeDownload, "queue nodes that ask for a held lock (false: refuse them with 409 lock_held)")
 	fs.BoolVar(&c.lock.UpdateRequiresNoRef, "update-requires-no-ref", false, "refuse updates of referenced resources (refcount=server)")
@@ -115,8 +123,20 @@ func parseServe(args []string, getenv func(string) string, stderr io.Writer) (se
 	if c.refcount != "off" && c.refcount != "server" {
 		return c, fmt.Errorf("--refcount must be off or server, not %q", c.refcount)
 	}
-	if c.refcount == "server" && c.dataDir == "" {
-		return c, errors.New("--refcount=server needs a --data-dir")
+	switch c.backend {
+	case "memory":
+		if c.etcd.set() {
+			return c, errors.New("the --etcd-… flags need --backend etcd")
+		}
+		if c.refcount == "server" && c.dataDir == "" {
+			return c, errors.New("--refcount=server needs a --data-dir")
+		}
+	case "etcd":
+		if err := c.etcd.validate(); err != nil {
+			return c, err
+		}
+	default:
+		return c, fmt.Errorf("--backend must be memory or etcd, not %q", c.backend)
 	}
 	if c.lock.UpdateRequiresNoRef && c.refcount != "server" {
 		return c, errors.New("--update-requires-no-ref needs --refcount=server")
@@ -159,6 +179,10 @@ func serve(ctx context.Context, args []string, getenv func(string) string, stder
 func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {
 	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: c.logLevel}))
 	c.lock.Logger = log
+	if c.backend == "etcd" {
+		// Tokens and references live in etcd: no data dir is opened.
+		c.dataDir = ""
+	}
 	if c.dataDir != "" {
 		dir, err := datadir.Open(c.dataDir)
 		if err != nil {
@@ -167,7 +191,9 @@ func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {
 		defer dir.Close()
 		c.lock.TokenCeiling = dir.TokenCeiling()
 	}
-	if c.refcount == "server" {
+	if c.refcount == "server" && c.backend == "etcd" {
+		c.lock.RefStore = etcd.ReferencesInEtcd{}
+	} else if c.refcount == "server" {
 		path := filepath.Join(c.dataDir, "refcount.db")
 		store, err := refcount.OpenServerStore(path)
 		if err != nil {
@@ -176,11 +202,11 @@ func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {
 		defer store.Close()
 		c.lock.RefStore = store
 	}
-	m, err := lock.NewMemory(ctx, c.lock)
+	m, closeBackend, err := openBackend(ctx, c, log)
 	if err != nil {
 		return err
 	}
-	defer m.Close()
+	defer closeBackend()
 	fdLimit, err := raiseFileLimit()
 	if err != nil {
 		log.Warn("open-file limit", "err", err)
@@ -205,7 +231,7 @@ func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {
 		IdleTimeout: 2 * time.Minute,
 		ErrorLog:    slog.NewLogLogger(log.Handler(), slog.LevelWarn),
 	}
-	log.Info("dlock serving", "addr", ln.Addr().String(), "epoch", m.Info().Epoch, "shards", c.lock.Shards,
+	log.Info("dlock serving", "addr", ln.Addr().String(), "epoch", m.Info().Epoch, "backend", c.backend, "shards", c.lock.Shards,
 		"refcount", c.refcount, "multi_node_download", c.lock.AllowMultiNodeDownload,
 		"max_conns", c.conns.max, "fd_limit", fdLimit, "data_dir", c.dataDir,
 		"tls", certs != nil, "client_ca", c.creds.clientCA != "", "token_file", c.creds.tokenFile)

@@ -2,6 +2,7 @@ package etcd
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 
@@ -156,3 +157,20 @@ func (b *Backend) RefReleaseNode(ctx context.Context, node string) (int, error) 
 	}
 	return n, nil
 }
+
+// ReferencesInEtcd is the lock.RefStore to set in lock.Config.RefStore to
+// turn server-side reference counting on for this backend, which keeps the
+// references in etcd itself: it is a switch, and none of its methods is
+// called by the etcd backend. A lock.Memory given it has no durable store
+// and refuses to start.
+type ReferencesInEtcd struct{}
+
+// Load refuses: the references are in etcd, not here.
+func (ReferencesInEtcd) Load(context.Context) (map[string]lock.RefRecord, uint64, error) {
+	return nil, 0, errNotAStore
+}
+
+// Save refuses: the references are in etcd, not here.
+func (ReferencesInEtcd) Save(context.Context, string, lock.RefRecord) error { return errNotAStore }
+
+var errNotAStore = errors.New("etcd backend: ReferencesInEtcd is a switch of the etcd backend, not a reference store")
