@@ -39,22 +39,45 @@ func (b *Backend) timers() {
 				continue
 			}
 		}
-		if err := b.expire(k); err != nil && b.ctx.Err() == nil {
+		wrote, err := b.expire(k)
+		if err != nil && b.ctx.Err() == nil {
 			b.log.Warn("etcd backend: a timer failed", "key", k.String(), "err", err)
-			// Try again a little later rather than spin on an etcd
-			// that does not answer.
+		}
+		if err != nil || !wrote {
+			// Nothing to do yet (another server did it, or this clock
+			// is behind the one that set the deadline), or etcd did not
+			// answer: look again a little later rather than spin. A
+			// write by anyone sets the key's deadline anew.
 			b.w.postpone(k, time.Now().Add(time.Second).UnixNano())
 		}
 	}
 }
 
-// expire applies whatever deadlines of k have passed.
-func (b *Backend) expire(k lock.Key) error {
+// expire applies whatever deadlines of k have passed, and reports whether
+// it changed anything.
+func (b *Backend) expire(k lock.Key) (bool, error) {
 	ctx, cancel := context.WithTimeout(b.ctx, 30*time.Second)
 	defer cancel()
 	var expired, grants uint64
+	var wrote bool
 	_, err := b.run(ctx, k, func(t *tx) error {
-		expired, grants = 0, 0
+		err := b.expireTx(t, &expired, &grants)
+		wrote = err == nil && len(t.ops) > 0
+		return err
+	})
+	if err == nil {
+		b.expiries.Add(expired)
+		b.grants.Add(grants)
+		b.handoffs.Add(grants)
+	}
+	return wrote, err
+}
+
+func (b *Backend) expireTx(t *tx, expiredOut, grantsOut *uint64) error {
+	k := t.k
+	var expired, grants uint64
+	defer func() { *expiredOut, *grantsOut = expired, grants }()
+	{
 		now := time.Now()
 		nowNs := now.UnixNano()
 		r := &t.rec
@@ -128,11 +151,5 @@ func (b *Backend) expire(k lock.Key) error {
 			t.put(nil)
 		}
 		return nil
-	})
-	if err == nil {
-		b.expiries.Add(expired)
-		b.grants.Add(grants)
-		b.handoffs.Add(grants)
 	}
-	return err
 }

@@ -388,6 +388,9 @@ func (w *watcher) track(c change) {
 	w.keys[c.k] = ki
 	if ki.deadline != 0 && ki.deadline != old.deadline {
 		heap.Push(&w.deadlines, deadline{at: ki.deadline, k: c.k})
+		if len(w.deadlines) > 2*len(w.keys)+1024 {
+			w.compactDeadlines()
+		}
 	}
 }
 
@@ -446,10 +449,7 @@ func (w *watcher) deliver(c change, rev int64, skipped []string) []*feed {
 		send(base+1, ev, to, true)
 	}
 	for i, node := range x.Refused {
-		at := time.Now()
-		if x.Done != nil {
-			at = time.Unix(0, x.Done.At)
-		}
+		at := time.Unix(0, x.At)
 		ev := &lock.Event{Name: lock.EventOperationCompleted, Key: c.k, Node: node, Error: "in_use", CompletedAt: at}
 		send(base+2+uint64(i), ev, []string{node}, false)
 	}
@@ -537,6 +537,20 @@ func (w *watcher) postpone(k lock.Key, at int64) {
 		w.keys[k] = ki
 		heap.Push(&w.deadlines, deadline{at: at, k: k})
 	}
+}
+
+// compactDeadlines drops the heap's stale entries, which a key whose
+// deadline moves often leaves behind; w.mu held.
+func (w *watcher) compactDeadlines() {
+	h := w.deadlines[:0]
+	for _, d := range w.deadlines {
+		if ki, ok := w.keys[d.k]; ok && ki.deadline == d.at {
+			h = append(h, d)
+		}
+	}
+	clear(w.deadlines[len(h):])
+	w.deadlines = h
+	heap.Init(&w.deadlines)
 }
 
 type deadline struct {
