@@ -23,6 +23,13 @@ func (b *Backend) timers() {
 	t := time.NewTimer(time.Hour)
 	defer t.Stop()
 	for {
+		if k, at, ok := b.w.oldestPastCap(); ok {
+			if err := b.dropDone(k, at); err != nil && b.ctx.Err() == nil {
+				b.log.Warn("etcd backend: dropping a completion record past the cap", "key", k.String(), "err", err)
+			}
+			b.w.forgetDone(k, at)
+			continue
+		}
 		k, at, ok := b.w.next()
 		wait := time.Hour
 		if ok {
@@ -152,4 +159,27 @@ func (b *Backend) expireTx(t *tx, expiredOut, grantsOut *uint64) error {
 		}
 		return nil
 	}
+}
+
+// dropDone drops k's completion record of time at, the oldest while more
+// than Config.CompletedMax are kept in the cluster (docs/DESIGN.md,
+// "Completion records"). Every server counts them from its watch, so the
+// cap holds within what the servers have not seen yet.
+func (b *Backend) dropDone(k lock.Key, at int64) error {
+	ctx, cancel := context.WithTimeout(b.ctx, 30*time.Second)
+	defer cancel()
+	_, err := b.run(ctx, k, func(t *tx) error {
+		r := &t.rec
+		if r.Done == nil || r.Done.At != at {
+			return nil
+		}
+		r.Done = nil
+		if !r.held() && r.Queue == 0 {
+			t.op(clientv3.OpDelete(b.n.key(k)))
+			return nil
+		}
+		t.put(nil)
+		return nil
+	})
+	return err
 }

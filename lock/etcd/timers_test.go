@@ -359,3 +359,25 @@ func TestMaxSessionsMakesRoom(t *testing.T) {
 	eventually(t, "a's session to end", func() bool { return b.Stats().Sessions == 0 })
 	subscribe(t, b, "c")
 }
+
+// TestCompletedMax: past CompletedMax, the oldest records go first.
+func TestCompletedMax(t *testing.T) {
+	b, _ := open(t, func(c *lock.Config) { c.CompletedMax = 3 })
+	for _, r := range []string{"r1", "r2", "r3", "r4", "r5"} {
+		tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: r, Node: "a"})
+		if _, err := b.Unlock(context.Background(), lock.UnlockRequest{Type: lock.Pull, Resource: r, Node: "a", Success: true}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	eventually(t, "three records to be kept", func() bool { return b.Stats().Keys == 3 })
+	for _, r := range []string{"r1", "r2"} {
+		if st := stat(t, b, lock.Pull, r, ""); st.LastCompleted != nil {
+			t.Fatalf("%s: the oldest record kept beyond completed_max: %+v", r, st.LastCompleted)
+		}
+	}
+	for _, r := range []string{"r3", "r4", "r5"} {
+		if st := stat(t, b, lock.Pull, r, ""); st.LastCompleted == nil {
+			t.Fatalf("%s: a newer record dropped", r)
+		}
+	}
+}
