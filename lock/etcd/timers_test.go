@@ -381,3 +381,27 @@ func TestCompletedMax(t *testing.T) {
 		}
 	}
 }
+
+// TestStreamsEndWhenEtcdIsGone: a server that cannot reach etcd ends its
+// streams, so that their nodes move to a server that can keep their
+// sessions alive.
+func TestStreamsEndWhenEtcdIsGone(t *testing.T) {
+	srv := etcdtest.StartEmbedded(t)
+	cfg := lock.DefaultConfig()
+	cfg.SessionGrace = 3 * time.Second
+	b, err := etcd.New(t.Context(), srv.Client(t), etcdtest.Prefix(t), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { b.Close() })
+	st := subscribe(t, b, "a")
+	srv.Close()
+	select {
+	case <-st.Done():
+	case <-time.After(time.Minute):
+		t.Fatal("the stream stayed open a minute after etcd went away")
+	}
+	if _, err := b.TryLock(context.Background(), ttlReq("r", "a")); !errors.Is(err, lock.ErrUnavailable) {
+		t.Fatalf("TryLock without etcd: %v, want ErrUnavailable", err)
+	}
+}

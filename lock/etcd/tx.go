@@ -7,6 +7,7 @@ import (
 	"hash/maphash"
 	"sort"
 	"strconv"
+	"time"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -46,6 +47,22 @@ func (b *Backend) run(ctx context.Context, k lock.Key, fn func(t *tx) error, als
 	mu := &b.stripes[maphash.String(b.seed, k.Resource)%uint64(len(b.stripes))]
 	mu.Lock()
 	defer mu.Unlock()
+	// An etcd that does not answer (a partition drops packets) must not
+	// hold a request, and the stripe, for as long as its client waits.
+	parent := ctx
+	ctx, cancel := context.WithTimeout(ctx, callTimeout)
+	defer cancel()
+	rev, err := b.attempt(ctx, k, fn, also)
+	if err != nil && parent.Err() == nil && ctx.Err() != nil && !b.closed.Load() {
+		return 0, fmt.Errorf("%w: etcd did not answer within %v", lock.ErrUnavailable, callTimeout)
+	}
+	return rev, err
+}
+
+// callTimeout bounds one call's work in etcd.
+const callTimeout = 10 * time.Second
+
+func (b *Backend) attempt(ctx context.Context, k lock.Key, fn func(t *tx) error, also []string) (int64, error) {
 	for attempt := 0; ; attempt++ {
 		if err := b.alive(); err != nil {
 			return 0, err

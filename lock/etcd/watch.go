@@ -233,6 +233,17 @@ func (w *watcher) follow(rev int64) {
 // after changes went by unseen.
 func (w *watcher) lost() {
 	w.mu.Lock()
+	floor := uint64(w.processed)*idsPerRev + idsPerRev - 1
+	for _, s := range w.sessions {
+		s.log, s.bytes, s.dropped = nil, 0, max(s.dropped, floor)
+	}
+	w.mu.Unlock()
+	w.endStreams()
+}
+
+// endStreams ends every stream of this server and returns how many.
+func (w *watcher) endStreams() int {
+	w.mu.Lock()
 	var all []*feed
 	for _, l := range w.streams {
 		all = append(all, l...)
@@ -243,15 +254,12 @@ func (w *watcher) lost() {
 	for _, f := range all {
 		w.dropLocked(f)
 	}
-	floor := uint64(w.processed)*idsPerRev + idsPerRev - 1
-	for _, s := range w.sessions {
-		s.log, s.bytes, s.dropped = nil, 0, max(s.dropped, floor)
-	}
 	w.mu.Unlock()
 	for _, f := range all {
 		f.end(false)
 		w.b.s.release(f)
 	}
+	return len(all)
 }
 
 // consume applies the watch's changes, a revision at a time, until the
