@@ -40,6 +40,10 @@ type member struct {
 	exited chan struct{} // closed when cmd has been waited for
 }
 
+// debianEtcd is where Debian's etcd-server puts etcd (a variable for the
+// test of its absence).
+var debianEtcd = "/usr/bin/etcd"
+
 // EtcdBinary is the etcd that StartCluster runs: etcd in PATH, else
 // /usr/bin/etcd. Without one, it fails the test when CI is "true" and skips
 // it otherwise, saying NOT TESTED.
@@ -47,8 +51,8 @@ func EtcdBinary(tb testing.TB) string {
 	tb.Helper()
 	bin, err := exec.LookPath("etcd")
 	if err != nil {
-		if _, serr := os.Stat("/usr/bin/etcd"); serr == nil {
-			return "/usr/bin/etcd"
+		if _, serr := os.Stat(debianEtcd); serr == nil {
+			return debianEtcd
 		}
 		if os.Getenv("CI") == "true" {
 			tb.Fatalf("etcdtest: no etcd binary (%v): `make deps` installs Debian's etcd-server as root", err)

@@ -2,7 +2,10 @@ package etcdtest
 
 import (
 	"context"
+	"fmt"
 	"os/exec"
+	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -66,6 +69,51 @@ func TestCluster(t *testing.T) {
 	for i := range 3 {
 		if c.Running(i) {
 			t.Errorf("member %d runs after Stop", i)
+		}
+	}
+}
+
+// outcomeTB records how EtcdBinary ends a test.
+type outcomeTB struct {
+	testing.TB
+	skipped, failed string
+}
+
+func (o *outcomeTB) Helper() {}
+func (o *outcomeTB) Skipf(format string, args ...any) {
+	o.skipped = fmt.Sprintf(format, args...)
+	runtime.Goexit()
+}
+func (o *outcomeTB) Fatalf(format string, args ...any) {
+	o.failed = fmt.Sprintf(format, args...)
+	runtime.Goexit()
+}
+
+// TestNoEtcdBinary: without etcd, a test fails in CI and skips elsewhere,
+// saying NOT TESTED; either way it names `make deps`.
+func TestNoEtcdBinary(t *testing.T) {
+	t.Setenv("PATH", t.TempDir())
+	old := debianEtcd
+	debianEtcd = filepath.Join(t.TempDir(), "etcd")
+	defer func() { debianEtcd = old }()
+	for _, ci := range []string{"true", ""} {
+		t.Setenv("CI", ci)
+		o := &outcomeTB{TB: t}
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			EtcdBinary(o)
+			t.Errorf("CI=%q: EtcdBinary returned", ci)
+		}()
+		<-done
+		switch {
+		case ci == "true" && (o.failed == "" || o.skipped != ""):
+			t.Errorf("CI=true: failed %q, skipped %q; want a failure", o.failed, o.skipped)
+		case ci != "true" && (o.skipped == "" || o.failed != "" || !strings.HasPrefix(o.skipped, "NOT TESTED: ")):
+			t.Errorf("CI unset: failed %q, skipped %q; want a skip saying NOT TESTED", o.failed, o.skipped)
+		}
+		if msg := o.failed + o.skipped; !strings.Contains(msg, "make deps") {
+			t.Errorf("CI=%q: %q does not name `make deps`", ci, msg)
 		}
 	}
 }

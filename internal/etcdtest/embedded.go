@@ -115,8 +115,7 @@ func startEmbedded(o Options, logPath string) (*Server, error) {
 		cfg.AutoCompactionRetention = o.AutoCompactionRetention
 	}
 	// No HTTP/JSON gateway: tests speak gRPC through clientv3, and the
-	// gateway's own gRPC connection back to the server is only more
-	// goroutines to stop.
+	// gateway is a gRPC client inside the server that nothing here uses.
 	cfg.EnableGRPCGateway = false
 	cfg.ZapLoggerBuilder = embed.NewZapLoggerBuilder(fileLogger(logFile))
 	if o.Config != nil {
