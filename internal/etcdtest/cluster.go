@@ -100,7 +100,7 @@ func StartCluster(tb testing.TB, n int) *Cluster {
 
 func startCluster(tb testing.TB, bin string, n int) (*Cluster, error) {
 	c := &Cluster{tb: tb, bin: bin, token: "etcdtest-" + randomHex(8)}
-	addrs, err := freeAddrs(2 * n)
+	addrs, err := pickAddrs(2 * n)
 	if err != nil {
 		return c, err
 	}
@@ -130,6 +130,9 @@ func startCluster(tb testing.TB, bin string, n int) (*Cluster, error) {
 	}
 	return c, nil
 }
+
+// pickAddrs is freeAddrs, a variable for the test of a taken port.
+var pickAddrs = freeAddrs
 
 // freeAddrs are n free 127.0.0.1 ports, held together while picked so that
 // they differ.
@@ -171,7 +174,10 @@ func (c *Cluster) start(m *member, state string) error {
 	cmd.Stdout, cmd.Stderr = log, log
 	cmd.Env = withoutEtcdEnv(os.Environ())
 	// A group of its own, killed whole; and killed with the test binary
-	// should that die first (Linux).
+	// should that die first, by a panic or go test's -timeout, before its
+	// cleanups (Linux; strictly, when the thread that started it ends,
+	// which Go's runtime does only for a goroutine that locked its thread
+	// and returned without unlocking it).
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("start %s: %w", m.name, err)

@@ -3,6 +3,7 @@ package etcdtest
 import (
 	"context"
 	"fmt"
+	"net"
 	"os/exec"
 	"path/filepath"
 	"runtime"
@@ -115,5 +116,33 @@ func TestNoEtcdBinary(t *testing.T) {
 		if msg := o.failed + o.skipped; !strings.Contains(msg, "make deps") {
 			t.Errorf("CI=%q: %q does not name `make deps`", ci, msg)
 		}
+	}
+}
+
+// TestClusterPortTaken: a start that finds a port taken between picking
+// and binding starts again on new ports.
+func TestClusterPortTaken(t *testing.T) {
+	EtcdBinary(t)
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taken.Close()
+	calls := 0
+	pickAddrs = func(n int) ([]string, error) {
+		calls++
+		addrs, err := freeAddrs(n)
+		if calls == 1 && err == nil {
+			addrs[0] = taken.Addr().String() // member 0's client port
+		}
+		return addrs, err
+	}
+	defer func() { pickAddrs = freeAddrs }()
+	c := StartCluster(t, 1)
+	if calls != 2 {
+		t.Fatalf("%d starts, want 2", calls)
+	}
+	if c.Endpoints()[0] == "http://"+taken.Addr().String() {
+		t.Fatal("the cluster has the taken port")
 	}
 }
