@@ -119,10 +119,21 @@ func (s *session) run() {
 // maxStreamBackoff is the longest pause between two attempts to open the stream.
 const maxStreamBackoff = 5 * time.Second
 
-// stream holds one connection until it breaks.
+// stream holds one connection until it breaks. A stream that breaks for
+// its server moves the client to the next server of its list, where it is
+// reopened with its Last-Event-ID: event ids are valid on every server of
+// one lock service, and a new epoch there is handled as a restart is
+// (sawEpoch).
 func (s *session) stream(ctx context.Context, first *bool) (connected bool, err error) {
 	c := s.c
-	u := *c.base
+	i, base := c.server()
+	closing := ctx // the Client's: ended by Close, not by the stream
+	defer func() {
+		if closing.Err() == nil && streamElsewhere(err) {
+			c.moveOn(i)
+		}
+	}()
+	u := *base
 	u.Path += "/subscribe"
 	u.RawQuery = url.Values{"node_id": {c.Node}}.Encode()
 	// Only the connection phase is bounded: the stream itself lives on.
@@ -202,6 +213,22 @@ func (s *session) stream(ctx context.Context, first *bool) (connected bool, err 
 	}
 }
 
+// streamElsewhere reports a stream that failed for its server, so that
+// another server may hold it: a network error, a stream that ended or
+// broke, a 502, 503 or 504. A refusal of the credentials (401, 403, a TLS
+// refusal) or for this node's sessions (429) would be the same on every
+// server.
+func streamElsewhere(err error) bool {
+	if ra, ok := errors.AsType[*refusedError](err); ok {
+		switch ra.status {
+		case http.StatusBadGateway, http.StatusServiceUnavailable, http.StatusGatewayTimeout:
+			return true
+		}
+		return false
+	}
+	return err != nil && !tlsRefused(err)
+}
+
 // refusedError is a /subscribe answered with another status than 200.
 type refusedError struct {
 	status int
@@ -267,9 +294,9 @@ func (c *Client) Connect(ctx context.Context) error {
 		why := s.lastErr
 		s.mu.Unlock()
 		if why == nil {
-			return fmt.Errorf("dlock: no session stream to %s", c.Server)
+			return fmt.Errorf("dlock: no session stream to %s", c.serverNames())
 		}
-		return fmt.Errorf("dlock: no session stream to %s: %w", c.Server, why)
+		return fmt.Errorf("dlock: no session stream to %s: %w", c.serverNames(), why)
 	}
 	return nil
 }
