@@ -1,10 +1,13 @@
 package main
 
 import (
+	"errors"
 	"io"
+	"slices"
 	"strings"
 	"testing"
 
+	"github.com/dlock/dlock/client"
 	"go.uber.org/goleak"
 )
 
@@ -17,6 +20,9 @@ func TestParse(t *testing.T) {
 	if c.root != "/shared" || c.node != "n1" || c.server != "http://10.0.0.5:7380" {
 		t.Fatalf("got %+v: the environment fills unset flags, the command line wins", c)
 	}
+	if !slices.Equal(c.servers, []string{"http://10.0.0.5:7380"}) {
+		t.Fatalf("servers %q, want the one --server", c.servers)
+	}
 	if _, err := parse(nil, func(string) string { return "" }, io.Discard); err == nil || !strings.Contains(err.Error(), "--root") {
 		t.Fatalf("no root: %v", err)
 	}
@@ -24,6 +30,32 @@ func TestParse(t *testing.T) {
 		return map[string]string{"DLOCK_CONTENT_LOG_LEVEL": "loud", "DLOCK_CONTENT_ROOT": "/r"}[k]
 	}, io.Discard); err == nil || !strings.Contains(err.Error(), "DLOCK_CONTENT_LOG_LEVEL") {
 		t.Fatalf("bad log level: %v", err)
+	}
+}
+
+// TestParseServerList: --server and DLOCK_CONTENT_SERVER take the servers
+// of one lock service, comma-separated, all http:// or all https://.
+func TestParseServerList(t *testing.T) {
+	env := func(server string) func(string) string {
+		return func(k string) string {
+			return map[string]string{"DLOCK_CONTENT_ROOT": "/shared", "DLOCK_CONTENT_SERVER": server}[k]
+		}
+	}
+	c, err := parse(nil, env("http://10.0.0.5:7380, http://10.0.0.6:7380"), io.Discard)
+	if err != nil || !slices.Equal(c.servers, []string{"http://10.0.0.5:7380", "http://10.0.0.6:7380"}) {
+		t.Fatalf("DLOCK_CONTENT_SERVER list: %q %v", c.servers, err)
+	}
+	c, err = parse([]string{"--server", "http://a:1,http://b:2,http://c:3"}, env(""), io.Discard)
+	if err != nil || !slices.Equal(c.servers, []string{"http://a:1", "http://b:2", "http://c:3"}) {
+		t.Fatalf("--server list: %q %v", c.servers, err)
+	}
+	for _, bad := range []string{"http://a:1,https://b:2", "http://a:1,", "http://a:1,b:2"} {
+		if _, err := parse([]string{"--server", bad}, env(""), io.Discard); err == nil {
+			t.Errorf("--server %s: no error", bad)
+		}
+	}
+	if _, err := parse([]string{"--server", "http://a:1,http://b:2", "--ca", "ca.pem"}, env(""), io.Discard); !errors.Is(err, client.ErrNotHTTPS) {
+		t.Errorf("--ca for http:// servers: %v, want ErrNotHTTPS", err)
 	}
 }
 
