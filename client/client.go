@@ -5,7 +5,9 @@
 // waits for lock_assigned (acquired) or operation_completed (skipped: another
 // node did the work); a broken stream is reopened with Last-Event-ID; when it
 // cannot be held the client polls /status. Do wraps the whole
-// lock-work-unlock cycle and cancels the work if the lock is lost.
+// lock-work-unlock cycle and cancels the work if the lock is lost. Given
+// several servers of one lock service (Client.Servers), a request or the
+// stream that fails for its server moves to the next.
 package client
 
 import (
