@@ -70,6 +70,24 @@ func TestFailoverRequests(t *testing.T) {
 	}
 }
 
+// TestFailoverConnect: the first connection of the session stream tries
+// the servers in turn, so that Connect finds the live one at once, and the
+// requests that follow go there.
+func TestFailoverConnect(t *testing.T) {
+	srv := startServer(t, nil)
+	c := newFailoverClient(t, "a", deadServer(t), deadServer(t), srv.URL())
+	c.MaxRetries = -1
+	if err := c.Connect(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if got := asked(c); got != srv.URL() {
+		t.Fatalf("the client asks %s after its stream connected, want %s", got, srv.URL())
+	}
+	if _, err := c.Status(t.Context(), lock.Pull, "r"); err != nil {
+		t.Fatalf("a single attempt after Connect: %v", err)
+	}
+}
+
 // TestFailoverNotRetried: a client that never retries (MaxRetries < 0)
 // still does not retry with several servers, but its next request goes to
 // the next server.

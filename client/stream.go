@@ -74,12 +74,22 @@ func (s *session) run() {
 	ctx := s.c.ctx
 	backoff := 50 * time.Millisecond
 	first := true
+	failed := 0 // attempts that failed since the last pause
 	for {
 		connected, err := s.stream(ctx, &first)
 		s.mu.Lock()
 		s.lastErr = err
 		s.mu.Unlock()
 		s.setUp(false)
+		// With several servers, a stream that failed for its server
+		// is reopened on the next at once, within the session's grace
+		// (docs/DESIGN.md, "What a client does"); the pause comes when
+		// every server has failed in turn.
+		if failed++; ctx.Err() == nil && streamElsewhere(err) && failed < len(s.c.bases) {
+			s.c.Logger.Info("session stream broken, reconnecting to the next server", "node", s.c.Node, "err", err)
+			continue
+		}
+		failed = 0
 		pause := time.Duration(float64(backoff) * (0.8 + 0.4*rand.Float64()))
 		level := slog.LevelInfo
 		ra, isRefusal := errors.AsType[*refusedError](err)

@@ -164,6 +164,10 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	}
 	defer cl.Close()
 	sctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	// The session stream first: it tries the servers in turn until one
+	// answers, and the store's single-attempt calls then go there. Its
+	// failure is content.New's to report, which asks the server first.
+	_ = cl.Connect(sctx)
 	store, err := content.New(sctx, content.Config{Root: c.root, Ingest: c.ingest, Client: cl, Logger: log})
 	cancel()
 	if err != nil {

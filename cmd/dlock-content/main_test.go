@@ -1,13 +1,18 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"io"
+	"net"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
 
 	"github.com/dlock/dlock/client"
+	"github.com/dlock/dlock/internal/dlocktest"
 	"go.uber.org/goleak"
 )
 
@@ -61,4 +66,40 @@ func TestParseServerList(t *testing.T) {
 
 func TestMain(m *testing.M) {
 	goleak.VerifyTestMain(m, goleak.IgnoreAnyFunction("net/http.(*conn).closeWriteAndWait"))
+}
+
+// TestRunServerList: dlock-content starts with a list whose first server
+// is dead, and serves through the next one.
+func TestRunServerList(t *testing.T) {
+	srv := dlocktest.Start(t, dlocktest.Options{RefCount: true})
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead := "http://" + ln.Addr().String()
+	ln.Close()
+	dir, err := os.MkdirTemp("", "dlcs") // short: unix socket paths are limited
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	args := []string{"--root", filepath.Join(dir, "shared"), "--socket", filepath.Join(dir, "c.sock"), "--node", "n",
+		"--server", dead + "," + srv.URL()}
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	ready := make(chan struct{})
+	errc := make(chan error, 1)
+	go func() { errc <- run(ctx, args, func(string) string { return "" }, io.Discard, func() { close(ready) }) }()
+	select {
+	case <-ready:
+	case err := <-errc:
+		t.Fatalf("run: %v", err)
+	}
+	if n := srv.Metric("dlock_event_streams"); n != 1 {
+		t.Fatalf("%v event streams open on the live server, want n's session stream", n)
+	}
+	cancel()
+	if err := <-errc; err != nil {
+		t.Fatal(err)
+	}
 }
