@@ -303,9 +303,10 @@ func TestFailoverStreamNewEpoch(t *testing.T) {
 	if c.Epoch() == epoch {
 		t.Fatalf("epoch %s still, after the second server's answer", epoch)
 	}
-	if err := c.Connect(t.Context()); err != nil {
-		t.Fatal(err)
-	}
+	kit.WaitFor(t, "the stream up on the second server", func() bool {
+		up, _ := c.sess.state()
+		return up
+	})
 }
 
 // TestFailoverSharedBackend: servers of one lock service. A node holds a
