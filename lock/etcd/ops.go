@@ -140,9 +140,11 @@ func (b *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 			return &lock.HeldError{Holder: rec.Holder}
 		}
 		// 7. Limits.
-		if rec.empty(now, b.cfg.CompletedRetention) && b.cfg.MaxKeys > 0 && b.keyCount() >= b.cfg.MaxKeys {
-			b.refusedKeys.Add(1)
-			return fmt.Errorf("%w: %d keys have state, at most %d are allowed", lock.ErrTooManyKeys, b.keyCount(), b.cfg.MaxKeys)
+		if rec.empty(now, b.cfg.CompletedRetention) && b.cfg.MaxKeys > 0 {
+			if n := b.w.keyCount(b.cfg.MaxKeys); n >= b.cfg.MaxKeys {
+				b.refusedKeys.Add(1)
+				return fmt.Errorf("%w: %d keys have state, at most %d are allowed", lock.ErrTooManyKeys, n, b.cfg.MaxKeys)
+			}
 		}
 		if rec.held() && b.cfg.MaxQueue > 0 && rec.Queue >= b.cfg.MaxQueue {
 			b.refusedQueue.Add(1)

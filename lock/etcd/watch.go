@@ -545,28 +545,45 @@ func (w *watcher) stats() lock.Stats {
 	return lock.Stats{Keys: w.nKeys, Held: w.nHeld, Queued: w.nQd, Sessions: len(w.sessions)}
 }
 
-func (w *watcher) keyCount() int {
-	w.b.w.caughtUp(w.b.lastCommit.Load(), time.Second)
+// nearLimit is how close to a cluster-wide limit a count must be before a
+// check waits for the watch to see this server's own last write: far from
+// it, the count it has is good enough, and the call does not wait.
+const nearLimit = 1024
+
+func (w *watcher) keyCount(limit int) int {
+	w.mu.Lock()
+	n := w.nKeys
+	w.mu.Unlock()
+	if n+nearLimit < limit {
+		return n
+	}
+	w.caughtUp(w.b.lastCommit.Load(), time.Second)
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	return w.nKeys
 }
 
-func (w *watcher) sessionCount() int {
-	w.b.w.caughtUp(w.b.lastCommit.Load(), time.Second)
+func (w *watcher) sessionCount(limit int) int {
+	w.mu.Lock()
+	n := len(w.sessions)
+	w.mu.Unlock()
+	if n+nearLimit < limit {
+		return n
+	}
+	w.caughtUp(w.b.lastCommit.Load(), time.Second)
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	return len(w.sessions)
 }
 
-func (b *Backend) keyCount() int { return b.w.keyCount() }
-
 // roomForSession refuses a session beyond Config.MaxSessions, counted in
 // the whole cluster as this server's watch has seen it.
 func (b *Backend) roomForSession() error {
-	if b.cfg.MaxSessions > 0 && b.w.sessionCount() >= b.cfg.MaxSessions {
-		b.refusedSessions.Add(1)
-		return fmt.Errorf("%w: %d sessions, at most %d are allowed", lock.ErrTooManySessions, b.cfg.MaxSessions, b.cfg.MaxSessions)
+	if b.cfg.MaxSessions > 0 {
+		if n := b.w.sessionCount(b.cfg.MaxSessions); n >= b.cfg.MaxSessions {
+			b.refusedSessions.Add(1)
+			return fmt.Errorf("%w: %d sessions, at most %d are allowed", lock.ErrTooManySessions, n, b.cfg.MaxSessions)
+		}
 	}
 	return nil
 }
