@@ -21,14 +21,14 @@ import (
 // checks what must hold once it is reached.
 
 // open returns a backend on a fresh data set of the shared embedded etcd.
-func open(t *testing.T, mod func(*lock.Config)) (*etcd.Backend, string) {
+func open(t testing.TB, mod func(*lock.Config)) (*etcd.Backend, string) {
 	t.Helper()
 	p := etcdtest.Prefix(t)
 	return openAt(t, p, mod), p
 }
 
 // openAt returns another backend on the data set p: another server.
-func openAt(t *testing.T, p string, mod func(*lock.Config)) *etcd.Backend {
+func openAt(t testing.TB, p string, mod func(*lock.Config)) *etcd.Backend {
 	t.Helper()
 	cfg := lock.DefaultConfig()
 	if mod != nil {
