@@ -45,6 +45,7 @@ type Backend struct {
 	graceTTL    int64 // the session lease's TTL in seconds
 	seed        maphash.Seed
 	stripes     [256]sync.Mutex
+	comb        combiner
 
 	ctx    context.Context // ends at Close
 	cancel context.CancelFunc
@@ -226,17 +227,17 @@ func jsonUnmarshal(v []byte, out any) error {
 	return nil
 }
 
-// health reads from etcd every second. A server cut off from etcd (or from
-// its quorum) cannot keep its nodes' sessions alive; once it has failed for
-// a third of the grace it ends its streams, so that their clients move to a
-// server that can, before etcd ends their sessions (docs/DESIGN.md, "An
-// etcd backend").
+// health watches this server's keepalives. A server cut off from etcd (or
+// from its quorum) cannot keep its nodes' sessions alive: when none of its
+// keepalives has been answered for two thirds of the session lease's TTL,
+// it ends its streams, so that their clients move to a server that can,
+// before etcd ends their sessions (docs/DESIGN.md, "An etcd backend"). A
+// slow answer is not a failure: only keepalives, which etcd answers every
+// third of the TTL, count.
 func (b *Backend) health() {
 	defer b.wg.Done()
-	limit := max(time.Second, time.Duration(b.graceTTL)*time.Second/3)
-	var failingSince time.Time
 	dropped := false
-	t := time.NewTicker(time.Second)
+	t := time.NewTicker(100 * time.Millisecond)
 	defer t.Stop()
 	for {
 		select {
@@ -244,20 +245,14 @@ func (b *Backend) health() {
 			return
 		case <-t.C:
 		}
-		ctx, cancel := context.WithTimeout(clientv3.WithRequireLeader(b.ctx), time.Second)
-		_, err := b.cli.Get(ctx, b.n.epoch())
-		cancel()
+		silent, ttl, ok := b.s.silence()
 		switch {
-		case err == nil:
-			failingSince, dropped = time.Time{}, false
-		case b.ctx.Err() != nil:
-			return
-		case failingSince.IsZero():
-			failingSince = time.Now()
-		case !dropped && time.Since(failingSince) >= limit:
+		case !ok || silent < ttl*2/3:
+			dropped = false
+		case !dropped:
 			dropped = true
 			n := b.w.endStreams()
-			b.log.Warn("etcd backend: etcd out of reach; ended this server's streams so that their nodes move to another server", "streams", n, "err", err)
+			b.log.Warn("etcd backend: no keepalive answered; ended this server's streams so that their nodes move to another server", "silent", silent.Round(time.Millisecond), "streams", n)
 		}
 	}
 }

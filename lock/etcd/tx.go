@@ -34,6 +34,7 @@ type tx struct {
 	guarded map[string]bool
 	cache   map[string]*mvccpb.KeyValue // what load read besides the record; nil: absent
 	recOp   int                         // the index in ops of the record's write, -1 before it
+	x       *trans                      // the transition this transaction makes
 }
 
 // errConflict is a transaction whose reads changed: it is tried again.
@@ -266,7 +267,10 @@ func (t *tx) head(n int) ([]seqWait, error) {
 
 // put writes the key's record with the transition x (nil: no event).
 func (t *tx) put(x *trans) {
-	t.rec.X = x
+	if x != nil {
+		t.x = x
+	}
+	t.rec.X = t.x // a batch's transition stays when a later call of it writes the record
 	op := clientv3.OpPut(t.b.n.key(t.k), encode(&t.rec))
 	if t.recOp >= 0 {
 		t.ops[t.recOp] = op // one write of a key per transaction
