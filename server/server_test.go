@@ -14,6 +14,7 @@ import (
 
 	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/internal/dlocktest/kit"
+	"github.com/dlock/dlock/internal/etcdtest"
 	"github.com/dlock/dlock/lock"
 	"github.com/dlock/dlock/refcount"
 	"go.uber.org/goleak"
@@ -22,7 +23,9 @@ import (
 func TestMain(m *testing.M) {
 	// net/http lingers 500 ms after answering a request it closes the
 	// connection for (a 413, say) before it lets the goroutine go.
-	goleak.VerifyTestMain(m, goleak.IgnoreAnyFunction("net/http.(*conn).closeWriteAndWait"))
+	// etcdtest.M stops the embedded etcd that the tests on an etcd data
+	// set share (cluster_test.go).
+	goleak.VerifyTestMain(etcdtest.M(m), append(etcdtest.GoleakOptions(), goleak.IgnoreAnyFunction("net/http.(*conn).closeWriteAndWait"))...)
 }
 
 type env struct {

@@ -1,0 +1,344 @@
+package server
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/dlock/dlock/api"
+	"github.com/dlock/dlock/internal/dlocktest/kit"
+	"github.com/dlock/dlock/internal/etcdtest"
+	"github.com/dlock/dlock/lock"
+	"github.com/dlock/dlock/lock/etcd"
+)
+
+// cluster is several dlock servers on one etcd data set, each with its own
+// etcd client, etcd.Backend and Server on 127.0.0.1: one lock service
+// (docs/DESIGN.md, "An etcd backend"). The tests talk to it over HTTP only.
+type cluster struct {
+	t      testing.TB
+	etcd   *etcdtest.Server
+	prefix string
+	cfg    lock.Config
+	epoch  string // the data set's, answered by every server
+	// members are in start order; a restarted server is a new member.
+	members []*member
+}
+
+// member is one dlock server of a cluster.
+type member struct {
+	c     *cluster
+	cli   *clientv3.Client
+	b     *etcd.Backend
+	srv   *Server
+	hs    *http.Server
+	raw   net.Listener
+	url   string
+	hooks kit.Hooks
+	done  chan struct{} // Serve returned
+	// trap, when set, kills the server when it reads an /unlock request
+	// (before the backend sees it) or when it writes the answer to one
+	// (after the backend made the change): see killOn.
+	trap   atomic.Int32
+	killed atomic.Bool
+	once   sync.Once
+}
+
+const (
+	trapNone int32 = iota
+	trapUnlockRequest
+	trapUnlockAnswer
+)
+
+// newCluster starts n servers on a fresh data set of the test binary's
+// shared embedded etcd; mod changes lock.DefaultConfig, the same for every
+// server (etcd.New).
+func newCluster(t testing.TB, n int, mod func(*lock.Config)) *cluster {
+	t.Helper()
+	cfg := lock.DefaultConfig()
+	if mod != nil {
+		mod(&cfg)
+	}
+	c := &cluster{t: t, etcd: etcdtest.Shared(t), prefix: etcdtest.Prefix(t), cfg: cfg}
+	for range n {
+		c.start()
+	}
+	return c
+}
+
+// start starts one more server on the cluster's data set: a new server, or
+// one restarted.
+func (c *cluster) start() *member {
+	t := c.t
+	t.Helper()
+	m := &member{c: c, cli: c.etcd.Client(t), done: make(chan struct{})}
+	ctx, cancel := context.WithTimeout(context.Background(), kit.Patience)
+	defer cancel()
+	b, err := etcd.New(ctx, m.cli, c.prefix, c.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.b = b
+	if c.epoch == "" {
+		c.epoch = b.Info().Epoch
+	}
+	// No event loop: the etcd backend's calls wait on etcd
+	// (Options.EventLoop).
+	m.srv = New(b, Options{PingInterval: 50 * time.Millisecond})
+	m.raw, err = net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		b.Close()
+		t.Fatal(err)
+	}
+	m.url = "http://" + m.raw.Addr().String()
+	m.hs = &http.Server{Handler: m.srv}
+	ln := m.hooks.Listen(&trapListener{Listener: m.raw, m: m})
+	go func() { defer close(m.done); m.srv.Serve(ln, m.hs) }()
+	t.Cleanup(m.stop) // before the client's own cleanup, which runs after
+	c.members = append(c.members, m)
+	return m
+}
+
+// stop stops the server as dlock serve does (a killed one, what is left of
+// it); later calls do nothing.
+func (m *member) stop() {
+	m.once.Do(func() {
+		m.srv.Drain()
+		m.srv.Close()
+		m.hs.Close()
+		<-m.done
+		m.b.Close()
+	})
+}
+
+// kill is the in-process stand-in for a server's SIGKILL: its listener,
+// every connection it has open, its backend and its etcd client close at
+// once, with no drain: its streams break, its requests get no answer, and
+// nothing it kept alive in etcd is kept any longer. Nothing is revoked: the
+// leases it kept run out, as they would. Safe to call from one of its own
+// connections' goroutines.
+func (m *member) kill() {
+	if m.killed.Swap(true) {
+		return
+	}
+	m.raw.Close()
+	m.hooks.KillAll()
+	m.b.Close()
+	m.cli.Close()
+}
+
+// killOn arms the member's trap (trapUnlockRequest or trapUnlockAnswer).
+func (m *member) killOn(trap int32) { m.trap.Store(trap) }
+
+type trapListener struct {
+	net.Listener
+	m *member
+}
+
+func (l *trapListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	return &trapConn{Conn: c, m: l.m}, nil
+}
+
+// trapConn kills its member at the moment its trap names.
+type trapConn struct {
+	net.Conn
+	m      *member
+	unlock atomic.Bool // the last request read was an /unlock
+}
+
+func (c *trapConn) Read(p []byte) (int, error) {
+	n, err := c.Conn.Read(p)
+	if n > 0 && bytes.Contains(p[:n], []byte("POST /unlock ")) {
+		if c.m.trap.Load() == trapUnlockRequest {
+			c.m.kill()
+			return 0, net.ErrClosed
+		}
+		c.unlock.Store(true)
+	}
+	return n, err
+}
+
+func (c *trapConn) Write(p []byte) (int, error) {
+	if c.unlock.Swap(false) && c.m.trap.Load() == trapUnlockAnswer {
+		c.m.kill()
+		return 0, net.ErrClosed
+	}
+	return c.Conn.Write(p)
+}
+
+func (c *trapConn) CloseWrite() error {
+	if cw, ok := c.Conn.(interface{ CloseWrite() error }); ok {
+		return cw.CloseWrite()
+	}
+	return nil
+}
+
+// send sends one request and decodes its JSON answer; safe from any
+// goroutine.
+func send(method, url, body string) (int, map[string]any, http.Header, error) {
+	req, err := http.NewRequest(method, url, strings.NewReader(body))
+	if err != nil {
+		return 0, nil, nil, err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return 0, nil, nil, err
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return 0, nil, nil, err
+	}
+	var out map[string]any
+	if err := json.Unmarshal(data, &out); err != nil {
+		return 0, nil, nil, fmt.Errorf("%s %s: body %q is not JSON: %v", method, url, data, err)
+	}
+	return resp.StatusCode, out, resp.Header, nil
+}
+
+// call sends a request to m and checks that the answer carries the data
+// set's epoch.
+func (m *member) call(t testing.TB, method, path, body string) (int, map[string]any) {
+	t.Helper()
+	status, out, h, err := send(method, m.url+path, body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := h.Get(api.EpochHeader); got != m.c.epoch {
+		t.Fatalf("%s %s%s: epoch %q, want the data set's %q", method, m.url, path, got, m.c.epoch)
+	}
+	return status, out
+}
+
+// must is call for a request that must answer 200, with want's fields.
+func (m *member) must(t testing.TB, method, path, body string, want map[string]any) map[string]any {
+	t.Helper()
+	status, got := m.call(t, method, path, body)
+	if status != 200 {
+		t.Fatalf("%s %s on %s: %d %v, want 200", method, path, m.url, status, got)
+	}
+	for k, v := range want {
+		if got[k] != v {
+			t.Fatalf("%s %s %s on %s: %s = %#v, want %#v (%v)", method, path, body, m.url, k, got[k], v, got)
+		}
+	}
+	return got
+}
+
+func (m *member) subscribe(t testing.TB, query, lastID string) *kit.Stream {
+	t.Helper()
+	return kit.OpenStream(t, m.url+"/subscribe?"+query, lastID)
+}
+
+// expect reads s's next event and checks its name and data fields.
+func expect(t testing.TB, s *kit.Stream, event string, want map[string]any) kit.Frame {
+	t.Helper()
+	f := s.Next(t)
+	if f.Event != event {
+		t.Fatalf("got %v, want %s %v", f, event, want)
+	}
+	d := f.JSON(t)
+	for k, v := range want {
+		if d[k] != v {
+			t.Fatalf("got %v: %s = %#v, want %#v", f, k, d[k], v)
+		}
+	}
+	return f
+}
+
+func lockBody(typ, res, node string, extra ...string) string {
+	s := fmt.Sprintf(`{"type":%q,"resource_id":%q,"node_id":%q`, typ, res, node)
+	for _, e := range extra {
+		s += "," + e
+	}
+	return s + "}"
+}
+
+func tokenOf(t testing.TB, v any) uint64 {
+	t.Helper()
+	f, ok := v.(float64)
+	if !ok || f <= 0 {
+		t.Fatalf("token %#v", v)
+	}
+	return uint64(f)
+}
+
+// TestClusterHandOff: a key acquired on one server, queued for on the
+// others, is handed across: the waiter's stream on another server gets
+// lock_assigned, and a pull's success tells every waiter, on whichever
+// server its stream is; an observer on a third server sees it all, with
+// the ids the waiters' streams saw (docs/API.md, "GET /subscribe").
+func TestClusterHandOff(t *testing.T) {
+	c := newCluster(t, 3, nil)
+	a, b, cc := c.members[0], c.members[1], c.members[2]
+	obs := cc.subscribe(t, "type=pull&resource_id=r", "")
+	expect(t, obs, "subscribed", nil)
+	w1 := b.subscribe(t, "node_id=w1", "")
+	expect(t, w1, "subscribed", map[string]any{"node_id": "w1", "epoch": c.epoch})
+	w2 := cc.subscribe(t, "node_id=w2", "")
+	expect(t, w2, "subscribed", map[string]any{"node_id": "w2", "epoch": c.epoch})
+
+	got := a.must(t, "POST", "/lock", lockBody("pull", "r", "h"), map[string]any{"acquired": true, "holder": "h"})
+	t1 := tokenOf(t, got["token"])
+	b.must(t, "POST", "/lock", lockBody("pull", "r", "w1"), map[string]any{"queued": true, "holder": "h", "position": 1.0})
+	cc.must(t, "POST", "/lock", lockBody("pull", "r", "w2"), map[string]any{"queued": true, "holder": "h", "position": 2.0})
+	a.must(t, "GET", "/status?type=pull&resource_id=r&node_id=w2", "", map[string]any{"state": "held", "holder": "h", "queue_length": 2.0, "position": 2.0})
+
+	// A failure on A hands the key to w1, whose stream is on B.
+	a.must(t, "POST", "/unlock", lockBody("pull", "r", "h", `"error":"boom"`), map[string]any{"released": true, "next_holder": "w1"})
+	as := expect(t, w1, "lock_assigned", map[string]any{"node_id": "w1", "resource_id": "r"})
+	t2 := tokenOf(t, as.JSON(t)["token"])
+	if t2 <= t1 {
+		t.Fatalf("hand-off token %d after %d", t2, t1)
+	}
+	o1 := expect(t, obs, "lock_assigned", map[string]any{"node_id": "h", "token": float64(t1)})
+	o2 := expect(t, obs, "lock_assigned", map[string]any{"node_id": "w1", "token": float64(t2)})
+	o3 := expect(t, obs, "operation_completed", map[string]any{"node_id": "h", "success": false, "error": "boom", "next_holder": "w1"})
+	if o2.ID != as.ID || o2.Data != as.Data {
+		t.Fatalf("the observer on C saw %v, w1's stream on B %v: one event, one id", o2, as)
+	}
+	if !(idOf(t, o1) < idOf(t, o2) && idOf(t, o2) < idOf(t, o3)) {
+		t.Fatalf("ids do not increase: %v %v %v", o1, o2, o3)
+	}
+	// w1 confirms the hand-off on C: the same grant.
+	cc.must(t, "POST", "/lock", lockBody("pull", "r", "w1"), map[string]any{"acquired": true, "token": float64(t2)})
+
+	// A success on B tells w2, whose stream is on C, and the observer.
+	b.must(t, "POST", "/unlock", lockBody("pull", "r", "w1", `"success":true`, fmt.Sprintf(`"token":%d`, t2)), map[string]any{"released": true, "next_holder": ""})
+	done := expect(t, w2, "operation_completed", map[string]any{"node_id": "w1", "success": true, "resource_id": "r"})
+	o4 := expect(t, obs, "operation_completed", map[string]any{"node_id": "w1", "success": true})
+	if o4.ID != done.ID || o4.Data != done.Data {
+		t.Fatalf("the observer saw %v, w2 %v", o4, done)
+	}
+	for _, m := range c.members {
+		m.must(t, "GET", "/status?type=pull&resource_id=r", "", map[string]any{"state": "free", "token": float64(t2), "queue_length": 0.0})
+	}
+	// w1's own success was not sent to it; its next event is its next
+	// grant, on A.
+	a.must(t, "POST", "/lock", lockBody("pull", "r2", "w1"), map[string]any{"acquired": true})
+	expect(t, w1, "lock_assigned", map[string]any{"resource_id": "r2"})
+}
+
+func idOf(t testing.TB, f kit.Frame) uint64 {
+	t.Helper()
+	var id uint64
+	if _, err := fmt.Sscan(f.ID, &id); err != nil || f.ID == "" {
+		t.Fatalf("frame %v: id %q", f, f.ID)
+	}
+	return id
+}
