@@ -342,3 +342,104 @@ func idOf(t testing.TB, f kit.Frame) uint64 {
 	}
 	return id
 }
+
+// TestClusterReplayElsewhere: a node's stream on A breaks, events of the
+// node happen meanwhile (made on every server), and the node reconnects to
+// B with Last-Event-ID: `subscribed` carries that id and the stream replays
+// exactly the missed events, with the ids a stream of the same node on C
+// saw live (docs/API.md, "GET /subscribe": ids increase, replay within the
+// grace).
+func TestClusterReplayElsewhere(t *testing.T) {
+	c := newCluster(t, 3, nil)
+	a, b, cc := c.members[0], c.members[1], c.members[2]
+	s1 := a.subscribe(t, "node_id=n", "")
+	expect(t, s1, "subscribed", nil)
+	// The witness: n's second stream, on C, sees every event of n live,
+	// and keeps the session while s1 is away.
+	s2 := cc.subscribe(t, "node_id=n", "")
+	expect(t, s2, "subscribed", nil)
+
+	// handOff makes x hold res, n queue for it, and x end it: a failure
+	// hands the key to n (lock_assigned), a success tells n to skip
+	// (operation_completed). Each request goes to another server.
+	handOff := func(res string, success bool) {
+		t.Helper()
+		a.must(t, "POST", "/lock", lockBody("pull", res, "x"), map[string]any{"acquired": true})
+		b.must(t, "POST", "/lock", lockBody("pull", res, "n"), map[string]any{"queued": true})
+		cc.must(t, "POST", "/unlock", lockBody("pull", res, "x", fmt.Sprintf(`"success":%v`, success)), nil)
+	}
+	handOff("r1", false)
+	last := expect(t, s1, "lock_assigned", map[string]any{"node_id": "n", "resource_id": "r1"})
+	if w := expect(t, s2, "lock_assigned", nil); w.ID != last.ID || w.Data != last.Data {
+		t.Fatalf("n's streams on A and C: %v and %v", last, w)
+	}
+
+	s1.Close()
+	b.must(t, "POST", "/unlock", lockBody("pull", "r1", "n", `"success":true`), map[string]any{"released": true})
+	handOff("r2", true)
+	handOff("r3", false)
+	missed := []kit.Frame{
+		expect(t, s2, "operation_completed", map[string]any{"resource_id": "r2", "node_id": "x", "success": true}),
+		expect(t, s2, "lock_assigned", map[string]any{"resource_id": "r3", "node_id": "n"}),
+	}
+
+	s3 := b.subscribe(t, "node_id=n", last.ID)
+	if f := expect(t, s3, "subscribed", map[string]any{"node_id": "n", "epoch": c.epoch}); f.ID != last.ID {
+		t.Fatalf("subscribed %v, want the id %s of Last-Event-ID", f, last.ID)
+	}
+	for _, want := range missed {
+		if f := s3.Next(t); f != want {
+			t.Fatalf("replayed %v, want %v as n's stream on C saw it", f, want)
+		}
+	}
+	// Nothing else was replayed: the next event on the new stream is the
+	// next one of n.
+	handOff("r4", false)
+	next := expect(t, s2, "lock_assigned", map[string]any{"resource_id": "r4"})
+	if f := s3.Next(t); f != next {
+		t.Fatalf("after the replay got %v, want %v", f, next)
+	}
+}
+
+// TestClusterSessionMoves: a node's stream moves from A to B within the
+// session grace; its session, and the holds leased to it, outlive the
+// grace that began on A, because B keeps the session now (docs/DESIGN.md,
+// "Leases": a session lives while any stream of the node is open, on any
+// server).
+func TestClusterSessionMoves(t *testing.T) {
+	c := newCluster(t, 2, func(cfg *lock.Config) { cfg.SessionGrace = time.Second })
+	a, b := c.members[0], c.members[1]
+	sa := a.subscribe(t, "node_id=n", "")
+	expect(t, sa, "subscribed", nil)
+	got := a.must(t, "POST", "/lock", lockBody("pull", "r", "n"), map[string]any{"acquired": true}) // a session lease: n has a stream
+	tok := tokenOf(t, got["token"])
+	expect(t, sa, "lock_assigned", map[string]any{"resource_id": "r"})
+
+	sa.Close()
+	sb := b.subscribe(t, "node_id=n", "")
+	expect(t, sb, "subscribed", nil)
+
+	// The witness w starts its session on A after n's stream there closed,
+	// takes a session lease, and leaves. Once its hold is gone for
+	// "session lost", a grace has passed since n's stream left A: n's
+	// session would have ended too had B not kept it.
+	sw := a.subscribe(t, "node_id=w", "")
+	expect(t, sw, "subscribed", nil)
+	a.must(t, "POST", "/lock", lockBody("pull", "wr", "w", `"lease":"session"`), map[string]any{"acquired": true})
+	sw.Close()
+	kit.Await(t, "w's session lost", func() error {
+		_, st := b.call(t, "GET", "/status?type=pull&resource_id=wr", "")
+		if lc, _ := st["last_completed"].(map[string]any); st["state"] != "free" || lc["error"] != "session lost" {
+			return fmt.Errorf("status %v", st)
+		}
+		return nil
+	})
+	for _, m := range c.members {
+		m.must(t, "GET", "/status?type=pull&resource_id=r", "", map[string]any{"state": "held", "holder": "n", "token": float64(tok), "last_completed": nil})
+	}
+	// The hold is n's still: its unlock, on A, hands nothing on and ends it.
+	a.must(t, "POST", "/unlock", lockBody("pull", "r", "n", `"success":true`, fmt.Sprintf(`"token":%d`, tok)), map[string]any{"released": true, "replayed": nil})
+	// And n's session goes on: its next grant's lock_assigned arrives on B.
+	a.must(t, "POST", "/lock", lockBody("pull", "r5", "n"), map[string]any{"acquired": true})
+	expect(t, sb, "lock_assigned", map[string]any{"resource_id": "r5"})
+}
