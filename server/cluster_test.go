@@ -443,3 +443,90 @@ func TestClusterSessionMoves(t *testing.T) {
 	a.must(t, "POST", "/lock", lockBody("pull", "r5", "n"), map[string]any{"acquired": true})
 	expect(t, sb, "lock_assigned", map[string]any{"resource_id": "r5"})
 }
+
+// TestClusterKilledMidHandOff: the server that is handing a key on dies
+// abruptly (kill: no drain, its connections and etcd client cut), either
+// after the hand-off reached etcd and before it answered, or before the
+// unlock reached its backend. The other servers keep serving, the waiter,
+// whose stream is on another server, gets the key once, and no one else
+// does (docs/DESIGN.md, "An etcd backend": state is etcd's, not a
+// server's).
+func TestClusterKilledMidHandOff(t *testing.T) {
+	t.Run("answer lost", func(t *testing.T) {
+		c := newCluster(t, 3, nil)
+		a, b, cc := c.members[0], c.members[1], c.members[2]
+		obs := cc.subscribe(t, "type=pull&resource_id=r", "")
+		expect(t, obs, "subscribed", nil)
+		w := b.subscribe(t, "node_id=w", "")
+		expect(t, w, "subscribed", nil)
+		t1 := tokenOf(t, a.must(t, "POST", "/lock", lockBody("pull", "r", "h"), map[string]any{"acquired": true})["token"])
+		b.must(t, "POST", "/lock", lockBody("pull", "r", "w"), map[string]any{"queued": true})
+
+		a.killOn(trapUnlockAnswer)
+		if status, got, _, err := send("POST", a.url+"/unlock", lockBody("pull", "r", "h", `"error":"boom"`)); err == nil {
+			t.Fatalf("the killed server answered %d %v", status, got)
+		}
+		// The hand-off was made: w's stream on B gets it, from etcd.
+		t2 := tokenOf(t, expect(t, w, "lock_assigned", map[string]any{"node_id": "w", "resource_id": "r"}).JSON(t)["token"])
+		if t2 <= t1 {
+			t.Fatalf("token %d after %d", t2, t1)
+		}
+		// h's client tries its unlock again, on C: the answer it lost.
+		cc.must(t, "POST", "/unlock", lockBody("pull", "r", "h", `"error":"boom"`), map[string]any{"released": true, "next_holder": "w", "replayed": true})
+		checkOneHandOff(t, c, obs, "h", "w", t1, t2, "boom")
+	})
+	t.Run("request lost", func(t *testing.T) {
+		c := newCluster(t, 3, func(cfg *lock.Config) { cfg.SessionGrace = time.Second })
+		a, b, cc := c.members[0], c.members[1], c.members[2]
+		obs := cc.subscribe(t, "type=pull&resource_id=r", "")
+		expect(t, obs, "subscribed", nil)
+		h := a.subscribe(t, "node_id=h", "") // h's session is kept by A alone
+		expect(t, h, "subscribed", nil)
+		w := b.subscribe(t, "node_id=w", "")
+		expect(t, w, "subscribed", nil)
+		t1 := tokenOf(t, a.must(t, "POST", "/lock", lockBody("pull", "r", "h"), map[string]any{"acquired": true})["token"])
+		b.must(t, "POST", "/lock", lockBody("pull", "r", "w"), map[string]any{"queued": true})
+
+		a.killOn(trapUnlockRequest)
+		if status, got, _, err := send("POST", a.url+"/unlock", lockBody("pull", "r", "h", `"error":"boom"`)); err == nil {
+			t.Fatalf("the killed server answered %d %v", status, got)
+		}
+		// Nothing was handed on by A. h's session, which A kept alive,
+		// runs out; B or C, whichever claims it first, hands the key on.
+		t2 := tokenOf(t, expect(t, w, "lock_assigned", map[string]any{"node_id": "w", "resource_id": "r"}).JSON(t)["token"])
+		if t2 <= t1 {
+			t.Fatalf("token %d after %d", t2, t1)
+		}
+		checkOneHandOff(t, c, obs, "h", "w", t1, t2, "session lost")
+	})
+}
+
+// checkOneHandOff checks, after a killed server, that the key r went from
+// holder to next once: the observer saw exactly that, the live servers
+// agree, and they keep serving.
+func checkOneHandOff(t *testing.T, c *cluster, obs *kit.Stream, holder, next string, t1, t2 uint64, reason string) {
+	t.Helper()
+	expect(t, obs, "lock_assigned", map[string]any{"node_id": holder, "token": float64(t1)})
+	expect(t, obs, "lock_assigned", map[string]any{"node_id": next, "token": float64(t2)})
+	expect(t, obs, "operation_completed", map[string]any{"node_id": holder, "success": false, "error": reason, "next_holder": next})
+	var live []*member
+	for _, m := range c.members {
+		if !m.killed.Load() {
+			live = append(live, m)
+		}
+	}
+	for _, m := range live {
+		m.must(t, "GET", "/status?type=pull&resource_id=r", "", map[string]any{"state": "held", "holder": next, "token": float64(t2), "queue_length": 0.0})
+	}
+	// The next event of the key is next's own unlock: no second grant came
+	// between.
+	live[0].must(t, "POST", "/unlock", lockBody("pull", "r", next, `"success":true`, fmt.Sprintf(`"token":%d`, t2)), map[string]any{"released": true})
+	expect(t, obs, "operation_completed", map[string]any{"node_id": next, "success": true})
+	for _, m := range live {
+		tok := tokenOf(t, m.must(t, "POST", "/lock", lockBody("pull", "after-"+m.url, "z"), map[string]any{"acquired": true})["token"])
+		m.must(t, "POST", "/unlock", lockBody("pull", "after-"+m.url, "z", fmt.Sprintf(`"token":%d`, tok)), map[string]any{"released": true})
+	}
+	if _, _, _, err := send("GET", c.members[0].url+"/healthz", ""); err == nil {
+		t.Fatal("the killed server still answers")
+	}
+}
