@@ -530,3 +530,48 @@ func checkOneHandOff(t *testing.T, c *cluster, obs *kit.Stream, holder, next str
 		t.Fatal("the killed server still answers")
 	}
 }
+
+// TestClusterRestart: a server stopped and started again (a new backend on
+// the same data set) answers the same epoch, finds the holds and queues as
+// they were, and its grants' tokens go on upward; so does a server started
+// after every other one stopped (docs/DESIGN.md, "An etcd backend": the
+// epoch is the data set's; "Fencing tokens").
+func TestClusterRestart(t *testing.T) {
+	c := newCluster(t, 2, nil)
+	a, b := c.members[0], c.members[1]
+	w := b.subscribe(t, "node_id=w", "")
+	expect(t, w, "subscribed", nil)
+	t1 := tokenOf(t, a.must(t, "POST", "/lock", lockBody("pull", "r", "h", `"lease":"ttl"`), map[string]any{"acquired": true})["token"])
+	// ttl leases: nothing here depends on how long the test takes.
+	a.must(t, "POST", "/lock", lockBody("pull", "r", "w", `"lease":"ttl"`), map[string]any{"queued": true, "position": 1.0})
+	a.must(t, "POST", "/lock", lockBody("pull", "r", "v", `"lease":"ttl"`), map[string]any{"queued": true, "position": 2.0})
+
+	a.stop()
+	a2 := c.start() // the check of the epoch header is in call
+	a2.must(t, "GET", "/status?type=pull&resource_id=r&node_id=v", "", map[string]any{"state": "held", "holder": "h", "token": float64(t1), "queue_length": 2.0, "position": 2.0})
+	a2.must(t, "POST", "/unlock", lockBody("pull", "r", "h", `"error":"boom"`, fmt.Sprintf(`"token":%d`, t1)), map[string]any{"released": true, "next_holder": "w"})
+	t2 := tokenOf(t, expect(t, w, "lock_assigned", map[string]any{"resource_id": "r", "node_id": "w"}).JSON(t)["token"])
+	if t2 <= t1 {
+		t.Fatalf("token %d after %d, across a restart", t2, t1)
+	}
+
+	// Every server stops; one starts on the data set alone.
+	w.Close()
+	a2.stop()
+	b.stop()
+	d := c.start()
+	if _, h, err := healthz(d); err != nil || h["epoch"] != c.epoch {
+		t.Fatalf("healthz %v %v, want the epoch %s", h, err, c.epoch)
+	}
+	d.must(t, "GET", "/status?type=pull&resource_id=r&node_id=v", "", map[string]any{"state": "held", "holder": "w", "token": float64(t2), "queue_length": 1.0, "position": 1.0})
+	d.must(t, "POST", "/unlock", lockBody("pull", "r", "w", `"error":"again"`), map[string]any{"released": true, "next_holder": "v"})
+	t3 := tokenOf(t, d.must(t, "POST", "/lock", lockBody("pull", "r", "v"), map[string]any{"acquired": true})["token"])
+	if t3 <= t2 {
+		t.Fatalf("token %d after %d, across a restart of every server", t3, t2)
+	}
+}
+
+func healthz(m *member) (int, map[string]any, error) {
+	status, out, _, err := send("GET", m.url+"/healthz", "")
+	return status, out, err
+}
