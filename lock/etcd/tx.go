@@ -148,12 +148,21 @@ func (t *tx) session(node string) (int64, error) {
 	return s.Lease, nil
 }
 
+// atRead reads the queue as of the revision the key's record was read at.
+// The record's mod revision guards the queue (every change of one writes
+// the record too), but only for the commit: a read of the queue at a later
+// revision could see a waiter that another server took out since, and
+// fail, or answer, on a queue that never was with that record. Read at the
+// record's revision, the queue and the record are one state; the commit
+// then fails if either changed since.
+func (t *tx) atRead() clientv3.OpOption { return clientv3.WithRev(t.readRev) }
+
 // waiting returns node's seq in the queue.
 func (t *tx) waiting(node string) (uint64, bool, error) {
 	if t.rec.Queue == 0 {
 		return 0, false, nil
 	}
-	resp, err := t.b.cli.Get(t.ctx, t.b.n.queueNode(t.k, node))
+	resp, err := t.b.cli.Get(t.ctx, t.b.n.queueNode(t.k, node), t.atRead())
 	if err != nil {
 		return 0, false, t.b.etcdErr("reading the queue", err)
 	}
@@ -170,7 +179,7 @@ func (t *tx) waiting(node string) (uint64, bool, error) {
 // wait reads the waiter at seq.
 func (t *tx) wait(seq uint64) (waitRec, error) {
 	var w waitRec
-	resp, err := t.b.cli.Get(t.ctx, t.b.n.wait(t.k, seq))
+	resp, err := t.b.cli.Get(t.ctx, t.b.n.wait(t.k, seq), t.atRead())
 	if err != nil {
 		return w, t.b.etcdErr("reading the queue", err)
 	}
@@ -182,7 +191,7 @@ func (t *tx) wait(seq uint64) (waitRec, error) {
 
 // position is the 1-based place of the waiter at seq.
 func (t *tx) position(seq uint64) (int, error) {
-	resp, err := t.b.cli.Get(t.ctx, t.b.n.queue(t.k), clientv3.WithRange(t.b.n.wait(t.k, seq+1)), clientv3.WithCountOnly())
+	resp, err := t.b.cli.Get(t.ctx, t.b.n.queue(t.k), clientv3.WithRange(t.b.n.wait(t.k, seq+1)), clientv3.WithCountOnly(), t.atRead())
 	if err != nil {
 		return 0, t.b.etcdErr("counting the queue", err)
 	}
@@ -201,7 +210,7 @@ func (t *tx) head(n int) ([]seqWait, error) {
 	if t.rec.Queue == 0 {
 		return nil, nil
 	}
-	opts := []clientv3.OpOption{clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend)}
+	opts := []clientv3.OpOption{clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend), t.atRead()}
 	if n > 0 {
 		opts = append(opts, clientv3.WithLimit(int64(n)))
 	}
