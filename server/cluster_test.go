@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"strings"
@@ -19,6 +20,7 @@ import (
 	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/internal/etcdtest"
+	"github.com/dlock/dlock/internal/rawhttp"
 	"github.com/dlock/dlock/lock"
 	"github.com/dlock/dlock/lock/etcd"
 )
@@ -574,4 +576,158 @@ func TestClusterRestart(t *testing.T) {
 func healthz(m *member) (int, map[string]any, error) {
 	status, out, _, err := send("GET", m.url+"/healthz", "")
 	return status, out, err
+}
+
+// TestClusterTokensUnderLoad: nodes race for a few keys with every request
+// sent to a server picked at random. No key is ever granted to two nodes at
+// once, each key's tokens strictly increase in the order of its grants, and
+// the observers of a key on every server see the same events with the same
+// ids, the tokens the nodes got in that order (docs/DESIGN.md, "Fencing
+// tokens" and "An etcd backend").
+func TestClusterTokensUnderLoad(t *testing.T) {
+	const (
+		nodes  = 6
+		rounds = 12
+	)
+	keys := []string{"k0", "k1", "k2"}
+	c := newCluster(t, 3, nil)
+	type observed struct {
+		frames []kit.Frame
+		err    error
+	}
+	results := make(map[string][]chan observed)
+	for _, k := range keys {
+		for _, m := range c.members {
+			s := m.subscribe(t, "type=pull&resource_id="+k, "")
+			expect(t, s, "subscribed", nil)
+			ch := make(chan observed, 1)
+			results[k] = append(results[k], ch)
+			go func() {
+				// Until the last event: "end"'s failure.
+				var o observed
+				var ev rawhttp.Event
+				for {
+					if o.err = rawhttp.ReadEvent(s.R, &ev); o.err != nil {
+						break
+					}
+					f := kit.Frame{ID: ev.ID, Event: ev.Name, Data: string(ev.Data)}
+					o.frames = append(o.frames, f)
+					if f.Event == "operation_completed" && strings.Contains(f.Data, `"node_id":"end"`) {
+						break
+					}
+				}
+				ch <- o
+			}()
+		}
+	}
+
+	var (
+		mu     sync.Mutex
+		last   = map[string]uint64{}
+		got    = map[string][]uint64{}
+		inside = map[string]*atomic.Bool{}
+	)
+	for _, k := range keys {
+		inside[k] = new(atomic.Bool)
+	}
+	pick := func() *member { return c.members[rand.IntN(len(c.members))] }
+	var wg sync.WaitGroup
+	for n := range nodes {
+		node := fmt.Sprintf("n%d", n)
+		wg.Go(func() {
+			for range rounds {
+				k := keys[rand.IntN(len(keys))]
+				var tok uint64
+				pause := time.Millisecond
+				for tok == 0 {
+					m := pick()
+					status, out, _, err := send("POST", m.url+"/lock", lockBody("pull", k, node, `"lease":"ttl"`))
+					if err != nil || status != 200 {
+						t.Errorf("%s: lock %s on %s: %d %v %v", node, k, m.url, status, out, err)
+						return
+					}
+					if out["acquired"] == true {
+						tok = uint64(out["token"].(float64))
+						break
+					}
+					// Queued: ask again, as a client that keeps no
+					// stream does; a hand-off is confirmed by it.
+					time.Sleep(pause)
+					pause = min(2*pause, 20*time.Millisecond)
+				}
+				if !inside[k].CompareAndSwap(false, true) {
+					t.Errorf("%s granted %s (token %d) while another node holds it", node, k, tok)
+					return
+				}
+				mu.Lock()
+				if tok <= last[k] {
+					t.Errorf("%s granted %s with token %d after %d", node, k, tok, last[k])
+				}
+				last[k] = tok
+				got[k] = append(got[k], tok)
+				mu.Unlock()
+				inside[k].Store(false)
+				m := pick()
+				success := rand.IntN(3) == 0 // a success tells the waiters to skip; a failure hands on
+				status, out, _, err := send("POST", m.url+"/unlock", lockBody("pull", k, node, fmt.Sprintf(`"success":%v,"token":%d`, success, tok)))
+				if err != nil || status != 200 || out["released"] != true {
+					t.Errorf("%s: unlock %s on %s: %d %v %v", node, k, m.url, status, out, err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if t.Failed() {
+		return
+	}
+	for _, k := range keys {
+		c.members[0].must(t, "POST", "/lock", lockBody("pull", k, "end"), map[string]any{"acquired": true})
+		c.members[1].must(t, "POST", "/unlock", lockBody("pull", k, "end", `"error":"end"`), map[string]any{"released": true, "next_holder": ""})
+	}
+	total := 0
+	for _, k := range keys {
+		var first []kit.Frame
+		for i, ch := range results[k] {
+			o := <-ch
+			if o.err != nil {
+				t.Fatalf("%s: observer on %s: %v", k, c.members[i].url, o.err)
+			}
+			if i == 0 {
+				first = o.frames
+				continue
+			}
+			if fmt.Sprint(o.frames) != fmt.Sprint(first) {
+				t.Fatalf("%s: the observers on %s and %s saw\n%v\nand\n%v", k, c.members[0].url, c.members[i].url, first, o.frames)
+			}
+		}
+		var prevID, prevTok uint64
+		var toks []uint64
+		for _, f := range first {
+			if id := idOf(t, f); id <= prevID {
+				t.Fatalf("%s: id %d after %d", k, id, prevID)
+			} else {
+				prevID = id
+			}
+			if f.Event != "lock_assigned" {
+				continue
+			}
+			d := f.JSON(t)
+			tok := tokenOf(t, d["token"])
+			if tok <= prevTok {
+				t.Fatalf("%s: lock_assigned %v after token %d", k, f, prevTok)
+			}
+			prevTok = tok
+			if d["node_id"] != "end" {
+				toks = append(toks, tok)
+			}
+		}
+		if fmt.Sprint(toks) != fmt.Sprint(got[k]) {
+			t.Fatalf("%s: the observers saw the grants %v, the nodes got %v", k, toks, got[k])
+		}
+		total += len(toks)
+	}
+	if total != nodes*rounds {
+		t.Fatalf("%d grants, want %d", total, nodes*rounds)
+	}
 }
