@@ -731,3 +731,50 @@ func TestClusterTokensUnderLoad(t *testing.T) {
 		t.Fatalf("%d grants, want %d", total, nodes*rounds)
 	}
 }
+
+// TestClusterRefCount: server-side reference counts kept in etcd
+// (etcd.ReferencesInEtcd) are one set for every server: a delete or an
+// update is refused on one server while a pull is held on another, a
+// pull's success on one adds its holder and waiters for all, a held delete
+// refuses pulls and references everywhere (docs/API.md, "Reference
+// counting").
+func TestClusterRefCount(t *testing.T) {
+	c := newCluster(t, 3, func(cfg *lock.Config) {
+		cfg.RefStore = etcd.ReferencesInEtcd{}
+		cfg.UpdateRequiresNoRef = true
+	})
+	a, b, cc := c.members[0], c.members[1], c.members[2]
+	w := cc.subscribe(t, "node_id=w", "")
+	expect(t, w, "subscribed", nil)
+	refused := func(m *member, method, path, body, code string) {
+		t.Helper()
+		if status, got := m.call(t, method, path, body); status != 409 || got["code"] != code {
+			t.Fatalf("%s %s %s on %s: %d %v, want 409 %s", method, path, body, m.url, status, got, code)
+		}
+	}
+	a.must(t, "POST", "/lock", lockBody("pull", "r", "h"), map[string]any{"acquired": true})
+	refused(b, "POST", "/lock", lockBody("delete", "r", "d"), "in_use")
+	refused(cc, "POST", "/lock", lockBody("update", "r", "u"), "in_use")
+	b.must(t, "POST", "/lock", lockBody("pull", "r", "w"), map[string]any{"queued": true})
+	a.must(t, "POST", "/unlock", lockBody("pull", "r", "h", `"success":true`), map[string]any{"released": true})
+	expect(t, w, "operation_completed", map[string]any{"node_id": "h", "success": true, "resource_id": "r"})
+	got := b.must(t, "GET", "/refcount?resource_id=r", "", map[string]any{"count": 2.0})
+	if fmt.Sprint(got["nodes"]) != "[h w]" {
+		t.Fatalf("refcount %v, want h and w", got)
+	}
+	refused(cc, "POST", "/lock", lockBody("delete", "r", "d"), "in_use")
+	a.must(t, "POST", "/refcount/release", `{"resource_id":"r","node_id":"h"}`, map[string]any{"count": 1.0})
+	cc.must(t, "POST", "/refcount/release", `{"node_id":"w"}`, map[string]any{"node_id": "w", "released": 1.0})
+	b.must(t, "GET", "/refcount?resource_id=r", "", map[string]any{"count": 0.0})
+
+	a.must(t, "POST", "/lock", lockBody("delete", "r", "d"), map[string]any{"acquired": true})
+	refused(b, "POST", "/lock", lockBody("pull", "r", "p"), "deleting")
+	refused(cc, "POST", "/refcount/add", `{"resource_id":"r","node_id":"p"}`, "deleting")
+	refused(b, "POST", "/lock", lockBody("update", "r", "u"), "deleting")
+	cc.must(t, "POST", "/lock", lockBody("delete", "r", "w"), map[string]any{"queued": true})
+	b.must(t, "POST", "/unlock", lockBody("delete", "r", "d", `"success":true`), map[string]any{"released": true, "next_holder": ""})
+	expect(t, w, "operation_completed", map[string]any{"type": "delete", "node_id": "d", "success": true})
+	cc.must(t, "POST", "/refcount/add", `{"resource_id":"r","node_id":"p"}`, map[string]any{"count": 1.0})
+	refused(a, "POST", "/lock", lockBody("delete", "r", "d"), "in_use")
+	refused(b, "POST", "/lock", lockBody("update", "r", "u"), "in_use")
+}
