@@ -2,7 +2,6 @@ package etcd
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"hash/maphash"
 	"sort"
@@ -32,9 +31,6 @@ type tx struct {
 	guarded map[string]bool
 	recOp   int // the index in ops of the record's write, -1 before it
 }
-
-// errConflict is a transaction whose reads changed: it is tried again.
-var errConflict = errors.New("etcd backend: conflict")
 
 // run applies fn to k's state until its transaction commits without
 // conflict. fn is called again on each attempt and must keep its results
