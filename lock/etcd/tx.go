@@ -2,7 +2,6 @@ package etcd
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"hash/maphash"
 	"sort"
@@ -36,9 +35,6 @@ type tx struct {
 	recOp   int                         // the index in ops of the record's write, -1 before it
 	x       *trans                      // the transition this transaction makes
 }
-
-// errConflict is a transaction whose reads changed: it is tried again.
-var errConflict = errors.New("etcd backend: conflict")
 
 // run applies fn to k's state until its transaction commits without
 // conflict. fn is called again on each attempt and must keep its results
@@ -190,6 +186,15 @@ func (t *tx) session(node string) (int64, error) {
 	return s.Lease, nil
 }
 
+// atRead reads the queue as of the revision the key's record was read at.
+// The record's mod revision guards the queue (every change of one writes
+// the record too), but only for the commit: a read of the queue at a later
+// revision could see a waiter that another server took out since, and
+// fail, or answer, on a queue that never was with that record. Read at the
+// record's revision, the queue and the record are one state; the commit
+// then fails if either changed since.
+func (t *tx) atRead() clientv3.OpOption { return clientv3.WithRev(t.readRev) }
+
 // waiting returns node's seq in the queue.
 func (t *tx) waiting(node string) (uint64, bool, error) {
 	if t.rec.Queue == 0 {
@@ -209,7 +214,7 @@ func (t *tx) waiting(node string) (uint64, bool, error) {
 // wait reads the waiter at seq.
 func (t *tx) wait(seq uint64) (waitRec, error) {
 	var w waitRec
-	resp, err := t.b.cli.Get(t.ctx, t.b.n.wait(t.k, seq))
+	resp, err := t.b.cli.Get(t.ctx, t.b.n.wait(t.k, seq), t.atRead())
 	if err != nil {
 		return w, t.b.etcdErr("reading the queue", err)
 	}
@@ -221,7 +226,7 @@ func (t *tx) wait(seq uint64) (waitRec, error) {
 
 // position is the 1-based place of the waiter at seq.
 func (t *tx) position(seq uint64) (int, error) {
-	resp, err := t.b.cli.Get(t.ctx, t.b.n.queue(t.k), clientv3.WithRange(t.b.n.wait(t.k, seq+1)), clientv3.WithCountOnly())
+	resp, err := t.b.cli.Get(t.ctx, t.b.n.queue(t.k), clientv3.WithRange(t.b.n.wait(t.k, seq+1)), clientv3.WithCountOnly(), t.atRead())
 	if err != nil {
 		return 0, t.b.etcdErr("counting the queue", err)
 	}
@@ -240,7 +245,7 @@ func (t *tx) head(n int) ([]seqWait, error) {
 	if t.rec.Queue == 0 {
 		return nil, nil
 	}
-	opts := []clientv3.OpOption{clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend)}
+	opts := []clientv3.OpOption{clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend), t.atRead()}
 	if n > 0 {
 		opts = append(opts, clientv3.WithLimit(int64(n)))
 	}
