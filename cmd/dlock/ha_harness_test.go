@@ -38,6 +38,8 @@ type haCluster struct {
 	etcd    *etcdtest.Cluster
 	servers []*haServer
 	hc      *http.Client
+	streams *http.Client // no timeout: event streams
+	prefix  string       // the data set's etcd prefix
 }
 
 // haServer is one `dlock serve --backend etcd` process on a fixed
@@ -64,7 +66,8 @@ func startHA(t testing.TB, n int, args ...string) *haCluster {
 	_, _ = rand.Read(raw[:])
 	prefix := "/ha-" + hex.EncodeToString(raw[:]) + "/"
 	tr := &http.Transport{MaxIdleConnsPerHost: 64}
-	h := &haCluster{t: t, etcd: ec, hc: &http.Client{Transport: tr, Timeout: 10 * time.Second}}
+	str := &http.Transport{DisableKeepAlives: true}
+	h := &haCluster{t: t, etcd: ec, hc: &http.Client{Transport: tr, Timeout: 10 * time.Second}, streams: &http.Client{Transport: str}, prefix: prefix}
 	t.Cleanup(tr.CloseIdleConnections)
 	dir := t.TempDir()
 	bin := dlockBinary(t)
@@ -371,4 +374,26 @@ func TestHAServeStartsDuringEtcdElection(t *testing.T) {
 		h.etcd.Restart(leader)
 		s.waitUp(h.hc)
 	}
+}
+
+// sessionLease is the etcd lease of node's session, 0 when it has none
+// (lock/etcd/records.go: P/s/<node>).
+func (h *haCluster) sessionLease(t testing.TB, node string) int64 {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	resp, err := h.etcd.Client(t).Get(ctx, h.prefix+"s/"+url.PathEscape(node))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(resp.Kvs) == 0 {
+		return 0
+	}
+	var rec struct {
+		Lease int64 `json:"l"`
+	}
+	if err := json.Unmarshal(resp.Kvs[0].Value, &rec); err != nil {
+		t.Fatal(err)
+	}
+	return rec.Lease
 }
