@@ -84,16 +84,16 @@ func (n *haNode) subscribe(t *testing.T, srv int) string {
 	return ev.ID
 }
 
-// assigned waits for a lock_assigned of res to this node and returns its
-// token.
-func (n *haNode) assigned(t *testing.T, res string) uint64 {
+// assigned waits for a lock_assigned of res to this node with a token above
+// after (an earlier grant's event may be in the log) and returns its token.
+func (n *haNode) assigned(t *testing.T, res string, after uint64) uint64 {
 	t.Helper()
 	var tok uint64
 	kit.WaitFor(t, n.name+" to be assigned "+res, func() bool {
 		n.mu.Lock()
 		defer n.mu.Unlock()
 		for _, e := range n.events {
-			if e.Event == "lock_assigned" && e.ResourceID == res && e.NodeID == n.name && e.Token > tok {
+			if e.Event == "lock_assigned" && e.ResourceID == res && e.NodeID == n.name && e.Token > max(tok, after) {
 				tok = e.Token
 			}
 		}
@@ -232,7 +232,7 @@ func TestHAKillMidHandoff(t *testing.T) {
 		if ur := holder.unlock(t, key, token); ur.NextHolder != next.name {
 			t.Fatalf("round %d: %s's unlock after the kill: %+v, want next holder %s", round, holder.name, ur, next.name)
 		}
-		got := next.assigned(t, key)
+		got := next.assigned(t, key, token)
 		if got <= token {
 			t.Fatalf("round %d: %s assigned token %d after %d", round, next.name, got, token)
 		}
@@ -294,7 +294,7 @@ func TestHAResumeOnRestartedServer(t *testing.T) {
 	if lr := n.lock(t, "r"); !lr.Acquired {
 		t.Fatalf("/lock: %+v", lr)
 	}
-	n.assigned(t, "r")
+	n.assigned(t, "r", 0)
 	n.mu.Lock()
 	last := n.lastID
 	n.mu.Unlock()
