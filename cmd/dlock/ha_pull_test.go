@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -67,6 +68,8 @@ func runHARace(t *testing.T, h *haCluster, failover bool, script func(dir, wait 
 		cmd := exec.Command(dlockBinary(t), "run", "--server", h.serverArg(i, failover), "--node", r.nodes[i],
 			"--resource", r.res, "--", "sh", "-c", script(r.dir, wait))
 		cmd.Env = os.Environ()
+		// Killed with the test binary, should that die first (Linux).
+		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 		var errb bytes.Buffer
 		cmd.Stderr = &errb
 		if err := cmd.Start(); err != nil {
