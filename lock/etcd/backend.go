@@ -26,6 +26,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/dlock/dlock/lock"
@@ -204,11 +205,19 @@ func (b *Backend) etcdErr(what string, err error) error {
 	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
 		return err
 	}
-	if s, ok := status.FromError(err); ok {
-		switch s.Code() {
-		case codes.Unavailable, codes.DeadlineExceeded, codes.Canceled, codes.Aborted, codes.ResourceExhausted:
-			return fmt.Errorf("%w: etcd: %s: %v", lock.ErrUnavailable, what, err)
-		}
+	code := codes.Unknown
+	// The client turns etcd's own errors ("request timed out", "no
+	// leader", "leader changed": an election) into rpctypes.EtcdError,
+	// which is no gRPC status; both carry the code.
+	var ee rpctypes.EtcdError
+	if errors.As(err, &ee) {
+		code = ee.Code()
+	} else if s, ok := status.FromError(err); ok {
+		code = s.Code()
+	}
+	switch code {
+	case codes.Unavailable, codes.DeadlineExceeded, codes.Canceled, codes.Aborted, codes.ResourceExhausted:
+		return fmt.Errorf("%w: etcd: %s: %v", lock.ErrUnavailable, what, err)
 	}
 	return fmt.Errorf("etcd backend: %s: %w", what, err)
 }
