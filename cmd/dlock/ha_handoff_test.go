@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"net"
 	"net/http"
-	"os"
 	"sync"
 	"testing"
 	"time"
@@ -193,10 +192,9 @@ func TestHAKillMidHandoff(t *testing.T) {
 	queue := []*haNode{nodes[1], nodes[2]}
 	holder := nodes[0]
 	var lastKill time.Time
-	// A server restarted since an event cannot replay it, and says so
-	// (TestHAResumeOnRestartedServer); the session itself is checked by
-	// its etcd lease.
-	restarted := map[int]bool{}
+	// A stream resumes on any server, one restarted since too
+	// (TestHAResumeOnRestartedServer); the session is checked by its etcd
+	// lease as well.
 	leases := map[string]int64{}
 	for _, n := range nodes {
 		leases[n.name] = h.sessionLease(t, n.name)
@@ -224,7 +222,7 @@ func TestHAKillMidHandoff(t *testing.T) {
 			last := n.lastID
 			n.mu.Unlock()
 			to := (a + 1) % len(h.servers)
-			if id := n.subscribe(t, to); id != last && !restarted[to] {
+			if id := n.subscribe(t, to); id != last {
 				t.Errorf("round %d: %s reopened its stream after %s and was told %s: a gap", round, n.name, last, id)
 			}
 		}
@@ -240,7 +238,6 @@ func TestHAKillMidHandoff(t *testing.T) {
 			t.Fatalf("round %d: %s confirms: %+v, want token %d", round, next.name, lr, got)
 		}
 		victim.Restart(h.hc)
-		restarted[a] = true
 		for i, n := range rest {
 			if lr := n.lock(t, key); !lr.Queued || lr.Position != i+1 {
 				t.Fatalf("round %d: %s lost its place: %+v", round, n.name, lr)
@@ -275,19 +272,10 @@ func TestHAKillMidHandoff(t *testing.T) {
 }
 
 // TestHAResumeOnRestartedServer: a session stream resumed with
-// Last-Event-ID on a server that was restarted after that event, with no
-// event of the session since, is told it missed events (its subscribed id
-// is above Last-Event-ID) although the session lives and nothing was
-// missed: a restarted server's replay logs begin at its start
-// (lock/etcd/watch.go, list: dropped = the list's revision), so "resume
-// with Last-Event-ID anywhere" holds only on servers that were up when the
-// events happened. The client then treats its waits as lost and asks
-// again, which is safe but not what docs/API.md promises. Known bug, run
-// with DLOCK_KNOWN_BUGS=1.
+// Last-Event-ID on a server that was restarted after that event is not
+// told of a gap: a starting server reads its replay logs from etcd's
+// history (lock/etcd/watch.go, the warm-up).
 func TestHAResumeOnRestartedServer(t *testing.T) {
-	if os.Getenv("DLOCK_KNOWN_BUGS") != "1" {
-		t.Skip("known bug: a restarted etcd-backed server cannot replay events from before its start (DLOCK_KNOWN_BUGS=1 runs it)")
-	}
 	h := startHA(t, 2, "--session-grace", "5s")
 	n := &haNode{h: h, name: "n0"}
 	n.subscribe(t, 0)
