@@ -95,7 +95,7 @@ func (b *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 		if seq, ok, err := t.waiting(req.Node); err != nil {
 			return err
 		} else if ok {
-			w, err := t.wait(seq)
+			w, err := t.wait(seq, req.Node)
 			if err != nil {
 				return err
 			}
@@ -122,7 +122,7 @@ func (b *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 			default:
 				return nil
 			}
-			t.op(clientv3.OpPut(b.n.wait(k, seq), encode(&w)))
+			t.op(clientv3.OpPut(b.n.wait(k, seq, w.Node), encode(&w)))
 			t.put(nil)
 			return nil
 		}
@@ -181,7 +181,7 @@ func (b *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 		seq := rec.Seq
 		rec.Seq++
 		rec.Queue++
-		t.op(clientv3.OpPut(b.n.wait(k, seq), encode(&w)))
+		t.op(clientv3.OpPut(b.n.wait(k, seq, w.Node), encode(&w)))
 		t.op(clientv3.OpPut(b.n.queueNode(k, req.Node), fmt.Sprintf("%x", seq)))
 		t.put(nil)
 		res = lock.LockResult{Queued: true, Holder: rec.Holder, Position: rec.Queue}
@@ -328,7 +328,7 @@ func (b *Backend) Unlock(ctx context.Context, req lock.UnlockRequest) (lock.Unlo
 		res.NextHolder = next
 		handed = next != ""
 		return nil
-	})
+	}, b.erased(req.Key())...)
 	if err != nil {
 		return lock.UnlockResult{}, err
 	}
@@ -447,19 +447,33 @@ func (t *tx) promote(x *trans, now time.Time) (string, error) {
 	return "", nil
 }
 
+// erased names the records a success of k reads to erase their completion
+// records (a pull erases the delete's, a delete the pull's and the
+// update's), so that an unlock reads them with its own.
+func (b *Backend) erased(k lock.Key) []string {
+	var also []string
+	for _, typ := range erasedBy(k.Type) {
+		also = append(also, b.n.key(lock.Key{Type: typ, Resource: k.Resource}))
+	}
+	return also
+}
+
+func erasedBy(t lock.Type) []lock.Type {
+	switch t {
+	case lock.Pull:
+		return []lock.Type{lock.Delete}
+	case lock.Delete:
+		return []lock.Type{lock.Pull, lock.Update}
+	}
+	return nil
+}
+
 // completed applies a success of a pull or delete to the references and to
 // the sibling keys' completion records (docs/DESIGN.md, "Reference rules"
 // and "Completion records").
 func (t *tx) completed(holder string, waiters []seqWait) error {
 	b := t.b
-	var erase []lock.Type
-	switch t.k.Type {
-	case lock.Pull:
-		erase = []lock.Type{lock.Delete}
-	case lock.Delete:
-		erase = []lock.Type{lock.Pull, lock.Update}
-	}
-	for _, typ := range erase {
+	for _, typ := range erasedBy(t.k.Type) {
 		sk := lock.Key{Type: typ, Resource: t.k.Resource}
 		v, _, err := t.get(b.n.key(sk))
 		if err != nil {
@@ -597,14 +611,14 @@ func (b *Backend) Status(ctx context.Context, typ lock.Type, resource, node stri
 		if st.Position, err = t.position(seq); err != nil {
 			return err
 		}
-		w, err := t.wait(seq)
+		w, err := t.wait(seq, node)
 		if err != nil {
 			return err
 		}
 		if w.Lease == uint8(lock.LeaseTTL) {
 			w.TTL = now.Add(b.cfg.LockTTL).UnixNano()
 			rec.WaitTTL = minDeadline(rec.WaitTTL, w.TTL)
-			t.op(clientv3.OpPut(b.n.wait(k, seq), encode(&w)))
+			t.op(clientv3.OpPut(b.n.wait(k, seq, w.Node), encode(&w)))
 			t.put(nil)
 		}
 		return nil

@@ -15,7 +15,7 @@ import (
 //
 //	P/epoch                     the data set's epoch
 //	P/k/<type>/<res>            keyRec: holder, token, deadlines, queue count, completion
-//	P/q/<type>/<res>/<seq>      waitRec: one waiter, in FIFO order (seq in hex, fixed width)
+//	P/q/<type>/<res>/<seq>/<node>  waitRec: one waiter, in FIFO order (seq in hex, fixed width)
 //	P/qn/<type>/<res>/<node>    the waiter's seq: no duplicate entry, and its position
 //	P/s/<node>                  a session, attached to its etcd lease
 //	P/n/<node>/<type>/<res>     the session lease id of a session-leased hold or wait
@@ -158,7 +158,17 @@ func (n names) key(k lock.Key) string {
 func (n names) queue(k lock.Key) string {
 	return n.p + "q/" + typeNames[k.Type] + "/" + esc(k.Resource) + "/"
 }
-func (n names) wait(k lock.Key, seq uint64) string {
+
+// wait is a waiter's key: its seq, in FIFO order, then its node, so that a
+// watch learns who left the queue from the key alone, without the deleted
+// value (which etcd would read once for each waiter of a success).
+func (n names) wait(k lock.Key, seq uint64, node string) string {
+	return n.waitSeq(k, seq) + "/" + esc(node)
+}
+
+// waitSeq is the prefix of the waiter at seq, and the end of a range of the
+// waiters before seq.
+func (n names) waitSeq(k lock.Key, seq uint64) string {
 	return n.queue(k) + fmt.Sprintf("%016x", seq)
 }
 func (n names) queueNodes(k lock.Key) string {
@@ -199,17 +209,27 @@ func (n names) parseKey(etcdKey string) (lock.Key, bool) {
 	return lock.Key{Type: t, Resource: r}, true
 }
 
-// parseWait reads the key of a waiter's etcd key ("P/q/<type>/<res>/<seq>").
-func (n names) parseWait(etcdKey string) (lock.Key, bool) {
+// parseWait reads the key and the node of a waiter's etcd key
+// ("P/q/<type>/<res>/<seq>/<node>").
+func (n names) parseWait(etcdKey string) (lock.Key, string, bool) {
 	rest, ok := strings.CutPrefix(etcdKey, n.p+"q/")
 	if !ok {
-		return lock.Key{}, false
+		return lock.Key{}, "", false
 	}
 	i := strings.LastIndexByte(rest, '/')
 	if i < 0 {
-		return lock.Key{}, false
+		return lock.Key{}, "", false
 	}
-	return n.parseKey(n.keys() + rest[:i])
+	node, err := url.PathUnescape(rest[i+1:])
+	if err != nil {
+		return lock.Key{}, "", false
+	}
+	rest = rest[:i]
+	if i = strings.LastIndexByte(rest, '/'); i < 0 {
+		return lock.Key{}, "", false
+	}
+	k, ok := n.parseKey(n.keys() + rest[:i])
+	return k, node, ok
 }
 
 // parseNode reads the node of a session's etcd key ("P/s/<node>").

@@ -376,7 +376,7 @@ func (b *Backend) endSession(ctx context.Context, node string, lease int64) erro
 				if err != nil || !ok {
 					return err
 				}
-				wr, err := t.wait(seq)
+				wr, err := t.wait(seq, node)
 				if err != nil || wr.Lease != uint8(lock.LeaseSession) || wr.SLease != lease {
 					return err
 				}

@@ -211,10 +211,10 @@ func (t *tx) waiting(node string) (uint64, bool, error) {
 	return seq, true, nil
 }
 
-// wait reads the waiter at seq.
-func (t *tx) wait(seq uint64) (waitRec, error) {
+// wait reads node's entry, at seq.
+func (t *tx) wait(seq uint64, node string) (waitRec, error) {
 	var w waitRec
-	resp, err := t.b.cli.Get(t.ctx, t.b.n.wait(t.k, seq), t.atRead())
+	resp, err := t.b.cli.Get(t.ctx, t.b.n.wait(t.k, seq, node), t.atRead())
 	if err != nil {
 		return w, t.b.etcdErr("reading the queue", err)
 	}
@@ -226,7 +226,7 @@ func (t *tx) wait(seq uint64) (waitRec, error) {
 
 // position is the 1-based place of the waiter at seq.
 func (t *tx) position(seq uint64) (int, error) {
-	resp, err := t.b.cli.Get(t.ctx, t.b.n.queue(t.k), clientv3.WithRange(t.b.n.wait(t.k, seq+1)), clientv3.WithCountOnly(), t.atRead())
+	resp, err := t.b.cli.Get(t.ctx, t.b.n.queue(t.k), clientv3.WithRange(t.b.n.waitSeq(t.k, seq+1)), clientv3.WithCountOnly(), t.atRead())
 	if err != nil {
 		return 0, t.b.etcdErr("counting the queue", err)
 	}
@@ -256,7 +256,10 @@ func (t *tx) head(n int) ([]seqWait, error) {
 	out := make([]seqWait, 0, len(resp.Kvs))
 	prefix := len(t.b.n.queue(t.k))
 	for _, kv := range resp.Kvs {
-		seq, err := strconv.ParseUint(string(kv.Key[prefix:]), 16, 64)
+		if len(kv.Key) < prefix+16 {
+			return nil, fmt.Errorf("etcd backend: a queue entry that is not ours: %q", kv.Key)
+		}
+		seq, err := strconv.ParseUint(string(kv.Key[prefix:prefix+16]), 16, 64)
 		if err != nil {
 			return nil, fmt.Errorf("etcd backend: a queue entry that is not ours: %w", err)
 		}
@@ -289,7 +292,7 @@ func (t *tx) op(op clientv3.Op) { t.ops = append(t.ops, op) }
 
 // dequeue removes the waiter at seq (the record's count is the caller's).
 func (t *tx) dequeue(seq uint64, node string) {
-	t.op(clientv3.OpDelete(t.b.n.wait(t.k, seq)))
+	t.op(clientv3.OpDelete(t.b.n.wait(t.k, seq, node)))
 	t.op(clientv3.OpDelete(t.b.n.queueNode(t.k, node)))
 }
 

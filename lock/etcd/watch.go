@@ -278,7 +278,9 @@ func (w *watcher) follow(rev int64) {
 		w.mu.Lock()
 		w.watchCtx = wctx
 		w.mu.Unlock()
-		ch := b.cli.Watch(wctx, b.n.p, clientv3.WithPrefix(), clientv3.WithRev(rev+1), clientv3.WithPrevKV())
+		// No previous values: the waiters a success removed are named
+		// by their keys, and etcd would read a previous value for each.
+		ch := b.cli.Watch(wctx, b.n.p, clientv3.WithPrefix(), clientv3.WithRev(rev+1))
 		var compacted bool
 		rev, compacted = w.consume(ch, rev)
 		cancel()
@@ -475,18 +477,17 @@ func (w *watcher) apply(evs []*clientv3.Event, rev int64) {
 			}
 			changes = append(changes, c)
 		case strings.HasPrefix(key, b.n.p+"q/"):
-			if ev.Type != mvccpb.DELETE || ev.PrevKv == nil {
+			if ev.Type != mvccpb.DELETE {
 				continue
 			}
-			k, ok := b.n.parseWait(key)
-			var wr waitRec
-			if !ok || jsonUnmarshal(ev.PrevKv.Value, &wr) != nil {
+			k, node, ok := b.n.parseWait(key)
+			if !ok {
 				continue
 			}
 			if skipped == nil {
 				skipped = map[lock.Key][]string{}
 			}
-			skipped[k] = append(skipped[k], wr.Node)
+			skipped[k] = append(skipped[k], node)
 		case strings.HasPrefix(key, b.n.sessions()):
 			node, ok := b.n.parseNode(key)
 			if !ok {
@@ -558,11 +559,9 @@ func (w *watcher) applyLog(evs []*clientv3.Event, rev int64) {
 				continue
 			}
 			changes = append(changes, change{k: k, rec: r})
-		case strings.HasPrefix(key, b.n.p+"q/") && ev.Type == mvccpb.DELETE && ev.PrevKv != nil:
-			k, ok := b.n.parseWait(key)
-			var wr waitRec
-			if ok && jsonUnmarshal(ev.PrevKv.Value, &wr) == nil {
-				skipped[k] = append(skipped[k], wr.Node)
+		case strings.HasPrefix(key, b.n.p+"q/") && ev.Type == mvccpb.DELETE:
+			if k, node, ok := b.n.parseWait(key); ok {
+				skipped[k] = append(skipped[k], node)
 			}
 		}
 	}
