@@ -144,7 +144,8 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 			defer stop()
 			*server = base
 			dialer = rawhttp.Dialer{}
-			setup = append(setup, fmt.Sprintf("dlock: one `dlock serve --backend etcd --etcd-endpoints %s --etcd-prefix %s %s` (%s), started by bench, on that etcd", etcdServer.Endpoint, prefix, strings.Join(extraServe, " "), base))
+			args := append([]string{"dlock serve --backend etcd --etcd-endpoints", etcdServer.Endpoint, "--etcd-prefix", prefix}, extraServe...)
+			setup = append(setup, fmt.Sprintf("dlock: one `%s` at %s, started by bench, on that etcd", strings.Join(args, " "), base))
 		}
 	}
 	opts := bench.Options{Duration: *duration, Concurrency: *concurrency, Waiters: *waiters, Dialer: dialer,
@@ -156,16 +157,26 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 			return f
 		}
 		return func(ctx context.Context, o bench.Options) (bench.Result, error) {
+			cpu := bench.MetricsCPU(endpoint, rawhttp.Dialer{})
 			before, berr := bench.EtcdCalls(endpoint)
+			cpu0, cerr := cpu()
 			r, err := f(ctx, o)
-			if after, aerr := bench.EtcdCalls(endpoint); err == nil && berr == nil && aerr == nil {
-				r.EtcdCallsPerOp = bench.EtcdCallsPerOp(before, after, r.Ops)
-				if r.Note != "" {
-					r.Note += "; "
-				}
-				r.Note += "etcd per " + r.Unit + ": " + bench.EtcdCallsText(r.EtcdCallsPerOp)
+			cpu1, cerr1 := cpu()
+			after, aerr := bench.EtcdCalls(endpoint)
+			if err != nil || berr != nil || aerr != nil || r.Ops == 0 {
+				return r, err
 			}
-			return r, err
+			r.EtcdCallsPerOp = bench.EtcdCallsPerOp(before, after, r.Ops)
+			if r.Note != "" {
+				r.Note += "; "
+			}
+			r.Note += "etcd per " + r.Unit + ": " + bench.EtcdCallsText(r.EtcdCallsPerOp)
+			if r.System == "dlock" && cerr == nil && cerr1 == nil {
+				// The dlock server's CPU is its column; etcd's, under it,
+				// here: together what the service costs.
+				r.Note += fmt.Sprintf(", etcd's CPU %s", cpuText(float64((cpu1-cpu0).Nanoseconds())/1e3/float64(r.Ops)))
+			}
+			return r, nil
 		}
 	}
 	backendEtcd := ""
