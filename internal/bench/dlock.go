@@ -168,7 +168,7 @@ func Fanout(ctx context.Context, base string, opts Options) (Result, error) {
 	cpu := &cpuWindow{probe: opts.ServerCPU}
 	deadline := time.Now().Add(opts.Duration)
 	var elapsed time.Duration
-	var roundMax []time.Duration
+	var roundMax, unlocks []time.Duration
 	for len(roundMax) == 0 || (time.Now().Before(deadline) && ctx.Err() == nil) {
 		round := len(roundMax) + 1
 		key := fmt.Sprintf("bench-fanout-%s-%d", id, round)
@@ -202,6 +202,8 @@ func Fanout(ctx context.Context, base string, opts Options) (Result, error) {
 		}
 		cpu.restart()
 		told := make([]time.Duration, n)
+		var broke error
+		var brokeOnce sync.Once
 		var rw sync.WaitGroup
 		var t0 time.Time
 		ready := make(chan struct{})
@@ -212,6 +214,7 @@ func Fanout(ctx context.Context, base string, opts Options) (Result, error) {
 					name, _, err := s.Next()
 					if err != nil {
 						told[i] = -1
+						brokeOnce.Do(func() { broke = fmt.Errorf("waiter %d's stream broke after %v: %w", i, time.Since(t0), err) })
 						return
 					}
 					if name == "operation_completed" {
@@ -227,10 +230,11 @@ func Fanout(ctx context.Context, base string, opts Options) (Result, error) {
 		if st, err := conns[0].Post("/unlock", unlock); err != nil || st != 200 {
 			return Result{}, fmt.Errorf("holder unlock: %d %v", st, err)
 		}
+		unlocks = append(unlocks, time.Since(t0))
 		rw.Wait()
 		cpu.stop()
 		if slices.Contains(told, -1) {
-			return Result{}, fmt.Errorf("a waiter's stream broke")
+			return Result{}, broke
 		}
 		roundMax = append(roundMax, slices.Max(told))
 		elapsed += slices.Max(told)
@@ -243,7 +247,8 @@ func Fanout(ctx context.Context, base string, opts Options) (Result, error) {
 	r.Rate = float64(r.Ops) / elapsed.Seconds()
 	r.Rounds, r.RoundMedian = len(roundMax), median(roundMax)
 	r.Frame = slices.Clone(streams[0].(*frameStream).frame)
-	r.Note = strconv.Itoa(r.Rounds) + " rounds of " + strconv.Itoa(n) + " waiters; max = all told"
+	r.Note = strconv.Itoa(r.Rounds) + " rounds of " + strconv.Itoa(n) + " waiters; max = all told; the holder's unlock answered in " +
+		time.Duration(median(unlocks)*1e3).Round(time.Microsecond).String() + " (median round)"
 	cpu.report(&r)
 	return r, nil
 }
