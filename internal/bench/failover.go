@@ -28,6 +28,11 @@ type FailoverOptions struct {
 	// Retry is how long the node keeps trying the other servers after the
 	// kill before the round fails (0: 30 s).
 	Retry time.Duration
+	// Recheck, if positive, is how long after the fail-over the hold is
+	// checked again: longer than the servers' --session-grace (5 s by
+	// default), it shows the session outlived the keep-alives of the
+	// killed server, not only its grace.
+	Recheck time.Duration
 	// Progress, if set, is called after each round with the rounds done.
 	Progress func(rounds int64)
 	// Round, if set, is called with each round's outcome.
@@ -132,8 +137,12 @@ func Failover(ctx context.Context, o FailoverOptions) (Result, error) {
 	res := lat.result("failover", "dlock", "fail-over", o.Servers, total)
 	res.Rate = 0 // rounds are paced by the restarts, not a rate
 	res.Rounds, res.RoundMedian = len(lat.all), median(lat.all)
-	res.Note = fmt.Sprintf("%d rounds, %d servers, one SIGKILLed each round: next /lock answered p50 %s max %s; stream resumed p50 %s max %s; holds kept %d/%d; next grant delivered on the resumed stream %d/%d",
-		o.Rounds, o.Servers, fmtDur(median(locks)), fmtDur(durMax(locks)), fmtDur(median(streams)), fmtDur(durMax(streams)), kept, o.Rounds, replayed, o.Rounds)
+	keptText := "holds kept"
+	if o.Recheck > 0 {
+		keptText += fmt.Sprintf(" (then and %v after the kill)", o.Recheck)
+	}
+	res.Note = fmt.Sprintf("%d rounds, %d servers, one SIGKILLed each round: next /lock answered p50 %s max %s; stream resumed p50 %s max %s; %s %d/%d; next grant delivered on the resumed stream %d/%d",
+		o.Rounds, o.Servers, fmtDur(median(locks)), fmtDur(durMax(locks)), fmtDur(median(streams)), fmtDur(durMax(streams)), keptText, kept, o.Rounds, replayed, o.Rounds)
 	if len(problems) > 0 {
 		res.Note += "; " + strings.Join(problems, "; ")
 	}
@@ -277,6 +286,29 @@ func failoverRound(ctx context.Context, o FailoverOptions, servers []foServer, n
 		r.Replayed = true
 	} else {
 		r.Problem = joinNote(r.Problem, "no lock_assigned of the next lock on the resumed stream: "+err.Error())
+	}
+	ns.SetReadDeadline(time.Time{})
+	if r.Kept && o.Recheck > 0 {
+		// The stream stays open and read, as a node's does.
+		go func() {
+			for {
+				if _, _, err := ns.Next(); err != nil {
+					return
+				}
+			}
+		}()
+		select {
+		case <-time.After(o.Recheck - time.Since(t0)):
+		case <-ctx.Done():
+			return r, ctx.Err()
+		}
+		st, err = nc.Get("/status?type=pull&resource_id=" + url.QueryEscape(held))
+		if err != nil || st != 200 || json.Unmarshal(nc.Body, &status) != nil {
+			return r, fmt.Errorf("status %v after the kill: %d %v %s", o.Recheck, st, err, nc.Body)
+		}
+		if r.Kept = status.Holder == node && status.Token == first.Token; !r.Kept {
+			r.Problem = fmt.Sprintf("hold lost within %v: holder %q token %d, was %q %d", o.Recheck, status.Holder, status.Token, node, first.Token)
+		}
 	}
 	for _, k := range []string{next, held} {
 		nc.Post("/unlock", fmt.Appendf(nil, `{"type":"pull","resource_id":%q,"node_id":%q,"success":true}`, k, node))

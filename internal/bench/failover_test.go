@@ -10,6 +10,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 )
 
 // fakeService is a lock service of several fake servers sharing one state,
@@ -145,7 +146,7 @@ func (f *fakeService) serve(w http.ResponseWriter, r *http.Request) {
 func TestFailover(t *testing.T) {
 	f := newFakeService()
 	var rounds []FailoverRound
-	r, err := Failover(context.Background(), FailoverOptions{Servers: 3, Rounds: 4, Start: f.start,
+	r, err := Failover(context.Background(), FailoverOptions{Servers: 3, Rounds: 4, Start: f.start, Recheck: time.Millisecond,
 		Round: func(fr FailoverRound) { rounds = append(rounds, fr) }})
 	if err != nil {
 		t.Fatal(err)
@@ -153,7 +154,7 @@ func TestFailover(t *testing.T) {
 	if r.Scenario != "failover" || r.Ops != 4 || r.Rounds != 4 || r.Concurrency != 3 || r.Max <= 0 || r.P50 <= 0 || r.Max < r.P50 {
 		t.Fatalf("result %+v", r)
 	}
-	for _, want := range []string{"holds kept 4/4", "resumed stream 4/4", "next /lock answered p50", "stream resumed p50"} {
+	for _, want := range []string{"holds kept (then and 1ms after the kill) 4/4", "resumed stream 4/4", "next /lock answered p50", "stream resumed p50"} {
 		if !strings.Contains(r.Note, want) {
 			t.Errorf("note %q lacks %q", r.Note, want)
 		}
