@@ -162,6 +162,11 @@ func Fanout(ctx context.Context, base string, opts Options) (Result, error) {
 		defer c.Close()
 		conns[i] = c
 	}
+	renewConn, err := opts.Dialer.Dial(base)
+	if err != nil {
+		return Result{}, err
+	}
+	defer renewConn.Close()
 	lat := &latencies{}
 	// The server's CPU is counted from the unlock to the last waiter
 	// told, not while the waiters queue: the events' cost.
@@ -176,7 +181,28 @@ func Fanout(ctx context.Context, base string, opts Options) (Result, error) {
 		if st, err := conns[0].Post("/lock", holder); err != nil || st != 200 {
 			return Result{}, fmt.Errorf("holder lock: %d %v", st, err)
 		}
-		// Queue every waiter, one connection per worker.
+		// Queue every waiter, one connection per worker. The holder
+		// renews its ttl lease meanwhile (a /lock again, docs/API.md):
+		// on a backend whose writes wait on etcd, queueing 10,000
+		// waiters can outlast --lock-ttl.
+		stopRenew := make(chan struct{})
+		var renewErr error
+		var renew sync.WaitGroup
+		renew.Go(func() {
+			t := time.NewTicker(5 * time.Second)
+			defer t.Stop()
+			for {
+				select {
+				case <-stopRenew:
+					return
+				case <-t.C:
+				}
+				if st, err := renewConn.Post("/lock", holder); err != nil || st != 200 {
+					renewErr = fmt.Errorf("holder renewing its lock: %d %v", st, err)
+					return
+				}
+			}
+		})
 		var qi atomic.Int64
 		var wg sync.WaitGroup
 		errs := make(chan error, len(conns))
@@ -196,9 +222,14 @@ func Fanout(ctx context.Context, base string, opts Options) (Result, error) {
 			})
 		}
 		wg.Wait()
+		close(stopRenew)
+		renew.Wait()
 		close(errs)
 		if err := <-errs; err != nil {
 			return Result{}, err
+		}
+		if renewErr != nil {
+			return Result{}, renewErr
 		}
 		cpu.restart()
 		told := make([]time.Duration, n)
