@@ -265,7 +265,13 @@ func Fanout(ctx context.Context, base string, opts Options) (Result, error) {
 		rw.Wait()
 		cpu.stop()
 		if slices.Contains(told, -1) {
-			return Result{}, broke
+			n, last := 0, time.Duration(0)
+			for _, d := range told {
+				if d > 0 {
+					n, last = n+1, max(last, d)
+				}
+			}
+			return Result{}, fmt.Errorf("%w; %d of %d waiters had been told, the last %v after the unlock", broke, n, len(told), last)
 		}
 		roundMax = append(roundMax, slices.Max(told))
 		elapsed += slices.Max(told)
