@@ -5,7 +5,9 @@
 // waits for lock_assigned (acquired) or operation_completed (skipped: another
 // node did the work); a broken stream is reopened with Last-Event-ID; when it
 // cannot be held the client polls /status. Do wraps the whole
-// lock-work-unlock cycle and cancels the work if the lock is lost.
+// lock-work-unlock cycle and cancels the work if the lock is lost. Given
+// several servers of one lock service (Client.Servers), a request or the
+// stream that fails for its server moves to the next.
 package client
 
 import (
@@ -24,6 +26,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unicode/utf8"
 
@@ -86,12 +89,25 @@ const (
 	MaxRetryAfter = 30 * time.Second
 )
 
-// Client talks to one dlock server as one node. Set the exported fields
+// Client talks to a dlock server as one node. Set the exported fields
 // before the first call; the zero value of every field but Node works. A
 // Client is safe for concurrent use; Close it when done.
 type Client struct {
 	// Server is the server's base URL. Default http://127.0.0.1:7380.
 	Server string
+	// Servers, instead of Server, are the base URLs of several servers of
+	// one lock service (one backend: the same epoch and event ids on
+	// each), all http:// or all https://. Every request and the session
+	// stream go to one of them, the first to begin with, and stay there
+	// while it answers. An attempt that fails for the server (a network
+	// error, a timeout, a 502, 503 or 504) moves the client to the next,
+	// round the list; whether the request is tried again is MaxRetries'
+	// rule, as with one server. A session stream that breaks is reopened
+	// on the next with its Last-Event-ID, so a node's session and its
+	// holds survive if that happens within the server's session grace.
+	// Setting both Server and Servers is an error. SplitServers reads a
+	// comma-separated list, as --server and DLOCK_SERVER take it.
+	Servers []string
 	// Node is this client's node id. Required.
 	Node string
 	// MaxRetries is how often a request that failed for a network error,
@@ -101,7 +117,9 @@ type Client struct {
 	// RetryInterval is the pause between retries, with ±20 % jitter. A
 	// 429 or 503 waits for its Retry-After instead (at most
 	// MaxRetryAfter, plus up to 20 %), or without one backs off from
-	// RetryInterval, doubling. Default 200 ms.
+	// RetryInterval, doubling. With several Servers, a retry that moves
+	// to a server not yet tried since the last pause goes at once: the
+	// pause comes when every server has failed in turn.
 	RetryInterval time.Duration
 	// RequestTimeout bounds one short request. Default 5 s.
 	RequestTimeout time.Duration
@@ -118,12 +136,13 @@ type Client struct {
 	LongClient *http.Client
 	// Logger receives stream reconnects and lost locks; nil discards.
 	Logger *slog.Logger
-	// TLSConfig is the TLS of an https:// Server: the CA that signed the
-	// server's certificate (RootCAs; nil: the system's roots) and, for a
-	// server that asks for one, this node's certificate (docs/SECURITY.md).
-	// TLSConfigFromFiles builds one. It is used by the default ShortClient
-	// and LongClient; a caller that sets those configures their TLS itself.
-	// Setting it for an http:// Server is an error.
+	// TLSConfig is the TLS of an https:// Server (or Servers): the CA that
+	// signed the servers' certificates (RootCAs; nil: the system's roots)
+	// and, for a server that asks for one, this node's certificate
+	// (docs/SECURITY.md). TLSConfigFromFiles builds one. It is used by the
+	// default ShortClient and LongClient; a caller that sets those
+	// configures their TLS itself. Setting it for http:// servers is an
+	// error.
 	TLSConfig *tls.Config
 	// Token is this node's bearer token, sent as "Authorization: Bearer
 	// Token" on every request and on the session stream, to a server run
@@ -133,7 +152,8 @@ type Client struct {
 
 	initOnce sync.Once
 	initErr  error
-	base     *url.URL
+	bases    []*url.URL     // Server or Servers, parsed
+	cur      atomic.Int32   // the index in bases of the server asked now
 	owned    []*http.Client // the default clients, whose connections Close ends
 
 	mu      sync.Mutex
@@ -151,17 +171,22 @@ type Client struct {
 
 func (c *Client) init() error {
 	c.initOnce.Do(func() {
-		if c.Server == "" {
-			c.Server = "http://127.0.0.1:7380"
+		servers := c.Servers
+		switch {
+		case len(servers) > 0 && c.Server != "":
+			c.initErr = errors.New("dlock: client: set Server or Servers, not both")
+			return
+		case len(servers) == 0:
+			if c.Server == "" {
+				c.Server = "http://127.0.0.1:7380"
+			}
+			servers = []string{c.Server}
 		}
-		u, err := url.Parse(strings.TrimSuffix(c.Server, "/"))
-		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-			c.initErr = fmt.Errorf("dlock: server %q is not an http(s) URL", c.Server)
+		if c.bases, c.initErr = parseServers(servers); c.initErr != nil {
 			return
 		}
-		c.base = u
-		if c.TLSConfig != nil && u.Scheme != "https" {
-			c.initErr = fmt.Errorf("%w: a TLS configuration given for %s", ErrNotHTTPS, c.Server)
+		if c.TLSConfig != nil && c.bases[0].Scheme != "https" {
+			c.initErr = fmt.Errorf("%w: a TLS configuration given for %s", ErrNotHTTPS, servers[0])
 			return
 		}
 		if err := validToken(c.Token); err != nil {
@@ -213,6 +238,62 @@ func (c *Client) init() error {
 		return ErrClosed
 	}
 	return nil
+}
+
+// SplitServers reads a comma-separated list of server URLs, as the dlock
+// commands take it (--server, DLOCK_SERVER): "http://a:7380,http://b:7380".
+// Spaces around a URL are dropped; an empty entry is kept, for the Client
+// (or CredentialFiles.Load) to refuse.
+func SplitServers(list string) []string {
+	servers := strings.Split(list, ",")
+	for i, s := range servers {
+		servers[i] = strings.TrimSpace(s)
+	}
+	return servers
+}
+
+// parseServers checks a Client's servers: http(s) URLs with a host, all
+// of one scheme, so that a token or a client certificate meant for TLS is
+// never sent in clear to one of them.
+func parseServers(servers []string) ([]*url.URL, error) {
+	bases := make([]*url.URL, len(servers))
+	for i, s := range servers {
+		u, err := url.Parse(strings.TrimSuffix(s, "/"))
+		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			return nil, fmt.Errorf("dlock: server %q is not an http(s) URL", s)
+		}
+		if i > 0 && u.Scheme != bases[0].Scheme {
+			return nil, fmt.Errorf("dlock: servers %q and %q: all servers are http:// or all https://", servers[0], s)
+		}
+		bases[i] = u
+	}
+	return bases, nil
+}
+
+// server returns the server to ask now, and its index for moveOn.
+func (c *Client) server() (int, *url.URL) {
+	i := int(c.cur.Load())
+	return i, c.bases[i]
+}
+
+// moveOn leaves server i, which failed, for the next of the list, unless
+// another request or the stream left it already: the client stays on a
+// server while it answers, and a failure moves it once, not once per
+// request that saw it.
+func (c *Client) moveOn(i int) {
+	n := len(c.bases)
+	if n > 1 && c.cur.CompareAndSwap(int32(i), int32((i+1)%n)) {
+		c.Logger.Info("dlock server failed, moving to the next", "node", c.Node, "failed", c.bases[i].String(), "next", c.bases[(i+1)%n].String())
+	}
+}
+
+// serverNames lists the servers, for an error.
+func (c *Client) serverNames() string {
+	names := make([]string, len(c.bases))
+	for i, u := range c.bases {
+		names[i] = u.String()
+	}
+	return strings.Join(names, ",")
 }
 
 // defaultTransport speaks HTTP/1.1 only, also over TLS. The server answers
@@ -295,6 +376,10 @@ func (c *Client) sawEpoch(e string) {
 // 504 after RetryInterval and load refusals (429, 503) after their
 // Retry-After, up to MaxRetries; any other 4xx is never retried. A pause
 // that would end past ctx's deadline is not taken. out may be nil.
+//
+// With several servers, an attempt that failed for its server moves the
+// client to the next (moveOn), and the retry, if any, goes there at once;
+// the pause is taken when every server has failed since the last one.
 func (c *Client) call(ctx context.Context, method, path string, query url.Values, in, out any) error {
 	var body []byte
 	if in != nil {
@@ -303,17 +388,28 @@ func (c *Client) call(ctx context.Context, method, path string, query url.Values
 			return err
 		}
 	}
-	u := *c.base
-	u.Path += path
-	u.RawQuery = query.Encode()
+	rawQuery := query.Encode()
 	var err error
+	tried, pauses := 0, 0 // servers that failed since the last pause; pauses taken
 	for attempt := 0; ; attempt++ {
+		i, base := c.server()
+		u := *base
+		u.Path += path
+		u.RawQuery = rawQuery
 		var r retry
 		r, err = c.once(ctx, method, u.String(), body, out)
+		if err != nil && r.elsewhere && ctx.Err() == nil {
+			c.moveOn(i)
+		}
 		if err == nil || r.kind == noRetry || attempt >= c.MaxRetries || ctx.Err() != nil {
 			break
 		}
-		pause := c.retryPause(r, attempt)
+		if tried++; r.elsewhere && tried < len(c.bases) {
+			continue // the next server, which has not failed yet
+		}
+		tried = 0
+		pause := c.retryPause(r, pauses)
+		pauses++
 		if dl, ok := ctx.Deadline(); ok && time.Until(dl) < pause {
 			return fmt.Errorf("%w (not retried: the next attempt, in %v, is past the deadline)", err, pause.Round(time.Millisecond))
 		}
@@ -340,19 +436,24 @@ const (
 type retry struct {
 	kind  retryKind
 	after time.Duration // the answer's Retry-After; 0: none
+	// elsewhere: the failure is the server's (retryNet, or a 503: shutting
+	// down, or at its connection limit), so another server of the list
+	// may answer. A 429 is the lock service's answer to this node (its
+	// sessions, the key's queue), the same on every server.
+	elsewhere bool
 }
 
-// retryPause is the pause before attempt+1. A server's Retry-After is
-// honoured, capped, with jitter added (never subtracted), so that the
+// retryPause is the pause after the nth pause taken. A server's Retry-After
+// is honoured, capped, with jitter added (never subtracted), so that the
 // clients it refused at once do not all come back in the same instant.
-func (c *Client) retryPause(r retry, attempt int) time.Duration {
+func (c *Client) retryPause(r retry, n int) time.Duration {
 	switch {
 	case r.after > 0:
 		d := min(r.after, MaxRetryAfter)
 		return d + time.Duration(rand.Int64N(int64(d)/5+1))
 	case r.kind == retryLoad:
 		d := c.RetryInterval
-		for range min(attempt, 16) {
+		for range min(n, 16) {
 			d *= 2
 		}
 		return jitter(min(d, MaxRetryAfter))
@@ -418,7 +519,7 @@ func (c *Client) once(ctx context.Context, method, u string, body []byte, out an
 		return retry{}, fmt.Errorf("dlock: %s %s: HTTP %d: %w", method, u, resp.StatusCode, err)
 	}
 	if err != nil {
-		return retry{kind: retryNet}, fmt.Errorf("dlock: %s %s: reading the answer: %w", method, u, err)
+		return retry{kind: retryNet, elsewhere: true}, fmt.Errorf("dlock: %s %s: reading the answer: %w", method, u, err)
 	}
 	if resp.StatusCode != http.StatusOK {
 		var eb api.ErrorBody
@@ -430,10 +531,12 @@ func (c *Client) once(ctx context.Context, method, u string, body []byte, out an
 		eb.Message, eb.Error = clip(eb.Message), clip(eb.Error)
 		var rt retry
 		switch resp.StatusCode {
-		case http.StatusTooManyRequests, http.StatusServiceUnavailable:
+		case http.StatusTooManyRequests:
 			rt = retry{kind: retryLoad, after: retryAfter(resp.Header)}
+		case http.StatusServiceUnavailable:
+			rt = retry{kind: retryLoad, after: retryAfter(resp.Header), elsewhere: true}
 		case http.StatusBadGateway, http.StatusGatewayTimeout:
-			rt = retry{kind: retryNet}
+			rt = retry{kind: retryNet, elsewhere: true}
 		}
 		return rt, api.ErrorFromResponse(resp.StatusCode, eb)
 	}
@@ -460,7 +563,7 @@ func clip(s string) string {
 
 func netRetry(err error) retry {
 	if retryable(err) {
-		return retry{kind: retryNet}
+		return retry{kind: retryNet, elsewhere: true}
 	}
 	return retry{}
 }

@@ -7,7 +7,6 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
-	"net/url"
 	"os"
 	"strings"
 	"sync"
@@ -40,24 +39,27 @@ type CredentialFiles struct {
 	TokenFile string
 }
 
-// Load reads the files for a client of server (an http:// or https://
-// URL): the TLS configuration, nil for an http:// server, and the token,
-// "" without a TokenFile. Every file is read now: a missing, unreadable
-// or unusable one is an error naming it, so that a command stops before
-// its first request.
-func (f CredentialFiles) Load(server string) (*tls.Config, string, error) {
-	u, err := url.Parse(server)
-	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return nil, "", fmt.Errorf("dlock: server %q is not an http:// or https:// URL", server)
+// Load reads the files for a client of servers (http:// or https:// URLs,
+// the Client's Server or Servers; all of one scheme): the TLS
+// configuration, nil for http:// servers, and the token, "" without a
+// TokenFile. Every file is read now: a missing, unreadable or unusable one
+// is an error naming it, so that a command stops before its first request.
+func (f CredentialFiles) Load(servers ...string) (*tls.Config, string, error) {
+	if len(servers) == 0 {
+		return nil, "", errors.New("dlock: no server given")
+	}
+	bases, err := parseServers(servers)
+	if err != nil {
+		return nil, "", err
 	}
 	var cfg *tls.Config
 	switch {
-	case u.Scheme == "https":
+	case bases[0].Scheme == "https":
 		if cfg, err = TLSConfigFromFiles(f.CA, f.Cert, f.Key); err != nil {
 			return nil, "", err
 		}
 	case f.CA != "" || f.Cert != "" || f.Key != "":
-		return nil, "", fmt.Errorf("%w: a CA, certificate or key given for %s", ErrNotHTTPS, server)
+		return nil, "", fmt.Errorf("%w: a CA, certificate or key given for %s", ErrNotHTTPS, strings.Join(servers, ","))
 	}
 	var token string
 	if f.TokenFile != "" {

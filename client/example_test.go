@@ -15,11 +15,17 @@ import (
 // `dlock serve --listen 127.0.0.1:0` would, and returns its URL.
 func startDlock() (url string, stop func()) {
 	m, _ := lock.NewMemory(context.Background(), lock.DefaultConfig())
-	srv := server.New(m, server.Options{})
+	url, stopServer := serveDlock(m)
+	return url, func() { stopServer(); m.Close() }
+}
+
+// serveDlock runs a dlock server of b's lock state on 127.0.0.1.
+func serveDlock(b lock.Backend) (url string, stop func()) {
+	srv := server.New(b, server.Options{})
 	ln, _ := net.Listen("tcp", "127.0.0.1:0")
 	hs := &http.Server{Handler: srv}
 	go hs.Serve(ln)
-	return "http://" + ln.Addr().String(), func() { srv.Drain(); hs.Close(); m.Close() }
+	return "http://" + ln.Addr().String(), func() { srv.Drain(); hs.Close() }
 }
 
 func ExampleClient_Lock() {
@@ -66,4 +72,35 @@ func ExampleClient_Do() {
 	// Output:
 	// downloading
 	// skipped: false err: <nil>
+}
+
+// A client of two servers of one lock service (here two servers of one
+// in-memory lock state): when the first stops, its requests and its
+// session stream move to the second, and its hold lives on.
+func ExampleClient_servers() {
+	m, _ := lock.NewMemory(context.Background(), lock.DefaultConfig())
+	defer m.Close()
+	first, stopFirst := serveDlock(m)
+	second, stopSecond := serveDlock(m)
+	defer stopSecond()
+
+	c := &client.Client{Servers: client.SplitServers(first + "," + second), Node: "node-1"}
+	defer c.Close()
+	ctx := context.Background()
+	req := client.Request{Type: lock.Pull, Resource: "sha256:4f53cda18c2baa0c0354bb5f9a3ecbe5ed12ab4d8e11ba873c2f11161202b945"}
+
+	res, err := c.Lock(ctx, req)
+	if err != nil {
+		fmt.Println("lock:", err)
+		return
+	}
+	fmt.Println("acquired:", res.Acquired)
+	stopFirst()
+	st, err := c.Status(ctx, req.Type, req.Resource)
+	fmt.Println("holder, through the second server:", st.Holder, err)
+	fmt.Println("unlock:", c.Unlock(ctx, req, nil))
+	// Output:
+	// acquired: true
+	// holder, through the second server: node-1 <nil>
+	// unlock: <nil>
 }

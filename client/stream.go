@@ -74,12 +74,22 @@ func (s *session) run() {
 	ctx := s.c.ctx
 	backoff := 50 * time.Millisecond
 	first := true
+	failed := 0 // attempts that failed since the last pause
 	for {
 		connected, err := s.stream(ctx, &first)
 		s.mu.Lock()
 		s.lastErr = err
 		s.mu.Unlock()
 		s.setUp(false)
+		// With several servers, a stream that failed for its server
+		// is reopened on the next at once, within the session's grace
+		// (docs/DESIGN.md, "What a client does"); the pause comes when
+		// every server has failed in turn.
+		if failed++; ctx.Err() == nil && streamElsewhere(err) && failed < len(s.c.bases) {
+			s.c.Logger.Info("session stream broken, reconnecting to the next server", "node", s.c.Node, "err", err)
+			continue
+		}
+		failed = 0
 		pause := time.Duration(float64(backoff) * (0.8 + 0.4*rand.Float64()))
 		level := slog.LevelInfo
 		ra, isRefusal := errors.AsType[*refusedError](err)
@@ -119,10 +129,21 @@ func (s *session) run() {
 // maxStreamBackoff is the longest pause between two attempts to open the stream.
 const maxStreamBackoff = 5 * time.Second
 
-// stream holds one connection until it breaks.
+// stream holds one connection until it breaks. A stream that breaks for
+// its server moves the client to the next server of its list, where it is
+// reopened with its Last-Event-ID: event ids are valid on every server of
+// one lock service, and a new epoch there is handled as a restart is
+// (sawEpoch).
 func (s *session) stream(ctx context.Context, first *bool) (connected bool, err error) {
 	c := s.c
-	u := *c.base
+	i, base := c.server()
+	closing := ctx // the Client's: ended by Close, not by the stream
+	defer func() {
+		if closing.Err() == nil && streamElsewhere(err) {
+			c.moveOn(i)
+		}
+	}()
+	u := *base
 	u.Path += "/subscribe"
 	u.RawQuery = url.Values{"node_id": {c.Node}}.Encode()
 	// Only the connection phase is bounded: the stream itself lives on.
@@ -202,6 +223,22 @@ func (s *session) stream(ctx context.Context, first *bool) (connected bool, err 
 	}
 }
 
+// streamElsewhere reports a stream that failed for its server, so that
+// another server may hold it: a network error, a stream that ended or
+// broke, a 502, 503 or 504. A refusal of the credentials (401, 403, a TLS
+// refusal) or for this node's sessions (429) would be the same on every
+// server.
+func streamElsewhere(err error) bool {
+	if ra, ok := errors.AsType[*refusedError](err); ok {
+		switch ra.status {
+		case http.StatusBadGateway, http.StatusServiceUnavailable, http.StatusGatewayTimeout:
+			return true
+		}
+		return false
+	}
+	return err != nil && !tlsRefused(err)
+}
+
 // refusedError is a /subscribe answered with another status than 200.
 type refusedError struct {
 	status int
@@ -267,9 +304,9 @@ func (c *Client) Connect(ctx context.Context) error {
 		why := s.lastErr
 		s.mu.Unlock()
 		if why == nil {
-			return fmt.Errorf("dlock: no session stream to %s", c.Server)
+			return fmt.Errorf("dlock: no session stream to %s", c.serverNames())
 		}
-		return fmt.Errorf("dlock: no session stream to %s: %w", c.Server, why)
+		return fmt.Errorf("dlock: no session stream to %s: %w", c.serverNames(), why)
 	}
 	return nil
 }

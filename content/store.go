@@ -145,7 +145,7 @@ func New(ctx context.Context, cfg Config) (*Store, error) {
 		if errors.Is(err, client.ErrNotFound) {
 			return nil, ErrNoRefCounting
 		}
-		return nil, fmt.Errorf("content: dlock server %s: %w", cfg.Client.Server, err)
+		return nil, fmt.Errorf("content: dlock server: %w", err)
 	}
 	if err := cfg.Client.Connect(ctx); err != nil {
 		return nil, fmt.Errorf("content: %w", err)

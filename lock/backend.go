@@ -20,39 +20,27 @@ import (
 // detail, so that one table (package api) maps every backend's errors to the
 // same HTTP answers.
 //
-// Two implementations are planned; Memory, this package's in-process one, is
-// the first. How the etcd backend maps onto each method, written before the
-// interface was settled so that it does not assume one process:
+// Two implementations exist: Memory, this package's in-process one, and
+// package lock/etcd, which keeps every piece of state in etcd so that
+// several servers act as one. How the etcd one maps onto the methods:
 //
-//   - TryLock, Unlock, Cancel: one etcd transaction per call on the key's
-//     record ("<prefix>/keys/<type>/<resource>": holder, token, lease, queue)
-//     guarded by its mod revision, retried on conflict. A refusal (delete
-//     while referenced, update while a delete runs) is decided in the same
-//     transaction as the change, by comparing the reference and sibling-type
-//     records' revisions: never on a cache. The events a change makes are
-//     written by the same transaction under each receiving node's session.
-//   - Sessions are etcd leases ("<prefix>/sessions/<node>" attached to a
-//     lease kept alive by whichever server holds one of the node's streams).
-//     LeaseAuto resolves to a session lease when that key exists, wherever
-//     the stream is. Only the session record is attached to the lease: its
-//     deletion, seen by a watch, makes one server hand the session's holds
-//     on, as Memory does; a key record attached to the lease would vanish
-//     with its queue and token and tell no one.
-//   - Subscribe: a watch on "<prefix>/events/<node>/" from the revision after
-//     the last event id. Event ids are etcd revisions, unique and increasing
-//     across servers, so Last-Event-ID resumes on any server; Missed is a
-//     compacted revision.
-//   - Timers (ttl leases, claim timeouts, max hold) fire once in the cluster:
-//     each is a record with a deadline, and the server holding a per-shard
-//     election runs them.
-//   - Epoch: stored once per data set ("<prefix>/epoch"), so every server
-//     answers the same one and it changes only when the data set does.
-//   - Status and RefCount: linearizable reads. RefAdd, RefRelease,
-//     RefReleaseNode: transactions on "<prefix>/refs/<resource>"; a release
-//     of every reference of a node pages through 128 operations a
-//     transaction (etcd's limit).
+//   - TryLock, Unlock, Cancel, Status: one etcd transaction per call on the
+//     key's record ("<prefix>/k/<type>/<resource>": holder, token, leases,
+//     waiter count, completion) and its queue keys, guarded by the mod
+//     revisions of everything read and tried again on conflict. A refusal is
+//     decided on linearizable reads under the same guard.
+//   - Sessions are etcd leases ("<prefix>/s/<node>" attached to a lease kept
+//     alive by whichever server holds one of the node's streams); a session's
+//     end, seen by the watch, makes one server hand its holds on.
+//   - Subscribe: every server derives every change's events from one watch,
+//     with ids = revision × 8 + index, the same on every server, so that
+//     Last-Event-ID resumes anywhere.
+//   - Timers: every server races to act on a due deadline; the guarded
+//     transaction lets one win.
+//   - Epoch: stored once per data set ("<prefix>/epoch").
 //
-// A backend's test is one call of locktest.Run, the suite every backend
+// docs/DESIGN.md, "An etcd backend", has the records key by key and why each
+// operation is safe. // A backend's test is one call of locktest.Run, the suite every backend
 // passes.
 type Backend interface {
 	// TryLock asks for req's key: it is granted, or the node is queued, or

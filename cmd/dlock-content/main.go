@@ -45,9 +45,10 @@ type config struct {
 	socket, socketGroup, root, ingest, node, server string
 	logLevel                                        slog.Level
 	cred                                            client.CredentialFiles
-	// What cred's files hold, read by parse.
-	tls   *tls.Config
-	token string
+	// Read by parse: server's list, and what cred's files hold.
+	servers []string
+	tls     *tls.Config
+	token   string
 }
 
 func parse(args []string, getenv func(string) string, stderr io.Writer) (config, error) {
@@ -60,7 +61,7 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (config,
 	fs.StringVar(&c.root, "root", "", "shared content directory (required)")
 	fs.StringVar(&c.ingest, "ingest", "", "this node's ingest folder, inside the root (default ROOT/nodes/NODE)")
 	fs.StringVar(&c.node, "node", host, "this node's id")
-	fs.StringVar(&c.server, "server", "http://127.0.0.1:7380", "dlock server URL (it must run with --refcount=server)")
+	fs.StringVar(&c.server, "server", "http://127.0.0.1:7380", "dlock server URL (it must run with --refcount=server); or the servers of one lock service, comma-separated (URL1,URL2,…): the client moves to the next when one fails")
 	fs.TextVar(&c.logLevel, "log-level", slog.LevelInfo, "log level")
 	fs.StringVar(&c.cred.CA, "ca", "", "PEM file of the CA that signed the dlock server's certificate, for an https:// server (default: the system's roots)")
 	fs.StringVar(&c.cred.Cert, "cert", "", "PEM file of this node's client certificate, for a server that requires one (with --key)")
@@ -80,8 +81,9 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (config,
 			return c, fmt.Errorf("--socket-group: %w", err)
 		}
 	}
+	c.servers = client.SplitServers(c.server)
 	var err error
-	if c.tls, c.token, err = c.cred.Load(c.server); err != nil {
+	if c.tls, c.token, err = c.cred.Load(c.servers...); err != nil {
 		return c, err
 	}
 	return c, nil
@@ -152,14 +154,20 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	}
 	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: c.logLevel}))
 	cl := &client.Client{
-		Server: c.server, Node: c.node, Logger: log,
+		Servers: c.servers, Node: c.node, Logger: log,
 		TLSConfig: c.tls, Token: c.token,
 		// Every call is one attempt of at most 500 ms: the store answers
-		// containerd's calls inside its metadata transaction.
+		// containerd's calls inside its metadata transaction. With
+		// several servers, the call after one that failed for its server
+		// goes to the next, as the session stream does.
 		MaxRetries: -1, RequestTimeout: 500 * time.Millisecond,
 	}
 	defer cl.Close()
 	sctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	// The session stream first: it tries the servers in turn until one
+	// answers, and the store's single-attempt calls then go there. Its
+	// failure is content.New's to report, which asks the server first.
+	_ = cl.Connect(sctx)
 	store, err := content.New(sctx, content.Config{Root: c.root, Ingest: c.ingest, Client: cl, Logger: log})
 	cancel()
 	if err != nil {

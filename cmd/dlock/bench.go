@@ -36,7 +36,7 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	stderr = &syncWriter{w: stderr}
 	fs := flag.NewFlagSet("dlock bench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	server := fs.String("server", "http://127.0.0.1:7380", "dlock server URL")
+	server := fs.String("server", "http://127.0.0.1:7380", "dlock server URL (one: bench measures a server)")
 	scenarios := fs.String("scenario", "pairs,handoff,fanout,sessions", "scenarios to run: pairs, handoff, fanout (and its floor), sessions, memory, failover (--backend etcd)")
 	duration := fs.Duration("duration", 10*time.Second, "how long each scenario runs")
 	concurrency := fs.Int("concurrency", 32, "connections (pairs, sessions, memory) or nodes on the key (handoff)")
@@ -62,6 +62,9 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	}
 	if err := applyEnv(fs, getenv); err != nil {
 		return usageError{err}
+	}
+	if strings.Contains(*server, ",") {
+		return usageError{fmt.Errorf("--server %s: bench measures one server, not a list", *server)}
 	}
 	runs := strings.Split(*scenarios, ",")
 	for _, s := range runs {

@@ -232,3 +232,35 @@ type memRefs struct{}
 
 func (memRefs) Load(context.Context) (map[string]lock.RefRecord, uint64, error) { return nil, 0, nil }
 func (memRefs) Save(context.Context, string, lock.RefRecord) error              { return nil }
+
+// TestClientServerList: --server and DLOCK_SERVER take several servers;
+// the first here is dead, and every command is answered by the second.
+func TestClientServerList(t *testing.T) {
+	srv := startServer(t, nil).URL()
+	list := "http://127.0.0.1:1," + srv
+	if out, errOut, st := dlock(t, list, "lock", "--resource", "r", "--node", "a", "--human"); st != 0 || !strings.HasPrefix(out, "acquired pull:r") {
+		t.Fatalf("lock through DLOCK_SERVER=%s: %d %q %q", list, st, out, errOut)
+	}
+	if out, errOut, st := dlock(t, list, "unlock", "--resource", "r", "--node", "a", "--human"); st != 0 || out != "released pull:r; now free\n" {
+		t.Fatalf("unlock: %d %q %q", st, out, errOut)
+	}
+	ran := filepath.Join(t.TempDir(), "ran")
+	if _, errOut, st := dlock(t, "", "run", "--server", list, "--resource", "r2", "--", "touch", ran); st != 0 {
+		t.Fatalf("run --server %s: %d %q", list, st, errOut)
+	}
+	if _, err := os.Stat(ran); err != nil {
+		t.Fatalf("the command did not run: %v", err)
+	}
+	if st := status(t, srv, "r2"); st.State != "free" || st.LastCompleted == nil || !st.LastCompleted.Success {
+		t.Fatalf("status after run: %+v", st)
+	}
+	if _, errOut, st := dlock(t, "http://127.0.0.1:1,https://127.0.0.1:2", "status", "--resource", "r"); st != 1 || !strings.Contains(errOut, "all https://") {
+		t.Errorf("http:// and https:// servers mixed: %d %q", st, errOut)
+	}
+	if _, errOut, st := dlock(t, list, "status", "--resource", "r", "--ca", "ca.pem"); st != 2 || !strings.Contains(errOut, "https") {
+		t.Errorf("--ca for http:// servers: %d %q", st, errOut)
+	}
+	if _, _, st := dlock(t, list, "bench"); st != 2 {
+		t.Errorf("bench of a server list: status %d, want 2", st)
+	}
+}

@@ -45,7 +45,7 @@ type clientFlags struct {
 func newClientFlags(name, defaultNode string, stderr io.Writer) *clientFlags {
 	f := &clientFlags{fs: flag.NewFlagSet("dlock "+name, flag.ContinueOnError)}
 	f.fs.SetOutput(stderr)
-	f.fs.StringVar(&f.server, "server", "http://127.0.0.1:7380", "dlock server URL")
+	f.fs.StringVar(&f.server, "server", "http://127.0.0.1:7380", "dlock server URL; or the servers of one lock service, comma-separated (URL1,URL2,…): a request or stream that fails for its server moves to the next")
 	f.fs.StringVar(&f.node, "node", defaultNode, "this node's id")
 	f.fs.StringVar(&f.typ, "type", "pull", "operation type: pull, update or delete")
 	f.fs.StringVar(&f.resource, "resource", "", "resource id, e.g. a blob digest")
@@ -75,14 +75,16 @@ func (f *clientFlags) parse(args []string, getenv func(string) string, needResou
 	return client.Request{Type: t, Resource: f.resource}, nil
 }
 
-// client is the command's Client, its credentials read: a missing or
-// unusable credential file stops the command before any request.
+// client is the command's Client of the --server list, its credentials
+// read: a missing or unusable credential file stops the command before
+// any request.
 func (f *clientFlags) client() (*client.Client, error) {
-	tlsConfig, token, err := loadCredentials(f.cred, f.server)
+	servers := client.SplitServers(f.server)
+	tlsConfig, token, err := loadCredentials(f.cred, servers...)
 	if err != nil {
 		return nil, err
 	}
-	return &client.Client{Server: f.server, Node: f.node, TLSConfig: tlsConfig, Token: token}, nil
+	return &client.Client{Servers: servers, Node: f.node, TLSConfig: tlsConfig, Token: token}, nil
 }
 
 // credentialFlags adds --ca, --cert, --key and --token-file to fs.
@@ -95,10 +97,10 @@ func credentialFlags(fs *flag.FlagSet) *client.CredentialFiles {
 	return &f
 }
 
-// loadCredentials reads the credential files for server; TLS flags for a
-// plain http:// server are a bad command line.
-func loadCredentials(f *client.CredentialFiles, server string) (*tls.Config, string, error) {
-	tlsConfig, token, err := f.Load(server)
+// loadCredentials reads the credential files for servers; TLS flags for
+// plain http:// servers are a bad command line.
+func loadCredentials(f *client.CredentialFiles, servers ...string) (*tls.Config, string, error) {
+	tlsConfig, token, err := f.Load(servers...)
 	if errors.Is(err, client.ErrNotHTTPS) {
 		return nil, "", usageError{err}
 	}

@@ -287,7 +287,7 @@ func TestBenchWithCredentials(t *testing.T) {
 	tokenFile := filepath.Join(t.TempDir(), "op")
 	os.WriteFile(tokenFile, []byte(tok("op")+" *\n"), 0o600)
 	env := map[string]string{"DLOCK_SERVER": e.srv.URL(), "DLOCK_CA": e.pki.CAFile, "DLOCK_CERT": cert, "DLOCK_KEY": key, "DLOCK_TOKEN_FILE": tokenFile}
-	out, errOut, st := inProcess(t, env, "bench", "--scenario", "pairs", "--duration", "300ms", "--concurrency", "2", "--json")
+	out, errOut, st := inProcess(t, env, "bench", "--scenario", "pairs", "--duration", "1s", "--concurrency", "2", "--json")
 	var res struct {
 		Results []struct {
 			Ops       int64

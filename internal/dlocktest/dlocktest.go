@@ -54,6 +54,22 @@ type Options struct {
 	Wrap func(http.Handler) http.Handler
 	// Auth, when set, gives the server identities to check.
 	Auth *Auth
+	// Share, when set, serves Share's lock state instead of a new one:
+	// servers of one lock service on one backend, as several servers on
+	// one etcd are (docs/DESIGN.md, "The Backend seam"). They share the
+	// epoch, the sessions and the event ids; Config and RefCount are
+	// Share's. Any of them may stop or restart, in any order: the state
+	// lives until the last one stops, and a server that restarts while
+	// another runs serves it again.
+	Share *Server
+}
+
+// state is the lock state of the servers that share it (Options.Share).
+type state struct {
+	mu      sync.Mutex
+	m       *lock.Memory // nil while no server runs
+	store   *refcount.ServerStore
+	servers int // the servers running on m
 }
 
 // Auth is what `dlock serve` reads from --token-file, --tls-cert,
@@ -148,7 +164,7 @@ type Server struct {
 	opts    Options
 	dataDir string
 	auth    authFiles
-	store   *refcount.ServerStore
+	state   *state
 	hs      *http.Server
 	done    chan struct{}
 	tr      *http.Transport
@@ -162,7 +178,14 @@ type Server struct {
 // Start runs a server until the test ends.
 func Start(t testing.TB, opts Options) *Server {
 	t.Helper()
-	s := &Server{t: t, opts: opts}
+	s := &Server{t: t, opts: opts, state: &state{}}
+	if opts.Share != nil {
+		if opts.RefCount || opts.Config != nil {
+			t.Fatal("dlocktest: Options.Share serves another server's lock state: its Config and RefCount are Share's")
+		}
+		s.state = opts.Share.state
+		s.opts.Config = opts.Share.opts.Config
+	}
 	if opts.RefCount {
 		s.dataDir = t.TempDir()
 	}
@@ -242,18 +265,31 @@ func (s *Server) serve(ln net.Listener) {
 	if s.opts.Config != nil {
 		s.opts.Config(&cfg)
 	}
-	if s.dataDir != "" {
-		store, err := refcount.OpenServerStore(filepath.Join(s.dataDir, "refcount.db"))
+	st := s.state
+	st.mu.Lock()
+	if st.m == nil {
+		if s.dataDir != "" {
+			store, err := refcount.OpenServerStore(filepath.Join(s.dataDir, "refcount.db"))
+			if err != nil {
+				st.mu.Unlock()
+				s.t.Fatal(err)
+			}
+			st.store = store
+			cfg.RefStore = store
+		}
+		m, err := lock.NewMemory(context.Background(), cfg)
 		if err != nil {
+			st.mu.Unlock()
 			s.t.Fatal(err)
 		}
-		s.store = store
-		cfg.RefStore = store
+		st.m = m
 	}
-	m, err := lock.NewMemory(context.Background(), cfg)
-	if err != nil {
-		s.t.Fatal(err)
+	if st.store != nil {
+		cfg.RefStore = st.store
 	}
+	st.servers++
+	m := st.m
+	st.mu.Unlock()
 	// The event loop as dlock serve has it: on unless references are
 	// saved to disk inside the calls it would make.
 	so := server.Options{PingInterval: 200 * time.Millisecond, EventLoop: cfg.RefStore == nil}
@@ -303,16 +339,24 @@ func (s *Server) Stop() {
 	s.Handler.Close()
 	s.hs.Close()
 	<-s.done
-	s.Memory.Close()
-	if s.store != nil {
-		s.store.Close()
+	st := s.state
+	st.mu.Lock()
+	if st.servers--; st.servers == 0 {
+		st.m.Close()
+		if st.store != nil {
+			st.store.Close()
+		}
+		st.m, st.store = nil, nil
 	}
+	st.mu.Unlock()
 	s.Backend, s.Memory = nil, nil
 }
 
 // Restart replaces the server by a new one on the same address: a new
 // epoch, every hold and session forgotten, references kept, and the
 // identities of Options.Auth too (the new server reads the same files).
+// A server whose state another running server shares (Options.Share)
+// comes back on that state instead: one server of a lock service restarts.
 func (s *Server) Restart() {
 	s.t.Helper()
 	s.Stop()

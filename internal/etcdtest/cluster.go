@@ -40,6 +40,10 @@ type member struct {
 	exited chan struct{} // closed when cmd has been waited for
 }
 
+// debianEtcd is where Debian's etcd-server puts etcd (a variable for the
+// test of its absence).
+var debianEtcd = "/usr/bin/etcd"
+
 // EtcdBinary is the etcd that StartCluster runs: etcd in PATH, else
 // /usr/bin/etcd. Without one, it fails the test when CI is "true" and skips
 // it otherwise, saying NOT TESTED.
@@ -47,8 +51,8 @@ func EtcdBinary(tb testing.TB) string {
 	tb.Helper()
 	bin, err := exec.LookPath("etcd")
 	if err != nil {
-		if _, serr := os.Stat("/usr/bin/etcd"); serr == nil {
-			return "/usr/bin/etcd"
+		if _, serr := os.Stat(debianEtcd); serr == nil {
+			return debianEtcd
 		}
 		if os.Getenv("CI") == "true" {
 			tb.Fatalf("etcdtest: no etcd binary (%v): `make deps` installs Debian's etcd-server as root", err)
@@ -96,7 +100,7 @@ func StartCluster(tb testing.TB, n int) *Cluster {
 
 func startCluster(tb testing.TB, bin string, n int) (*Cluster, error) {
 	c := &Cluster{tb: tb, bin: bin, token: "etcdtest-" + randomHex(8)}
-	addrs, err := freeAddrs(2 * n)
+	addrs, err := pickAddrs(2 * n)
 	if err != nil {
 		return c, err
 	}
@@ -126,6 +130,9 @@ func startCluster(tb testing.TB, bin string, n int) (*Cluster, error) {
 	}
 	return c, nil
 }
+
+// pickAddrs is freeAddrs, a variable for the test of a taken port.
+var pickAddrs = freeAddrs
 
 // freeAddrs are n free 127.0.0.1 ports, held together while picked so that
 // they differ.
@@ -167,7 +174,10 @@ func (c *Cluster) start(m *member, state string) error {
 	cmd.Stdout, cmd.Stderr = log, log
 	cmd.Env = withoutEtcdEnv(os.Environ())
 	// A group of its own, killed whole; and killed with the test binary
-	// should that die first (Linux).
+	// should that die first, by a panic or go test's -timeout, before its
+	// cleanups (Linux; strictly, when the thread that started it ends,
+	// which Go's runtime does only for a goroutine that locked its thread
+	// and returned without unlocking it).
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("start %s: %w", m.name, err)

@@ -2,7 +2,11 @@ package etcdtest
 
 import (
 	"context"
+	"fmt"
+	"net"
 	"os/exec"
+	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -67,5 +71,78 @@ func TestCluster(t *testing.T) {
 		if c.Running(i) {
 			t.Errorf("member %d runs after Stop", i)
 		}
+	}
+}
+
+// outcomeTB records how EtcdBinary ends a test.
+type outcomeTB struct {
+	testing.TB
+	skipped, failed string
+}
+
+func (o *outcomeTB) Helper() {}
+func (o *outcomeTB) Skipf(format string, args ...any) {
+	o.skipped = fmt.Sprintf(format, args...)
+	runtime.Goexit()
+}
+func (o *outcomeTB) Fatalf(format string, args ...any) {
+	o.failed = fmt.Sprintf(format, args...)
+	runtime.Goexit()
+}
+
+// TestNoEtcdBinary: without etcd, a test fails in CI and skips elsewhere,
+// saying NOT TESTED; either way it names `make deps`.
+func TestNoEtcdBinary(t *testing.T) {
+	t.Setenv("PATH", t.TempDir())
+	old := debianEtcd
+	debianEtcd = filepath.Join(t.TempDir(), "etcd")
+	defer func() { debianEtcd = old }()
+	for _, ci := range []string{"true", ""} {
+		t.Setenv("CI", ci)
+		o := &outcomeTB{TB: t}
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			EtcdBinary(o)
+			t.Errorf("CI=%q: EtcdBinary returned", ci)
+		}()
+		<-done
+		switch {
+		case ci == "true" && (o.failed == "" || o.skipped != ""):
+			t.Errorf("CI=true: failed %q, skipped %q; want a failure", o.failed, o.skipped)
+		case ci != "true" && (o.skipped == "" || o.failed != "" || !strings.HasPrefix(o.skipped, "NOT TESTED: ")):
+			t.Errorf("CI unset: failed %q, skipped %q; want a skip saying NOT TESTED", o.failed, o.skipped)
+		}
+		if msg := o.failed + o.skipped; !strings.Contains(msg, "make deps") {
+			t.Errorf("CI=%q: %q does not name `make deps`", ci, msg)
+		}
+	}
+}
+
+// TestClusterPortTaken: a start that finds a port taken between picking
+// and binding starts again on new ports.
+func TestClusterPortTaken(t *testing.T) {
+	EtcdBinary(t)
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taken.Close()
+	calls := 0
+	pickAddrs = func(n int) ([]string, error) {
+		calls++
+		addrs, err := freeAddrs(n)
+		if calls == 1 && err == nil {
+			addrs[0] = taken.Addr().String() // member 0's client port
+		}
+		return addrs, err
+	}
+	defer func() { pickAddrs = freeAddrs }()
+	c := StartCluster(t, 1)
+	if calls != 2 {
+		t.Fatalf("%d starts, want 2", calls)
+	}
+	if c.Endpoints()[0] == "http://"+taken.Addr().String() {
+		t.Fatal("the cluster has the taken port")
 	}
 }

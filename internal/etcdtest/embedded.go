@@ -32,7 +32,7 @@ const StartTimeout = 60 * time.Second
 
 // Options of StartEmbeddedWith; the zero value is StartEmbedded's server.
 type Options struct {
-	// Dir is the data directory; empty means a new tb.TempDir().
+	// Dir is the data directory; empty means one in a new tb.TempDir().
 	Dir string
 	// AutoCompactionMode and AutoCompactionRetention are embed.Config's
 	// ("revision" and "100", say); empty retention means no automatic
@@ -66,7 +66,8 @@ func StartEmbedded(tb testing.TB) *Server {
 func StartEmbeddedWith(tb testing.TB, o Options) *Server {
 	tb.Helper()
 	if o.Dir == "" {
-		o.Dir = tb.TempDir()
+		// A directory etcd makes itself, with the 0700 it wants.
+		o.Dir = filepath.Join(tb.TempDir(), "data")
 	}
 	logPath := filepath.Join(tb.TempDir(), "etcd.log")
 	s, err := startEmbedded(o, logPath)
@@ -115,8 +116,7 @@ func startEmbedded(o Options, logPath string) (*Server, error) {
 		cfg.AutoCompactionRetention = o.AutoCompactionRetention
 	}
 	// No HTTP/JSON gateway: tests speak gRPC through clientv3, and the
-	// gateway's own gRPC connection back to the server is only more
-	// goroutines to stop.
+	// gateway is a gRPC client inside the server that nothing here uses.
 	cfg.EnableGRPCGateway = false
 	cfg.ZapLoggerBuilder = embed.NewZapLoggerBuilder(fileLogger(logFile))
 	if o.Config != nil {

@@ -141,3 +141,27 @@ func TestShared(t *testing.T) {
 		})
 	}
 }
+
+// TestCloseLeavesNothing: Close, with a watch and a lease's keepalive still
+// open on the server's client, leaves no goroutine of the server or the
+// client behind, at once (not only by TestMain's check).
+func TestCloseLeavesNothing(t *testing.T) {
+	ignore := goleak.IgnoreCurrent()
+	s := StartEmbedded(t)
+	c := s.Client(t)
+	ctx := context.Background() // nothing but Close ends them
+	w := c.Watch(ctx, Prefix(t), clientv3.WithPrefix())
+	lease, err := c.Grant(ctx, 5)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.KeepAlive(ctx, lease.ID); err != nil {
+		t.Fatal(err)
+	}
+	s.Close()
+	for range w { // the client's close ends the watch
+	}
+	if err := goleak.Find(append(GoleakOptions(), ignore)...); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -104,9 +104,10 @@ func New(ctx context.Context, cli *clientv3.Client, prefix string, cfg lock.Conf
 		b.wg.Wait()
 		return nil, err
 	}
-	b.wg.Add(2)
+	b.wg.Add(3)
 	go b.timers()
 	go b.sweepOrphans()
+	go b.health()
 	return b, nil
 }
 
@@ -223,4 +224,40 @@ func jsonUnmarshal(v []byte, out any) error {
 		return fmt.Errorf("etcd backend: a record that is not ours: %w", err)
 	}
 	return nil
+}
+
+// health reads from etcd every second. A server cut off from etcd (or from
+// its quorum) cannot keep its nodes' sessions alive; once it has failed for
+// a third of the grace it ends its streams, so that their clients move to a
+// server that can, before etcd ends their sessions (docs/DESIGN.md, "An
+// etcd backend").
+func (b *Backend) health() {
+	defer b.wg.Done()
+	limit := max(time.Second, time.Duration(b.graceTTL)*time.Second/3)
+	var failingSince time.Time
+	dropped := false
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-b.ctx.Done():
+			return
+		case <-t.C:
+		}
+		ctx, cancel := context.WithTimeout(clientv3.WithRequireLeader(b.ctx), time.Second)
+		_, err := b.cli.Get(ctx, b.n.epoch())
+		cancel()
+		switch {
+		case err == nil:
+			failingSince, dropped = time.Time{}, false
+		case b.ctx.Err() != nil:
+			return
+		case failingSince.IsZero():
+			failingSince = time.Now()
+		case !dropped && time.Since(failingSince) >= limit:
+			dropped = true
+			n := b.w.endStreams()
+			b.log.Warn("etcd backend: etcd out of reach; ended this server's streams so that their nodes move to another server", "streams", n, "err", err)
+		}
+	}
 }

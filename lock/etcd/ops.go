@@ -140,9 +140,11 @@ func (b *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 			return &lock.HeldError{Holder: rec.Holder}
 		}
 		// 7. Limits.
-		if rec.empty(now, b.cfg.CompletedRetention) && b.cfg.MaxKeys > 0 && b.keyCount() >= b.cfg.MaxKeys {
-			b.refusedKeys.Add(1)
-			return fmt.Errorf("%w: %d keys have state, at most %d are allowed", lock.ErrTooManyKeys, b.keyCount(), b.cfg.MaxKeys)
+		if rec.empty(now, b.cfg.CompletedRetention) && b.cfg.MaxKeys > 0 {
+			if n := b.w.keyCount(b.cfg.MaxKeys); n >= b.cfg.MaxKeys {
+				b.refusedKeys.Add(1)
+				return fmt.Errorf("%w: %d keys have state, at most %d are allowed", lock.ErrTooManyKeys, n, b.cfg.MaxKeys)
+			}
 		}
 		if rec.held() && b.cfg.MaxQueue > 0 && rec.Queue >= b.cfg.MaxQueue {
 			b.refusedQueue.Add(1)
@@ -184,7 +186,7 @@ func (b *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 		t.put(nil)
 		res = lock.LockResult{Queued: true, Holder: rec.Holder, Position: rec.Queue}
 		return nil
-	})
+	}, b.n.session(req.Node), b.n.queueNode(k, req.Node))
 	if err != nil {
 		return lock.LockResult{}, err
 	}
@@ -434,6 +436,7 @@ func (t *tx) promote(x *trans, now time.Time) (string, error) {
 			}
 			if refused {
 				x.Refused = append(x.Refused, w.Node)
+				x.At = now.UnixNano()
 				continue
 			}
 			t.grant(w.Node, lock.Lease(w.Lease), w.SLease, now, true)
@@ -532,7 +535,7 @@ func (b *Backend) Cancel(ctx context.Context, typ lock.Type, resource, node stri
 		t.put(nil)
 		res.Dequeued = true
 		return nil
-	})
+	}, b.n.queueNode(k, node))
 	if err != nil {
 		return lock.CancelResult{}, err
 	}
@@ -562,6 +565,10 @@ func (b *Backend) Status(ctx context.Context, typ lock.Type, resource, node stri
 		return lock.Status{}, err
 	}
 	var st lock.Status
+	var also []string
+	if node != "" {
+		also = append(also, b.n.queueNode(k, node))
+	}
 	_, err := b.run(ctx, k, func(t *tx) error {
 		now := time.Now()
 		rec := &t.rec
@@ -601,7 +608,7 @@ func (b *Backend) Status(ctx context.Context, typ lock.Type, resource, node stri
 			t.put(nil)
 		}
 		return nil
-	})
+	}, also...)
 	if err != nil {
 		return lock.Status{}, err
 	}

@@ -57,10 +57,11 @@ type done struct {
 // trans is what a write did that streams are told: every server derives the
 // same events, with the same ids, from it (watch.go).
 type trans struct {
-	Assigned string   `json:"a,omitempty"` // lock_assigned to this node, with the record's token
-	Done     *done    `json:"c,omitempty"` // operation_completed
-	Skip     bool     `json:"k,omitempty"` // the waiters removed by this write were skipped
-	Refused  []string `json:"r,omitempty"` // waiters refused at promotion (in_use)
+	Assigned string   `json:"a,omitempty"`  // lock_assigned to this node, with the record's token
+	Done     *done    `json:"c,omitempty"`  // operation_completed
+	Skip     bool     `json:"k,omitempty"`  // the waiters removed by this write were skipped
+	Refused  []string `json:"r,omitempty"`  // waiters refused at promotion (in_use)
+	At       int64    `json:"at,omitempty"` // when they were refused
 }
 
 // waitRec is one waiter.

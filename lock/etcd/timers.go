@@ -23,6 +23,13 @@ func (b *Backend) timers() {
 	t := time.NewTimer(time.Hour)
 	defer t.Stop()
 	for {
+		if k, at, ok := b.w.oldestPastCap(); ok {
+			if err := b.dropDone(k, at); err != nil && b.ctx.Err() == nil {
+				b.log.Warn("etcd backend: dropping a completion record past the cap", "key", k.String(), "err", err)
+			}
+			b.w.forgetDone(k, at)
+			continue
+		}
 		k, at, ok := b.w.next()
 		wait := time.Hour
 		if ok {
@@ -39,22 +46,45 @@ func (b *Backend) timers() {
 				continue
 			}
 		}
-		if err := b.expire(k); err != nil && b.ctx.Err() == nil {
+		wrote, err := b.expire(k)
+		if err != nil && b.ctx.Err() == nil {
 			b.log.Warn("etcd backend: a timer failed", "key", k.String(), "err", err)
-			// Try again a little later rather than spin on an etcd
-			// that does not answer.
+		}
+		if err != nil || !wrote {
+			// Nothing to do yet (another server did it, or this clock
+			// is behind the one that set the deadline), or etcd did not
+			// answer: look again a little later rather than spin. A
+			// write by anyone sets the key's deadline anew.
 			b.w.postpone(k, time.Now().Add(time.Second).UnixNano())
 		}
 	}
 }
 
-// expire applies whatever deadlines of k have passed.
-func (b *Backend) expire(k lock.Key) error {
+// expire applies whatever deadlines of k have passed, and reports whether
+// it changed anything.
+func (b *Backend) expire(k lock.Key) (bool, error) {
 	ctx, cancel := context.WithTimeout(b.ctx, 30*time.Second)
 	defer cancel()
 	var expired, grants uint64
+	var wrote bool
 	_, err := b.run(ctx, k, func(t *tx) error {
-		expired, grants = 0, 0
+		err := b.expireTx(t, &expired, &grants)
+		wrote = err == nil && len(t.ops) > 0
+		return err
+	})
+	if err == nil {
+		b.expiries.Add(expired)
+		b.grants.Add(grants)
+		b.handoffs.Add(grants)
+	}
+	return wrote, err
+}
+
+func (b *Backend) expireTx(t *tx, expiredOut, grantsOut *uint64) error {
+	k := t.k
+	var expired, grants uint64
+	defer func() { *expiredOut, *grantsOut = expired, grants }()
+	{
 		now := time.Now()
 		nowNs := now.UnixNano()
 		r := &t.rec
@@ -128,11 +158,28 @@ func (b *Backend) expire(k lock.Key) error {
 			t.put(nil)
 		}
 		return nil
-	})
-	if err == nil {
-		b.expiries.Add(expired)
-		b.grants.Add(grants)
-		b.handoffs.Add(grants)
 	}
+}
+
+// dropDone drops k's completion record of time at, the oldest while more
+// than Config.CompletedMax are kept in the cluster (docs/DESIGN.md,
+// "Completion records"). Every server counts them from its watch, so the
+// cap holds within what the servers have not seen yet.
+func (b *Backend) dropDone(k lock.Key, at int64) error {
+	ctx, cancel := context.WithTimeout(b.ctx, 30*time.Second)
+	defer cancel()
+	_, err := b.run(ctx, k, func(t *tx) error {
+		r := &t.rec
+		if r.Done == nil || r.Done.At != at {
+			return nil
+		}
+		r.Done = nil
+		if !r.held() && r.Queue == 0 {
+			t.op(clientv3.OpDelete(b.n.key(k)))
+			return nil
+		}
+		t.put(nil)
+		return nil
+	})
 	return err
 }

@@ -7,7 +7,9 @@ import (
 	"hash/maphash"
 	"sort"
 	"strconv"
+	"time"
 
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/dlock/dlock/lock"
@@ -30,7 +32,8 @@ type tx struct {
 	cmps    []clientv3.Cmp
 	ops     []clientv3.Op
 	guarded map[string]bool
-	recOp   int // the index in ops of the record's write, -1 before it
+	cache   map[string]*mvccpb.KeyValue // what load read besides the record; nil: absent
+	recOp   int                         // the index in ops of the record's write, -1 before it
 }
 
 // errConflict is a transaction whose reads changed: it is tried again.
@@ -40,10 +43,26 @@ var errConflict = errors.New("etcd backend: conflict")
 // conflict. fn is called again on each attempt and must keep its results
 // in variables it resets. Calls for one resource on one server wait for
 // each other, so that only servers compete for a key, not requests.
-func (b *Backend) run(ctx context.Context, k lock.Key, fn func(t *tx) error) (int64, error) {
+func (b *Backend) run(ctx context.Context, k lock.Key, fn func(t *tx) error, also ...string) (int64, error) {
 	mu := &b.stripes[maphash.String(b.seed, k.Resource)%uint64(len(b.stripes))]
 	mu.Lock()
 	defer mu.Unlock()
+	// An etcd that does not answer (a partition drops packets) must not
+	// hold a request, and the stripe, for as long as its client waits.
+	parent := ctx
+	ctx, cancel := context.WithTimeout(ctx, callTimeout)
+	defer cancel()
+	rev, err := b.attempt(ctx, k, fn, also)
+	if err != nil && parent.Err() == nil && ctx.Err() != nil && !b.closed.Load() {
+		return 0, fmt.Errorf("%w: etcd did not answer within %v", lock.ErrUnavailable, callTimeout)
+	}
+	return rev, err
+}
+
+// callTimeout bounds one call's work in etcd.
+const callTimeout = 10 * time.Second
+
+func (b *Backend) attempt(ctx context.Context, k lock.Key, fn func(t *tx) error, also []string) (int64, error) {
 	for attempt := 0; ; attempt++ {
 		if err := b.alive(); err != nil {
 			return 0, err
@@ -52,7 +71,7 @@ func (b *Backend) run(ctx context.Context, k lock.Key, fn func(t *tx) error) (in
 			return 0, err
 		}
 		t := &tx{b: b, ctx: ctx, k: k, guarded: map[string]bool{}, recOp: -1}
-		if err := t.load(); err != nil {
+		if err := t.load(also...); err != nil {
 			return 0, err
 		}
 		if err := fn(t); err != nil {
@@ -73,20 +92,36 @@ func (b *Backend) run(ctx context.Context, k lock.Key, fn func(t *tx) error) (in
 	}
 }
 
-// load reads the key's record.
-func (t *tx) load() error {
-	resp, err := t.b.cli.Get(t.ctx, t.b.n.key(t.k))
+// load reads the key's record, and with it, at the same revision, the
+// other records the call will read (a session, a queue index), so that most
+// calls read once.
+func (t *tx) load(also ...string) error {
+	kk := t.b.n.key(t.k)
+	ops := make([]clientv3.Op, 0, 1+len(also))
+	ops = append(ops, clientv3.OpGet(kk))
+	for _, k := range also {
+		ops = append(ops, clientv3.OpGet(k))
+	}
+	resp, err := t.b.cli.Txn(t.ctx).Then(ops...).Commit()
 	if err != nil {
 		return t.b.etcdErr("reading a key", err)
 	}
 	t.readRev = resp.Header.Revision
-	kk := t.b.n.key(t.k)
+	t.cache = make(map[string]*mvccpb.KeyValue, len(also))
+	for i, k := range also {
+		var kv *mvccpb.KeyValue
+		if kvs := resp.Responses[1+i].GetResponseRange().GetKvs(); len(kvs) > 0 {
+			kv = kvs[0]
+		}
+		t.cache[k] = kv
+	}
 	t.guarded[kk] = true
-	if len(resp.Kvs) == 0 {
+	kvs := resp.Responses[0].GetResponseRange().GetKvs()
+	if len(kvs) == 0 {
 		t.cmps = append(t.cmps, clientv3.Compare(clientv3.CreateRevision(kk), "=", 0))
 		return nil
 	}
-	kv := resp.Kvs[0]
+	kv := kvs[0]
 	t.recRev = kv.ModRevision
 	t.cmps = append(t.cmps, clientv3.Compare(clientv3.ModRevision(kk), "=", kv.ModRevision))
 	t.rec, err = decodeKey(kv.Value)
@@ -95,22 +130,28 @@ func (t *tx) load() error {
 
 // get reads another record and guards the transaction with it.
 func (t *tx) get(key string) ([]byte, int64, error) {
-	resp, err := t.b.cli.Get(t.ctx, key)
-	if err != nil {
-		return nil, 0, t.b.etcdErr("reading", err)
+	kv, cached := t.cache[key]
+	if !cached {
+		resp, err := t.b.cli.Get(t.ctx, key)
+		if err != nil {
+			return nil, 0, t.b.etcdErr("reading", err)
+		}
+		if len(resp.Kvs) > 0 {
+			kv = resp.Kvs[0]
+		}
 	}
 	if !t.guarded[key] {
 		t.guarded[key] = true
-		if len(resp.Kvs) == 0 {
+		if kv == nil {
 			t.cmps = append(t.cmps, clientv3.Compare(clientv3.CreateRevision(key), "=", 0))
 		} else {
-			t.cmps = append(t.cmps, clientv3.Compare(clientv3.ModRevision(key), "=", resp.Kvs[0].ModRevision))
+			t.cmps = append(t.cmps, clientv3.Compare(clientv3.ModRevision(key), "=", kv.ModRevision))
 		}
 	}
-	if len(resp.Kvs) == 0 {
+	if kv == nil {
 		return nil, 0, nil
 	}
-	return resp.Kvs[0].Value, resp.Kvs[0].ModRevision, nil
+	return kv.Value, kv.ModRevision, nil
 }
 
 // sibling reads another type's record of the same resource.
@@ -153,14 +194,11 @@ func (t *tx) waiting(node string) (uint64, bool, error) {
 	if t.rec.Queue == 0 {
 		return 0, false, nil
 	}
-	resp, err := t.b.cli.Get(t.ctx, t.b.n.queueNode(t.k, node))
-	if err != nil {
-		return 0, false, t.b.etcdErr("reading the queue", err)
+	v, _, err := t.get(t.b.n.queueNode(t.k, node))
+	if err != nil || v == nil {
+		return 0, false, err
 	}
-	if len(resp.Kvs) == 0 {
-		return 0, false, nil
-	}
-	seq, err := strconv.ParseUint(string(resp.Kvs[0].Value), 16, 64)
+	seq, err := strconv.ParseUint(string(v), 16, 64)
 	if err != nil {
 		return 0, false, fmt.Errorf("etcd backend: a queue index that is not ours: %w", err)
 	}

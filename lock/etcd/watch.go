@@ -36,6 +36,8 @@ type watcher struct {
 	keys              map[lock.Key]keyInfo
 	nKeys, nHeld, nQd int
 	deadlines         deadlineHeap
+	nDone             int          // keys with a completion record
+	dones             deadlineHeap // the records by their time: the oldest go first past CompletedMax
 	wake              chan struct{}
 
 	sessions map[string]*sessInfo
@@ -49,6 +51,7 @@ type keyInfo struct {
 	held, kept bool
 	queue      int
 	deadline   int64
+	doneAt     int64 // the completion record's time, 0 for none
 }
 
 // sessInfo is a session as the watch saw it, with its replay log.
@@ -92,8 +95,8 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 	}
 	rev := resp.Header.Revision
 	keys := map[lock.Key]keyInfo{}
-	var nKeys, nHeld, nQd int
-	var dl deadlineHeap
+	var nKeys, nHeld, nQd, nDone int
+	var dl, dones deadlineHeap
 	err = w.page(ctx, b.n.keys(), rev, func(kv *mvccpb.KeyValue) {
 		k, ok := b.n.parseKey(string(kv.Key))
 		if !ok {
@@ -108,6 +111,10 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 		nKeys, nHeld, nQd = nKeys+b2i(ki.kept), nHeld+b2i(ki.held), nQd+ki.queue
 		if ki.deadline != 0 {
 			dl = append(dl, deadline{at: ki.deadline, k: k})
+		}
+		if ki.doneAt != 0 {
+			dones = append(dones, deadline{at: ki.doneAt, k: k})
+			nDone++
 		}
 	})
 	if err != nil {
@@ -126,8 +133,10 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 		return 0, err
 	}
 	heap.Init(&dl)
+	heap.Init(&dones)
 	w.mu.Lock()
 	w.keys, w.nKeys, w.nHeld, w.nQd, w.deadlines = keys, nKeys, nHeld, nQd, dl
+	w.nDone, w.dones = nDone, dones
 	for node, s := range sessions {
 		if old := w.sessions[node]; old != nil && old.lease == s.lease {
 			continue // a relist keeps the logs of sessions that go on
@@ -154,7 +163,11 @@ func b2i(v bool) int {
 }
 
 func info(r *keyRec, retention time.Duration) keyInfo {
-	return keyInfo{held: r.held(), kept: r.held() || r.Queue > 0 || r.Done != nil, queue: r.Queue, deadline: r.deadline(retention)}
+	ki := keyInfo{held: r.held(), kept: r.held() || r.Queue > 0 || r.Done != nil, queue: r.Queue, deadline: r.deadline(retention)}
+	if r.Done != nil {
+		ki.doneAt = r.Done.At
+	}
+	return ki
 }
 
 // page reads every record under prefix at rev, a thousand at a time.
@@ -177,26 +190,37 @@ func (w *watcher) page(ctx context.Context, prefix string, rev int64, fn func(*m
 }
 
 // follow applies every change after rev until the backend closes. A watch
-// that fails (compacted past, etcd gone) is opened again after a new list;
-// the replay logs then start again from that list (a reconnect from before
-// it is told Missed).
+// that ends (etcd out of reach, its member without a leader) is opened
+// again from the next revision; one that was compacted past has lost
+// changes, so the state is listed again and the replay logs start anew
+// from that list: this server's session streams are closed, and their
+// reconnects are told Missed (docs/DESIGN.md, "An etcd backend").
 func (w *watcher) follow(rev int64) {
 	defer w.b.wg.Done()
 	b := w.b
 	for b.ctx.Err() == nil {
 		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(b.ctx))
 		ch := b.cli.Watch(wctx, b.n.p, clientv3.WithPrefix(), clientv3.WithRev(rev+1), clientv3.WithPrevKV())
-		rev = w.consume(ch, rev)
+		var compacted bool
+		rev, compacted = w.consume(ch, rev)
 		cancel()
+		if !compacted {
+			select {
+			case <-b.ctx.Done():
+			case <-time.After(100 * time.Millisecond):
+			}
+			continue
+		}
 		for b.ctx.Err() == nil {
 			lctx, lcancel := context.WithTimeout(b.ctx, 10*time.Second)
 			r, err := w.list(lctx)
 			lcancel()
 			if err == nil {
 				rev = r
+				w.lost()
 				break
 			}
-			b.log.Warn("etcd backend: listing the lock state after a watch ended", "err", err)
+			b.log.Warn("etcd backend: listing the lock state after a compacted watch", "err", err)
 			select {
 			case <-b.ctx.Done():
 			case <-time.After(time.Second):
@@ -205,13 +229,51 @@ func (w *watcher) follow(rev int64) {
 	}
 }
 
-// consume applies the watch's changes, a revision at a time, and returns
-// the last revision applied when the watch ends.
-func (w *watcher) consume(ch clientv3.WatchChan, rev int64) int64 {
+// lost drops what the replay logs hold and ends this server's streams,
+// after changes went by unseen.
+func (w *watcher) lost() {
+	w.mu.Lock()
+	floor := uint64(w.processed)*idsPerRev + idsPerRev - 1
+	for _, s := range w.sessions {
+		s.log, s.bytes, s.dropped = nil, 0, max(s.dropped, floor)
+	}
+	w.mu.Unlock()
+	w.endStreams()
+}
+
+// endStreams ends every stream of this server and returns how many.
+func (w *watcher) endStreams() int {
+	w.mu.Lock()
+	var all []*feed
+	for _, l := range w.streams {
+		all = append(all, l...)
+	}
+	for _, l := range w.observers {
+		all = append(all, l...)
+	}
+	for _, f := range all {
+		w.dropLocked(f)
+	}
+	w.mu.Unlock()
+	for _, f := range all {
+		f.end(false)
+		w.b.s.release(f)
+	}
+	return len(all)
+}
+
+// consume applies the watch's changes, a revision at a time, until the
+// watch ends, and returns the last revision applied and whether the watch
+// was compacted past.
+func (w *watcher) consume(ch clientv3.WatchChan, rev int64) (int64, bool) {
 	for resp := range ch {
+		if resp.CompactRevision > 0 {
+			w.b.log.Warn("etcd backend: the watch was compacted past", "revision", resp.CompactRevision)
+			return rev, true
+		}
 		if err := resp.Err(); err != nil {
 			w.b.log.Warn("etcd backend: the watch ended", "err", err)
-			return rev
+			return rev, false
 		}
 		evs := resp.Events
 		for len(evs) > 0 {
@@ -231,7 +293,7 @@ func (w *watcher) consume(ch clientv3.WatchChan, rev int64) int64 {
 			w.mu.Unlock()
 		}
 	}
-	return rev
+	return rev, false
 }
 
 // setProcessed moves processed on and wakes who waits for it; w.mu held.
@@ -381,6 +443,10 @@ func (w *watcher) track(c change) {
 	w.nKeys += b2i(ki.kept) - b2i(old.kept)
 	w.nHeld += b2i(ki.held) - b2i(old.held)
 	w.nQd += ki.queue - old.queue
+	w.nDone += b2i(ki.doneAt != 0) - b2i(old.doneAt != 0)
+	if ki.doneAt != 0 && ki.doneAt != old.doneAt {
+		heap.Push(&w.dones, deadline{at: ki.doneAt, k: c.k})
+	}
 	if c.deleted {
 		delete(w.keys, c.k)
 		return
@@ -388,6 +454,9 @@ func (w *watcher) track(c change) {
 	w.keys[c.k] = ki
 	if ki.deadline != 0 && ki.deadline != old.deadline {
 		heap.Push(&w.deadlines, deadline{at: ki.deadline, k: c.k})
+		if len(w.deadlines) > 2*len(w.keys)+1024 {
+			w.compactDeadlines()
+		}
 	}
 }
 
@@ -446,10 +515,7 @@ func (w *watcher) deliver(c change, rev int64, skipped []string) []*feed {
 		send(base+1, ev, to, true)
 	}
 	for i, node := range x.Refused {
-		at := time.Now()
-		if x.Done != nil {
-			at = time.Unix(0, x.Done.At)
-		}
+		at := time.Unix(0, x.At)
 		ev := &lock.Event{Name: lock.EventOperationCompleted, Key: c.k, Node: node, Error: "in_use", CompletedAt: at}
 		send(base+2+uint64(i), ev, []string{node}, false)
 	}
@@ -479,28 +545,45 @@ func (w *watcher) stats() lock.Stats {
 	return lock.Stats{Keys: w.nKeys, Held: w.nHeld, Queued: w.nQd, Sessions: len(w.sessions)}
 }
 
-func (w *watcher) keyCount() int {
-	w.b.w.caughtUp(w.b.lastCommit.Load(), time.Second)
+// nearLimit is how close to a cluster-wide limit a count must be before a
+// check waits for the watch to see this server's own last write: far from
+// it, the count it has is good enough, and the call does not wait.
+const nearLimit = 1024
+
+func (w *watcher) keyCount(limit int) int {
+	w.mu.Lock()
+	n := w.nKeys
+	w.mu.Unlock()
+	if n+nearLimit < limit {
+		return n
+	}
+	w.caughtUp(w.b.lastCommit.Load(), time.Second)
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	return w.nKeys
 }
 
-func (w *watcher) sessionCount() int {
-	w.b.w.caughtUp(w.b.lastCommit.Load(), time.Second)
+func (w *watcher) sessionCount(limit int) int {
+	w.mu.Lock()
+	n := len(w.sessions)
+	w.mu.Unlock()
+	if n+nearLimit < limit {
+		return n
+	}
+	w.caughtUp(w.b.lastCommit.Load(), time.Second)
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	return len(w.sessions)
 }
 
-func (b *Backend) keyCount() int { return b.w.keyCount() }
-
 // roomForSession refuses a session beyond Config.MaxSessions, counted in
 // the whole cluster as this server's watch has seen it.
 func (b *Backend) roomForSession() error {
-	if b.cfg.MaxSessions > 0 && b.w.sessionCount() >= b.cfg.MaxSessions {
-		b.refusedSessions.Add(1)
-		return fmt.Errorf("%w: %d sessions, at most %d are allowed", lock.ErrTooManySessions, b.cfg.MaxSessions, b.cfg.MaxSessions)
+	if b.cfg.MaxSessions > 0 {
+		if n := b.w.sessionCount(b.cfg.MaxSessions); n >= b.cfg.MaxSessions {
+			b.refusedSessions.Add(1)
+			return fmt.Errorf("%w: %d sessions, at most %d are allowed", lock.ErrTooManySessions, n, b.cfg.MaxSessions)
+		}
 	}
 	return nil
 }
@@ -528,6 +611,33 @@ func (w *watcher) next() (lock.Key, int64, bool) {
 	return lock.Key{}, 0, false
 }
 
+// oldestPastCap returns the oldest completion record while more than
+// Config.CompletedMax are kept in the cluster.
+func (w *watcher) oldestPastCap() (lock.Key, int64, bool) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.nDone <= w.b.cfg.CompletedMax {
+		return lock.Key{}, 0, false
+	}
+	for w.dones.Len() > 0 {
+		d := w.dones[0]
+		if ki, ok := w.keys[d.k]; ok && ki.doneAt == d.at {
+			return d.k, d.at, true
+		}
+		heap.Pop(&w.dones) // stale
+	}
+	return lock.Key{}, 0, false
+}
+
+// forgetDone drops a record from the cap's heap, acted on or not.
+func (w *watcher) forgetDone(k lock.Key, at int64) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.dones.Len() > 0 && w.dones[0].k == k && w.dones[0].at == at {
+		heap.Pop(&w.dones)
+	}
+}
+
 // postpone moves k's deadline when its timer could not act on it.
 func (w *watcher) postpone(k lock.Key, at int64) {
 	w.mu.Lock()
@@ -537,6 +647,20 @@ func (w *watcher) postpone(k lock.Key, at int64) {
 		w.keys[k] = ki
 		heap.Push(&w.deadlines, deadline{at: at, k: k})
 	}
+}
+
+// compactDeadlines drops the heap's stale entries, which a key whose
+// deadline moves often leaves behind; w.mu held.
+func (w *watcher) compactDeadlines() {
+	h := w.deadlines[:0]
+	for _, d := range w.deadlines {
+		if ki, ok := w.keys[d.k]; ok && ki.deadline == d.at {
+			h = append(h, d)
+		}
+	}
+	clear(w.deadlines[len(h):])
+	w.deadlines = h
+	heap.Init(&w.deadlines)
 }
 
 type deadline struct {

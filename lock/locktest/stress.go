@@ -72,7 +72,9 @@ func testStress(t *testing.T, s *suite) {
 			wk := &worker{m: m, st: st, node: node, rng: rng, seen: make(map[lock.Key]uint64)}
 			for range rounds {
 				k := keys[rng.IntN(len(keys))]
+				asked := time.Now()
 				res, err := m.TryLock(ctx, lock.LockRequest{Type: k.Type, Resource: k.Resource, Node: node})
+				took := time.Since(asked)
 				if err != nil {
 					t.Error(err)
 					return
@@ -83,7 +85,7 @@ func testStress(t *testing.T, s *suite) {
 					wk.seen[k] = max(wk.seen[k], token)
 				}
 				if res.Queued {
-					outcome, tok, err := wk.wait(k)
+					outcome, tok, err := wk.wait(k, took)
 					if err != nil {
 						t.Error(err)
 						return
@@ -163,9 +165,12 @@ func (w *worker) next() *lock.Event {
 	return ev
 }
 
-// wait waits for a queued node's outcome, cancelling now and then.
-func (w *worker) wait(k lock.Key) (string, uint64, error) {
-	giveUp := time.After(time.Duration(w.rng.IntN(20)) * time.Millisecond)
+// wait waits for a queued node's outcome, cancelling now and then: after
+// up to 20 ms plus twice what the backend took to queue it (took), so that
+// a backend whose calls take longer than 20 ms still sees waits end in a
+// grant and in a skip.
+func (w *worker) wait(k lock.Key, took time.Duration) (string, uint64, error) {
+	giveUp := time.After(time.Duration(w.rng.IntN(20))*time.Millisecond + 2*took)
 	deadline := time.After(30 * time.Second)
 	for {
 		for ev := w.next(); ev != nil; ev = w.next() {

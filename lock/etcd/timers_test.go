@@ -1,0 +1,407 @@
+package etcd_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/dlock/dlock/internal/etcdtest"
+	"github.com/dlock/dlock/lock"
+	"github.com/dlock/dlock/lock/etcd"
+)
+
+// The timer rules of docs/DESIGN.md ("Leases", "Completion records"), which
+// the conformance suite checks in fake time and cannot for this backend:
+// its deadlines follow the wall clock and its sessions etcd's lease clock.
+// Here they run in real time with short durations. Each test waits for the
+// state a rule must reach (a liveness bound, not a timing assertion), and
+// checks what must hold once it is reached.
+
+// open returns a backend on a fresh data set of the shared embedded etcd.
+func open(t testing.TB, mod func(*lock.Config)) (*etcd.Backend, string) {
+	t.Helper()
+	p := etcdtest.Prefix(t)
+	return openAt(t, p, mod), p
+}
+
+// openAt returns another backend on the data set p: another server.
+func openAt(t testing.TB, p string, mod func(*lock.Config)) *etcd.Backend {
+	t.Helper()
+	cfg := lock.DefaultConfig()
+	if mod != nil {
+		mod(&cfg)
+	}
+	b, err := etcd.New(t.Context(), etcdtest.Shared(t).Client(t), p, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { b.Close() })
+	return b
+}
+
+// eventually waits, at most a minute, until cond holds.
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("after a minute: %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func tryLock(t *testing.T, b lock.Backend, req lock.LockRequest) lock.LockResult {
+	t.Helper()
+	r, err := b.TryLock(context.Background(), req)
+	if err != nil {
+		t.Fatalf("TryLock(%v, %s): %v", req.Key(), req.Node, err)
+	}
+	return r
+}
+
+func stat(t *testing.T, b lock.Backend, typ lock.Type, res, node string) lock.Status {
+	t.Helper()
+	st, err := b.Status(context.Background(), typ, res, node)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st
+}
+
+// next waits for the next event of a stream.
+func next(t *testing.T, st lock.Stream) lock.Delivery {
+	t.Helper()
+	timeout := time.After(time.Minute)
+	for {
+		if got := st.Take(nil); len(got) > 0 {
+			if len(got) > 1 {
+				t.Fatalf("got %d events, want one: %v", len(got), got)
+			}
+			return got[0]
+		}
+		select {
+		case <-st.Ready():
+		case <-st.Done():
+			t.Fatal("stream ended")
+		case <-timeout:
+			t.Fatal("no event after a minute")
+		}
+	}
+}
+
+func subscribe(t *testing.T, b lock.Backend, node string) lock.Stream {
+	t.Helper()
+	st, _, err := b.Subscribe(t.Context(), lock.SubscribeRequest{Node: node})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(st.Close)
+	return st
+}
+
+func ttlReq(res, node string) lock.LockRequest {
+	return lock.LockRequest{Type: lock.Pull, Resource: res, Node: node, Lease: lock.LeaseTTL}
+}
+
+func TestTTLExpiryHandsOn(t *testing.T) {
+	b, _ := open(t, func(c *lock.Config) { c.LockTTL = time.Second })
+	a := tryLock(t, b, ttlReq("r", "a"))
+	sb := subscribe(t, b, "b")
+	if r := tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: "r", Node: "b", Lease: lock.LeaseSession}); !r.Queued {
+		t.Fatalf("b: %+v, want queued", r)
+	}
+	d := next(t, sb)
+	if d.Event.Name != lock.EventLockAssigned || d.Event.Node != "b" || d.Event.Token <= a.Token {
+		t.Fatalf("b got %+v, want lock_assigned with a newer token", d.Event)
+	}
+	st := stat(t, b, lock.Pull, "r", "")
+	if st.Holder != "b" || st.LastCompleted == nil || st.LastCompleted.Error != "lock expired" || st.LastCompleted.Node != "a" {
+		t.Fatalf("status %+v %+v, want b holding after a's hold expired", st, st.LastCompleted)
+	}
+	if _, err := b.Unlock(context.Background(), lock.UnlockRequest{Type: lock.Pull, Resource: "r", Node: "a", Success: true}); !errors.Is(err, lock.ErrNotHolder) {
+		t.Fatalf("a late unlock: %v, want ErrNotHolder", err)
+	}
+	if n := b.Stats().Expiries; n != 1 {
+		t.Fatalf("Expiries = %d, want 1", n)
+	}
+}
+
+func TestTTLWaiterExpires(t *testing.T) {
+	b, _ := open(t, func(c *lock.Config) { c.LockTTL = time.Second })
+	tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: "r", Node: "a", Lease: lock.LeaseSession})
+	tryLock(t, b, ttlReq("r", "w"))
+	eventually(t, "the ttl waiter to leave the queue", func() bool { return stat(t, b, lock.Pull, "r", "").QueueLength == 0 })
+	if st := stat(t, b, lock.Pull, "r", ""); st.Holder != "a" {
+		t.Fatalf("status %+v, want a still holding (a session lease)", st)
+	}
+}
+
+// TestTTLRenewedByStatus: renewals more often than the ttl keep a hold
+// past several ttls.
+func TestTTLRenewedByStatus(t *testing.T) {
+	b, _ := open(t, func(c *lock.Config) { c.LockTTL = 2 * time.Second })
+	a := tryLock(t, b, ttlReq("r", "a"))
+	end := time.Now().Add(5 * time.Second)
+	for time.Now().Before(end) {
+		stat(t, b, lock.Pull, "r", "a")
+		time.Sleep(100 * time.Millisecond)
+	}
+	if st := stat(t, b, lock.Pull, "r", ""); st.Holder != "a" || st.Token != a.Token {
+		t.Fatalf("status %+v, want a's renewed hold", st)
+	}
+}
+
+func TestClaimTimeout(t *testing.T) {
+	b, _ := open(t, func(c *lock.Config) { c.ClaimTimeout = time.Second })
+	tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: "r", Node: "a"})
+	tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: "r", Node: "b"})
+	tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: "r", Node: "c"})
+	tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: "s", Node: "a"})
+	tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: "s", Node: "b"})
+	for _, res := range []string{"r", "s"} {
+		if _, err := b.Unlock(context.Background(), lock.UnlockRequest{Type: lock.Pull, Resource: res, Node: "a", Error: "x"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// b confirms s but not r.
+	tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: "s", Node: "b"})
+	eventually(t, "r to pass to c", func() bool { return stat(t, b, lock.Pull, "r", "").Holder == "c" })
+	if lc := stat(t, b, lock.Pull, "r", "").LastCompleted; lc == nil || lc.Node != "b" || lc.Error != "not claimed" {
+		t.Fatalf("record %+v, want b not claimed", lc)
+	}
+	eventually(t, "c's unconfirmed grant of r to end too", func() bool { return !stat(t, b, lock.Pull, "r", "").Held })
+	if st := stat(t, b, lock.Pull, "s", ""); st.Holder != "b" {
+		t.Fatalf("s: %+v, want b's confirmed grant kept", st)
+	}
+}
+
+func TestMaxHold(t *testing.T) {
+	b, _ := open(t, func(c *lock.Config) { c.MaxHold = time.Second })
+	tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: "r", Node: "a"})
+	eventually(t, "the hold to end", func() bool { return !stat(t, b, lock.Pull, "r", "").Held })
+	if lc := stat(t, b, lock.Pull, "r", "").LastCompleted; lc == nil || lc.Error != "max hold exceeded" {
+		t.Fatalf("record %+v, want max hold exceeded", lc)
+	}
+}
+
+func TestSessionLoss(t *testing.T) {
+	b, _ := open(t, func(c *lock.Config) { c.SessionGrace = time.Second })
+	sa, _, err := b.Subscribe(t.Context(), lock.SubscribeRequest{Node: "a"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: "r", Node: "a"}) // auto: a has a session
+	tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: "q", Node: "h", Lease: lock.LeaseTTL})
+	tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: "q", Node: "a"}) // a waits on q
+	sb := subscribe(t, b, "b")
+	tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: "r", Node: "b"})
+	if st := b.Stats(); st.Sessions != 2 {
+		t.Fatalf("Sessions = %d, want 2", st.Sessions)
+	}
+	sa.Close()
+	d := next(t, sb)
+	if d.Event.Name != lock.EventLockAssigned || d.Event.Node != "b" || d.Event.Token <= a.Token {
+		t.Fatalf("b got %+v", d.Event)
+	}
+	if lc := stat(t, b, lock.Pull, "r", "").LastCompleted; lc == nil || lc.Node != "a" || lc.Error != "session lost" {
+		t.Fatalf("record %+v, want a's session lost", lc)
+	}
+	eventually(t, "a's queue place to go", func() bool { return stat(t, b, lock.Pull, "q", "").QueueLength == 0 })
+	eventually(t, "the loss to be counted", func() bool { return b.Stats().SessionsLost == 1 })
+	if st := b.Stats(); st.Sessions != 1 {
+		t.Fatalf("Sessions = %d, want 1", st.Sessions)
+	}
+	// A new session of a cannot replay the old one's events.
+	_, sub, err := b.Subscribe(t.Context(), lock.SubscribeRequest{Node: "a", LastID: d.ID, HasLast: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !sub.Missed || len(sub.Replay) != 0 {
+		t.Fatalf("replay into a new session: %+v, want missed and nothing", sub)
+	}
+}
+
+// TestSessionLeaseWithoutStream: a session lease asked for without a stream
+// starts a session in its grace, which ends unless a stream opens.
+func TestSessionLeaseWithoutStream(t *testing.T) {
+	b, _ := open(t, func(c *lock.Config) { c.SessionGrace = time.Second })
+	tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: "r", Node: "a", Lease: lock.LeaseSession})
+	if st := b.Stats(); st.Sessions != 1 {
+		t.Fatalf("Sessions = %d, want 1", st.Sessions)
+	}
+	eventually(t, "the hold to end with the session", func() bool { return !stat(t, b, lock.Pull, "r", "").Held })
+	if lc := stat(t, b, lock.Pull, "r", "").LastCompleted; lc == nil || lc.Error != "session lost" {
+		t.Fatalf("record %+v", lc)
+	}
+}
+
+// TestSessionMovesToAnotherServer: a node whose stream moves to another
+// server within the grace keeps its session and its holds.
+func TestSessionMovesToAnotherServer(t *testing.T) {
+	grace := func(c *lock.Config) { c.SessionGrace = 2 * time.Second }
+	b1, p := open(t, grace)
+	b2 := openAt(t, p, grace)
+	s1, sub, err := b1.Subscribe(t.Context(), lock.SubscribeRequest{Node: "a"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := tryLock(t, b1, lock.LockRequest{Type: lock.Pull, Resource: "r", Node: "a"})
+	s2, sub2, err := b2.Subscribe(t.Context(), lock.SubscribeRequest{Node: "a", LastID: sub.ID, HasLast: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s2.Close()
+	if sub2.Missed || len(sub2.Replay) != 1 || sub2.Replay[0].Event.Token != a.Token {
+		t.Fatalf("replay on the other server: %+v, want a's grant", sub2)
+	}
+	s1.Close()
+	b1.Close() // the first server goes away too
+	// Well past the grace, b2 keeps the session alive.
+	time.Sleep(5 * time.Second)
+	if st := stat(t, b2, lock.Pull, "r", ""); st.Holder != "a" || st.Token != a.Token {
+		t.Fatalf("status %+v, want a's hold kept", st)
+	}
+}
+
+func TestMassSessionLoss(t *testing.T) {
+	b, _ := open(t, func(c *lock.Config) { c.SessionGrace = time.Second })
+	const n = 60
+	var streams []lock.Stream
+	for i := range n {
+		node := fmt.Sprintf("n%d", i)
+		st, _, err := b.Subscribe(t.Context(), lock.SubscribeRequest{Node: node})
+		if err != nil {
+			t.Fatal(err)
+		}
+		streams = append(streams, st)
+		tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: fmt.Sprintf("r%d", i), Node: node})
+		// Each also waits on the next one's key: waiters leave first, so
+		// no hold is handed to a leaving session.
+		if i > 0 {
+			tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: fmt.Sprintf("r%d", i-1), Node: node})
+		}
+		tryLock(t, b, ttlReq(fmt.Sprintf("r%d", i), "keeper"))
+	}
+	var wg sync.WaitGroup
+	for _, st := range streams {
+		wg.Go(st.Close)
+	}
+	wg.Wait()
+	eventually(t, "every key to pass to the keeper", func() bool {
+		for i := range n {
+			if stat(t, b, lock.Pull, fmt.Sprintf("r%d", i), "").Holder != "keeper" {
+				return false
+			}
+		}
+		return true
+	})
+	eventually(t, "every loss to be counted", func() bool { return b.Stats().SessionsLost == n })
+}
+
+func TestCompletionRetention(t *testing.T) {
+	b, _ := open(t, func(c *lock.Config) { c.CompletedRetention = time.Second })
+	tryLock(t, b, lock.LockRequest{Type: lock.Delete, Resource: "r", Node: "a"})
+	if _, err := b.Unlock(context.Background(), lock.UnlockRequest{Type: lock.Delete, Resource: "r", Node: "a", Success: true}); err != nil {
+		t.Fatal(err)
+	}
+	skip := lock.LockRequest{Type: lock.Delete, Resource: "r", Node: "b", SkipRecent: true}
+	if r := tryLock(t, b, skip); !r.Skip {
+		t.Fatalf("within the retention: %+v, want skip", r)
+	}
+	eventually(t, "the record to be dropped", func() bool { return b.Stats().Keys == 0 })
+	if st := stat(t, b, lock.Delete, "r", ""); st.LastCompleted != nil {
+		t.Fatalf("record kept: %+v", st.LastCompleted)
+	}
+	if r := tryLock(t, b, skip); !r.Acquired {
+		t.Fatalf("after the retention: %+v, want acquired", r)
+	}
+}
+
+// TestTimersFireOnce: three servers on one data set run the same deadline;
+// it takes effect once.
+func TestTimersFireOnce(t *testing.T) {
+	ttl := func(c *lock.Config) { c.LockTTL = time.Second }
+	b1, p := open(t, ttl)
+	b2, b3 := openAt(t, p, ttl), openAt(t, p, ttl)
+	const keys = 20
+	for i := range keys {
+		res := fmt.Sprintf("r%d", i)
+		tryLock(t, b1, ttlReq(res, "a"))
+		tryLock(t, b2, lock.LockRequest{Type: lock.Pull, Resource: res, Node: "b", Lease: lock.LeaseSession})
+	}
+	eventually(t, "every hold to pass to b", func() bool {
+		for i := range keys {
+			if stat(t, b3, lock.Pull, fmt.Sprintf("r%d", i), "").Holder != "b" {
+				return false
+			}
+		}
+		return true
+	})
+	if n := b1.Stats().Expiries + b2.Stats().Expiries + b3.Stats().Expiries; n != keys {
+		t.Fatalf("%d expiries on the three servers, want %d: each deadline once", n, keys)
+	}
+}
+
+func TestMaxSessionsMakesRoom(t *testing.T) {
+	b, _ := open(t, func(c *lock.Config) { c.MaxSessions = 1; c.SessionGrace = time.Second })
+	sa, _, err := b.Subscribe(t.Context(), lock.SubscribeRequest{Node: "a"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := b.Subscribe(t.Context(), lock.SubscribeRequest{Node: "c"}); !errors.Is(err, lock.ErrTooManySessions) {
+		t.Fatalf("a second session: %v, want ErrTooManySessions", err)
+	}
+	sa.Close()
+	eventually(t, "a's session to end", func() bool { return b.Stats().Sessions == 0 })
+	subscribe(t, b, "c")
+}
+
+// TestCompletedMax: past CompletedMax, the oldest records go first.
+func TestCompletedMax(t *testing.T) {
+	b, _ := open(t, func(c *lock.Config) { c.CompletedMax = 3 })
+	for _, r := range []string{"r1", "r2", "r3", "r4", "r5"} {
+		tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: r, Node: "a"})
+		if _, err := b.Unlock(context.Background(), lock.UnlockRequest{Type: lock.Pull, Resource: r, Node: "a", Success: true}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	eventually(t, "three records to be kept", func() bool { return b.Stats().Keys == 3 })
+	for _, r := range []string{"r1", "r2"} {
+		if st := stat(t, b, lock.Pull, r, ""); st.LastCompleted != nil {
+			t.Fatalf("%s: the oldest record kept beyond completed_max: %+v", r, st.LastCompleted)
+		}
+	}
+	for _, r := range []string{"r3", "r4", "r5"} {
+		if st := stat(t, b, lock.Pull, r, ""); st.LastCompleted == nil {
+			t.Fatalf("%s: a newer record dropped", r)
+		}
+	}
+}
+
+// TestStreamsEndWhenEtcdIsGone: a server that cannot reach etcd ends its
+// streams, so that their nodes move to a server that can keep their
+// sessions alive.
+func TestStreamsEndWhenEtcdIsGone(t *testing.T) {
+	srv := etcdtest.StartEmbedded(t)
+	cfg := lock.DefaultConfig()
+	cfg.SessionGrace = 3 * time.Second
+	b, err := etcd.New(t.Context(), srv.Client(t), etcdtest.Prefix(t), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { b.Close() })
+	st := subscribe(t, b, "a")
+	srv.Close()
+	select {
+	case <-st.Done():
+	case <-time.After(time.Minute):
+		t.Fatal("the stream stayed open a minute after etcd went away")
+	}
+	if _, err := b.TryLock(context.Background(), ttlReq("r", "a")); !errors.Is(err, lock.ErrUnavailable) {
+		t.Fatalf("TryLock without etcd: %v, want ErrUnavailable", err)
+	}
+}
