@@ -49,6 +49,7 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	backend := fs.String("backend", "", "etcd: instead of measuring --server, start an etcd on 127.0.0.1 and `dlock serve --backend etcd` on it, and measure that (--compare etcd then measures the same etcd)")
 	servers := fs.Int("servers", 3, "failover: dlock servers on the one etcd, one SIGKILLed each round")
 	rounds := fs.Int("rounds", 5, "failover: rounds")
+	rawNode := fs.Bool("failover-raw", false, "failover: the node is raw HTTP that tries the other servers in turn, not client.Client with every server")
 	recheck := fs.Duration("recheck", 6*time.Second, "failover: check the hold again this long after the kill, past the servers' --session-grace (0: only at once)")
 	serveFlags := fs.String("serve-flags", "", "more flags for the `dlock serve` processes bench starts, space-separated (e.g. --debug-listen 127.0.0.1:6060)")
 	asJSON := fs.Bool("json", false, "print the results as JSON")
@@ -224,7 +225,7 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 		}
 		if s == "failover" {
 			prefix := fmt.Sprintf("/dlock-bench-failover-%d/", time.Now().UnixNano())
-			fo := bench.FailoverOptions{Servers: *servers, Rounds: *rounds, Recheck: *recheck, Start: startOnEtcd(func() string { return prefix }),
+			fo := bench.FailoverOptions{Servers: *servers, Rounds: *rounds, Recheck: *recheck, Client: !*rawNode, Start: startOnEtcd(func() string { return prefix }),
 				Round: func(r bench.FailoverRound) {
 					fmt.Fprintf(stderr, "failover round: next lock %v, stream resumed %v, hold kept %v, next grant delivered %v %s\n", r.Lock, r.Stream, r.Kept, r.Replayed, r.Problem)
 				}}
@@ -237,7 +238,11 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 			if err != nil {
 				return fmt.Errorf("failover: %w", err)
 			}
-			setup = append(setup, fmt.Sprintf("failover: %d `dlock serve --backend etcd --etcd-prefix %s` on that etcd, started by bench", *servers, prefix))
+			nodeText := "client.Client given every server"
+			if *rawNode {
+				nodeText = "raw HTTP"
+			}
+			setup = append(setup, fmt.Sprintf("failover: %d `dlock serve --backend etcd --etcd-prefix %s` on that etcd, started by bench; the node: %s", *servers, prefix, nodeText))
 			results = append(results, r)
 			continue
 		}

@@ -33,6 +33,11 @@ type FailoverOptions struct {
 	// default), it shows the session outlived the keep-alives of the
 	// killed server, not only its grace.
 	Recheck time.Duration
+	// Client makes the node a client.Client given every server, A first,
+	// whose own fail-over moves its requests and stream (docs/DESIGN.md,
+	// "What a client does"); without it the node is raw HTTP that tries
+	// the other servers in turn.
+	Client bool
 	// Progress, if set, is called after each round with the rounds done.
 	Progress func(rounds int64)
 	// Round, if set, is called with each round's outcome.
@@ -100,7 +105,11 @@ func Failover(ctx context.Context, o FailoverOptions) (Result, error) {
 		if err := ctx.Err(); err != nil {
 			return Result{}, err
 		}
-		r, err := failoverRound(ctx, o, servers, fmt.Sprintf("fo%s-%d", id, round))
+		once := failoverRound
+		if o.Client {
+			once = failoverRoundClient
+		}
+		r, err := once(ctx, o, servers, fmt.Sprintf("fo%s-%d", id, round))
 		if err != nil {
 			return Result{}, fmt.Errorf("round %d: %w", round, err)
 		}

@@ -11,6 +11,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/dlock/dlock/internal/dlocktest"
 )
 
 // fakeService is a lock service of several fake servers sharing one state,
@@ -193,4 +195,30 @@ func TestFailoverHoldLost(t *testing.T) {
 	if _, err := Failover(context.Background(), FailoverOptions{Servers: 1, Rounds: 1, Start: f.start}); err == nil {
 		t.Fatal("one server: no error")
 	}
+}
+
+// With client.Client as the node, on real servers sharing one lock state
+// (dlocktest.Options.Share): the client's own fail-over moves its next
+// lock and its stream, which the tap on its stream sees resumed.
+func TestFailoverClient(t *testing.T) {
+	first := dlocktest.Start(t, dlocktest.Options{})
+	start := func(context.Context) (string, func(), error) {
+		srv := dlocktest.Start(t, dlocktest.Options{Share: first})
+		return srv.URL(), srv.Stop, nil
+	}
+	var rounds []FailoverRound
+	r, err := Failover(context.Background(), FailoverOptions{Servers: 2, Rounds: 3, Start: start, Client: true, Recheck: time.Millisecond,
+		Round: func(fr FailoverRound) { rounds = append(rounds, fr) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Rounds != 3 || !strings.Contains(r.Note, "holds kept (then and 1ms after the kill) 3/3") || !strings.Contains(r.Note, "resumed stream 3/3") {
+		t.Fatalf("result %+v", r)
+	}
+	for i, fr := range rounds {
+		if !fr.Kept || !fr.Replayed || fr.Lock <= 0 || fr.Stream <= 0 {
+			t.Errorf("round %d: %+v", i+1, fr)
+		}
+	}
+	first.Stop()
 }
