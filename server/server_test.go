@@ -14,7 +14,9 @@ import (
 
 	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/internal/dlocktest/kit"
+	"github.com/dlock/dlock/internal/etcdtest"
 	"github.com/dlock/dlock/lock"
+	"github.com/dlock/dlock/lock/etcd"
 	"github.com/dlock/dlock/refcount"
 	"go.uber.org/goleak"
 )
@@ -22,14 +24,81 @@ import (
 func TestMain(m *testing.M) {
 	// net/http lingers 500 ms after answering a request it closes the
 	// connection for (a 413, say) before it lets the goroutine go.
-	goleak.VerifyTestMain(m, goleak.IgnoreAnyFunction("net/http.(*conn).closeWriteAndWait"))
+	// etcdtest.M stops the embedded etcd that the tests on an etcd data
+	// set share (cluster_test.go).
+	goleak.VerifyTestMain(etcdtest.M(m), append(etcdtest.GoleakOptions(), goleak.IgnoreAnyFunction("net/http.(*conn).closeWriteAndWait"))...)
 }
 
 type env struct {
 	t   testing.TB
-	m   *lock.Memory
+	m   *lock.Memory // nil on etcd (newPairEnv)
 	srv *Server
-	ts  *httptest.Server
+	ts  *httptest.Server // nil with two servers
+
+	// With two servers on one etcd data set (newPairEnv): call and
+	// subscribe each take the servers in turn, subscribe starting on the
+	// other one than call, so that a stream and the requests that make its
+	// events are on different servers.
+	c           *cluster
+	calls, subs int
+}
+
+// newPairEnv runs two dlock servers on one fresh etcd data set, as two
+// `dlock serve --backend etcd` of one lock service (docs/DESIGN.md, "An
+// etcd backend"): the env of the backend-agnostic tests, with requests
+// spread over both. srv is the first server.
+func newPairEnv(t testing.TB, mod func(*lock.Config)) *env {
+	t.Helper()
+	c := newCluster(t, 2, mod)
+	return &env{t: t, srv: c.members[0].srv, c: c, subs: 1}
+}
+
+// onBackends runs a test of rules that do not depend on the backend on
+// lock.Memory behind one server (as dlock serve runs it), and on two
+// servers sharing one etcd data set with requests alternating between them.
+func onBackends(t *testing.T, mod func(*lock.Config), test func(*testing.T, *env)) {
+	t.Run("memory", func(t *testing.T) { test(t, newEnv(t, mod)) })
+	t.Run("etcd, two servers", func(t *testing.T) { test(t, newPairEnv(t, mod)) })
+}
+
+// backend is the lock state behind the env (with two servers, the
+// first's).
+func (e *env) backend() lock.Backend {
+	if e.c != nil {
+		return e.c.members[0].b
+	}
+	return e.m
+}
+
+// base is the URL of the server the next call (or stream) goes to.
+func (e *env) base(turn *int) string {
+	if e.c == nil {
+		return e.ts.URL
+	}
+	m := e.c.members[*turn%len(e.c.members)]
+	*turn++
+	return m.url
+}
+
+// settled checks the backend's gauges. With two servers each one's are as
+// its watch of etcd has seen the changes, which the other server's changes
+// reach a moment later: it waits until every server's satisfy ok.
+func (e *env) settled(what string, ok func(lock.Stats) bool) {
+	e.t.Helper()
+	if e.c == nil {
+		if st := e.backend().Stats(); !ok(st) {
+			e.t.Fatalf("%s: stats %+v", what, st)
+		}
+		return
+	}
+	kit.Await(e.t, what, func() error {
+		for _, m := range e.c.members {
+			if st := m.b.Stats(); !ok(st) {
+				return fmt.Errorf("%s: stats %+v", m.url, st)
+			}
+		}
+		return nil
+	})
 }
 
 // newEnv runs a server as dlock serve does: the event loop and the lean
@@ -112,14 +181,14 @@ func newEnvWith(t testing.TB, ec envConfig) *env {
 // call sends a request and decodes the JSON answer into a map.
 func (e *env) call(method, path, body string) (int, map[string]any) {
 	e.t.Helper()
-	req, _ := http.NewRequest(method, e.ts.URL+path, strings.NewReader(body))
+	req, _ := http.NewRequest(method, e.base(&e.calls)+path, strings.NewReader(body))
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		e.t.Fatal(err)
 	}
 	defer resp.Body.Close()
-	if resp.Header.Get(api.EpochHeader) != e.m.Info().Epoch {
-		e.t.Fatalf("%s %s: epoch header %q, want %q", method, path, resp.Header.Get(api.EpochHeader), e.m.Info().Epoch)
+	if resp.Header.Get(api.EpochHeader) != e.backend().Info().Epoch {
+		e.t.Fatalf("%s %s: epoch header %q, want %q", method, path, resp.Header.Get(api.EpochHeader), e.backend().Info().Epoch)
 	}
 	var out map[string]any
 	data, _ := io.ReadAll(resp.Body)
@@ -133,6 +202,7 @@ func TestHTTPRules(t *testing.T) {
 	for _, lean := range []bool{true, false} {
 		t.Run(fmt.Sprint("lean=", lean), func(t *testing.T) { testHTTPRules(t, newEnvMode(t, nil, lean)) })
 	}
+	t.Run("etcd, two servers", func(t *testing.T) { testHTTPRules(t, newPairEnv(t, nil)) })
 }
 
 func testHTTPRules(t *testing.T, e *env) {
@@ -185,13 +255,14 @@ func testHTTPRules(t *testing.T, e *env) {
 			t.Fatalf("step %d: error body %v must carry error = message", i, got)
 		}
 	}
-	if st := e.m.Stats(); st.Held != 0 || st.Queued != 0 {
-		t.Fatalf("rejected requests changed state: %+v", st)
-	}
+	e.settled("no holds or waiters: rejected requests change nothing", func(st lock.Stats) bool { return st.Held == 0 && st.Queued == 0 })
 }
 
 func TestHTTPLockHeld(t *testing.T) {
-	e := newEnv(t, func(c *lock.Config) { c.AllowMultiNodeDownload = false })
+	onBackends(t, func(c *lock.Config) { c.AllowMultiNodeDownload = false }, testHTTPLockHeld)
+}
+
+func testHTTPLockHeld(t *testing.T, e *env) {
 	e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"a"}`)
 	status, got := e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"b"}`)
 	if status != 409 || got["code"] != "lock_held" || got["holder"] != "a" {
@@ -200,12 +271,20 @@ func TestHTTPLockHeld(t *testing.T) {
 }
 
 func TestHTTPRefCount(t *testing.T) {
-	store, err := refcount.OpenServerStore(t.TempDir() + "/refs.db")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer store.Close()
-	e := newEnv(t, func(c *lock.Config) { c.RefStore = store; c.UpdateRequiresNoRef = true })
+	t.Run("memory", func(t *testing.T) {
+		store, err := refcount.OpenServerStore(t.TempDir() + "/refs.db")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer store.Close()
+		testHTTPRefCount(t, newEnv(t, func(c *lock.Config) { c.RefStore = store; c.UpdateRequiresNoRef = true }))
+	})
+	t.Run("etcd, two servers", func(t *testing.T) {
+		testHTTPRefCount(t, newPairEnv(t, func(c *lock.Config) { c.RefStore = etcd.ReferencesInEtcd{}; c.UpdateRequiresNoRef = true }))
+	})
+}
+
+func testHTTPRefCount(t *testing.T, e *env) {
 	steps := []struct {
 		method, path, body string
 		status             int
@@ -249,21 +328,25 @@ func TestHTTPRefCount(t *testing.T) {
 // Last-Event-ID header unless lastID is "".
 func (e *env) subscribe(query string, lastID string) *kit.Stream {
 	e.t.Helper()
-	return kit.OpenStream(e.t, e.ts.URL+"/subscribe?"+query, lastID)
+	return kit.OpenStream(e.t, e.base(&e.subs)+"/subscribe?"+query, lastID)
 }
 
-func TestSSE(t *testing.T) {
-	e := newEnv(t, nil)
+func TestSSE(t *testing.T) { onBackends(t, nil, testSSE) }
+
+func testSSE(t *testing.T, e *env) {
+	// With two servers, streams are opened on each in turn: b's stream is
+	// on the other server than the observer, and b's reconnection below
+	// on the other server than its first stream.
+	obs := e.subscribe("type=pull&resource_id=r", "")
+	obs.Next(t)
 	b := e.subscribe("node_id=b", "")
 	sub := b.Next(t)
 	if sub.Event != "subscribed" || sub.ID == "" {
 		t.Fatalf("first frame %+v", sub)
 	}
-	if d := sub.JSON(t); len(d) != 3 || d["node_id"] != "b" || d["epoch"] != e.m.Info().Epoch {
+	if d := sub.JSON(t); len(d) != 3 || d["node_id"] != "b" || d["epoch"] != e.backend().Info().Epoch {
 		t.Fatalf("subscribed data %v: exactly event, node_id and epoch", d)
 	}
-	obs := e.subscribe("type=pull&resource_id=r", "")
-	obs.Next(t)
 	e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"a"}`)
 	e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"b"}`)
 	e.call("POST", "/unlock", `{"type":"pull","resource_id":"r","node_id":"a","error":"boom"}`)
@@ -295,8 +378,9 @@ func TestSSE(t *testing.T) {
 	}
 }
 
-func TestSSEBadRequests(t *testing.T) {
-	e := newEnv(t, nil)
+func TestSSEBadRequests(t *testing.T) { onBackends(t, nil, testSSEBadRequests) }
+
+func testSSEBadRequests(t *testing.T, e *env) {
 	for _, q := range []string{"", "type=pull", "type=get&resource_id=r", "node_id=%00"} {
 		if status, got := e.call("GET", "/subscribe?"+q, ""); status != 400 || got["code"] != "invalid_request" {
 			t.Fatalf("subscribe?%s: %d %v", q, status, got)
@@ -304,6 +388,8 @@ func TestSSEBadRequests(t *testing.T) {
 	}
 }
 
+// TestDrain is of one server's shutdown, not of a backend's rules: it runs
+// on lock.Memory alone.
 func TestDrain(t *testing.T) {
 	e := newEnv(t, nil)
 	s := e.subscribe("node_id=a", "")
@@ -328,6 +414,9 @@ func TestDrain(t *testing.T) {
 	}
 }
 
+// TestMetrics runs on lock.Memory alone: the counters it reads are one
+// server's (a pair's are split between them), and the gauges of a server on
+// etcd are as its watch has seen the other's changes, a moment later.
 func TestMetrics(t *testing.T) {
 	e := newEnv(t, nil)
 	e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"a"}`)
@@ -346,8 +435,14 @@ func TestMetrics(t *testing.T) {
 
 // TestSessionLostOverHTTP: closing a session stream is noticed through the
 // request context, and after the grace the node's hold passes on.
+// On etcd the grace is the session lease's TTL, in whole seconds and at
+// least etcd's minimum (docs/DESIGN.md, "An etcd backend"): there it takes
+// a second or two.
 func TestSessionLostOverHTTP(t *testing.T) {
-	e := newEnv(t, func(c *lock.Config) { c.SessionGrace = 100 * time.Millisecond })
+	onBackends(t, func(c *lock.Config) { c.SessionGrace = 100 * time.Millisecond }, testSessionLostOverHTTP)
+}
+
+func testSessionLostOverHTTP(t *testing.T, e *env) {
 	a := e.subscribe("node_id=a", "")
 	a.Next(t)
 	b := e.subscribe("node_id=b", "")
@@ -362,11 +457,12 @@ func TestSessionLostOverHTTP(t *testing.T) {
 	if lc := st["last_completed"].(map[string]any); st["holder"] != "b" || lc["error"] != "session lost" || lc["node_id"] != "a" {
 		t.Fatalf("status %v", st)
 	}
-	kit.WaitFor(t, "one session left", func() bool { return e.m.Stats().Sessions == 1 })
+	e.settled("one session left", func(st lock.Stats) bool { return st.Sessions == 1 })
 }
 
-func TestPing(t *testing.T) {
-	e := newEnv(t, nil) // PingInterval 50ms
+func TestPing(t *testing.T) { onBackends(t, nil, testPing) }
+
+func testPing(t *testing.T, e *env) { // PingInterval 50ms
 	s := e.subscribe("node_id=a", "")
 	s.Next(t)
 	if line := s.Line(t); line != ": ping\n" {

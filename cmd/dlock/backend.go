@@ -127,9 +127,24 @@ func openBackend(ctx context.Context, c serveConfig, log *slog.Logger) (lock.Bac
 	if err != nil {
 		return nil, nil, fmt.Errorf("etcd: %w", err)
 	}
+	// etcd without quorum for a moment (a leader's failure, an election)
+	// answers "request timed out" or "no leader": a server started then,
+	// by its supervisor say, waits for the cluster within the bound rather
+	// than exiting.
 	octx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	b, err := etcd.New(octx, cli, c.etcd.prefix, c.lock)
+	var b *etcd.Backend
+	for {
+		b, err = etcd.New(octx, cli, c.etcd.prefix, c.lock)
+		if err == nil || !errors.Is(err, lock.ErrUnavailable) || octx.Err() != nil {
+			break
+		}
+		log.Warn("etcd not ready; trying again", "err", err)
+		select {
+		case <-octx.Done():
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
 	if err != nil {
 		cli.Close()
 		return nil, nil, fmt.Errorf("opening the lock state in etcd (%s): %w", c.etcd.endpoints, err)

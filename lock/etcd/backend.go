@@ -26,6 +26,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/dlock/dlock/lock"
@@ -45,6 +46,7 @@ type Backend struct {
 	graceTTL    int64 // the session lease's TTL in seconds
 	seed        maphash.Seed
 	stripes     [256]sync.Mutex
+	comb        combiner
 
 	ctx    context.Context // ends at Close
 	cancel context.CancelFunc
@@ -203,11 +205,19 @@ func (b *Backend) etcdErr(what string, err error) error {
 	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
 		return err
 	}
-	if s, ok := status.FromError(err); ok {
-		switch s.Code() {
-		case codes.Unavailable, codes.DeadlineExceeded, codes.Canceled, codes.Aborted, codes.ResourceExhausted:
-			return fmt.Errorf("%w: etcd: %s: %v", lock.ErrUnavailable, what, err)
-		}
+	code := codes.Unknown
+	// The client turns etcd's own errors ("request timed out", "no
+	// leader", "leader changed": an election) into rpctypes.EtcdError,
+	// which is no gRPC status; both carry the code.
+	var ee rpctypes.EtcdError
+	if errors.As(err, &ee) {
+		code = ee.Code()
+	} else if s, ok := status.FromError(err); ok {
+		code = s.Code()
+	}
+	switch code {
+	case codes.Unavailable, codes.DeadlineExceeded, codes.Canceled, codes.Aborted, codes.ResourceExhausted:
+		return fmt.Errorf("%w: etcd: %s: %v", lock.ErrUnavailable, what, err)
 	}
 	return fmt.Errorf("etcd backend: %s: %w", what, err)
 }
@@ -226,17 +236,17 @@ func jsonUnmarshal(v []byte, out any) error {
 	return nil
 }
 
-// health reads from etcd every second. A server cut off from etcd (or from
-// its quorum) cannot keep its nodes' sessions alive; once it has failed for
-// a third of the grace it ends its streams, so that their clients move to a
-// server that can, before etcd ends their sessions (docs/DESIGN.md, "An
-// etcd backend").
+// health watches this server's keepalives. A server cut off from etcd (or
+// from its quorum) cannot keep its nodes' sessions alive: when none of its
+// keepalives has been answered for two thirds of the session lease's TTL,
+// it ends its streams, so that their clients move to a server that can,
+// before etcd ends their sessions (docs/DESIGN.md, "An etcd backend"). A
+// slow answer is not a failure: only keepalives, which etcd answers every
+// third of the TTL, count.
 func (b *Backend) health() {
 	defer b.wg.Done()
-	limit := max(time.Second, time.Duration(b.graceTTL)*time.Second/3)
-	var failingSince time.Time
 	dropped := false
-	t := time.NewTicker(time.Second)
+	t := time.NewTicker(100 * time.Millisecond)
 	defer t.Stop()
 	for {
 		select {
@@ -244,20 +254,14 @@ func (b *Backend) health() {
 			return
 		case <-t.C:
 		}
-		ctx, cancel := context.WithTimeout(clientv3.WithRequireLeader(b.ctx), time.Second)
-		_, err := b.cli.Get(ctx, b.n.epoch())
-		cancel()
+		silent, ttl, ok := b.s.silence()
 		switch {
-		case err == nil:
-			failingSince, dropped = time.Time{}, false
-		case b.ctx.Err() != nil:
-			return
-		case failingSince.IsZero():
-			failingSince = time.Now()
-		case !dropped && time.Since(failingSince) >= limit:
+		case !ok || silent < ttl*2/3:
+			dropped = false
+		case !dropped:
 			dropped = true
 			n := b.w.endStreams()
-			b.log.Warn("etcd backend: etcd out of reach; ended this server's streams so that their nodes move to another server", "streams", n, "err", err)
+			b.log.Warn("etcd backend: no keepalive answered; ended this server's streams so that their nodes move to another server", "silent", silent.Round(time.Millisecond), "streams", n)
 		}
 	}
 }

@@ -54,7 +54,7 @@ func (b *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 		usedNew = true
 		return newLease, nil
 	}
-	_, err := b.run(ctx, k, func(t *tx) error {
+	_, err := b.runCombined(ctx, k, req.Node, func(t *tx) error {
 		res, usedNew, granted = lock.LockResult{}, false, false
 		now := time.Now()
 		rec := &t.rec

@@ -22,6 +22,30 @@ type sessions struct {
 	b     *Backend
 	mu    sync.Mutex
 	local map[string]*localSession
+	alive time.Time     // the last keepalive answered, or the first kept since none were
+	ttl   time.Duration // the lease TTL etcd answered (it may raise the one asked for)
+}
+
+// silence reports how long no keepalive of this server was answered, and
+// the sessions' lease TTL; false when it keeps no session alive.
+func (s *sessions) silence() (time.Duration, time.Duration, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if len(s.local) == 0 {
+		return 0, 0, false
+	}
+	ttl := s.ttl
+	if ttl == 0 {
+		ttl = time.Duration(s.b.graceTTL) * time.Second
+	}
+	return time.Since(s.alive), ttl, true
+}
+
+func (s *sessions) answered(ttl int64) {
+	s.mu.Lock()
+	s.alive = time.Now()
+	s.ttl = max(s.ttl, time.Duration(ttl)*time.Second)
+	s.mu.Unlock()
 }
 
 type localSession struct {
@@ -231,11 +255,15 @@ func (s *sessions) keep(node string, lease int64) (bool, error) {
 		return false, b.etcdErr("keeping a session alive", err)
 	}
 	ls := &localSession{lease: lease, streams: 1, stop: stop}
+	if len(s.local) == 0 {
+		s.alive = time.Now()
+	}
 	s.local[node] = ls
 	b.wg.Add(1)
 	go func() {
 		defer b.wg.Done()
-		for range ch {
+		for r := range ch {
+			s.answered(r.TTL)
 		}
 	}()
 	return true, nil

@@ -24,10 +24,14 @@ func (b *Backend) timers() {
 	defer t.Stop()
 	for {
 		if k, at, ok := b.w.oldestPastCap(); ok {
-			if err := b.dropDone(k, at); err != nil && b.ctx.Err() == nil {
+			rev, err := b.dropDone(k, at)
+			if err != nil && b.ctx.Err() == nil {
 				b.log.Warn("etcd backend: dropping a completion record past the cap", "key", k.String(), "err", err)
 			}
 			b.w.forgetDone(k, at)
+			// Count again only once the watch has seen the drop, or the
+			// next look would drop one more.
+			b.w.caughtUp(rev, 5*time.Second)
 			continue
 		}
 		k, at, ok := b.w.next()
@@ -165,10 +169,10 @@ func (b *Backend) expireTx(t *tx, expiredOut, grantsOut *uint64) error {
 // than Config.CompletedMax are kept in the cluster (docs/DESIGN.md,
 // "Completion records"). Every server counts them from its watch, so the
 // cap holds within what the servers have not seen yet.
-func (b *Backend) dropDone(k lock.Key, at int64) error {
+func (b *Backend) dropDone(k lock.Key, at int64) (int64, error) {
 	ctx, cancel := context.WithTimeout(b.ctx, 30*time.Second)
 	defer cancel()
-	_, err := b.run(ctx, k, func(t *tx) error {
+	return b.run(ctx, k, func(t *tx) error {
 		r := &t.rec
 		if r.Done == nil || r.Done.At != at {
 			return nil
@@ -181,5 +185,4 @@ func (b *Backend) dropDone(k lock.Key, at int64) error {
 		t.put(nil)
 		return nil
 	})
-	return err
 }

@@ -405,3 +405,44 @@ func TestStreamsEndWhenEtcdIsGone(t *testing.T) {
 		t.Fatalf("TryLock without etcd: %v, want ErrUnavailable", err)
 	}
 }
+
+// TestResumeOnNewServer: a node resumes, with its last event id, on a
+// server that started after the events it missed: the server read them from
+// etcd's history when it started.
+func TestResumeOnNewServer(t *testing.T) {
+	b1, p := open(t, func(c *lock.Config) { c.SessionGrace = time.Hour })
+	st, sub, err := b1.Subscribe(t.Context(), lock.SubscribeRequest{Node: "n"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tryLock(t, b1, lock.LockRequest{Type: lock.Pull, Resource: "r", Node: "h"})
+	tryLock(t, b1, lock.LockRequest{Type: lock.Pull, Resource: "r", Node: "n"})
+	tryLock(t, b1, lock.LockRequest{Type: lock.Pull, Resource: "s", Node: "h"})
+	tryLock(t, b1, lock.LockRequest{Type: lock.Pull, Resource: "s", Node: "n"})
+	st.Close()
+	for _, res := range []string{"r", "s"} {
+		if _, err := b1.Unlock(context.Background(), lock.UnlockRequest{Type: lock.Pull, Resource: res, Node: "h", Success: res == "s", Error: map[bool]string{true: "", false: "x"}[res == "s"]}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	b2 := openAt(t, p, func(c *lock.Config) { c.SessionGrace = time.Hour })
+	st2, sub2, err := b2.Subscribe(t.Context(), lock.SubscribeRequest{Node: "n", LastID: sub.ID, HasLast: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st2.Close()
+	if sub2.Missed || sub2.ID != sub.ID || len(sub2.Replay) != 2 ||
+		sub2.Replay[0].Event.Name != lock.EventLockAssigned || sub2.Replay[1].Event.Name != lock.EventOperationCompleted {
+		t.Fatalf("replay on a server started after the events: %+v", sub2)
+	}
+	// The same events, with the same ids, as the first server kept.
+	_, sub1, err := b1.Subscribe(t.Context(), lock.SubscribeRequest{Node: "n", LastID: sub.ID, HasLast: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range sub1.Replay {
+		if sub1.Replay[i].ID != sub2.Replay[i].ID || sub1.Replay[i].Event.Name != sub2.Replay[i].Event.Name {
+			t.Fatalf("server 1 replays %v, server 2 %v", sub1.Replay, sub2.Replay)
+		}
+	}
+}

@@ -2,7 +2,6 @@ package etcd
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"hash/maphash"
 	"sort"
@@ -34,10 +33,8 @@ type tx struct {
 	guarded map[string]bool
 	cache   map[string]*mvccpb.KeyValue // what load read besides the record; nil: absent
 	recOp   int                         // the index in ops of the record's write, -1 before it
+	x       *trans                      // the transition this transaction makes
 }
-
-// errConflict is a transaction whose reads changed: it is tried again.
-var errConflict = errors.New("etcd backend: conflict")
 
 // run applies fn to k's state until its transaction commits without
 // conflict. fn is called again on each attempt and must keep its results
@@ -189,6 +186,15 @@ func (t *tx) session(node string) (int64, error) {
 	return s.Lease, nil
 }
 
+// atRead reads the queue as of the revision the key's record was read at.
+// The record's mod revision guards the queue (every change of one writes
+// the record too), but only for the commit: a read of the queue at a later
+// revision could see a waiter that another server took out since, and
+// fail, or answer, on a queue that never was with that record. Read at the
+// record's revision, the queue and the record are one state; the commit
+// then fails if either changed since.
+func (t *tx) atRead() clientv3.OpOption { return clientv3.WithRev(t.readRev) }
+
 // waiting returns node's seq in the queue.
 func (t *tx) waiting(node string) (uint64, bool, error) {
 	if t.rec.Queue == 0 {
@@ -208,7 +214,7 @@ func (t *tx) waiting(node string) (uint64, bool, error) {
 // wait reads the waiter at seq.
 func (t *tx) wait(seq uint64) (waitRec, error) {
 	var w waitRec
-	resp, err := t.b.cli.Get(t.ctx, t.b.n.wait(t.k, seq))
+	resp, err := t.b.cli.Get(t.ctx, t.b.n.wait(t.k, seq), t.atRead())
 	if err != nil {
 		return w, t.b.etcdErr("reading the queue", err)
 	}
@@ -220,7 +226,7 @@ func (t *tx) wait(seq uint64) (waitRec, error) {
 
 // position is the 1-based place of the waiter at seq.
 func (t *tx) position(seq uint64) (int, error) {
-	resp, err := t.b.cli.Get(t.ctx, t.b.n.queue(t.k), clientv3.WithRange(t.b.n.wait(t.k, seq+1)), clientv3.WithCountOnly())
+	resp, err := t.b.cli.Get(t.ctx, t.b.n.queue(t.k), clientv3.WithRange(t.b.n.wait(t.k, seq+1)), clientv3.WithCountOnly(), t.atRead())
 	if err != nil {
 		return 0, t.b.etcdErr("counting the queue", err)
 	}
@@ -239,7 +245,7 @@ func (t *tx) head(n int) ([]seqWait, error) {
 	if t.rec.Queue == 0 {
 		return nil, nil
 	}
-	opts := []clientv3.OpOption{clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend)}
+	opts := []clientv3.OpOption{clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend), t.atRead()}
 	if n > 0 {
 		opts = append(opts, clientv3.WithLimit(int64(n)))
 	}
@@ -266,7 +272,10 @@ func (t *tx) head(n int) ([]seqWait, error) {
 
 // put writes the key's record with the transition x (nil: no event).
 func (t *tx) put(x *trans) {
-	t.rec.X = x
+	if x != nil {
+		t.x = x
+	}
+	t.rec.X = t.x // a batch's transition stays when a later call of it writes the record
 	op := clientv3.OpPut(t.b.n.key(t.k), encode(&t.rec))
 	if t.recOp >= 0 {
 		t.ops[t.recOp] = op // one write of a key per transaction

@@ -33,6 +33,12 @@ type watcher struct {
 	processed int64         // every change up to this revision is applied
 	floor     int64         // the revision the watch began after
 
+	// The warm-up: changes up to warmTo (the first list) only fill the
+	// replay logs; warm once the watch has passed it.
+	warmFrom, warmTo int64
+	warm             bool
+	watchCtx         context.Context
+
 	keys              map[lock.Key]keyInfo
 	nKeys, nHeld, nQd int
 	deadlines         deadlineHeap
@@ -81,14 +87,79 @@ func (w *watcher) start(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	// The replay logs begin with the history before the list, so that a
+	// node that moves here from another server resumes from an event this
+	// server did not see live (up to warmRevisions back, or etcd's
+	// compaction). The watch begins there; until it has passed the list's
+	// revision, it only fills the logs (applyLog).
+	from := max(1, rev-warmRevisions+1)
+	w.mu.Lock()
+	w.warmTo, w.warmFrom = rev, from
+	w.mu.Unlock()
 	w.b.wg.Add(1)
-	go w.follow(rev)
+	go w.follow(from - 1)
+	w.waitWarm(ctx)
 	return nil
+}
+
+// warmRevisions is how far back in etcd's history a starting server reads
+// its sessions' replay logs.
+const warmRevisions = 100000
+
+// waitWarm waits, at most 10 s, until the watch has read the history up to
+// the list. After that, a replay from before what was read is Missed.
+func (w *watcher) waitWarm(ctx context.Context) {
+	t := time.NewTimer(10 * time.Second)
+	defer t.Stop()
+	tick := time.NewTicker(100 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		w.mu.Lock()
+		warm := w.warm
+		w.mu.Unlock()
+		if warm {
+			return
+		}
+		select {
+		case <-tick.C:
+			// A watch reports its progress only once it has caught up:
+			// ask until it has.
+			_ = w.b.cli.RequestProgress(w.wctx())
+		case <-t.C:
+			w.b.log.Warn("etcd backend: the history of the replay logs took over 10 s to read; replays from before this server started are Missed")
+			w.setWarm(0)
+			return
+		case <-ctx.Done():
+			w.setWarm(0)
+			return
+		}
+	}
+}
+
+// setWarm ends the warm-up: the logs hold what the watch read up to rev
+// of the history.
+func (w *watcher) setWarm(rev int64) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.warm {
+		return
+	}
+	w.warm = true
+	if rev < w.warmTo {
+		// Not read up to the list: no session can replay from before it.
+		for _, s := range w.sessions {
+			s.log, s.bytes = nil, 0
+			s.dropped = max(s.dropped, uint64(w.warmTo)*idsPerRev+idsPerRev-1)
+		}
+	}
 }
 
 // list reads the state as of one revision.
 func (w *watcher) list(ctx context.Context) (int64, error) {
 	b := w.b
+	w.mu.Lock()
+	first := w.processed == 0
+	w.mu.Unlock()
 	resp, err := b.cli.Get(ctx, b.n.epoch())
 	if err != nil {
 		return 0, b.etcdErr("listing", err)
@@ -128,6 +199,10 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 			return
 		}
 		sessions[node] = &sessInfo{lease: s.Lease, created: kv.CreateRevision, dropped: uint64(rev)*idsPerRev + idsPerRev - 1}
+		if first {
+			// The warm-up reads the history from warmFrom (start).
+			sessions[node].dropped = uint64(max(kv.CreateRevision, rev-warmRevisions+1))*idsPerRev - 1
+		}
 	})
 	if err != nil {
 		return 0, err
@@ -200,6 +275,9 @@ func (w *watcher) follow(rev int64) {
 	b := w.b
 	for b.ctx.Err() == nil {
 		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(b.ctx))
+		w.mu.Lock()
+		w.watchCtx = wctx
+		w.mu.Unlock()
 		ch := b.cli.Watch(wctx, b.n.p, clientv3.WithPrefix(), clientv3.WithRev(rev+1), clientv3.WithPrevKV())
 		var compacted bool
 		rev, compacted = w.consume(ch, rev)
@@ -227,6 +305,15 @@ func (w *watcher) follow(rev int64) {
 			}
 		}
 	}
+}
+
+func (w *watcher) wctx() context.Context {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.watchCtx == nil {
+		return w.b.ctx
+	}
+	return w.watchCtx
 }
 
 // lost drops what the replay logs hold and ends this server's streams,
@@ -268,6 +355,20 @@ func (w *watcher) endStreams() int {
 func (w *watcher) consume(ch clientv3.WatchChan, rev int64) (int64, bool) {
 	for resp := range ch {
 		if resp.CompactRevision > 0 {
+			w.mu.Lock()
+			warming := !w.warm && rev < w.warmTo
+			w.mu.Unlock()
+			if warming {
+				// The history to warm the logs with begins later: read
+				// from there; sessions replay from there at most.
+				from := resp.CompactRevision
+				w.mu.Lock()
+				for _, s := range w.sessions {
+					s.dropped = max(s.dropped, uint64(from)*idsPerRev-1)
+				}
+				w.mu.Unlock()
+				return from - 1, false
+			}
 			w.b.log.Warn("etcd backend: the watch was compacted past", "revision", resp.CompactRevision)
 			return rev, true
 		}
@@ -286,11 +387,16 @@ func (w *watcher) consume(ch clientv3.WatchChan, rev int64) (int64, bool) {
 			rev = r
 			evs = evs[n:]
 		}
-		if resp.IsProgressNotify() && resp.Header.Revision > rev {
-			rev = resp.Header.Revision
-			w.mu.Lock()
-			w.setProcessed(rev)
-			w.mu.Unlock()
+		if resp.IsProgressNotify() {
+			if resp.Header.Revision >= w.warmTo {
+				w.setWarm(resp.Header.Revision)
+			}
+			if resp.Header.Revision > rev {
+				rev = resp.Header.Revision
+				w.mu.Lock()
+				w.setProcessed(rev)
+				w.mu.Unlock()
+			}
 		}
 	}
 	return rev, false
@@ -340,6 +446,11 @@ type change struct {
 // apply applies the changes of one revision and delivers their events.
 func (w *watcher) apply(evs []*clientv3.Event, rev int64) {
 	b := w.b
+	if rev <= w.warmTo {
+		w.applyLog(evs, rev)
+		return
+	}
+	w.setWarm(rev)
 	var (
 		changes []change
 		skipped map[lock.Key][]string
@@ -427,6 +538,41 @@ func (w *watcher) apply(evs []*clientv3.Event, rev int64) {
 	w.poke()
 }
 
+// applyLog adds the events of one revision of the history before the
+// first list to the replay logs of the sessions that existed then; the
+// list has the state itself.
+func (w *watcher) applyLog(evs []*clientv3.Event, rev int64) {
+	b := w.b
+	var changes []change
+	skipped := map[lock.Key][]string{}
+	for _, ev := range evs {
+		key := string(ev.Kv.Key)
+		switch {
+		case strings.HasPrefix(key, b.n.keys()) && ev.Type != mvccpb.DELETE:
+			k, ok := b.n.parseKey(key)
+			if !ok {
+				continue
+			}
+			r, err := decodeKey(ev.Kv.Value)
+			if err != nil || r.X == nil {
+				continue
+			}
+			changes = append(changes, change{k: k, rec: r})
+		case strings.HasPrefix(key, b.n.p+"q/") && ev.Type == mvccpb.DELETE && ev.PrevKv != nil:
+			k, ok := b.n.parseWait(key)
+			var wr waitRec
+			if ok && jsonUnmarshal(ev.PrevKv.Value, &wr) == nil {
+				skipped[k] = append(skipped[k], wr.Node)
+			}
+		}
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for _, c := range changes {
+		w.deliverTo(c, rev, skipped[c.k], true)
+	}
+}
+
 // endedSession is a session the watch saw end.
 type endedSession struct {
 	node  string
@@ -464,6 +610,12 @@ func (w *watcher) track(c change) {
 // and to the replay logs of the sessions they are for; w.mu held. It returns
 // the streams it closed for not keeping up.
 func (w *watcher) deliver(c change, rev int64, skipped []string) []*feed {
+	return w.deliverTo(c, rev, skipped, false)
+}
+
+// deliverTo is deliver; with history, it only adds to the logs of the
+// sessions that existed at rev (the warm-up).
+func (w *watcher) deliverTo(c change, rev int64, skipped []string, history bool) []*feed {
 	x := c.rec.X
 	base := uint64(rev) * idsPerRev
 	var released []*feed
@@ -475,8 +627,14 @@ func (w *watcher) deliver(c change, rev int64, skipped []string) []*feed {
 		}
 		for _, node := range to {
 			s := w.sessions[node]
-			if s == nil {
+			if s == nil || s.created > rev {
 				continue // events go only to sessions that exist
+			}
+			if history {
+				if d.ID > s.dropped {
+					w.logEvent(s, d)
+				}
+				continue
 			}
 			w.logEvent(s, d)
 			for _, f := range w.streams[node] {
@@ -489,7 +647,7 @@ func (w *watcher) deliver(c change, rev int64, skipped []string) []*feed {
 				sent[node] = true
 			}
 		}
-		if !observers {
+		if !observers || history {
 			return
 		}
 		for _, f := range w.observers[c.k] {
