@@ -1,7 +1,7 @@
 GO ?= go
 STATICCHECK ?= honnef.co/go/tools/cmd/staticcheck@v0.8.2
 
-.PHONY: packagemap test deps vet lint bench fuzz build containerd2
+.PHONY: packagemap test deps vet lint bench bench-etcd fuzz build containerd2
 
 # test is what CI runs (.ci/run): the test dependencies, formatting, vet,
 # staticcheck, then every test with the race detector.
@@ -91,6 +91,21 @@ bench: build
 	echo "\`dlock bench --server http://$(BENCH_ADDR) --scenario $(BENCH_SCENARIOS) --waiters 10000 --compare redis,etcd\`:" >> $$out; echo >> $$out; \
 	bin/dlock bench --server http://$(BENCH_ADDR) --scenario $(BENCH_SCENARIOS) --waiters 10000 --compare redis,etcd --markdown >> $$out || { kill $$pid; exit 1; }; \
 	kill $$pid; wait $$pid || true
+
+# bench-etcd measures dlock on etcd (docs/BENCHMARKS.md, "dlock on etcd"):
+# dlock bench starts one etcd (Debian's etcd-server; its version, fsync and
+# data dir's disk are printed), a `dlock serve --backend etcd` on it and,
+# with --compare etcd, etcd's own concurrency.Mutex on the same etcd; then
+# the fan-out on that server and the fail-over scenario (three servers on
+# one etcd, one SIGKILLed under a node each round). Appended to
+# docs/BENCHMARKS.md.
+BENCH_ETCD_WAITERS ?= 10000
+bench-etcd: build
+	@set -e; out=docs/BENCHMARKS.md; \
+	{ echo; echo "## $$(date -u +%F) — make bench-etcd"; echo; \
+	  echo "Machine: $$(nproc) cores ($$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')), $$(free -g | awk '/Mem:/{print $$2}') GiB, $$(go version | cut -d' ' -f3)."; echo; \
+	  echo "\`dlock bench --backend etcd --scenario pairs,handoff,fanout,failover --waiters $(BENCH_ETCD_WAITERS) --compare etcd\`:"; echo; } >> $$out; \
+	bin/dlock bench --backend etcd --scenario pairs,handoff,fanout,failover --waiters $(BENCH_ETCD_WAITERS) --compare etcd --markdown >> $$out
 
 build:
 	@mkdir -p bin

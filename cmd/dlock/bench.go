@@ -37,7 +37,7 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	fs := flag.NewFlagSet("dlock bench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	server := fs.String("server", "http://127.0.0.1:7380", "dlock server URL (one: bench measures a server)")
-	scenarios := fs.String("scenario", "pairs,handoff,fanout,sessions", "scenarios to run: pairs, handoff, fanout (and its floor), sessions, memory")
+	scenarios := fs.String("scenario", "pairs,handoff,fanout,sessions", "scenarios to run: pairs, handoff, fanout (and its floor), sessions, memory, failover (--backend etcd)")
 	duration := fs.Duration("duration", 10*time.Second, "how long each scenario runs")
 	concurrency := fs.Int("concurrency", 32, "connections (pairs, sessions, memory) or nodes on the key (handoff)")
 	waiters := fs.Int("waiters", 1000, "fanout: waiters, each with its own session, queued on one key (and the floor's loopback sockets)")
@@ -46,6 +46,12 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	sessionsN := fs.Int("sessions", 10000, "memory: session streams to keep open while the server's RSS is read (idle-sessions; 0: not run)")
 	memoryServer := fs.String("memory-server", "", "memory: measure this server (with the same credentials) instead of a fresh `dlock serve` for each measurement")
 	compare := fs.String("compare", "", "also run pairs and handoff against: redis, etcd (comma-separated; started on 127.0.0.1)")
+	backend := fs.String("backend", "", "etcd: instead of measuring --server, start an etcd on 127.0.0.1 and `dlock serve --backend etcd` on it, and measure that (--compare etcd then measures the same etcd)")
+	servers := fs.Int("servers", 3, "failover: dlock servers on the one etcd, one SIGKILLed each round")
+	rounds := fs.Int("rounds", 5, "failover: rounds")
+	rawNode := fs.Bool("failover-raw", false, "failover: the node is raw HTTP that tries the other servers in turn, not client.Client with every server")
+	recheck := fs.Duration("recheck", 6*time.Second, "failover: check the hold again this long after the kill, past the servers' --session-grace (0: only at once)")
+	serveFlags := fs.String("serve-flags", "", "more flags for the `dlock serve` processes bench starts, space-separated (e.g. --debug-listen 127.0.0.1:6060)")
 	asJSON := fs.Bool("json", false, "print the results as JSON")
 	asMarkdown := fs.Bool("markdown", false, "print the results as a Markdown table (make bench appends it to docs/BENCHMARKS.md)")
 	cred := credentialFlags(fs)
@@ -63,9 +69,29 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	}
 	runs := strings.Split(*scenarios, ",")
 	for _, s := range runs {
-		if !slices.Contains([]string{"pairs", "handoff", "fanout", "sessions", "memory"}, s) {
+		if !slices.Contains([]string{"pairs", "handoff", "fanout", "sessions", "memory", "failover"}, s) {
 			return usageError{fmt.Errorf("unknown scenario %q", s)}
 		}
+	}
+	serverSet := false
+	fs.Visit(func(f *flag.Flag) { serverSet = serverSet || f.Name == "server" })
+	switch *backend {
+	case "":
+		if slices.Contains(runs, "failover") {
+			return usageError{errors.New("--scenario failover needs --backend etcd: servers that share their lock state, started by bench")}
+		}
+	case "etcd":
+		if serverSet {
+			return usageError{errors.New("--backend etcd measures the server it starts: no --server")}
+		}
+		if _, err := exec.LookPath("etcd"); err != nil {
+			return fmt.Errorf("--backend etcd: etcd is not installed (Debian: apt-get install etcd-server)")
+		}
+	default:
+		return usageError{fmt.Errorf("--backend: %q is not etcd", *backend)}
+	}
+	if *servers < 2 || *rounds < 1 {
+		return usageError{errors.New("--servers must be at least 2 and --rounds at least 1")}
 	}
 	var others []string
 	if *compare != "" {
@@ -91,8 +117,77 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 		return err
 	}
 	dialer := rawhttp.Dialer{TLS: tlsConfig, Token: token}
+	// setup says what was measured, when bench started it: printed with
+	// the results (docs/BENCHMARKS.md, "dlock on etcd").
+	var setup []string
+	var etcdServer *bench.Etcd
+	extraServe := strings.Fields(*serveFlags)
+	startOnEtcd := func(prefix func() string) bench.StartServer {
+		return func(ctx context.Context) (string, func(), error) {
+			bin, err := benchServerBinary()
+			if err != nil {
+				return "", nil, err
+			}
+			flags := append([]string{"--backend", "etcd", "--etcd-endpoints", etcdServer.Endpoint, "--etcd-prefix", prefix()}, extraServe...)
+			return freshServer(bin, flags, stderr)(ctx)
+		}
+	}
+	if *backend == "etcd" {
+		etcdServer, err = bench.LaunchEtcd()
+		if err != nil {
+			return fmt.Errorf("--backend etcd: %w", err)
+		}
+		defer etcdServer.Stop()
+		fmt.Fprintf(stderr, "%s\n", etcdServer)
+		setup = append(setup, "etcd: "+etcdServer.String())
+		if slices.ContainsFunc(runs, func(s string) bool { return s != "memory" && s != "failover" }) {
+			prefix := fmt.Sprintf("/dlock-bench-%d/", time.Now().UnixNano())
+			base, stop, err := startOnEtcd(func() string { return prefix })(ctx)
+			if err != nil {
+				return fmt.Errorf("--backend etcd: starting dlock serve: %w", err)
+			}
+			defer stop()
+			*server = base
+			dialer = rawhttp.Dialer{}
+			args := append([]string{"dlock serve --backend etcd --etcd-endpoints", etcdServer.Endpoint, "--etcd-prefix", prefix}, extraServe...)
+			setup = append(setup, fmt.Sprintf("dlock: one `%s` at %s, started by bench, on that etcd", strings.Join(args, " "), base))
+		}
+	}
 	opts := bench.Options{Duration: *duration, Concurrency: *concurrency, Waiters: *waiters, Dialer: dialer,
 		ServerCPU: bench.MetricsCPU(*server, dialer)}
+	// withEtcdCalls counts, on an etcd in play, the calls its server
+	// answered per op of f's run.
+	withEtcdCalls := func(endpoint string, f func(context.Context, bench.Options) (bench.Result, error)) func(context.Context, bench.Options) (bench.Result, error) {
+		if endpoint == "" {
+			return f
+		}
+		return func(ctx context.Context, o bench.Options) (bench.Result, error) {
+			cpu := bench.MetricsCPU(endpoint, rawhttp.Dialer{})
+			before, berr := bench.EtcdCalls(endpoint)
+			cpu0, cerr := cpu()
+			r, err := f(ctx, o)
+			cpu1, cerr1 := cpu()
+			after, aerr := bench.EtcdCalls(endpoint)
+			if err != nil || berr != nil || aerr != nil || r.Ops == 0 {
+				return r, err
+			}
+			r.EtcdCallsPerOp = bench.EtcdCallsPerOp(before, after, r.Ops)
+			if r.Note != "" {
+				r.Note += "; "
+			}
+			r.Note += "etcd per " + r.Unit + ": " + bench.EtcdCallsText(r.EtcdCallsPerOp)
+			if r.System == "dlock" && cerr == nil && cerr1 == nil {
+				// The dlock server's CPU is its column; etcd's, under it,
+				// here: together what the service costs.
+				r.Note += fmt.Sprintf(", etcd's CPU %s", cpuText(float64((cpu1-cpu0).Nanoseconds())/1e3/float64(r.Ops)))
+			}
+			return r, nil
+		}
+	}
+	backendEtcd := ""
+	if etcdServer != nil {
+		backendEtcd = etcdServer.Endpoint
+	}
 	run := func(label string, o bench.Options, f func(context.Context, bench.Options) (bench.Result, error)) (bench.Result, error) {
 		start := time.Now()
 		o.Progress = func(ops int64) {
@@ -115,13 +210,40 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 				if err != nil {
 					return fmt.Errorf("memory: the dlock binary to serve: %w", err)
 				}
-				mo.Start = freshServer(bin, freshServerFlags(*sessionsN+*heldNodes, *heldN), stderr)
+				mo.Start = freshServer(bin, append(freshServerFlags(*sessionsN+*heldNodes, *heldN), extraServe...), stderr)
+				if etcdServer != nil {
+					n := 0
+					mo.Start = startOnEtcd(func() string { n++; return fmt.Sprintf("/dlock-bench-memory-%d-%d/", time.Now().UnixNano(), n) })
+				}
 			}
 			rs, err := bench.Memory(ctx, mo)
 			if err != nil {
 				return fmt.Errorf("memory: %w", err)
 			}
 			results = append(results, rs...)
+			continue
+		}
+		if s == "failover" {
+			prefix := fmt.Sprintf("/dlock-bench-failover-%d/", time.Now().UnixNano())
+			fo := bench.FailoverOptions{Servers: *servers, Rounds: *rounds, Recheck: *recheck, Client: !*rawNode, Start: startOnEtcd(func() string { return prefix }),
+				Round: func(r bench.FailoverRound) {
+					fmt.Fprintf(stderr, "failover round: next lock %v, stream resumed %v, hold kept %v, next grant delivered %v %s\n", r.Lock, r.Stream, r.Kept, r.Replayed, r.Problem)
+				}}
+			// No etcd calls per op: the replacement servers' starts
+			// would count too.
+			r, err := run("failover dlock", opts, func(ctx context.Context, o bench.Options) (bench.Result, error) {
+				fo.Progress = o.Progress
+				return bench.Failover(ctx, fo)
+			})
+			if err != nil {
+				return fmt.Errorf("failover: %w", err)
+			}
+			nodeText := "client.Client given every server"
+			if *rawNode {
+				nodeText = "raw HTTP"
+			}
+			setup = append(setup, fmt.Sprintf("failover: %d `dlock serve --backend etcd --etcd-prefix %s` on that etcd, started by bench; the node: %s", *servers, prefix, nodeText))
+			results = append(results, r)
 			continue
 		}
 		var f func(context.Context, string, bench.Options) (bench.Result, error)
@@ -135,7 +257,7 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 		case "sessions":
 			f = bench.Sessions
 		}
-		r, err := run(s+" dlock", opts, func(ctx context.Context, o bench.Options) (bench.Result, error) { return f(ctx, *server, o) })
+		r, err := run(s+" dlock", opts, withEtcdCalls(backendEtcd, func(ctx context.Context, o bench.Options) (bench.Result, error) { return f(ctx, *server, o) }))
 		if err != nil {
 			return fmt.Errorf("%s: %w", s, err)
 		}
@@ -170,7 +292,12 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 			pairs, handoff = bench.RedisPairs, bench.RedisHandoff
 			oo.ServerCPU = bench.RedisCPU(addr)
 		case "etcd":
-			addr, stop, err = bench.StartEtcd()
+			if etcdServer != nil {
+				// The same etcd as dlock's backend: a fair comparison.
+				addr, stop = etcdServer.Endpoint, func() {}
+			} else {
+				addr, stop, err = bench.StartEtcd()
+			}
 			pairs, handoff = bench.EtcdPairs, bench.EtcdHandoff
 			oo.ServerCPU = bench.MetricsCPU(addr, rawhttp.Dialer{})
 		}
@@ -182,7 +309,11 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 			if f == nil {
 				continue
 			}
-			r, err := run(s+" "+o, oo, func(ctx context.Context, opt bench.Options) (bench.Result, error) { return f(ctx, addr, opt) })
+			count := ""
+			if o == "etcd" {
+				count = addr
+			}
+			r, err := run(s+" "+o, oo, withEtcdCalls(count, func(ctx context.Context, opt bench.Options) (bench.Result, error) { return f(ctx, addr, opt) }))
 			if err != nil {
 				stop()
 				return fmt.Errorf("%s %s: %w", s, o, err)
@@ -190,14 +321,21 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 			results = append(results, r)
 		}
 		stop()
+		if o == "etcd" && etcdServer != nil {
+			setup = append(setup, "etcd's concurrency.Mutex (--compare etcd): on the same etcd")
+		}
 	}
 	ratios := benchRatios(results)
 	if *asJSON {
 		enc := json.NewEncoder(stdout)
 		enc.SetIndent("", "  ")
-		return enc.Encode(map[string]any{"results": results, "ratios": ratios})
+		out := map[string]any{"results": results, "ratios": ratios}
+		if len(setup) > 0 {
+			out["setup"] = setup
+		}
+		return enc.Encode(out)
 	}
-	lines := cpuLines(results)
+	lines := append(setup, cpuLines(results)...)
 	for _, k := range slices.Sorted(maps.Keys(ratios)) {
 		lines = append(lines, fmt.Sprintf("%s = %.2f", k, ratios[k]))
 	}

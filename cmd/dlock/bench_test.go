@@ -6,6 +6,8 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"os"
+	"os/exec"
 	"slices"
 	"strings"
 	"testing"
@@ -165,5 +167,62 @@ func TestBenchRatios(t *testing.T) {
 	}
 	if l := cpuLines(results); !slices.Equal(l, []string{"pairs server CPU per lock+unlock: dlock 40.0µs, redis 10.0µs"}) {
 		t.Errorf("CPU lines %q", l)
+	}
+}
+
+// dlock bench --backend etcd: one etcd, started by bench and reported with
+// its setup; the dlock server it starts on it and --compare etcd both
+// measured on it, with etcd's calls per op; and the fail-over scenario on
+// servers it starts on the same etcd (docs/BENCHMARKS.md, "dlock on etcd").
+func TestBenchBackendEtcd(t *testing.T) {
+	if _, err := exec.LookPath("etcd"); err != nil {
+		if os.Geteuid() != 0 {
+			t.Skip("SKIPPED LOUDLY: etcd is not installed and installing it needs root; run `make test` as root")
+		}
+		t.Fatal("etcd is not installed: `make test` installs it")
+	}
+	useBinary(t)
+	out, errOut, st := inProcess(t, nil, "bench", "--backend", "etcd", "--scenario", "pairs,failover", "--compare", "etcd",
+		"--duration", "1s", "--concurrency", "2", "--servers", "2", "--rounds", "2", "--recheck", "0", "--json")
+	var res struct {
+		Results []bench.Result
+		Setup   []string
+	}
+	if st != 0 || json.Unmarshal([]byte(out), &res) != nil || len(res.Results) != 3 {
+		t.Fatalf("bench --backend etcd: %d %q %q", st, out, errOut)
+	}
+	var endpoints []string
+	for _, s := range res.Setup {
+		if i := strings.Index(s, "http://127.0.0.1:"); i >= 0 {
+			endpoints = append(endpoints, strings.TrimRight(strings.Fields(s[i:])[0], ",`"))
+		}
+	}
+	if len(res.Setup) != 4 || !strings.Contains(res.Setup[0], "fsync on") || !strings.Contains(res.Setup[0], "data dir ") ||
+		!strings.Contains(res.Setup[1], "dlock serve --backend etcd --etcd-endpoints "+endpoints[0]) || !strings.Contains(res.Setup[3], "same etcd") {
+		t.Fatalf("setup %q", res.Setup)
+	}
+	for _, r := range res.Results {
+		switch r.Scenario + " " + r.System {
+		case "pairs dlock", "pairs etcd":
+			if r.Ops == 0 || r.EtcdCallsPerOp["Txn"] <= 0 {
+				t.Errorf("%s %s: %+v", r.Scenario, r.System, r)
+			}
+		case "failover dlock":
+			if r.Rounds != 2 || r.Concurrency != 2 || !strings.Contains(r.Note, "holds kept 2/2") {
+				t.Errorf("failover: %+v", r)
+			}
+		default:
+			t.Errorf("unexpected result %+v", r)
+		}
+	}
+	for _, args := range [][]string{
+		{"--scenario", "failover"},
+		{"--backend", "etcd", "--server", "http://127.0.0.1:1"},
+		{"--backend", "redis"},
+		{"--backend", "etcd", "--servers", "1"},
+	} {
+		if _, errOut, st := inProcess(t, nil, append([]string{"bench"}, args...)...); st != 2 {
+			t.Errorf("bench %q: exit %d, want 2 (usage): %s", args, st, errOut)
+		}
 	}
 }

@@ -63,7 +63,11 @@ type Result struct {
 	// their times until the last waiter knew (Max is the worst).
 	Rounds      int     `json:"rounds,omitempty"`
 	RoundMedian float64 `json:"round_median_us,omitempty"`
-	Note        string  `json:"note,omitempty"`
+	// EtcdCallsPerOp is, on an etcd (dlock's backend or --compare etcd),
+	// the gRPC calls by method and the WAL fsyncs its server answered
+	// per op over the run (EtcdCalls): the round trips an op costs.
+	EtcdCallsPerOp map[string]float64 `json:"etcd_calls_per_op,omitempty"`
+	Note           string             `json:"note,omitempty"`
 	// Frame is the raw event (id, event and data lines and the blank
 	// line) one fan-out waiter received: what Floor writes.
 	Frame []byte `json:"-"`

@@ -14,6 +14,7 @@ import (
 	"net/http"
 	"net/url"
 	"strconv"
+	"time"
 )
 
 // Dialer opens connections to a dlock server with its transport and
@@ -96,15 +97,28 @@ func (d Dialer) Dial(base string) (*Conn, error) {
 
 // Post sends one POST and reads the answer; it returns the status code.
 func (c *Conn) Post(path string, body []byte) (int, error) {
-	c.buf = append(c.buf[:0], "POST "...)
+	return c.do("POST ", path, body, true)
+}
+
+// Get sends one GET (path with its query) and reads the answer; it
+// returns the status code.
+func (c *Conn) Get(path string) (int, error) {
+	return c.do("GET ", path, nil, false)
+}
+
+func (c *Conn) do(method, path string, body []byte, hasBody bool) (int, error) {
+	c.buf = append(c.buf[:0], method...)
 	c.buf = append(c.buf, path...)
 	c.buf = append(c.buf, " HTTP/1.1\r\nHost: "...)
 	c.buf = append(c.buf, c.host...)
 	c.buf = append(c.buf, "\r\n"...)
 	c.buf = append(c.buf, c.auth...)
-	c.buf = append(c.buf, "Content-Type: application/json\r\nContent-Length: "...)
-	c.buf = strconv.AppendInt(c.buf, int64(len(body)), 10)
-	c.buf = append(c.buf, "\r\n\r\n"...)
+	if hasBody {
+		c.buf = append(c.buf, "Content-Type: application/json\r\nContent-Length: "...)
+		c.buf = strconv.AppendInt(c.buf, int64(len(body)), 10)
+		c.buf = append(c.buf, "\r\n"...)
+	}
+	c.buf = append(c.buf, "\r\n"...)
 	c.buf = append(c.buf, body...)
 	if _, err := c.Write(c.buf); err != nil {
 		return 0, err
@@ -168,6 +182,10 @@ type Stream struct {
 // OpenSubscribe opens node's session stream: the connection and the 200
 // answer, whose body is the stream.
 func (d Dialer) OpenSubscribe(base, node string) (net.Conn, *http.Response, error) {
+	return d.openSubscribe(base, node, "")
+}
+
+func (d Dialer) openSubscribe(base, node, lastEventID string) (net.Conn, *http.Response, error) {
 	c, _, err := d.dial(base)
 	if err != nil {
 		return nil, nil, err
@@ -179,6 +197,9 @@ func (d Dialer) OpenSubscribe(base, node string) (net.Conn, *http.Response, erro
 	}
 	if d.Token != "" {
 		req.Header.Set("Authorization", "Bearer "+d.Token)
+	}
+	if lastEventID != "" {
+		req.Header.Set("Last-Event-ID", lastEventID)
 	}
 	if err := req.Write(c); err != nil {
 		c.Close()
@@ -198,7 +219,15 @@ func (d Dialer) OpenSubscribe(base, node string) (net.Conn, *http.Response, erro
 
 // Subscribe opens node's session stream and reads up to its subscribed event.
 func (d Dialer) Subscribe(base, node string) (*Stream, error) {
-	c, resp, err := d.OpenSubscribe(base, node)
+	return d.Resume(base, node, "")
+}
+
+// Resume reopens node's session stream with Last-Event-ID: lastEventID
+// (docs/API.md, "GET /subscribe"), on any server of the service, and reads
+// up to its subscribed event; the events after lastEventID follow it. An
+// empty lastEventID opens the stream as Subscribe does.
+func (d Dialer) Resume(base, node, lastEventID string) (*Stream, error) {
+	c, resp, err := d.openSubscribe(base, node, lastEventID)
 	if err != nil {
 		return nil, err
 	}
@@ -223,6 +252,13 @@ func (s *Stream) Next() (name string, data []byte, err error) {
 	}
 	return s.ev.Name, s.ev.Data, nil
 }
+
+// ID is the id of the last event Next returned ("" if it had none): what
+// a reopened stream sends as Last-Event-ID.
+func (s *Stream) ID() string { return s.ev.ID }
+
+// SetReadDeadline bounds the wait of the next calls of Next.
+func (s *Stream) SetReadDeadline(t time.Time) error { return s.conn.SetReadDeadline(t) }
 
 // Close ends the stream.
 func (s *Stream) Close() error { return s.conn.Close() }
