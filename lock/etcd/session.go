@@ -209,6 +209,12 @@ func (s *sessions) keep(node string, lease int64) (bool, error) {
 		return false, err
 	}
 	if ls := s.local[node]; ls != nil && ls.lease == lease {
+		// Checked again here, where the count grows: streams that
+		// passed acquire's check together must not all open.
+		if b.cfg.MaxSessionsPerNode > 0 && ls.streams >= b.cfg.MaxSessionsPerNode {
+			b.refusedNodeStreams.Add(1)
+			return false, fmt.Errorf("%w: %s has %d streams, at most %d are allowed", lock.ErrTooManySessions, node, ls.streams, b.cfg.MaxSessionsPerNode)
+		}
 		ls.streams++
 		return true, nil
 	}
