@@ -100,6 +100,15 @@ func (b *Backend) Subscribe(ctx context.Context, req lock.SubscribeRequest) (loc
 		}
 		return nil, lock.Subscription{}, err
 	}
+	// Checked again where the count grows: observers that passed the
+	// check above together must not all open.
+	if req.Observe != nil && b.cfg.MaxWatchers > 0 && w.nWatchers >= b.cfg.MaxWatchers {
+		if req.Node != "" {
+			go b.s.releaseNode(req.Node)
+		}
+		b.refusedWatchers.Add(1)
+		return nil, lock.Subscription{}, fmt.Errorf("%w: %d observers, at most %d are allowed", lock.ErrTooManyWatchers, w.nWatchers, b.cfg.MaxWatchers)
+	}
 	counter := uint64(w.processed)*idsPerRev + idsPerRev - 1
 	sub := lock.Subscription{ID: counter}
 	if req.Node != "" {
