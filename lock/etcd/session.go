@@ -65,13 +65,17 @@ func (b *Backend) Subscribe(ctx context.Context, req lock.SubscribeRequest) (loc
 			return nil, lock.Subscription{}, fmt.Errorf("%w: %d observers, at most %d are allowed", lock.ErrTooManyWatchers, n, b.cfg.MaxWatchers)
 		}
 	}
+	// Every wait on etcd below is bounded, and ends at Close.
+	parent := ctx
+	ctx, cancel := b.bound(ctx)
+	defer cancel()
 	f := newFeed(b, req.Node, req.Observe)
 	var lease int64
 	if req.Node != "" {
 		var rev int64
 		var err error
 		if lease, rev, err = b.s.acquire(ctx, req.Node); err != nil {
-			return nil, lock.Subscription{}, err
+			return nil, lock.Subscription{}, b.boundErr(parent, ctx, err)
 		}
 		// The watch must have seen the session before the stream joins,
 		// so that the session's log is the one the stream replays.

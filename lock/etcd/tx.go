@@ -44,19 +44,45 @@ var errConflict = errors.New("etcd backend: conflict")
 // in variables it resets. Calls for one resource on one server wait for
 // each other, so that only servers compete for a key, not requests.
 func (b *Backend) run(ctx context.Context, k lock.Key, fn func(t *tx) error, also ...string) (int64, error) {
-	mu := &b.stripes[maphash.String(b.seed, k.Resource)%uint64(len(b.stripes))]
-	mu.Lock()
-	defer mu.Unlock()
 	// An etcd that does not answer (a partition drops packets) must not
 	// hold a request, and the stripe, for as long as its client waits.
-	parent := ctx
-	ctx, cancel := context.WithTimeout(ctx, callTimeout)
+	// The bound counts the wait for the stripe too: calls queued behind
+	// one that waits for etcd must not wait a bound each, in turn.
+	bctx, cancel := b.bound(ctx)
 	defer cancel()
-	rev, err := b.attempt(ctx, k, fn, also)
-	if err != nil && parent.Err() == nil && ctx.Err() != nil && !b.closed.Load() {
-		return 0, fmt.Errorf("%w: etcd did not answer within %v", lock.ErrUnavailable, callTimeout)
+	stripe := b.stripes[maphash.String(b.seed, k.Resource)%uint64(len(b.stripes))]
+	select {
+	case stripe <- struct{}{}:
+	case <-bctx.Done():
+		return 0, b.boundErr(ctx, bctx, bctx.Err())
 	}
-	return rev, err
+	defer func() { <-stripe }()
+	rev, err := b.attempt(bctx, k, fn, also)
+	return rev, b.boundErr(ctx, bctx, err)
+}
+
+// bound returns ctx bounded by callTimeout and ended by Close, for a call's
+// work in etcd: a client of an etcd out of reach waits for it as long as
+// its context lets it, and a caller's context may never end.
+func (b *Backend) bound(ctx context.Context) (context.Context, context.CancelFunc) {
+	ctx, cancel := context.WithTimeout(ctx, callTimeout)
+	stop := context.AfterFunc(b.ctx, cancel)
+	return ctx, func() { stop(); cancel() }
+}
+
+// boundErr is err of a call made with bctx, bound(parent): lock.ErrClosed
+// once the backend is closed, lock.ErrUnavailable when the bound ran out
+// before parent ended.
+func (b *Backend) boundErr(parent, bctx context.Context, err error) error {
+	switch {
+	case err == nil:
+		return nil
+	case b.closed.Load():
+		return lock.ErrClosed
+	case parent.Err() == nil && bctx.Err() != nil:
+		return fmt.Errorf("%w: etcd did not answer within %v", lock.ErrUnavailable, callTimeout)
+	}
+	return err
 }
 
 // callTimeout bounds one call's work in etcd.
