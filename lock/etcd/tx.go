@@ -44,22 +44,36 @@ var errConflict = errors.New("etcd backend: conflict")
 // in variables it resets. Calls for one resource on one server wait for
 // each other, so that only servers compete for a key, not requests.
 func (b *Backend) run(ctx context.Context, k lock.Key, fn func(t *tx) error, also ...string) (int64, error) {
-	// An etcd that does not answer (a partition drops packets) must not
-	// hold a request, and the stripe, for as long as its client waits.
-	// The bound counts the wait for the stripe too: calls queued behind
-	// one that waits for etcd must not wait a bound each, in turn.
-	bctx, cancel := b.bound(ctx)
-	defer cancel()
+	// The wait for the stripe ends with the caller's context, at Close,
+	// or after stripeTimeout: calls queued behind ones that wait for an
+	// etcd out of reach answer, in bounded time, that it is.
 	stripe := b.stripes[maphash.String(b.seed, k.Resource)%uint64(len(b.stripes))]
+	timer := time.NewTimer(stripeTimeout)
 	select {
 	case stripe <- struct{}{}:
-	case <-bctx.Done():
-		return 0, b.boundErr(ctx, bctx, bctx.Err())
+		timer.Stop()
+	case <-ctx.Done():
+		timer.Stop()
+		return 0, ctx.Err()
+	case <-b.ctx.Done():
+		timer.Stop()
+		return 0, lock.ErrClosed
+	case <-timer.C:
+		return 0, fmt.Errorf("%w: the calls before this one on its resource took %v", lock.ErrUnavailable, stripeTimeout)
 	}
 	defer func() { <-stripe }()
+	// An etcd that does not answer (a partition drops packets) must not
+	// hold a request, and the stripe, for as long as its client waits.
+	bctx, cancel := b.bound(ctx)
+	defer cancel()
 	rev, err := b.attempt(bctx, k, fn, also)
 	return rev, b.boundErr(ctx, bctx, err)
 }
+
+// stripeTimeout bounds one call's wait for the calls before it on its
+// stripe: some callTimeouts of an etcd that does not answer, and far more
+// than the longest queue of calls of one resource that etcd does answer.
+const stripeTimeout = 2 * callTimeout
 
 // bound returns ctx bounded by callTimeout and ended by Close, for a call's
 // work in etcd: a client of an etcd out of reach waits for it as long as
