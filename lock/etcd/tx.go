@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/dlock/dlock/lock"
@@ -114,7 +115,10 @@ func (b *Backend) attempt(ctx context.Context, k lock.Key, fn func(t *tx) error,
 		if err := t.load(also...); err != nil {
 			return 0, err
 		}
-		if err := fn(t); err != nil {
+		if err := fn(t); errors.Is(err, errConflict) {
+			b.conflicts.Add(1)
+			continue
+		} else if err != nil {
 			return 0, err
 		}
 		if len(t.ops) == 0 {
@@ -172,9 +176,9 @@ func (t *tx) load(also ...string) error {
 func (t *tx) get(key string) ([]byte, int64, error) {
 	kv, cached := t.cache[key]
 	if !cached {
-		resp, err := t.b.cli.Get(t.ctx, key)
+		resp, err := t.b.cli.Get(t.ctx, key, clientv3.WithRev(t.readRev))
 		if err != nil {
-			return nil, 0, t.b.etcdErr("reading", err)
+			return nil, 0, t.readErr("reading", err)
 		}
 		if len(resp.Kvs) > 0 {
 			kv = resp.Kvs[0]
@@ -192,6 +196,15 @@ func (t *tx) get(key string) ([]byte, int64, error) {
 		return nil, 0, nil
 	}
 	return kv.Value, kv.ModRevision, nil
+}
+
+// readErr is an error of a read at the record's revision: one that etcd
+// compacted since is a conflict, read again.
+func (t *tx) readErr(what string, err error) error {
+	if errors.Is(err, rpctypes.ErrCompacted) {
+		return errConflict
+	}
+	return t.b.etcdErr(what, err)
 }
 
 // sibling reads another type's record of the same resource.
@@ -245,12 +258,15 @@ func (t *tx) waiting(node string) (uint64, bool, error) {
 	return seq, true, nil
 }
 
-// wait reads the waiter at seq.
+// wait reads the waiter at seq. It, position and head read the queue at
+// the revision the record was read at, which guards the whole queue: read
+// later, another server's dequeue could show a queue the record does not
+// describe (an entry the index names but is gone).
 func (t *tx) wait(seq uint64) (waitRec, error) {
 	var w waitRec
-	resp, err := t.b.cli.Get(t.ctx, t.b.n.wait(t.k, seq))
+	resp, err := t.b.cli.Get(t.ctx, t.b.n.wait(t.k, seq), clientv3.WithRev(t.readRev))
 	if err != nil {
-		return w, t.b.etcdErr("reading the queue", err)
+		return w, t.readErr("reading the queue", err)
 	}
 	if len(resp.Kvs) == 0 {
 		return w, fmt.Errorf("etcd backend: queue entry %d of %v is missing", seq, t.k)
@@ -260,9 +276,9 @@ func (t *tx) wait(seq uint64) (waitRec, error) {
 
 // position is the 1-based place of the waiter at seq.
 func (t *tx) position(seq uint64) (int, error) {
-	resp, err := t.b.cli.Get(t.ctx, t.b.n.queue(t.k), clientv3.WithRange(t.b.n.wait(t.k, seq+1)), clientv3.WithCountOnly())
+	resp, err := t.b.cli.Get(t.ctx, t.b.n.queue(t.k), clientv3.WithRange(t.b.n.wait(t.k, seq+1)), clientv3.WithCountOnly(), clientv3.WithRev(t.readRev))
 	if err != nil {
-		return 0, t.b.etcdErr("counting the queue", err)
+		return 0, t.readErr("counting the queue", err)
 	}
 	return int(resp.Count), nil
 }
@@ -279,13 +295,13 @@ func (t *tx) head(n int) ([]seqWait, error) {
 	if t.rec.Queue == 0 {
 		return nil, nil
 	}
-	opts := []clientv3.OpOption{clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend)}
+	opts := []clientv3.OpOption{clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend), clientv3.WithRev(t.readRev)}
 	if n > 0 {
 		opts = append(opts, clientv3.WithLimit(int64(n)))
 	}
 	resp, err := t.b.cli.Get(t.ctx, t.b.n.queue(t.k), opts...)
 	if err != nil {
-		return nil, t.b.etcdErr("reading the queue", err)
+		return nil, t.readErr("reading the queue", err)
 	}
 	out := make([]seqWait, 0, len(resp.Kvs))
 	prefix := len(t.b.n.queue(t.k))
