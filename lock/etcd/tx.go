@@ -35,6 +35,7 @@ type tx struct {
 	guarded map[string]bool
 	cache   map[string]*mvccpb.KeyValue // what load read besides the record; nil: absent
 	recOp   int                         // the index in ops of the record's write, -1 before it
+	removed map[uint64]bool             // the waiters this transaction dequeues, by seq
 }
 
 // errConflict is a transaction whose reads changed: it is tried again.
@@ -297,7 +298,7 @@ func (t *tx) head(n int) ([]seqWait, error) {
 	}
 	opts := []clientv3.OpOption{clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend), clientv3.WithRev(t.readRev)}
 	if n > 0 {
-		opts = append(opts, clientv3.WithLimit(int64(n)))
+		opts = append(opts, clientv3.WithLimit(int64(n+len(t.removed))))
 	}
 	resp, err := t.b.cli.Get(t.ctx, t.b.n.queue(t.k), opts...)
 	if err != nil {
@@ -310,6 +311,11 @@ func (t *tx) head(n int) ([]seqWait, error) {
 		if err != nil {
 			return nil, fmt.Errorf("etcd backend: a queue entry that is not ours: %w", err)
 		}
+		if t.removed[seq] {
+			// Dequeued by this transaction already (a ttl waiter that
+			// expired): the read does not see its own writes.
+			continue
+		}
 		var w waitRec
 		if err := jsonUnmarshal(kv.Value, &w); err != nil {
 			return nil, err
@@ -317,6 +323,9 @@ func (t *tx) head(n int) ([]seqWait, error) {
 		out = append(out, seqWait{seq, w})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].seq < out[j].seq })
+	if n > 0 && len(out) > n {
+		out = out[:n]
+	}
 	return out, nil
 }
 
@@ -336,6 +345,10 @@ func (t *tx) op(op clientv3.Op) { t.ops = append(t.ops, op) }
 
 // dequeue removes the waiter at seq (the record's count is the caller's).
 func (t *tx) dequeue(seq uint64, node string) {
+	if t.removed == nil {
+		t.removed = map[uint64]bool{}
+	}
+	t.removed[seq] = true
 	t.op(clientv3.OpDelete(t.b.n.wait(t.k, seq)))
 	t.op(clientv3.OpDelete(t.b.n.queueNode(t.k, node)))
 }
