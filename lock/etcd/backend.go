@@ -45,7 +45,7 @@ type Backend struct {
 	epoch       string
 	graceTTL    int64 // the session lease's TTL in seconds
 	seed        maphash.Seed
-	stripes     [256]sync.Mutex
+	stripes     [256]chan struct{} // a mutex per stripe of resources that a context can give up on
 	comb        combiner
 
 	ctx    context.Context // ends at Close
@@ -93,6 +93,9 @@ func New(ctx context.Context, cli *clientv3.Client, prefix string, cfg lock.Conf
 		refCounting: cfg.RefStore != nil,
 		graceTTL:    max(1, int64(math.Ceil(cfg.SessionGrace.Seconds()))),
 		seed:        maphash.MakeSeed(),
+	}
+	for i := range b.stripes {
+		b.stripes[i] = make(chan struct{}, 1)
 	}
 	var err error
 	if b.epoch, err = b.loadEpoch(ctx); err != nil {

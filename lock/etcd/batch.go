@@ -2,9 +2,11 @@ package etcd
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"hash/maphash"
 	"sync"
+	"time"
 
 	"github.com/dlock/dlock/lock"
 )
@@ -156,17 +158,32 @@ func (b *Backend) leadBatches(k lock.Key, kc *keyCalls, me *call) {
 // applyBatch applies calls in one transaction, tried again on conflict,
 // and returns the calls that must wait for the next batch.
 func (b *Backend) applyBatch(k lock.Key, calls []*call) []*call {
-	mu := &b.stripes[maphash.String(b.seed, k.Resource)%uint64(len(b.stripes))]
-	mu.Lock()
-	defer mu.Unlock()
+	finish := func(c *call, rev int64, err error) {
+		c.rev, c.err, c.done = rev, err, true
+	}
+	stripe := b.stripes[maphash.String(b.seed, k.Resource)%uint64(len(b.stripes))]
+	timer := time.NewTimer(stripeTimeout)
+	var err error
+	select {
+	case stripe <- struct{}{}:
+	case <-b.ctx.Done():
+		err = lock.ErrClosed
+	case <-timer.C:
+		err = fmt.Errorf("%w: the calls before these on their resource took %v", lock.ErrUnavailable, stripeTimeout)
+	}
+	timer.Stop()
+	if err != nil {
+		for _, c := range calls {
+			finish(c, 0, err)
+		}
+		return nil
+	}
+	defer func() { <-stripe }()
 	ctx, cancel := context.WithTimeout(b.ctx, callTimeout)
 	defer cancel()
 	var also []string
 	for _, c := range calls {
 		also = append(also, c.also...)
-	}
-	finish := func(c *call, rev int64, err error) {
-		c.rev, c.err, c.done = rev, err, true
 	}
 	for {
 		if err := b.alive(); err != nil {
@@ -189,10 +206,13 @@ func (b *Backend) applyBatch(k lock.Key, calls []*call) []*call {
 		}
 		var applied []outcome
 		var deferred []*call
+		conflict := false
 		for _, c := range calls {
 			snap := t.snapshot()
 			err := c.fn(t)
 			switch {
+			case errors.Is(err, errConflict):
+				conflict = true
 			case err != nil:
 				t.restore(snap)
 				applied = append(applied, outcome{c, err})
@@ -204,6 +224,10 @@ func (b *Backend) applyBatch(k lock.Key, calls []*call) []*call {
 			default:
 				applied = append(applied, outcome{c, nil})
 			}
+		}
+		if conflict {
+			b.conflicts.Add(1)
+			continue
 		}
 		rev := t.readRev
 		if len(t.ops) > 0 {

@@ -44,7 +44,7 @@ func (b *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 			return 0, err
 		}
 		if newLease == 0 {
-			l, err := b.cli.Grant(ctx, b.graceTTL)
+			l, err := b.cli.Grant(t.ctx, b.graceTTL)
 			if err != nil {
 				return 0, b.etcdErr("granting a session lease", err)
 			}

@@ -34,9 +34,11 @@ func (b *Backend) RefCount(ctx context.Context, resource string) (lock.RefCount,
 	if err := b.refsOn(); err != nil {
 		return lock.RefCount{}, err
 	}
-	resp, err := b.cli.Get(ctx, b.n.ref(resource))
+	bctx, cancel := b.bound(ctx)
+	defer cancel()
+	resp, err := b.cli.Get(bctx, b.n.ref(resource))
 	if err != nil {
-		return lock.RefCount{}, b.etcdErr("reading references", err)
+		return lock.RefCount{}, b.boundErr(ctx, bctx, b.etcdErr("reading references", err))
 	}
 	rc := lock.RefCount{Resource: resource}
 	if len(resp.Kvs) > 0 {
@@ -126,7 +128,9 @@ func (b *Backend) RefReleaseNode(ctx context.Context, node string) (int, error) 
 		return 0, err
 	}
 	var named []string
-	err := b.w.page(ctx, b.n.refs(), 0, func(kv kvLike) {
+	bctx, cancel := b.bound(ctx)
+	defer cancel()
+	err := b.w.page(bctx, b.n.refs(), 0, func(kv kvLike) {
 		var r refRec
 		if jsonUnmarshal(kv.Value, &r) != nil {
 			return
@@ -139,7 +143,7 @@ func (b *Backend) RefReleaseNode(ctx context.Context, node string) (int, error) 
 		}
 	})
 	if err != nil {
-		return 0, err
+		return 0, b.boundErr(ctx, bctx, err)
 	}
 	n := 0
 	for _, res := range named {

@@ -89,13 +89,17 @@ func (b *Backend) Subscribe(ctx context.Context, req lock.SubscribeRequest) (loc
 			return nil, lock.Subscription{}, fmt.Errorf("%w: %d observers, at most %d are allowed", lock.ErrTooManyWatchers, n, b.cfg.MaxWatchers)
 		}
 	}
+	// Every wait on etcd below is bounded, and ends at Close.
+	parent := ctx
+	ctx, cancel := b.bound(ctx)
+	defer cancel()
 	f := newFeed(b, req.Node, req.Observe)
 	var lease int64
 	if req.Node != "" {
 		var rev int64
 		var err error
 		if lease, rev, err = b.s.acquire(ctx, req.Node); err != nil {
-			return nil, lock.Subscription{}, err
+			return nil, lock.Subscription{}, b.boundErr(parent, ctx, err)
 		}
 		// The watch must have seen the session before the stream joins,
 		// so that the session's log is the one the stream replays.
@@ -123,6 +127,15 @@ func (b *Backend) Subscribe(ctx context.Context, req lock.SubscribeRequest) (loc
 			go b.s.releaseNode(req.Node)
 		}
 		return nil, lock.Subscription{}, err
+	}
+	// Checked again where the count grows: observers that passed the
+	// check above together must not all open.
+	if req.Observe != nil && b.cfg.MaxWatchers > 0 && w.nWatchers >= b.cfg.MaxWatchers {
+		if req.Node != "" {
+			go b.s.releaseNode(req.Node)
+		}
+		b.refusedWatchers.Add(1)
+		return nil, lock.Subscription{}, fmt.Errorf("%w: %d observers, at most %d are allowed", lock.ErrTooManyWatchers, w.nWatchers, b.cfg.MaxWatchers)
 	}
 	counter := uint64(w.processed)*idsPerRev + idsPerRev - 1
 	sub := lock.Subscription{ID: counter}
@@ -233,6 +246,12 @@ func (s *sessions) keep(node string, lease int64) (bool, error) {
 		return false, err
 	}
 	if ls := s.local[node]; ls != nil && ls.lease == lease {
+		// Checked again here, where the count grows: streams that
+		// passed acquire's check together must not all open.
+		if b.cfg.MaxSessionsPerNode > 0 && ls.streams >= b.cfg.MaxSessionsPerNode {
+			b.refusedNodeStreams.Add(1)
+			return false, fmt.Errorf("%w: %s has %d streams, at most %d are allowed", lock.ErrTooManySessions, node, ls.streams, b.cfg.MaxSessionsPerNode)
+		}
 		ls.streams++
 		return true, nil
 	}

@@ -64,6 +64,14 @@ func (b *Backend) timers() {
 	}
 }
 
+// maxExpiredWaiters bounds the ttl waiters one timer transaction removes:
+// each takes two of the 128 operations etcd allows a transaction (its queue
+// key and its index), and the same transaction may still end the hold and
+// promote a waiter (refusals included). A transaction past the limit is
+// refused by etcd, every time, and the queue places would never end
+// (docs/DESIGN.md, "Leases"); the rest go in the next firings.
+const maxExpiredWaiters = 48
+
 // expire applies whatever deadlines of k have passed, and reports whether
 // it changed anything.
 func (b *Backend) expire(k lock.Key) (bool, error) {
@@ -104,14 +112,18 @@ func (b *Backend) expireTx(t *tx, expiredOut, grantsOut *uint64) error {
 				return err
 			}
 			r.WaitTTL = 0
+			removed := 0
 			for _, w := range ws {
-				if w.Lease == uint8(lock.LeaseTTL) && w.TTL <= nowNs {
+				if w.Lease == uint8(lock.LeaseTTL) && w.TTL <= nowNs && removed < maxExpiredWaiters {
+					removed++
 					t.dequeue(w.seq, w.Node)
 					r.Queue--
 					expired++
 					continue
 				}
 				if w.Lease == uint8(lock.LeaseTTL) {
+					// Past maxExpiredWaiters, an expired waiter keeps
+					// the deadline due: the timer fires again at once.
 					r.WaitTTL = minDeadline(r.WaitTTL, w.TTL)
 				}
 			}

@@ -2,6 +2,7 @@ package etcd
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"hash/maphash"
 	"sort"
@@ -9,6 +10,7 @@ import (
 	"time"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/dlock/dlock/lock"
@@ -34,26 +36,71 @@ type tx struct {
 	cache   map[string]*mvccpb.KeyValue // what load read besides the record; nil: absent
 	recOp   int                         // the index in ops of the record's write, -1 before it
 	x       *trans                      // the transition this transaction makes
+	removed map[uint64]bool             // the waiters this transaction dequeues, by seq
 }
+
+// errConflict is a read that cannot be made as of the transaction's first
+// (etcd compacted it since): the transaction is tried again.
+var errConflict = errors.New("etcd backend: conflict")
 
 // run applies fn to k's state until its transaction commits without
 // conflict. fn is called again on each attempt and must keep its results
 // in variables it resets. Calls for one resource on one server wait for
 // each other, so that only servers compete for a key, not requests.
 func (b *Backend) run(ctx context.Context, k lock.Key, fn func(t *tx) error, also ...string) (int64, error) {
-	mu := &b.stripes[maphash.String(b.seed, k.Resource)%uint64(len(b.stripes))]
-	mu.Lock()
-	defer mu.Unlock()
+	// The wait for the stripe ends with the caller's context, at Close,
+	// or after stripeTimeout: calls queued behind ones that wait for an
+	// etcd out of reach answer, in bounded time, that it is.
+	stripe := b.stripes[maphash.String(b.seed, k.Resource)%uint64(len(b.stripes))]
+	timer := time.NewTimer(stripeTimeout)
+	select {
+	case stripe <- struct{}{}:
+		timer.Stop()
+	case <-ctx.Done():
+		timer.Stop()
+		return 0, ctx.Err()
+	case <-b.ctx.Done():
+		timer.Stop()
+		return 0, lock.ErrClosed
+	case <-timer.C:
+		return 0, fmt.Errorf("%w: the calls before this one on its resource took %v", lock.ErrUnavailable, stripeTimeout)
+	}
+	defer func() { <-stripe }()
 	// An etcd that does not answer (a partition drops packets) must not
 	// hold a request, and the stripe, for as long as its client waits.
-	parent := ctx
-	ctx, cancel := context.WithTimeout(ctx, callTimeout)
+	bctx, cancel := b.bound(ctx)
 	defer cancel()
-	rev, err := b.attempt(ctx, k, fn, also)
-	if err != nil && parent.Err() == nil && ctx.Err() != nil && !b.closed.Load() {
-		return 0, fmt.Errorf("%w: etcd did not answer within %v", lock.ErrUnavailable, callTimeout)
+	rev, err := b.attempt(bctx, k, fn, also)
+	return rev, b.boundErr(ctx, bctx, err)
+}
+
+// stripeTimeout bounds one call's wait for the calls before it on its
+// stripe: some callTimeouts of an etcd that does not answer, and far more
+// than the longest queue of calls of one resource that etcd does answer.
+const stripeTimeout = 2 * callTimeout
+
+// bound returns ctx bounded by callTimeout and ended by Close, for a call's
+// work in etcd: a client of an etcd out of reach waits for it as long as
+// its context lets it, and a caller's context may never end.
+func (b *Backend) bound(ctx context.Context) (context.Context, context.CancelFunc) {
+	ctx, cancel := context.WithTimeout(ctx, callTimeout)
+	stop := context.AfterFunc(b.ctx, cancel)
+	return ctx, func() { stop(); cancel() }
+}
+
+// boundErr is err of a call made with bctx, bound(parent): lock.ErrClosed
+// once the backend is closed, lock.ErrUnavailable when the bound ran out
+// before parent ended.
+func (b *Backend) boundErr(parent, bctx context.Context, err error) error {
+	switch {
+	case err == nil:
+		return nil
+	case b.closed.Load():
+		return lock.ErrClosed
+	case parent.Err() == nil && bctx.Err() != nil:
+		return fmt.Errorf("%w: etcd did not answer within %v", lock.ErrUnavailable, callTimeout)
 	}
-	return rev, err
+	return err
 }
 
 // callTimeout bounds one call's work in etcd.
@@ -71,7 +118,10 @@ func (b *Backend) attempt(ctx context.Context, k lock.Key, fn func(t *tx) error,
 		if err := t.load(also...); err != nil {
 			return 0, err
 		}
-		if err := fn(t); err != nil {
+		if err := fn(t); errors.Is(err, errConflict) {
+			b.conflicts.Add(1)
+			continue
+		} else if err != nil {
 			return 0, err
 		}
 		if len(t.ops) == 0 {
@@ -129,9 +179,9 @@ func (t *tx) load(also ...string) error {
 func (t *tx) get(key string) ([]byte, int64, error) {
 	kv, cached := t.cache[key]
 	if !cached {
-		resp, err := t.b.cli.Get(t.ctx, key)
+		resp, err := t.b.cli.Get(t.ctx, key, clientv3.WithRev(t.readRev))
 		if err != nil {
-			return nil, 0, t.b.etcdErr("reading", err)
+			return nil, 0, t.readErr("reading", err)
 		}
 		if len(resp.Kvs) > 0 {
 			kv = resp.Kvs[0]
@@ -149,6 +199,15 @@ func (t *tx) get(key string) ([]byte, int64, error) {
 		return nil, 0, nil
 	}
 	return kv.Value, kv.ModRevision, nil
+}
+
+// readErr is an error of a read at the record's revision: one that etcd
+// compacted since is a conflict, read again.
+func (t *tx) readErr(what string, err error) error {
+	if errors.Is(err, rpctypes.ErrCompacted) {
+		return errConflict
+	}
+	return t.b.etcdErr(what, err)
 }
 
 // sibling reads another type's record of the same resource.
@@ -211,12 +270,15 @@ func (t *tx) waiting(node string) (uint64, bool, error) {
 	return seq, true, nil
 }
 
-// wait reads node's entry, at seq.
+// wait reads the waiter at seq. It, position and head read the queue at
+// the revision the record was read at, which guards the whole queue: read
+// later, another server's dequeue could show a queue the record does not
+// describe (an entry the index names but is gone).
 func (t *tx) wait(seq uint64, node string) (waitRec, error) {
 	var w waitRec
 	resp, err := t.b.cli.Get(t.ctx, t.b.n.wait(t.k, seq, node), t.atRead())
 	if err != nil {
-		return w, t.b.etcdErr("reading the queue", err)
+		return w, t.readErr("reading the queue", err)
 	}
 	if len(resp.Kvs) == 0 {
 		return w, fmt.Errorf("etcd backend: queue entry %d of %v is missing", seq, t.k)
@@ -228,7 +290,7 @@ func (t *tx) wait(seq uint64, node string) (waitRec, error) {
 func (t *tx) position(seq uint64) (int, error) {
 	resp, err := t.b.cli.Get(t.ctx, t.b.n.queue(t.k), clientv3.WithRange(t.b.n.waitSeq(t.k, seq+1)), clientv3.WithCountOnly(), t.atRead())
 	if err != nil {
-		return 0, t.b.etcdErr("counting the queue", err)
+		return 0, t.readErr("counting the queue", err)
 	}
 	return int(resp.Count), nil
 }
@@ -247,11 +309,11 @@ func (t *tx) head(n int) ([]seqWait, error) {
 	}
 	opts := []clientv3.OpOption{clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend), t.atRead()}
 	if n > 0 {
-		opts = append(opts, clientv3.WithLimit(int64(n)))
+		opts = append(opts, clientv3.WithLimit(int64(n+len(t.removed))))
 	}
 	resp, err := t.b.cli.Get(t.ctx, t.b.n.queue(t.k), opts...)
 	if err != nil {
-		return nil, t.b.etcdErr("reading the queue", err)
+		return nil, t.readErr("reading the queue", err)
 	}
 	out := make([]seqWait, 0, len(resp.Kvs))
 	prefix := len(t.b.n.queue(t.k))
@@ -263,6 +325,11 @@ func (t *tx) head(n int) ([]seqWait, error) {
 		if err != nil {
 			return nil, fmt.Errorf("etcd backend: a queue entry that is not ours: %w", err)
 		}
+		if t.removed[seq] {
+			// Dequeued by this transaction already (a ttl waiter that
+			// expired): the read does not see its own writes.
+			continue
+		}
 		var w waitRec
 		if err := jsonUnmarshal(kv.Value, &w); err != nil {
 			return nil, err
@@ -270,6 +337,9 @@ func (t *tx) head(n int) ([]seqWait, error) {
 		out = append(out, seqWait{seq, w})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].seq < out[j].seq })
+	if n > 0 && len(out) > n {
+		out = out[:n]
+	}
 	return out, nil
 }
 
@@ -292,6 +362,10 @@ func (t *tx) op(op clientv3.Op) { t.ops = append(t.ops, op) }
 
 // dequeue removes the waiter at seq (the record's count is the caller's).
 func (t *tx) dequeue(seq uint64, node string) {
+	if t.removed == nil {
+		t.removed = map[uint64]bool{}
+	}
+	t.removed[seq] = true
 	t.op(clientv3.OpDelete(t.b.n.wait(t.k, seq, node)))
 	t.op(clientv3.OpDelete(t.b.n.queueNode(t.k, node)))
 }
