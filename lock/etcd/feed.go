@@ -11,6 +11,7 @@ import (
 type feed struct {
 	b       *Backend
 	node    string
+	lease   int64 // the etcd lease of node's session when the stream opened
 	observe *lock.Key
 
 	mu       sync.Mutex

@@ -2,6 +2,7 @@ package etcd
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -422,7 +423,12 @@ func (t *tx) promote(x *trans, now time.Time) (string, error) {
 		for _, w := range ws {
 			refused := false
 			if t.k.Type != lock.Pull {
-				refused = t.refConflict() != nil
+				switch err := t.refConflict(); {
+				case errors.Is(err, lock.ErrInUse), errors.Is(err, lock.ErrDeleting), errors.Is(err, lock.ErrUpdating):
+					refused = true
+				case err != nil:
+					return "", err // a failed read refuses nobody
+				}
 			}
 			if refused && len(x.Refused) == maxRefusals {
 				// The key stays free with waiters; its timer promotes

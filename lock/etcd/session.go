@@ -101,10 +101,11 @@ func (b *Backend) Subscribe(ctx context.Context, req lock.SubscribeRequest) (loc
 		if lease, rev, err = b.s.acquire(ctx, req.Node); err != nil {
 			return nil, lock.Subscription{}, b.boundErr(parent, ctx, err)
 		}
+		f.lease = lease
 		// The watch must have seen the session before the stream joins,
 		// so that the session's log is the one the stream replays.
 		if !w.caughtUp(rev, 10*time.Second) {
-			b.s.releaseNode(req.Node)
+			b.s.releaseNode(req.Node, lease)
 			if err := b.alive(); err != nil {
 				return nil, lock.Subscription{}, err
 			}
@@ -124,7 +125,7 @@ func (b *Backend) Subscribe(ctx context.Context, req lock.SubscribeRequest) (loc
 	defer w.mu.Unlock()
 	if err := b.alive(); err != nil {
 		if req.Node != "" {
-			go b.s.releaseNode(req.Node)
+			b.s.releaseNode(req.Node, lease)
 		}
 		return nil, lock.Subscription{}, err
 	}
@@ -132,7 +133,7 @@ func (b *Backend) Subscribe(ctx context.Context, req lock.SubscribeRequest) (loc
 	// check above together must not all open.
 	if req.Observe != nil && b.cfg.MaxWatchers > 0 && w.nWatchers >= b.cfg.MaxWatchers {
 		if req.Node != "" {
-			go b.s.releaseNode(req.Node)
+			b.s.releaseNode(req.Node, lease)
 		}
 		b.refusedWatchers.Add(1)
 		return nil, lock.Subscription{}, fmt.Errorf("%w: %d observers, at most %d are allowed", lock.ErrTooManyWatchers, w.nWatchers, b.cfg.MaxWatchers)
@@ -142,7 +143,7 @@ func (b *Backend) Subscribe(ctx context.Context, req lock.SubscribeRequest) (loc
 	if req.Node != "" {
 		s := w.sessions[req.Node]
 		if s == nil || s.lease != lease {
-			go b.s.releaseNode(req.Node)
+			b.s.releaseNode(req.Node, lease)
 			return nil, lock.Subscription{}, fmt.Errorf("%w: the session of %s ended while its stream opened", lock.ErrUnavailable, req.Node)
 		}
 		if req.HasLast && req.LastID <= counter {
@@ -298,15 +299,18 @@ func (s *sessions) release(f *feed) {
 	f.released = true
 	f.mu.Unlock()
 	if !done {
-		s.releaseNode(f.node)
+		s.releaseNode(f.node, f.lease)
 	}
 }
 
-func (s *sessions) releaseNode(node string) {
+// releaseNode counts one stream of node's session with lease less. A
+// stream of a session that ended counts for none: the node's new session,
+// made here since, keeps its own count.
+func (s *sessions) releaseNode(node string, lease int64) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	ls := s.local[node]
-	if ls == nil {
+	if ls == nil || ls.lease != lease {
 		return
 	}
 	if ls.streams--; ls.streams <= 0 {
