@@ -28,7 +28,7 @@ func TestTruncateError(t *testing.T) {
 		{"long and invalid", strings.Repeat("\xff\x41", 2000), true},
 	}
 	for _, c := range cases {
-		got, cut := truncateError(c.in)
+		got, cut := TruncateError(c.in)
 		if cut != c.cut || len(got) > MaxErrorLen || !utf8.ValidString(got) {
 			t.Errorf("%s: got %d bytes, cut=%v, valid=%v; want at most %d valid bytes, cut=%v", c.name, len(got), cut, utf8.ValidString(got), MaxErrorLen, c.cut)
 			continue

@@ -292,7 +292,7 @@ func (m *Memory) Unlock(ctx context.Context, req UnlockRequest) (UnlockResult, e
 		s.mu.Unlock()
 		return UnlockResult{}, fmt.Errorf("%w: sent %d, current grant is %d", ErrStaleToken, req.Token, ks.lastToken)
 	}
-	errMsg, cut := truncateError(req.Error)
+	errMsg, cut := TruncateError(req.Error)
 	if cut {
 		m.truncatedErrors.Add(1)
 	}

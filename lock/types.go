@@ -149,9 +149,9 @@ func validateID(field, s string, max int) error {
 	return nil
 }
 
-// truncateError bounds an error text to MaxErrorLen bytes of valid UTF-8:
+// TruncateError bounds an error text to MaxErrorLen bytes of valid UTF-8:
 // a longer one is cut on a character boundary and ends with "…".
-func truncateError(s string) (string, bool) {
+func TruncateError(s string) (string, bool) {
 	if !utf8.ValidString(s) {
 		s = strings.ToValidUTF8(s, "\uFFFD")
 	}

@@ -5,9 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"strings"
 	"time"
-	"unicode/utf8"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
@@ -304,7 +302,7 @@ func (b *Backend) Unlock(ctx context.Context, req lock.UnlockRequest) (lock.Unlo
 	if err := b.alive(); err != nil {
 		return lock.UnlockResult{}, err
 	}
-	errText, cut := truncateError(req.Error)
+	errText, cut := lock.TruncateError(req.Error)
 	success := req.Success
 	var res lock.UnlockResult
 	var handed bool
@@ -341,23 +339,6 @@ func (b *Backend) Unlock(ctx context.Context, req lock.UnlockRequest) (lock.Unlo
 		b.handoffs.Add(1)
 	}
 	return res, nil
-}
-
-// truncateError bounds an error text as lock.Memory does: at most
-// lock.MaxErrorLen bytes of valid UTF-8, a longer one cut and ending in "…".
-func truncateError(s string) (string, bool) {
-	if !utf8.ValidString(s) {
-		s = strings.ToValidUTF8(s, "\uFFFD")
-	}
-	if len(s) <= lock.MaxErrorLen {
-		return s, false
-	}
-	const mark = "…"
-	cut := lock.MaxErrorLen - len(mark)
-	for !utf8.RuneStart(s[cut]) {
-		cut--
-	}
-	return s[:cut] + mark, true
 }
 
 // maxRefusals bounds the waiters one transaction refuses at promotion, so

@@ -708,21 +708,18 @@ func (w *watcher) stats() lock.Stats {
 const nearLimit = 1024
 
 func (w *watcher) keyCount(limit int) int {
-	w.mu.Lock()
-	n := w.nKeys
-	w.mu.Unlock()
-	if n+nearLimit < limit {
-		return n
-	}
-	w.caughtUp(w.b.lastCommit.Load(), time.Second)
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.nKeys
+	return w.count(limit, func() int { return w.nKeys })
 }
 
 func (w *watcher) sessionCount(limit int) int {
+	return w.count(limit, func() int { return len(w.sessions) })
+}
+
+// count reads a cluster-wide count (under w.mu), again after the watch has
+// seen this server's last write when it is within nearLimit of limit.
+func (w *watcher) count(limit int, read func() int) int {
 	w.mu.Lock()
-	n := len(w.sessions)
+	n := read()
 	w.mu.Unlock()
 	if n+nearLimit < limit {
 		return n
@@ -730,7 +727,7 @@ func (w *watcher) sessionCount(limit int) int {
 	w.caughtUp(w.b.lastCommit.Load(), time.Second)
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	return len(w.sessions)
+	return read()
 }
 
 // roomForSession refuses a session beyond Config.MaxSessions, counted in
