@@ -17,20 +17,21 @@ import (
 	"github.com/dlock/dlock/internal/dlocktest"
 	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/lock"
+	"github.com/dlock/dlock/lock/memory"
 	"go.uber.org/goleak"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 // startServer runs a real dlock server on 127.0.0.1 for the test.
-func startServer(t testing.TB, cfg func(*lock.Config)) *dlocktest.Server {
+func startServer(t testing.TB, cfg func(*memory.Config)) *dlocktest.Server {
 	return dlocktest.Start(t, dlocktest.Options{Config: cfg})
 }
 
 // startInMemory runs one on in-memory connections, inside the test's
 // synctest bubble: for the tests whose outcome depends on the client's
 // timing (deadlines, leases, polls), which then run in fake time.
-func startInMemory(t testing.TB, cfg func(*lock.Config)) *dlocktest.Server {
+func startInMemory(t testing.TB, cfg func(*memory.Config)) *dlocktest.Server {
 	return dlocktest.Start(t, dlocktest.Options{Config: cfg, InMemory: true})
 }
 
@@ -321,7 +322,7 @@ func TestServerRestartWhileWaiting(t *testing.T) {
 // with ErrLockLost. The hold runs out in fake time.
 func TestDoLockLost(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		srv := startInMemory(t, func(c *lock.Config) { c.MaxHold = 300 * time.Millisecond })
+		srv := startInMemory(t, func(c *memory.Config) { c.MaxHold = 300 * time.Millisecond })
 		a := newClient(t, srv, "a")
 		start := time.Now()
 		_, err := a.Do(t.Context(), pull, func(ctx context.Context) error {
@@ -341,7 +342,7 @@ func TestDoLockLost(t *testing.T) {
 }
 
 func TestErrorClasses(t *testing.T) {
-	srv := startServer(t, func(c *lock.Config) { c.AllowMultiNodeDownload = false })
+	srv := startServer(t, func(c *memory.Config) { c.AllowMultiNodeDownload = false })
 	a, b := newClient(t, srv, "a"), newClient(t, srv, "b")
 	a.Lock(t.Context(), pull)
 	_, err := b.Lock(t.Context(), pull)
@@ -388,7 +389,7 @@ func TestRetries(t *testing.T) {
 }
 
 func TestRefCounts(t *testing.T) {
-	srv := startServer(t, func(c *lock.Config) { c.RefStore = &memStore{} })
+	srv := startServer(t, func(c *memory.Config) { c.RefStore = &memStore{} })
 	a, b := newClient(t, srv, "a"), newClient(t, srv, "b")
 	if _, err := a.Do(t.Context(), pull, func(context.Context) error { return nil }); err != nil {
 		t.Fatal(err)
@@ -412,18 +413,18 @@ func TestRefCounts(t *testing.T) {
 
 type memStore struct {
 	mu   sync.Mutex
-	recs map[string]lock.RefRecord
+	recs map[string]memory.RefRecord
 }
 
-func (s *memStore) Load(context.Context) (map[string]lock.RefRecord, uint64, error) {
+func (s *memStore) Load(context.Context) (map[string]memory.RefRecord, uint64, error) {
 	return nil, 0, nil
 }
 
-func (s *memStore) Save(_ context.Context, res string, rec lock.RefRecord) error {
+func (s *memStore) Save(_ context.Context, res string, rec memory.RefRecord) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.recs == nil {
-		s.recs = map[string]lock.RefRecord{}
+		s.recs = map[string]memory.RefRecord{}
 	}
 	s.recs[res] = rec
 	return nil

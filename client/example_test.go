@@ -8,13 +8,14 @@ import (
 
 	"github.com/dlock/dlock/client"
 	"github.com/dlock/dlock/lock"
+	"github.com/dlock/dlock/lock/memory"
 	"github.com/dlock/dlock/server"
 )
 
 // startDlock runs an in-memory dlock server on 127.0.0.1, as
 // `dlock serve --listen 127.0.0.1:0` would, and returns its URL.
 func startDlock() (url string, stop func()) {
-	m, _ := lock.NewMemory(context.Background(), lock.DefaultConfig())
+	m, _ := memory.New(context.Background(), memory.DefaultConfig())
 	url, stopServer := serveDlock(m)
 	return url, func() { stopServer(); m.Close() }
 }
@@ -78,7 +79,7 @@ func ExampleClient_Do() {
 // in-memory lock state): when the first stops, its requests and its
 // session stream move to the second, and its hold lives on.
 func ExampleClient_servers() {
-	m, _ := lock.NewMemory(context.Background(), lock.DefaultConfig())
+	m, _ := memory.New(context.Background(), memory.DefaultConfig())
 	defer m.Close()
 	first, stopFirst := serveDlock(m)
 	second, stopSecond := serveDlock(m)

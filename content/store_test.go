@@ -17,6 +17,7 @@ import (
 	"github.com/dlock/dlock/client"
 	"github.com/dlock/dlock/internal/dlocktest"
 	"github.com/dlock/dlock/lock"
+	"github.com/dlock/dlock/lock/memory"
 )
 
 type storeEnv struct {
@@ -25,7 +26,7 @@ type storeEnv struct {
 	root string
 }
 
-func newStoreEnv(t *testing.T, cfg func(*lock.Config)) *storeEnv {
+func newStoreEnv(t *testing.T, cfg func(*memory.Config)) *storeEnv {
 	return &storeEnv{t: t, srv: dlocktest.Start(t, dlocktest.Options{RefCount: true, Config: cfg}), root: t.TempDir()}
 }
 
@@ -239,7 +240,7 @@ func TestDeleteRefusedWhilePulled(t *testing.T) {
 }
 
 func TestUpdateLabels(t *testing.T) {
-	e := newStoreEnv(t, func(c *lock.Config) { c.UpdateRequiresNoRef = true })
+	e := newStoreEnv(t, func(c *memory.Config) { c.UpdateRequiresNoRef = true })
 	a := e.store("a")
 	d := commitBlob(t, a, []byte("labelled"))
 	if _, err := a.Update(t.Context(), content.Info{Digest: d, Labels: map[string]string{"k": "v"}}, "labels.k"); !errdefs.IsFailedPrecondition(err) {

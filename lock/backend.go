@@ -20,28 +20,10 @@ import (
 // detail, so that one table (package api) maps every backend's errors to the
 // same HTTP answers.
 //
-// Two implementations exist: Memory, this package's in-process one, and
+// Two implementations exist: package lock/memory, in one process, and
 // package lock/etcd, which keeps every piece of state in etcd so that
-// several servers act as one. How the etcd one maps onto the methods:
-//
-//   - TryLock, Unlock, Cancel, Status: one etcd transaction per call on the
-//     key's record ("<prefix>/k/<type>/<resource>": holder, token, leases,
-//     waiter count, completion) and its queue keys, guarded by the mod
-//     revisions of everything read and tried again on conflict. A refusal is
-//     decided on linearizable reads under the same guard.
-//   - Sessions are etcd leases ("<prefix>/s/<node>" attached to a lease kept
-//     alive by whichever server holds one of the node's streams); a session's
-//     end, seen by the watch, makes one server hand its holds on.
-//   - Subscribe: every server derives every change's events from one watch,
-//     with ids = revision × 8 + index, the same on every server, so that
-//     Last-Event-ID resumes anywhere.
-//   - Timers: every server races to act on a due deadline; the guarded
-//     transaction lets one win.
-//   - Epoch: stored once per data set ("<prefix>/epoch").
-//
-// docs/DESIGN.md, "An etcd backend", has the records key by key and why each
-// operation is safe. // A backend's test is one call of locktest.Run, the suite every backend
-// passes.
+// several servers act as one. A backend's test is one call of
+// locktest.Run, the suite every backend passes.
 type Backend interface {
 	// TryLock asks for req's key: it is granted, or the node is queued, or
 	// told to skip the work (a recent success, or a hand-off confirmed).
@@ -140,7 +122,41 @@ type Stream = Feed[Delivery]
 // OpStream is the operators' feed (Inspector.WatchOps).
 type OpStream = Feed[OpEvent]
 
-var (
-	_ Backend   = (*Memory)(nil)
-	_ Inspector = (*Memory)(nil)
-)
+// Stats is a snapshot of the manager's gauges and counters.
+type Stats struct {
+	Keys         int    // keys with a holder, a queue or a completion record
+	Held         int    // keys with a holder
+	Queued       int    // queue entries
+	Sessions     int    // open sessions, streaming or in grace
+	Grants       uint64 // grants, direct and by hand-off
+	Handoffs     uint64 // grants by hand-off
+	Expiries     uint64 // holds and queue entries ended by a lease
+	SessionsLost uint64 // sessions ended by their grace running out
+	SlowStreams  uint64 // streams closed for not keeping up
+
+	// Requests refused by a limit (docs/SECURITY.md).
+	RefusedSessions    uint64 // Config.MaxSessions
+	RefusedNodeStreams uint64 // Config.MaxSessionsPerNode
+	RefusedQueue       uint64 // Config.MaxQueue
+	RefusedKeys        uint64 // Config.MaxKeys
+	RefusedWatchers    uint64 // Config.MaxWatchers
+	TruncatedErrors    uint64 // unlock error texts cut to MaxErrorLen
+	ReplayGaps         uint64 // reconnects whose replay missed events the log let go
+}
+
+// Subscription is what Subscribe returns besides the stream.
+type Subscription struct {
+	// ID is the id of the subscribed event: a reconnect that sends it as its
+	// last event id replays everything after it. After a Last-Event-ID it
+	// is that id, unless events after it were let go (Missed): then it is
+	// the id of the newest one let go, so the replay starts after a gap the
+	// client can see (docs/DESIGN.md, "Event ids and replay").
+	ID uint64
+	// Replay holds, in order, the session's retained events after the last
+	// event id; they take at most Config.SessionLogBytes on the api.
+	Replay []Delivery
+	// Missed reports that events after the last event id are no longer
+	// kept: the log's bounds let them go, or the session ended and began
+	// anew.
+	Missed bool
+}

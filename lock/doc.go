@@ -1,21 +1,25 @@
-// Package lock is dlock's lock state and its rules (docs/DESIGN.md): the
-// types of a request and its answer, the errors every backend answers with,
-// the Backend interface the server uses, and Memory, the in-process backend.
+// Package lock is dlock's contract for lock state (docs/DESIGN.md, "The
+// Backend seam"): the types of a request and its answer, the errors every
+// backend answers with, the Backend interface the server uses (and the
+// optional Inspector for the operators' view), the Rules every backend
+// honours the same way, the events a stream delivers, and FeedQueue, the
+// one bounded queue behind every Feed.
 //
-// Memory keeps one holder and one FIFO queue per (operation type, resource),
-// spread over shards by FNV-1a of the resource so that every type of one
-// resource lands in one shard. Every state transition of a key happens under
-// its shard's mutex and nothing under that mutex blocks or does I/O.
-// Notifications (grants, completions) are queued per shard while the mutex is
-// held and delivered after it is released, in transition order, without ever
-// blocking on a slow subscriber.
+// It holds no state and starts no goroutine. The engines live below it,
+// each in its own package with its own Config that embeds Rules:
 //
-// Files: backend.go (the interface), types.go (requests, answers, errors),
-// memory.go (Memory's calls), shard.go (a key's transitions), session.go
-// (sessions, their event logs and grace), stream.go (streams and Subscribe),
-// events.go (events and the per-shard outbox), refs.go (reference counts),
-// tokens.go (fencing tokens), inspect.go and opfeed.go (the operators' view).
+//   - lock/memory: the in-process engine, sharded in one process.
+//   - lock/etcd: every piece of state in etcd, so that several servers act
+//     as one.
+//   - lock/locktest: the conformance suite both pass; a new backend's test
+//     is one call of locktest.Run.
+//
+// Files: backend.go (Backend, Inspector, Info, Subscription, Stats),
+// types.go (keys, requests, answers, errors, validation), rules.go (Rules
+// and their defaults), events.go (events and their size on the wire),
+// feed.go (FeedQueue), refs.go (the reference rules' decisions) and
+// inspect.go (the operators' view: pages and feed events).
 //
 // The package knows nothing of HTTP: package server maps a Backend to the
-// API of docs/API.md, and locktest is the suite every Backend passes.
+// API of docs/API.md.
 package lock

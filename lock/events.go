@@ -1,7 +1,6 @@
 package lock
 
 import (
-	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -38,13 +37,14 @@ func (e *Event) WireSize() int {
 	if n := e.size.Load(); n != 0 {
 		return int(n)
 	}
-	n := wireSize(e.Name, e.Key.Resource, e.Node, e.Error, e.NextHolder)
+	n := EventWireSize(e.Name, e.Key.Resource, e.Node, e.Error, e.NextHolder)
 	e.size.Store(int32(n))
 	return n
 }
 
-// wireSize is WireSize of an event with these texts.
-func wireSize(name, resource, node, errText, next string) int {
+// EventWireSize is the WireSize of an event with these texts, for a
+// backend that keeps an event in a more compact form than an Event.
+func EventWireSize(name, resource, node, errText, next string) int {
 	// The frame's fixed part: "id: " and 20 digits, the event line, the
 	// JSON keys, type, token or success, a time stamp, the separators.
 	const fixed = 256
@@ -90,84 +90,4 @@ func (e *Event) Encoded(enc func([]byte, *Event) []byte) []byte {
 type Delivery struct {
 	ID    uint64
 	Event *Event
-}
-
-// item is one event to deliver: to the sessions of the nodes in to, and to
-// the key's observers.
-type item struct {
-	ev        *Event
-	to        []string
-	observers bool
-}
-
-// batch is one transition's events. It is not delivered before it is ready:
-// a transition that changed references is ready once they are durable
-// (docs/DESIGN.md, "The outbox").
-type batch struct {
-	items []item
-	ready bool
-}
-
-// outbox delivers a shard's batches in transition order, whichever goroutine
-// happens to drain it, and never while the shard mutex is held.
-type outbox struct {
-	mu       sync.Mutex
-	q        []*batch
-	draining bool
-}
-
-func (o *outbox) push(b *batch) {
-	o.mu.Lock()
-	o.q = append(o.q, b)
-	o.mu.Unlock()
-}
-
-func (o *outbox) markReady(b *batch) {
-	o.mu.Lock()
-	b.ready = true
-	o.mu.Unlock()
-}
-
-func (o *outbox) drain(deliver func(item)) {
-	o.mu.Lock()
-	if o.draining {
-		o.mu.Unlock()
-		return
-	}
-	o.draining = true
-	for len(o.q) > 0 && o.q[0].ready {
-		b := o.q[0]
-		o.q[0] = nil
-		o.q = o.q[1:]
-		o.mu.Unlock()
-		for _, it := range b.items {
-			deliver(it)
-		}
-		o.mu.Lock()
-	}
-	if len(o.q) == 0 {
-		o.q = nil
-	}
-	o.draining = false
-	o.mu.Unlock()
-}
-
-func (m *Memory) deliver(it item) {
-	m.opDeliver(it)
-	for _, node := range it.to {
-		if s := m.sess.get(node); s != nil {
-			s.push(m, it.ev)
-		}
-	}
-	if !it.observers || m.obs.n.Load() == 0 {
-		return
-	}
-	for _, st := range m.obs.get(it.ev.Key) {
-		if st.sess != nil && slices.Contains(it.to, st.sess.node) {
-			continue // it had the event as its session's
-		}
-		if !st.offer(Delivery{ID: m.seq.Add(1), Event: it.ev}) {
-			st.kill()
-		}
-	}
 }

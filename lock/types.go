@@ -166,7 +166,8 @@ func TruncateError(s string) (string, bool) {
 	return s[:cut] + mark, true
 }
 
-func validateKey(t Type, resource, node string) error {
+// ValidateKey checks a key and a node id as every request does.
+func ValidateKey(t Type, resource, node string) error {
 	if !t.Valid() {
 		return fmt.Errorf("%w: type must be pull, update or delete", ErrInvalid)
 	}
@@ -192,7 +193,7 @@ func (r LockRequest) Key() Key { return Key{r.Type, r.Resource} }
 
 // Validate reports a wrapped ErrInvalid naming the first bad field.
 func (r LockRequest) Validate() error {
-	if err := validateKey(r.Type, r.Resource, r.Node); err != nil {
+	if err := ValidateKey(r.Type, r.Resource, r.Node); err != nil {
 		return err
 	}
 	if r.Lease > LeaseTTL {
@@ -227,7 +228,7 @@ type UnlockRequest struct {
 func (r UnlockRequest) Key() Key { return Key{r.Type, r.Resource} }
 
 // Validate reports a wrapped ErrInvalid naming the first bad field.
-func (r UnlockRequest) Validate() error { return validateKey(r.Type, r.Resource, r.Node) }
+func (r UnlockRequest) Validate() error { return ValidateKey(r.Type, r.Resource, r.Node) }
 
 // UnlockResult is the answer to an UnlockRequest.
 type UnlockResult struct {

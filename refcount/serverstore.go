@@ -8,7 +8,7 @@ import (
 	"path/filepath"
 	"time"
 
-	"github.com/dlock/dlock/lock"
+	"github.com/dlock/dlock/lock/memory"
 	bolt "go.etcd.io/bbolt"
 )
 
@@ -20,7 +20,7 @@ type ServerStore struct {
 	db *bolt.DB
 }
 
-var _ lock.RefStore = (*ServerStore)(nil)
+var _ memory.RefStore = (*ServerStore)(nil)
 
 type boltRecord struct {
 	Version uint64   `json:"v"`
@@ -53,8 +53,8 @@ func (b *ServerStore) Close() error { return b.db.Close() }
 // Load returns every resource that has references and the highest version
 // stored. Empty records (kept so that a late, older save cannot resurrect a
 // cleared resource) are dropped here, when no save can be in flight.
-func (b *ServerStore) Load(ctx context.Context) (map[string]lock.RefRecord, uint64, error) {
-	refs := make(map[string]lock.RefRecord)
+func (b *ServerStore) Load(ctx context.Context) (map[string]memory.RefRecord, uint64, error) {
+	refs := make(map[string]memory.RefRecord)
 	var maxVersion uint64
 	err := b.db.Update(func(tx *bolt.Tx) error {
 		bk := tx.Bucket(refsBucket)
@@ -69,7 +69,7 @@ func (b *ServerStore) Load(ctx context.Context) (map[string]lock.RefRecord, uint
 				empty = append(empty, append([]byte(nil), k...))
 				return nil
 			}
-			refs[string(k)] = lock.RefRecord{Nodes: r.Nodes, Version: r.Version}
+			refs[string(k)] = memory.RefRecord{Nodes: r.Nodes, Version: r.Version}
 			return nil
 		})
 		if err != nil {
@@ -94,7 +94,7 @@ func (b *ServerStore) Load(ctx context.Context) (map[string]lock.RefRecord, uint
 }
 
 // Save stores rec unless the stored record is as new or newer.
-func (b *ServerStore) Save(ctx context.Context, resource string, rec lock.RefRecord) error {
+func (b *ServerStore) Save(ctx context.Context, resource string, rec memory.RefRecord) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}

@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/dlock/dlock/lock"
+	"github.com/dlock/dlock/lock/memory"
 )
 
 func TestServerStore(t *testing.T) {
@@ -22,11 +23,11 @@ func TestServerStore(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	must(s.Save(ctx, "a", lock.RefRecord{Nodes: []string{"n1", "n2"}, Version: 2}))
-	must(s.Save(ctx, "a", lock.RefRecord{Nodes: []string{"n1"}, Version: 1})) // older: ignored
-	must(s.Save(ctx, "b", lock.RefRecord{Nodes: []string{"n3"}, Version: 3}))
-	must(s.Save(ctx, "b", lock.RefRecord{Version: 4}))                        // cleared
-	must(s.Save(ctx, "b", lock.RefRecord{Nodes: []string{"n3"}, Version: 3})) // late, older: must not resurrect
+	must(s.Save(ctx, "a", memory.RefRecord{Nodes: []string{"n1", "n2"}, Version: 2}))
+	must(s.Save(ctx, "a", memory.RefRecord{Nodes: []string{"n1"}, Version: 1})) // older: ignored
+	must(s.Save(ctx, "b", memory.RefRecord{Nodes: []string{"n3"}, Version: 3}))
+	must(s.Save(ctx, "b", memory.RefRecord{Version: 4}))                        // cleared
+	must(s.Save(ctx, "b", memory.RefRecord{Nodes: []string{"n3"}, Version: 3})) // late, older: must not resurrect
 	must(s.Close())
 
 	s, err = OpenServerStore(path)
@@ -51,14 +52,14 @@ func TestServerStore(t *testing.T) {
 func TestServerStoreWithMemory(t *testing.T) {
 	ctx := context.Background()
 	path := filepath.Join(t.TempDir(), "refs.db")
-	open := func() (*lock.Memory, *ServerStore) {
+	open := func() (*memory.Backend, *ServerStore) {
 		s, err := OpenServerStore(path)
 		if err != nil {
 			t.Fatal(err)
 		}
-		cfg := lock.DefaultConfig()
+		cfg := memory.DefaultConfig()
 		cfg.RefStore = s
-		m, err := lock.NewMemory(ctx, cfg)
+		m, err := memory.New(ctx, cfg)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -21,7 +21,7 @@ import (
 	"github.com/dlock/dlock/internal/auth/authtest"
 	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/internal/rawhttp"
-	"github.com/dlock/dlock/lock"
+	"github.com/dlock/dlock/lock/memory"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 )
 
@@ -233,7 +233,7 @@ func TestAuthDroppedCAEndsStreams(t *testing.T) {
 // operator's /ui/events. One node holds at most MaxObserversPerCredential
 // of them, so it cannot take them all and blind the operator.
 func TestAuthObserversPerCredential(t *testing.T) {
-	ae := newAuthEnvWith(t, authSetup{tokens: true}, func(c *lock.Config) { c.MaxWatchers = 2 * MaxObserversPerCredential }, nil)
+	ae := newAuthEnvWith(t, authSetup{tokens: true}, func(c *memory.Config) { c.MaxWatchers = 2 * MaxObserversPerCredential }, nil)
 	a := who{token: tokA}
 	// The first observer's connection is the test's, to close it.
 	firstConn := ae.dial(a)

@@ -25,7 +25,7 @@ import (
 	"github.com/dlock/dlock/internal/auth"
 	"github.com/dlock/dlock/internal/auth/authtest"
 	"github.com/dlock/dlock/internal/dlocktest/kit"
-	"github.com/dlock/dlock/lock"
+	"github.com/dlock/dlock/lock/memory"
 	"github.com/dlock/dlock/refcount"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 )
@@ -70,7 +70,7 @@ func newAuthEnv(t testing.TB, as authSetup) *authEnv {
 
 // newAuthEnvWith is newAuthEnv with a lock configuration and server
 // options of the test's own.
-func newAuthEnvWith(t testing.TB, as authSetup, mod func(*lock.Config), opt func(*Options)) *authEnv {
+func newAuthEnvWith(t testing.TB, as authSetup, mod func(*memory.Config), opt func(*Options)) *authEnv {
 	t.Helper()
 	ae := &authEnv{t: t, dir: t.TempDir(), tls: as.tls || as.mtls}
 	var opts Options
@@ -111,7 +111,7 @@ func newAuthEnvWith(t testing.TB, as authSetup, mod func(*lock.Config), opt func
 		}
 		t.Cleanup(func() { store.Close() })
 	}
-	cfg := func(c *lock.Config) {
+	cfg := func(c *memory.Config) {
 		if store != nil {
 			c.RefStore = store
 		}

@@ -16,7 +16,7 @@ import (
 
 	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/internal/rawhttp"
-	"github.com/dlock/dlock/lock"
+	"github.com/dlock/dlock/lock/memory"
 )
 
 // benchServer runs a real server on a loopback listener, with the ping
@@ -172,7 +172,7 @@ func (c *memConn) SetWriteDeadline(time.Time) error { return nil }
 // distinct keys from memory, without syscalls. One op is one pair; its
 // allocations are the server's and the lock manager's.
 func BenchmarkLeanLoopPairs(b *testing.B) {
-	m, err := lock.NewMemory(context.Background(), lock.DefaultConfig())
+	m, err := memory.New(context.Background(), memory.DefaultConfig())
 	if err != nil {
 		b.Fatal(err)
 	}

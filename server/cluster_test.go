@@ -21,7 +21,6 @@ import (
 	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/internal/etcdtest"
 	"github.com/dlock/dlock/internal/rawhttp"
-	"github.com/dlock/dlock/lock"
 	"github.com/dlock/dlock/lock/etcd"
 )
 
@@ -29,11 +28,10 @@ import (
 // etcd client, etcd.Backend and Server on 127.0.0.1: one lock service
 // (docs/DESIGN.md, "An etcd backend"). The tests talk to it over HTTP only.
 type cluster struct {
-	t      testing.TB
-	etcd   *etcdtest.Server
-	prefix string
-	cfg    lock.Config
-	epoch  string // the data set's, answered by every server
+	t     testing.TB
+	etcd  *etcdtest.Server
+	cfg   etcd.Config
+	epoch string // the data set's, answered by every server
 	// members are in start order; a restarted server is a new member.
 	members []*member
 }
@@ -64,15 +62,16 @@ const (
 )
 
 // newCluster starts n servers on a fresh data set of the test binary's
-// shared embedded etcd; mod changes lock.DefaultConfig, the same for every
+// shared embedded etcd; mod changes etcd.DefaultConfig, the same for every
 // server (etcd.New).
-func newCluster(t testing.TB, n int, mod func(*lock.Config)) *cluster {
+func newCluster(t testing.TB, n int, mod func(*etcd.Config)) *cluster {
 	t.Helper()
-	cfg := lock.DefaultConfig()
+	cfg := etcd.DefaultConfig()
 	if mod != nil {
 		mod(&cfg)
 	}
-	c := &cluster{t: t, etcd: etcdtest.Shared(t), prefix: etcdtest.Prefix(t), cfg: cfg}
+	cfg.Prefix = etcdtest.Prefix(t)
+	c := &cluster{t: t, etcd: etcdtest.Shared(t), cfg: cfg}
 	for range n {
 		c.start()
 	}
@@ -87,7 +86,7 @@ func (c *cluster) start() *member {
 	m := &member{c: c, cli: c.etcd.Client(t), done: make(chan struct{})}
 	ctx, cancel := context.WithTimeout(context.Background(), kit.Patience)
 	defer cancel()
-	b, err := etcd.New(ctx, m.cli, c.prefix, c.cfg)
+	b, err := etcd.New(ctx, m.cli, c.cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -409,7 +408,7 @@ func TestClusterReplayElsewhere(t *testing.T) {
 // "Leases": a session lives while any stream of the node is open, on any
 // server).
 func TestClusterSessionMoves(t *testing.T) {
-	c := newCluster(t, 2, func(cfg *lock.Config) { cfg.SessionGrace = time.Second })
+	c := newCluster(t, 2, func(cfg *etcd.Config) { cfg.SessionGrace = time.Second })
 	a, b := c.members[0], c.members[1]
 	sa := a.subscribe(t, "node_id=n", "")
 	expect(t, sa, "subscribed", nil)
@@ -478,7 +477,7 @@ func TestClusterKilledMidHandOff(t *testing.T) {
 		checkOneHandOff(t, c, obs, "h", "w", t1, t2, "boom")
 	})
 	t.Run("request lost", func(t *testing.T) {
-		c := newCluster(t, 3, func(cfg *lock.Config) { cfg.SessionGrace = time.Second })
+		c := newCluster(t, 3, func(cfg *etcd.Config) { cfg.SessionGrace = time.Second })
 		a, b, cc := c.members[0], c.members[1], c.members[2]
 		obs := cc.subscribe(t, "type=pull&resource_id=r", "")
 		expect(t, obs, "subscribed", nil)
@@ -733,14 +732,14 @@ func TestClusterTokensUnderLoad(t *testing.T) {
 }
 
 // TestClusterRefCount: server-side reference counts kept in etcd
-// (etcd.ReferencesInEtcd) are one set for every server: a delete or an
+// (etcd.Config.RefCounting) are one set for every server: a delete or an
 // update is refused on one server while a pull is held on another, a
 // pull's success on one adds its holder and waiters for all, a held delete
 // refuses pulls and references everywhere (docs/API.md, "Reference
 // counting").
 func TestClusterRefCount(t *testing.T) {
-	c := newCluster(t, 3, func(cfg *lock.Config) {
-		cfg.RefStore = etcd.ReferencesInEtcd{}
+	c := newCluster(t, 3, func(cfg *etcd.Config) {
+		cfg.RefCounting = true
 		cfg.UpdateRequiresNoRef = true
 	})
 	a, b, cc := c.members[0], c.members[1], c.members[2]

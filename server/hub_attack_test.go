@@ -34,6 +34,7 @@ import (
 	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/internal/rawhttp"
 	"github.com/dlock/dlock/lock"
+	"github.com/dlock/dlock/lock/memory"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"golang.org/x/sys/unix"
 )
@@ -554,7 +555,7 @@ func newPipeTLSServer(t *testing.T, opts Options) *pipeTLSServer {
 		t.Fatal(err)
 	}
 	opts.Tokens, opts.TLS = tk, certs
-	m, err := lock.NewMemory(context.Background(), lock.DefaultConfig())
+	m, err := memory.New(context.Background(), memory.DefaultConfig())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -11,6 +11,7 @@ import (
 	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/internal/rawhttp"
 	"github.com/dlock/dlock/lock"
+	"github.com/dlock/dlock/lock/memory"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 )
 
@@ -47,7 +48,7 @@ func (e *env) stallStream(node string) net.Conn {
 
 // stallConfig leaves room in a stream's buffer for every event stallStream
 // writes.
-func stallConfig(c *lock.Config) { c.StreamBuffer = 1 << 20 }
+func stallConfig(c *memory.Config) { c.StreamBuffer = 1 << 20 }
 
 // sessionStreams is the number of node's open session streams.
 func (e *env) sessionStreams(node string) int {

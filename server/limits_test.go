@@ -13,6 +13,7 @@ import (
 
 	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/lock"
+	"github.com/dlock/dlock/lock/memory"
 )
 
 // Tests of the lock manager's limits over HTTP (docs/SECURITY.md), on the
@@ -37,7 +38,7 @@ func checkRefusal(t *testing.T, what string, r *http.Response, status int, code 
 func TestLimitRefusals(t *testing.T) {
 	for _, lean := range []bool{true, false} {
 		t.Run(fmt.Sprint("lean=", lean), func(t *testing.T) {
-			e := newEnvMode(t, func(c *lock.Config) {
+			e := newEnvMode(t, func(c *memory.Config) {
 				c.Shards = 1
 				c.MaxQueue = 1
 				c.MaxKeys = 3
@@ -163,7 +164,7 @@ func TestIDAliasing(t *testing.T) {
 // event whose id shows the gap; error texts of 60 KiB arrive cut to 1 KiB.
 func TestReplayBoundedHTTP(t *testing.T) {
 	const logBytes = lock.MinSessionLogBytes
-	e := newEnv(t, func(c *lock.Config) { c.SessionLogBytes = logBytes })
+	e := newEnv(t, func(c *memory.Config) { c.SessionLogBytes = logBytes })
 	w := e.subscribe("node_id=w", "")
 	w.Next(t)
 	long := strings.Repeat("é", 30<<10)

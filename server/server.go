@@ -57,7 +57,7 @@ type Options struct {
 	// EventLoop serves plain-TCP connections between requests from event
 	// loops that answer /lock, /unlock and /cancel themselves (poller.go),
 	// for less CPU per request. Set it only for a backend whose TryLock,
-	// Unlock and Cancel never wait, as lock.Memory without a RefStore:
+	// Unlock and Cancel never wait, as memory.Backend without a RefStore:
 	// one that waited would hold up every connection of its loop.
 	EventLoop bool
 }

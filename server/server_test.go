@@ -17,6 +17,7 @@ import (
 	"github.com/dlock/dlock/internal/etcdtest"
 	"github.com/dlock/dlock/lock"
 	"github.com/dlock/dlock/lock/etcd"
+	"github.com/dlock/dlock/lock/memory"
 	"github.com/dlock/dlock/refcount"
 	"go.uber.org/goleak"
 )
@@ -31,7 +32,7 @@ func TestMain(m *testing.M) {
 
 type env struct {
 	t   testing.TB
-	m   *lock.Memory // nil on etcd (newPairEnv)
+	m   *memory.Backend // nil on etcd (newPairEnv)
 	srv *Server
 	ts  *httptest.Server // nil with two servers
 
@@ -47,18 +48,30 @@ type env struct {
 // `dlock serve --backend etcd` of one lock service (docs/DESIGN.md, "An
 // etcd backend"): the env of the backend-agnostic tests, with requests
 // spread over both. srv is the first server.
-func newPairEnv(t testing.TB, mod func(*lock.Config)) *env {
+func newPairEnv(t testing.TB, mod func(*etcd.Config)) *env {
 	t.Helper()
 	c := newCluster(t, 2, mod)
 	return &env{t: t, srv: c.members[0].srv, c: c, subs: 1}
 }
 
 // onBackends runs a test of rules that do not depend on the backend on
-// lock.Memory behind one server (as dlock serve runs it), and on two
+// memory.Backend behind one server (as dlock serve runs it), and on two
 // servers sharing one etcd data set with requests alternating between them.
-func onBackends(t *testing.T, mod func(*lock.Config), test func(*testing.T, *env)) {
-	t.Run("memory", func(t *testing.T) { test(t, newEnv(t, mod)) })
-	t.Run("etcd, two servers", func(t *testing.T) { test(t, newPairEnv(t, mod)) })
+func onBackends(t *testing.T, mod func(*lock.Rules), test func(*testing.T, *env)) {
+	t.Run("memory", func(t *testing.T) {
+		test(t, newEnv(t, func(c *memory.Config) {
+			if mod != nil {
+				mod(&c.Rules)
+			}
+		}))
+	})
+	t.Run("etcd, two servers", func(t *testing.T) {
+		test(t, newPairEnv(t, func(c *etcd.Config) {
+			if mod != nil {
+				mod(&c.Rules)
+			}
+		}))
+	})
 }
 
 // backend is the lock state behind the env (with two servers, the
@@ -103,16 +116,16 @@ func (e *env) settled(what string, ok func(lock.Stats) bool) {
 
 // newEnv runs a server as dlock serve does: the event loop and the lean
 // loop in front of net/http (Serve).
-func newEnv(t testing.TB, mod func(*lock.Config)) *env { return newEnvMode(t, mod, true) }
+func newEnv(t testing.TB, mod func(*memory.Config)) *env { return newEnvMode(t, mod, true) }
 
 // newEnvMode with lean=false serves through net/http alone (httptest).
-func newEnvMode(t testing.TB, mod func(*lock.Config), lean bool) *env {
+func newEnvMode(t testing.TB, mod func(*memory.Config), lean bool) *env {
 	return newEnvWith(t, envConfig{mod: mod, serial: !lean})
 }
 
 // envConfig is a test server's setup; the zero value is newEnv's.
 type envConfig struct {
-	mod        func(*lock.Config)
+	mod        func(*memory.Config)
 	serial     bool                            // net/http alone, without the lean loop
 	goroutines bool                            // the lean loop without the event loop
 	opts       Options                         // PingInterval defaults to 50 ms
@@ -131,11 +144,11 @@ var loops = []struct {
 
 func newEnvWith(t testing.TB, ec envConfig) *env {
 	t.Helper()
-	cfg := lock.DefaultConfig()
+	cfg := memory.DefaultConfig()
 	if ec.mod != nil {
 		ec.mod(&cfg)
 	}
-	m, err := lock.NewMemory(context.Background(), cfg)
+	m, err := memory.New(context.Background(), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -259,7 +272,7 @@ func testHTTPRules(t *testing.T, e *env) {
 }
 
 func TestHTTPLockHeld(t *testing.T) {
-	onBackends(t, func(c *lock.Config) { c.AllowMultiNodeDownload = false }, testHTTPLockHeld)
+	onBackends(t, func(c *lock.Rules) { c.AllowMultiNodeDownload = false }, testHTTPLockHeld)
 }
 
 func testHTTPLockHeld(t *testing.T, e *env) {
@@ -277,10 +290,10 @@ func TestHTTPRefCount(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer store.Close()
-		testHTTPRefCount(t, newEnv(t, func(c *lock.Config) { c.RefStore = store; c.UpdateRequiresNoRef = true }))
+		testHTTPRefCount(t, newEnv(t, func(c *memory.Config) { c.RefStore = store; c.UpdateRequiresNoRef = true }))
 	})
 	t.Run("etcd, two servers", func(t *testing.T) {
-		testHTTPRefCount(t, newPairEnv(t, func(c *lock.Config) { c.RefStore = etcd.ReferencesInEtcd{}; c.UpdateRequiresNoRef = true }))
+		testHTTPRefCount(t, newPairEnv(t, func(c *etcd.Config) { c.RefCounting = true; c.UpdateRequiresNoRef = true }))
 	})
 }
 
@@ -389,7 +402,7 @@ func testSSEBadRequests(t *testing.T, e *env) {
 }
 
 // TestDrain is of one server's shutdown, not of a backend's rules: it runs
-// on lock.Memory alone.
+// on memory.Backend alone.
 func TestDrain(t *testing.T) {
 	e := newEnv(t, nil)
 	s := e.subscribe("node_id=a", "")
@@ -414,7 +427,7 @@ func TestDrain(t *testing.T) {
 	}
 }
 
-// TestMetrics runs on lock.Memory alone: the counters it reads are one
+// TestMetrics runs on memory.Backend alone: the counters it reads are one
 // server's (a pair's are split between them), and the gauges of a server on
 // etcd are as its watch has seen the other's changes, a moment later.
 func TestMetrics(t *testing.T) {
@@ -439,7 +452,7 @@ func TestMetrics(t *testing.T) {
 // least etcd's minimum (docs/DESIGN.md, "An etcd backend"): there it takes
 // a second or two.
 func TestSessionLostOverHTTP(t *testing.T) {
-	onBackends(t, func(c *lock.Config) { c.SessionGrace = 100 * time.Millisecond }, testSessionLostOverHTTP)
+	onBackends(t, func(c *lock.Rules) { c.SessionGrace = 100 * time.Millisecond }, testSessionLostOverHTTP)
 }
 
 func testSessionLostOverHTTP(t *testing.T, e *env) {

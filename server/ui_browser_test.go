@@ -20,8 +20,7 @@ import (
 	"github.com/chromedp/cdproto/emulation"
 	"github.com/chromedp/chromedp"
 	"github.com/chromedp/chromedp/kb"
-
-	"github.com/dlock/dlock/lock"
+	"github.com/dlock/dlock/lock/memory"
 )
 
 // screenshotEnv names the file TestUIBrowser saves its screenshot to, for
@@ -130,7 +129,7 @@ func TestUIBrowser(t *testing.T) {
 	e := newEnvWith(t, envConfig{
 		// What the test shows must hold still however long a loaded
 		// machine takes to start chromium: no lease or claim runs out.
-		mod: func(c *lock.Config) { c.LockTTL = time.Hour; c.ClaimTimeout = 0 },
+		mod: func(c *memory.Config) { c.LockTTL = time.Hour; c.ClaimTimeout = 0 },
 		prep: func(s *Server) {
 			rt := s.routes["/ui/api/completions"]
 			h := rt.h

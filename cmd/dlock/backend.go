@@ -18,6 +18,7 @@ import (
 
 	"github.com/dlock/dlock/lock"
 	"github.com/dlock/dlock/lock/etcd"
+	"github.com/dlock/dlock/lock/memory"
 )
 
 // etcdConfig is how `dlock serve --backend etcd` reaches its etcd cluster
@@ -105,9 +106,10 @@ func (e *etcdConfig) tls() (*tls.Config, error) {
 }
 
 // openBackend opens the lock state the configuration names.
-func openBackend(ctx context.Context, c serveConfig, log *slog.Logger) (lock.Backend, func(), error) {
+// mem is the memory engine's configuration, with its stores opened.
+func openBackend(ctx context.Context, c serveConfig, mem memory.Config, log *slog.Logger) (lock.Backend, func(), error) {
 	if c.backend != "etcd" {
-		m, err := lock.NewMemory(ctx, c.lock)
+		m, err := memory.New(ctx, mem)
 		if err != nil {
 			return nil, nil, err
 		}
@@ -133,9 +135,10 @@ func openBackend(ctx context.Context, c serveConfig, log *slog.Logger) (lock.Bac
 	// than exiting.
 	octx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
+	cfg := etcd.Config{Rules: c.rules, Prefix: c.etcd.prefix, RefCounting: c.refcount == "server", Logger: log}
 	var b *etcd.Backend
 	for {
-		b, err = etcd.New(octx, cli, c.etcd.prefix, c.lock)
+		b, err = etcd.New(octx, cli, cfg)
 		if err == nil || !errors.Is(err, lock.ErrUnavailable) || octx.Err() != nil {
 			break
 		}

@@ -493,7 +493,7 @@ const floorWriterArg = "floor-writer"
 // its defaults to hold sessions streams and keys locks.
 func freshServerFlags(sessions, keys int) []string {
 	var flags []string
-	def := lock.DefaultConfig()
+	def := lock.DefaultRules()
 	if need := sessions + 64; def.MaxSessions > 0 && need > def.MaxSessions {
 		flags = append(flags, "--max-sessions", strconv.Itoa(need))
 	}

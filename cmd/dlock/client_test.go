@@ -18,10 +18,11 @@ import (
 	"github.com/dlock/dlock/internal/dlocktest"
 	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/lock"
+	"github.com/dlock/dlock/lock/memory"
 )
 
 // startServer runs an in-process dlock server on 127.0.0.1 for the binary.
-func startServer(t *testing.T, mod func(*lock.Config)) *dlocktest.Server {
+func startServer(t *testing.T, mod func(*memory.Config)) *dlocktest.Server {
 	return dlocktest.Start(t, dlocktest.Options{Config: mod})
 }
 
@@ -159,7 +160,7 @@ func TestRunSignalReleasesAsFailure(t *testing.T) {
 }
 
 func TestRunLockLost(t *testing.T) {
-	srv := startServer(t, func(c *lock.Config) { c.MaxHold = 300 * time.Millisecond }).URL()
+	srv := startServer(t, func(c *memory.Config) { c.MaxHold = 300 * time.Millisecond }).URL()
 	_, errOut, st := dlock(t, srv, "run", "--resource", "r", "--renew-interval", "100ms", "--", "sleep", "30")
 	if st != 1 || !strings.Contains(errOut, "lock lost") {
 		t.Fatalf("status %d, stderr %q: want 1 and 'lock lost'", st, errOut)
@@ -190,7 +191,7 @@ func status(t *testing.T, srv, res string) statusAnswer {
 }
 
 func TestClientSubcommands(t *testing.T) {
-	srv := startServer(t, func(c *lock.Config) { c.RefStore = memRefs{} }).URL()
+	srv := startServer(t, func(c *memory.Config) { c.RefStore = memRefs{} }).URL()
 	out, errOut, st := dlock(t, srv, "lock", "--resource", "r", "--node", "a")
 	var lr struct {
 		Acquired bool
@@ -230,8 +231,8 @@ func TestClientSubcommands(t *testing.T) {
 
 type memRefs struct{}
 
-func (memRefs) Load(context.Context) (map[string]lock.RefRecord, uint64, error) { return nil, 0, nil }
-func (memRefs) Save(context.Context, string, lock.RefRecord) error              { return nil }
+func (memRefs) Load(context.Context) (map[string]memory.RefRecord, uint64, error) { return nil, 0, nil }
+func (memRefs) Save(context.Context, string, memory.RefRecord) error              { return nil }
 
 // TestClientServerList: --server and DLOCK_SERVER take several servers;
 // the first here is dead, and every command is answered by the second.

@@ -18,7 +18,7 @@ import (
 
 	"github.com/dlock/dlock/internal/datadir"
 	"github.com/dlock/dlock/lock"
-	"github.com/dlock/dlock/lock/etcd"
+	"github.com/dlock/dlock/lock/memory"
 	"github.com/dlock/dlock/refcount"
 	"github.com/dlock/dlock/server"
 )
@@ -34,7 +34,8 @@ type connConfig struct {
 // serveConfig is everything `dlock serve` can be told.
 type serveConfig struct {
 	listen   string
-	lock     lock.Config
+	rules    lock.Rules
+	shards   int    // the memory engine's (docs/DESIGN.md, "The memory engine")
 	backend  string // memory or etcd
 	etcd     etcdConfig
 	refcount string
@@ -77,28 +78,28 @@ func defaultDataDir() string {
 // parseServe reads flags, with DLOCK_… environment variables as fallback
 // (a flag on the command line wins).
 func parseServe(args []string, getenv func(string) string, stderr io.Writer) (serveConfig, error) {
-	c := serveConfig{lock: lock.DefaultConfig()}
+	c := serveConfig{rules: lock.DefaultRules(), shards: memory.DefaultConfig().Shards}
 	fs := flag.NewFlagSet("dlock serve", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.StringVar(&c.listen, "listen", "127.0.0.1:7380", "address to listen on")
 	fs.StringVar(&c.backend, "backend", "memory", "where lock state lives: memory (this process) or etcd (an etcd cluster that any number of dlock servers share)")
 	c.etcd.flags(fs)
-	fs.IntVar(&c.lock.Shards, "shards", c.lock.Shards, "number of lock-manager shards")
-	fs.BoolVar(&c.lock.AllowMultiNodeDownload, "allow-multi-node-download", c.lock.AllowMultiNodeDownload, "queue nodes that ask for a held lock (false: refuse them with 409 lock_held)")
-	fs.BoolVar(&c.lock.UpdateRequiresNoRef, "update-requires-no-ref", false, "refuse updates of referenced resources (refcount=server)")
+	fs.IntVar(&c.shards, "shards", c.shards, "number of lock-manager shards")
+	fs.BoolVar(&c.rules.AllowMultiNodeDownload, "allow-multi-node-download", c.rules.AllowMultiNodeDownload, "queue nodes that ask for a held lock (false: refuse them with 409 lock_held)")
+	fs.BoolVar(&c.rules.UpdateRequiresNoRef, "update-requires-no-ref", false, "refuse updates of referenced resources (refcount=server)")
 	fs.StringVar(&c.refcount, "refcount", "off", "reference counting: off or server")
-	fs.DurationVar(&c.lock.CompletedRetention, "completed-retention", c.lock.CompletedRetention, "how long completion records are kept")
-	fs.DurationVar(&c.lock.SessionGrace, "session-grace", c.lock.SessionGrace, "how long a session outlives its last event stream")
-	fs.DurationVar(&c.lock.LockTTL, "lock-ttl", c.lock.LockTTL, "life of a ttl-leased hold or queue entry after its last renewal")
-	fs.DurationVar(&c.lock.ClaimTimeout, "claim-timeout", c.lock.ClaimTimeout, "time a hand-off grant waits for the new holder's /lock (0: off)")
-	fs.DurationVar(&c.lock.MaxHold, "max-hold", 0, "longest any grant may be held (0: unlimited)")
-	fs.IntVar(&c.lock.CompletedMax, "completed-max", c.lock.CompletedMax, "most completion records kept")
-	fs.IntVar(&c.lock.MaxSessions, "max-sessions", c.lock.MaxSessions, "most sessions, streaming or in grace (429 too_many_sessions beyond; 0: no limit)")
-	fs.IntVar(&c.lock.MaxSessionsPerNode, "max-sessions-per-node", c.lock.MaxSessionsPerNode, "most open event streams of one node id (429 too_many_sessions beyond; 0: no limit)")
-	fs.IntVar(&c.lock.MaxQueue, "max-queue", c.lock.MaxQueue, "most waiters of one key (429 queue_full beyond; 0: no limit)")
-	fs.IntVar(&c.lock.MaxWatchers, "max-watchers", c.lock.MaxWatchers, "most streams that watch without a session: key observers and /ui/events (429 too_many_watchers beyond; 0: no limit)")
-	fs.IntVar(&c.lock.MaxKeys, "max-keys", c.lock.MaxKeys, "most keys with state: held, queued or with a completion record (503 too_many_keys beyond; 0: no limit)")
-	fs.IntVar(&c.lock.SessionLogBytes, "session-log-bytes", c.lock.SessionLogBytes, "bytes of recent events a session keeps for a reconnect's replay")
+	fs.DurationVar(&c.rules.CompletedRetention, "completed-retention", c.rules.CompletedRetention, "how long completion records are kept")
+	fs.DurationVar(&c.rules.SessionGrace, "session-grace", c.rules.SessionGrace, "how long a session outlives its last event stream")
+	fs.DurationVar(&c.rules.LockTTL, "lock-ttl", c.rules.LockTTL, "life of a ttl-leased hold or queue entry after its last renewal")
+	fs.DurationVar(&c.rules.ClaimTimeout, "claim-timeout", c.rules.ClaimTimeout, "time a hand-off grant waits for the new holder's /lock (0: off)")
+	fs.DurationVar(&c.rules.MaxHold, "max-hold", 0, "longest any grant may be held (0: unlimited)")
+	fs.IntVar(&c.rules.CompletedMax, "completed-max", c.rules.CompletedMax, "most completion records kept")
+	fs.IntVar(&c.rules.MaxSessions, "max-sessions", c.rules.MaxSessions, "most sessions, streaming or in grace (429 too_many_sessions beyond; 0: no limit)")
+	fs.IntVar(&c.rules.MaxSessionsPerNode, "max-sessions-per-node", c.rules.MaxSessionsPerNode, "most open event streams of one node id (429 too_many_sessions beyond; 0: no limit)")
+	fs.IntVar(&c.rules.MaxQueue, "max-queue", c.rules.MaxQueue, "most waiters of one key (429 queue_full beyond; 0: no limit)")
+	fs.IntVar(&c.rules.MaxWatchers, "max-watchers", c.rules.MaxWatchers, "most streams that watch without a session: key observers and /ui/events (429 too_many_watchers beyond; 0: no limit)")
+	fs.IntVar(&c.rules.MaxKeys, "max-keys", c.rules.MaxKeys, "most keys with state: held, queued or with a completion record (503 too_many_keys beyond; 0: no limit)")
+	fs.IntVar(&c.rules.SessionLogBytes, "session-log-bytes", c.rules.SessionLogBytes, "bytes of recent events a session keeps for a reconnect's replay")
 	fs.StringVar(&c.dataDir, "data-dir", defaultDataDir(), "directory of durable state, one server each: the token ceiling, and references with refcount=server (\"\": none; tokens then rest on the wall clock)")
 	fs.TextVar(&c.logLevel, "log-level", slog.LevelInfo, "log level: debug, info, warn or error")
 	fs.StringVar(&c.debug, "debug-listen", "", "serve Go's pprof profiles on this address (e.g. 127.0.0.1:6060); off by default")
@@ -138,7 +139,7 @@ func parseServe(args []string, getenv func(string) string, stderr io.Writer) (se
 	default:
 		return c, fmt.Errorf("--backend must be memory or etcd, not %q", c.backend)
 	}
-	if c.lock.UpdateRequiresNoRef && c.refcount != "server" {
+	if c.rules.UpdateRequiresNoRef && c.refcount != "server" {
 		return c, errors.New("--update-requires-no-ref needs --refcount=server")
 	}
 	if c.conns.max < 0 || c.conns.read <= 0 || c.conns.write <= 0 || c.conns.shutdown <= 0 {
@@ -147,7 +148,7 @@ func parseServe(args []string, getenv func(string) string, stderr io.Writer) (se
 	if err := c.creds.validate(); err != nil {
 		return c, err
 	}
-	if err := c.lock.Validate(); err != nil {
+	if err := (memory.Config{Rules: c.rules, Shards: c.shards}).Validate(); err != nil {
 		return c, err
 	}
 	if _, _, err := net.SplitHostPort(c.listen); err != nil {
@@ -178,7 +179,7 @@ func serve(ctx context.Context, args []string, getenv func(string) string, stder
 
 func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {
 	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: c.logLevel}))
-	c.lock.Logger = log
+	mem := memory.Config{Rules: c.rules, Shards: c.shards, Logger: log}
 	if c.backend == "etcd" {
 		// Tokens and references live in etcd: no data dir is opened.
 		c.dataDir = ""
@@ -189,20 +190,18 @@ func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {
 			return err
 		}
 		defer dir.Close()
-		c.lock.TokenCeiling = dir.TokenCeiling()
+		mem.TokenCeiling = dir.TokenCeiling()
 	}
-	if c.refcount == "server" && c.backend == "etcd" {
-		c.lock.RefStore = etcd.ReferencesInEtcd{}
-	} else if c.refcount == "server" {
+	if c.refcount == "server" && c.backend == "memory" {
 		path := filepath.Join(c.dataDir, "refcount.db")
 		store, err := refcount.OpenServerStore(path)
 		if err != nil {
 			return err
 		}
 		defer store.Close()
-		c.lock.RefStore = store
+		mem.RefStore = store
 	}
-	m, closeBackend, err := openBackend(ctx, c, log)
+	m, closeBackend, err := openBackend(ctx, c, mem, log)
 	if err != nil {
 		return err
 	}
@@ -221,7 +220,7 @@ func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {
 	srv := server.New(m, server.Options{Logger: log, MaxConns: c.conns.max, ReadTimeout: c.conns.read, WriteTimeout: c.conns.write, Tokens: tokens, TLS: certs, EventLoop: c.useEventLoop()})
 	stopReload := reloadOn(c.reload, srv, log)
 	defer stopReload()
-	ping := min(15*time.Second, c.lock.LockTTL/4)
+	ping := min(15*time.Second, c.rules.LockTTL/4)
 	ln, err := server.Listen(ctx, c.listen, ping)
 	if err != nil {
 		return err
@@ -231,10 +230,13 @@ func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {
 		IdleTimeout: 2 * time.Minute,
 		ErrorLog:    slog.NewLogLogger(log.Handler(), slog.LevelWarn),
 	}
-	log.Info("dlock serving", "addr", ln.Addr().String(), "epoch", m.Info().Epoch, "backend", c.backend, "shards", c.lock.Shards,
-		"refcount", c.refcount, "multi_node_download", c.lock.AllowMultiNodeDownload,
+	attrs := []any{"addr", ln.Addr().String(), "epoch", m.Info().Epoch, "backend", c.backend}
+	if c.backend == "memory" {
+		attrs = append(attrs, "shards", c.shards) // the etcd engine has none
+	}
+	log.Info("dlock serving", append(attrs, "refcount", c.refcount, "multi_node_download", c.rules.AllowMultiNodeDownload,
 		"max_conns", c.conns.max, "fd_limit", fdLimit, "data_dir", c.dataDir,
-		"tls", certs != nil, "client_ca", c.creds.clientCA != "", "token_file", c.creds.tokenFile)
+		"tls", certs != nil, "client_ca", c.creds.clientCA != "", "token_file", c.creds.tokenFile)...)
 	if c.ready != nil {
 		c.ready(ln.Addr())
 	}

@@ -13,7 +13,7 @@ func TestParseServeLimits(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if l := d.lock; l.MaxSessions != 100000 || l.MaxSessionsPerNode != 16 || l.MaxQueue != 100000 || l.MaxKeys != 1000000 || l.SessionLogBytes != 1<<20 {
+	if l := d.rules; l.MaxSessions != 100000 || l.MaxSessionsPerNode != 16 || l.MaxQueue != 100000 || l.MaxKeys != 1000000 || l.SessionLogBytes != 1<<20 {
 		t.Errorf("defaults: sessions %d, per node %d, queue %d, keys %d, log bytes %d", l.MaxSessions, l.MaxSessionsPerNode, l.MaxQueue, l.MaxKeys, l.SessionLogBytes)
 	}
 	env := map[string]string{
@@ -27,7 +27,7 @@ func TestParseServeLimits(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if l := c.lock; l.MaxSessions != 10 || l.MaxSessionsPerNode != 2 || l.MaxQueue != 30 || l.MaxKeys != 4 || l.SessionLogBytes != 65536 {
+	if l := c.rules; l.MaxSessions != 10 || l.MaxSessionsPerNode != 2 || l.MaxQueue != 30 || l.MaxKeys != 4 || l.SessionLogBytes != 65536 {
 		t.Errorf("environment (and the flag over it): %+v", l)
 	}
 	for _, args := range [][]string{{"--max-sessions", "-1"}, {"--max-keys", "-5"}, {"--session-log-bytes", "100"}} {

@@ -34,16 +34,16 @@ func TestParseServe(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.lock.Shards != 16 {
-		t.Errorf("flag must win over the environment: shards %d", c.lock.Shards)
+	if c.shards != 16 {
+		t.Errorf("flag must win over the environment: shards %d", c.shards)
 	}
-	if c.listen != "127.0.0.1:9999" || c.lock.LockTTL != 10*time.Second || c.refcount != "server" || c.dataDir != "/tmp/x" ||
-		c.lock.MaxHold != time.Hour || c.lock.CompletedMax != 7 || c.lock.AllowMultiNodeDownload {
+	if c.listen != "127.0.0.1:9999" || c.rules.LockTTL != 10*time.Second || c.refcount != "server" || c.dataDir != "/tmp/x" ||
+		c.rules.MaxHold != time.Hour || c.rules.CompletedMax != 7 || c.rules.AllowMultiNodeDownload {
 		t.Errorf("environment not applied: %+v", c)
 	}
 	d, err := parseServe(nil, func(string) string { return "" }, io.Discard)
-	if err != nil || d.listen != "127.0.0.1:7380" || d.lock.Shards != 32 || d.lock.SessionGrace != 5*time.Second ||
-		d.lock.ClaimTimeout != 30*time.Second || d.lock.CompletedRetention != 5*time.Minute || d.refcount != "off" {
+	if err != nil || d.listen != "127.0.0.1:7380" || d.shards != 32 || d.rules.SessionGrace != 5*time.Second ||
+		d.rules.ClaimTimeout != 30*time.Second || d.rules.CompletedRetention != 5*time.Minute || d.refcount != "off" {
 		t.Errorf("defaults: %+v %v", d, err)
 	}
 }

@@ -8,6 +8,7 @@ import (
 
 	"github.com/dlock/dlock/internal/dlocktest"
 	"github.com/dlock/dlock/lock"
+	"github.com/dlock/dlock/lock/memory"
 )
 
 // held-session: every lock is held under a session lease, by one of the
@@ -19,7 +20,7 @@ func TestMemoryFreshServers(t *testing.T) {
 	start := func(context.Context) (string, func(), error) {
 		// A long grace: the sessions outlive their streams, closed before
 		// stop, while the test looks.
-		srv := dlocktest.Start(t, dlocktest.Options{Config: func(c *lock.Config) { c.SessionGrace = time.Hour }})
+		srv := dlocktest.Start(t, dlocktest.Options{Config: func(c *memory.Config) { c.SessionGrace = time.Hour }})
 		started = append(started, srv.URL())
 		return srv.URL(), func() {
 			stopped = append(stopped, srv.URL())

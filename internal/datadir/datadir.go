@@ -70,7 +70,7 @@ func (d *Dir) Path() string { return d.path }
 // Close releases the directory.
 func (d *Dir) Close() error { return d.lock.Close() }
 
-// TokenCeiling is the directory's token-ceiling file, a lock.CeilingStore.
+// TokenCeiling is the directory's token-ceiling file, a memory.CeilingStore.
 func (d *Dir) TokenCeiling() *CeilingFile {
 	return &CeilingFile{dir: d.path}
 }

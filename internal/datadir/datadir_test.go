@@ -8,13 +8,13 @@ import (
 	"testing"
 
 	"github.com/dlock/dlock/internal/datadir"
-	"github.com/dlock/dlock/lock"
+	"github.com/dlock/dlock/lock/memory"
 	"go.uber.org/goleak"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-var _ lock.CeilingStore = (*datadir.CeilingFile)(nil)
+var _ memory.CeilingStore = (*datadir.CeilingFile)(nil)
 
 func TestOneServerPerDir(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "new", "dir")

@@ -27,6 +27,7 @@ import (
 	"github.com/dlock/dlock/internal/auth"
 	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/lock"
+	"github.com/dlock/dlock/lock/memory"
 	"github.com/dlock/dlock/refcount"
 	"github.com/dlock/dlock/server"
 	"github.com/prometheus/client_golang/prometheus"
@@ -36,7 +37,7 @@ import (
 // Options of Start; the zero value is a default server on 127.0.0.1.
 type Options struct {
 	// Config changes the lock manager's defaults.
-	Config func(*lock.Config)
+	Config func(*memory.Config)
 	// Server changes the server's options. PingInterval is 200 ms unless
 	// it sets another; Tokens and TLS are Auth's, loaded already.
 	Server func(*server.Options)
@@ -67,7 +68,7 @@ type Options struct {
 // state is the lock state of the servers that share it (Options.Share).
 type state struct {
 	mu      sync.Mutex
-	m       *lock.Memory // nil while no server runs
+	m       *memory.Backend // nil while no server runs
 	store   *refcount.ServerStore
 	servers int // the servers running on m
 }
@@ -157,7 +158,7 @@ type Server struct {
 	// Backend and Memory are the lock state (one value; Memory has Stats),
 	// and Handler the HTTP server. Restart replaces them.
 	Backend lock.Backend
-	Memory  *lock.Memory
+	Memory  *memory.Backend
 	Handler *server.Server
 
 	t       testing.TB
@@ -261,7 +262,7 @@ func (s *Server) newPipe() *kit.PipeListener {
 }
 
 func (s *Server) serve(ln net.Listener) {
-	cfg := lock.DefaultConfig()
+	cfg := memory.DefaultConfig()
 	if s.opts.Config != nil {
 		s.opts.Config(&cfg)
 	}
@@ -277,7 +278,7 @@ func (s *Server) serve(ln net.Listener) {
 			st.store = store
 			cfg.RefStore = store
 		}
-		m, err := lock.NewMemory(context.Background(), cfg)
+		m, err := memory.New(context.Background(), cfg)
 		if err != nil {
 			st.mu.Unlock()
 			s.t.Fatal(err)

@@ -13,6 +13,7 @@ import (
 
 	"github.com/dlock/dlock/internal/etcdtest"
 	"github.com/dlock/dlock/lock"
+	"github.com/dlock/dlock/lock/etcd"
 )
 
 // TestAttackEtcdGone closes a private etcd under a backend: every call
@@ -27,8 +28,8 @@ func TestAttackEtcdGone(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { cli.Close() })
-	cfg := lock.DefaultConfig()
-	cfg.RefStore = refsInEtcd
+	cfg := etcd.DefaultConfig()
+	cfg.RefCounting = true
 	b := newBackend(t, cli, etcdtest.Prefix(t), cfg)
 	tryLock(t, b, ttlReq("r", "a"))
 	st := subscribe(t, b, "a")
@@ -113,7 +114,7 @@ func TestAttackEtcdGoneQueued(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { cli.Close() })
-	b := newBackend(t, cli, etcdtest.Prefix(t), lock.DefaultConfig())
+	b := newBackend(t, cli, etcdtest.Prefix(t), etcd.DefaultConfig())
 	tryLock(t, b, ttlReq("r", "a"))
 	srv.Close()
 	const n = 4

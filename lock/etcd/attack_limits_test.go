@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/dlock/dlock/lock"
+	"github.com/dlock/dlock/lock/etcd"
 )
 
 // TestAttackStreamsPerNodeRace opens many streams of one node at once on
@@ -15,7 +16,7 @@ import (
 // (docs/DESIGN.md, "Sessions and events").
 func TestAttackStreamsPerNodeRace(t *testing.T) {
 	const limit, tries = 3, 40
-	b, _ := open(t, func(c *lock.Config) { c.MaxSessionsPerNode = limit })
+	b, _ := open(t, func(c *etcd.Config) { c.MaxSessionsPerNode = limit })
 	var (
 		wg      sync.WaitGroup
 		mu      sync.Mutex
@@ -55,7 +56,7 @@ func TestAttackStreamsPerNodeRace(t *testing.T) {
 // bounds them however they race (docs/DESIGN.md, "Observers").
 func TestAttackWatchersRace(t *testing.T) {
 	const limit, tries = 3, 60
-	b, _ := open(t, func(c *lock.Config) { c.MaxWatchers = limit })
+	b, _ := open(t, func(c *etcd.Config) { c.MaxWatchers = limit })
 	var (
 		wg      sync.WaitGroup
 		mu      sync.Mutex

@@ -40,13 +40,13 @@ func TestAttackRace(t *testing.T) {
 }
 
 func attackRace(t *testing.T, refs bool) {
-	cfg := lock.DefaultConfig()
+	cfg := etcd.DefaultConfig()
 	cfg.LockTTL = 2 * time.Second
 	cfg.SessionGrace = time.Second
 	cfg.ClaimTimeout = time.Second
 	cfg.CompletedRetention = 2 * time.Second
 	if refs {
-		cfg.RefStore = refsInEtcd
+		cfg.RefCounting = true
 	}
 	p := etcdtest.Prefix(t)
 	pl := newPool(t, p, cfg, 3)

@@ -20,12 +20,16 @@ import (
 	"github.com/dlock/dlock/lock/etcd"
 )
 
-var refsInEtcd = etcd.ReferencesInEtcd{}
+// withPrefix is c on the data set at prefix p.
+func withPrefix(c etcd.Config, p string) etcd.Config {
+	c.Prefix = p
+	return c
+}
 
 // newBackend opens a backend on cli's etcd at prefix p, closed at cleanup.
-func newBackend(t *testing.T, cli *clientv3.Client, p string, cfg lock.Config) *etcd.Backend {
+func newBackend(t *testing.T, cli *clientv3.Client, p string, cfg etcd.Config) *etcd.Backend {
 	t.Helper()
-	b, err := etcd.New(t.Context(), cli, p, cfg)
+	b, err := etcd.New(t.Context(), cli, withPrefix(cfg, p))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -38,14 +42,14 @@ func newBackend(t *testing.T, cli *clientv3.Client, p string, cfg lock.Config) *
 type pool struct {
 	t   *testing.T
 	p   string
-	cfg lock.Config
+	cfg etcd.Config
 
 	mu  sync.Mutex
 	bs  []*etcd.Backend
 	all []*etcd.Backend
 }
 
-func newPool(t *testing.T, p string, cfg lock.Config, n int) *pool {
+func newPool(t *testing.T, p string, cfg etcd.Config, n int) *pool {
 	pl := &pool{t: t, p: p, cfg: cfg}
 	for range n {
 		b := pl.open()
@@ -62,7 +66,7 @@ func newPool(t *testing.T, p string, cfg lock.Config, n int) *pool {
 }
 
 func (pl *pool) open() *etcd.Backend {
-	b, err := etcd.New(context.Background(), etcdtest.Shared(pl.t).Client(pl.t), pl.p, pl.cfg)
+	b, err := etcd.New(context.Background(), etcdtest.Shared(pl.t).Client(pl.t), withPrefix(pl.cfg, pl.p))
 	if err != nil {
 		pl.t.Errorf("opening a server: %v", err)
 		return nil

@@ -11,6 +11,7 @@ import (
 
 	"github.com/dlock/dlock/internal/etcdtest"
 	"github.com/dlock/dlock/lock"
+	"github.com/dlock/dlock/lock/etcd"
 )
 
 // TestAttackManyTTLWaitersExpireTogether: a key with more waiters than
@@ -18,7 +19,7 @@ import (
 // together. Their queue places must end (docs/DESIGN.md, "Leases": "queue
 // place removed"), whatever etcd's limit on one transaction.
 func TestAttackManyTTLWaitersExpireTogether(t *testing.T) {
-	b, _ := open(t, func(c *lock.Config) { c.LockTTL = time.Second })
+	b, _ := open(t, func(c *etcd.Config) { c.LockTTL = time.Second })
 	subscribe(t, b, "holder")
 	tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: "r", Node: "holder", Lease: lock.LeaseSession})
 	const n = 100
@@ -39,7 +40,7 @@ func TestAttackManyTTLWaitersExpireTogether(t *testing.T) {
 // (docs/DESIGN.md, "Leases": a queue place ends, and no hold is handed to
 // a waiter whose lease ran out), and the queue's count stays true.
 func TestAttackExpiredWaiterNotPromoted(t *testing.T) {
-	mod := func(c *lock.Config) { c.LockTTL = time.Second }
+	mod := func(c *etcd.Config) { c.LockTTL = time.Second }
 	b1, p := open(t, mod)
 	tryLock(t, b1, ttlReq("r", "a"))
 	tryLock(t, b1, ttlReq("r", "w1"))

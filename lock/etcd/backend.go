@@ -6,6 +6,26 @@
 // revisions of what it read; sessions are etcd leases; every server derives
 // the events of every change from one watch, so that event ids are the same
 // on every server and a stream resumes anywhere with Last-Event-ID.
+//
+// How it maps onto lock.Backend's methods:
+//
+//   - TryLock, Unlock, Cancel, Status: one etcd transaction per call on the
+//     key's record ("<prefix>/k/<type>/<resource>": holder, token, leases,
+//     waiter count, completion) and its queue keys, guarded by the mod
+//     revisions of everything read and tried again on conflict. A refusal is
+//     decided on linearizable reads under the same guard.
+//   - Sessions are etcd leases ("<prefix>/s/<node>" attached to a lease kept
+//     alive by whichever server holds one of the node's streams); a session's
+//     end, seen by the watch, makes one server hand its holds on.
+//   - Subscribe: every server derives every change's events from one watch,
+//     with ids = revision × 8 + index, the same on every server, so that
+//     Last-Event-ID resumes anywhere.
+//   - Timers: every server races to act on a due deadline; the guarded
+//     transaction lets one win.
+//   - Epoch: stored once per data set ("<prefix>/epoch").
+//
+// docs/DESIGN.md, "An etcd backend", has the records key by key and why
+// each operation is safe.
 package etcd
 
 import (
@@ -39,7 +59,7 @@ const DefaultPrefix = "/dlock/"
 type Backend struct {
 	cli         *clientv3.Client
 	n           names
-	cfg         lock.Config
+	cfg         Config
 	log         *slog.Logger
 	refCounting bool
 	epoch       string
@@ -66,15 +86,35 @@ type Backend struct {
 
 var _ lock.Backend = (*Backend)(nil)
 
-// New opens the data set under prefix (DefaultPrefix when empty) on cli,
-// which stays the caller's to close after the backend. cfg's rule settings
-// apply as in lock.Memory; Shards and TokenCeiling mean nothing here, and
-// cfg.RefStore not nil only turns reference counting on: references live
-// in etcd. Every server of one data set must run with the same cfg.
-func New(ctx context.Context, cli *clientv3.Client, prefix string, cfg lock.Config) (*Backend, error) {
+// Config configures a Backend: the rules every backend honours, and what
+// only this engine has. Every server of one data set runs with the same
+// Config. Start from DefaultConfig.
+type Config struct {
+	lock.Rules
+
+	// Prefix is where the data set's records live (DefaultPrefix when
+	// empty): servers that share it are one lock service.
+	Prefix string
+	// RefCounting turns server-side reference counting on. The references
+	// live in etcd, each beside the keys whose rules read it
+	// (docs/DESIGN.md, "An etcd backend").
+	RefCounting bool
+	// Logger receives session losses (info) and etcd's trouble: failed
+	// keepalives, a watch compacted or ended, a timer or sweep that failed
+	// (warn). Nil discards.
+	Logger *slog.Logger
+}
+
+// DefaultConfig returns the defaults of README.md, "Configuration".
+func DefaultConfig() Config { return Config{Rules: lock.DefaultRules()} }
+
+// New opens the data set cfg.Prefix names on cli, which stays the
+// caller's to close after the backend.
+func New(ctx context.Context, cli *clientv3.Client, cfg Config) (*Backend, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("%w: %w", lock.ErrInvalid, err)
 	}
+	prefix := cfg.Prefix
 	if prefix == "" {
 		prefix = DefaultPrefix
 	}
@@ -90,7 +130,7 @@ func New(ctx context.Context, cli *clientv3.Client, prefix string, cfg lock.Conf
 		n:           names{p: prefix},
 		cfg:         cfg,
 		log:         log,
-		refCounting: cfg.RefStore != nil,
+		refCounting: cfg.RefCounting,
 		graceTTL:    max(1, int64(math.Ceil(cfg.SessionGrace.Seconds()))),
 		seed:        maphash.MakeSeed(),
 	}

@@ -19,7 +19,7 @@ func TestWaiterAsksWhileHandedOnElsewhere(t *testing.T) {
 	srv := etcdtest.Shared(t)
 	p := etcdtest.Prefix(t)
 	open := func() *etcd.Backend {
-		b, err := etcd.New(t.Context(), srv.Client(t), p, lock.DefaultConfig())
+		b, err := etcd.New(t.Context(), srv.Client(t), withPrefix(etcd.DefaultConfig(), p))
 		if err != nil {
 			t.Fatal(err)
 		}

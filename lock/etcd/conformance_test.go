@@ -25,7 +25,7 @@ func TestConformance(t *testing.T) {
 	srv := etcdtest.Shared(t)
 	var mu sync.Mutex
 	prefixes := map[*testing.T]string{}
-	locktest.Run(t, func(t *testing.T, cfg lock.Config) lock.Backend {
+	locktest.Run(t, func(t *testing.T, cfg locktest.Config) lock.Backend {
 		mu.Lock()
 		p, ok := prefixes[t]
 		if !ok {
@@ -34,7 +34,7 @@ func TestConformance(t *testing.T) {
 		}
 		mu.Unlock()
 		cli := srv.Client(t)
-		b, err := etcd.New(t.Context(), cli, p, cfg)
+		b, err := etcd.New(t.Context(), cli, etcd.Config{Rules: cfg.Rules, Prefix: p, RefCounting: cfg.RefCounting})
 		if err != nil {
 			t.Fatal(err)
 		}

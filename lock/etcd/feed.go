@@ -1,103 +1,40 @@
 package etcd
 
 import (
-	"sync"
+	"sync/atomic"
 
 	"github.com/dlock/dlock/lock"
 )
 
 // feed is a Stream of this server: a node's session stream, an observer of
-// one key, or both.
+// one key, or both. Its queue is the feed core every backend shares.
 type feed struct {
+	lock.FeedQueue[lock.Delivery]
 	b       *Backend
 	node    string
 	lease   int64 // the etcd lease of node's session when the stream opened
 	observe *lock.Key
 
-	mu       sync.Mutex
-	queue    []lock.Delivery
-	ready    chan struct{}
-	done     chan struct{}
-	notify   func()
-	ended    bool
-	slow     bool
-	released bool // the session's count of streams no longer has it
+	released atomic.Bool // the session's count of streams no longer has it
 }
 
 func newFeed(b *Backend, node string, observe *lock.Key) *feed {
-	return &feed{b: b, node: node, observe: observe, ready: make(chan struct{}, 1), done: make(chan struct{})}
-}
-
-func (f *feed) Ready() <-chan struct{} { return f.ready }
-func (f *feed) Done() <-chan struct{}  { return f.done }
-
-func (f *feed) Take(buf []lock.Delivery) []lock.Delivery {
-	f.mu.Lock()
-	buf = append(buf, f.queue...)
-	clear(f.queue)
-	f.queue = f.queue[:0]
-	f.mu.Unlock()
-	return buf
-}
-
-func (f *feed) Slow() bool {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return f.slow
-}
-
-func (f *feed) Notify(fn func()) {
-	f.mu.Lock()
-	f.notify = fn
-	now := len(f.queue) > 0 || f.ended
-	f.mu.Unlock()
-	if now {
-		fn()
-	}
+	f := &feed{b: b, node: node, observe: observe}
+	f.Init(b.cfg.StreamBuffer)
+	return f
 }
 
 // push queues d; false when the feed did not keep up and was ended for it
 // (the caller drops it from the watcher).
 func (f *feed) push(d lock.Delivery) bool {
-	f.mu.Lock()
-	if f.ended {
-		f.mu.Unlock()
+	if f.Offer(d) {
 		return true
 	}
-	if len(f.queue) >= f.b.cfg.StreamBuffer {
-		f.mu.Unlock()
+	if f.MarkSlow() {
 		f.b.slowStreams.Add(1)
-		f.end(true)
-		return false
 	}
-	f.queue = append(f.queue, d)
-	first := len(f.queue) == 1
-	fn := f.notify
-	f.mu.Unlock()
-	select {
-	case f.ready <- struct{}{}:
-	default:
-	}
-	if first && fn != nil {
-		fn()
-	}
-	return true
-}
-
-// end closes the feed; the first call wins.
-func (f *feed) end(slow bool) {
-	f.mu.Lock()
-	if f.ended {
-		f.mu.Unlock()
-		return
-	}
-	f.ended, f.slow = true, slow
-	fn := f.notify
-	close(f.done)
-	f.mu.Unlock()
-	if fn != nil {
-		fn()
-	}
+	f.End()
+	return false
 }
 
 // Close ends the feed. Closing a node's last session stream on this server
@@ -108,7 +45,7 @@ func (f *feed) Close() {
 	w.mu.Lock()
 	w.dropLocked(f)
 	w.mu.Unlock()
-	f.end(false)
+	f.End()
 	f.b.s.release(f)
 }
 
@@ -162,6 +99,6 @@ func (w *watcher) closeAll() {
 	w.streams, w.observers, w.nWatchers = map[string][]*feed{}, map[lock.Key][]*feed{}, 0
 	w.mu.Unlock()
 	for _, f := range all {
-		f.end(false)
+		f.End()
 	}
 }

@@ -2,7 +2,6 @@ package etcd
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"slices"
 
@@ -119,7 +118,7 @@ func (b *Backend) refChange(ctx context.Context, resource, node string, add bool
 // RefReleaseNode removes every reference of node. It reads every
 // resource's references, a thousand at a time, and changes each one that
 // names node in a transaction of its own: not atomic across resources, as
-// in lock.Memory.
+// as in the memory engine.
 func (b *Backend) RefReleaseNode(ctx context.Context, node string) (int, error) {
 	if err := lock.ValidateNode(node); err != nil {
 		return 0, err
@@ -161,20 +160,3 @@ func (b *Backend) RefReleaseNode(ctx context.Context, node string) (int, error) 
 	}
 	return n, nil
 }
-
-// ReferencesInEtcd is the lock.RefStore to set in lock.Config.RefStore to
-// turn server-side reference counting on for this backend, which keeps the
-// references in etcd itself: it is a switch, and none of its methods is
-// called by the etcd backend. A lock.Memory given it has no durable store
-// and refuses to start.
-type ReferencesInEtcd struct{}
-
-// Load refuses: the references are in etcd, not here.
-func (ReferencesInEtcd) Load(context.Context) (map[string]lock.RefRecord, uint64, error) {
-	return nil, 0, errNotAStore
-}
-
-// Save refuses: the references are in etcd, not here.
-func (ReferencesInEtcd) Save(context.Context, string, lock.RefRecord) error { return errNotAStore }
-
-var errNotAStore = errors.New("etcd backend: ReferencesInEtcd is a switch of the etcd backend, not a reference store")

@@ -294,11 +294,7 @@ func (s *sessions) release(f *feed) {
 	if f.node == "" {
 		return
 	}
-	f.mu.Lock()
-	done := f.released
-	f.released = true
-	f.mu.Unlock()
-	if !done {
+	if f.released.CompareAndSwap(false, true) {
 		s.releaseNode(f.node, f.lease)
 	}
 }

@@ -21,20 +21,20 @@ import (
 // checks what must hold once it is reached.
 
 // open returns a backend on a fresh data set of the shared embedded etcd.
-func open(t testing.TB, mod func(*lock.Config)) (*etcd.Backend, string) {
+func open(t testing.TB, mod func(*etcd.Config)) (*etcd.Backend, string) {
 	t.Helper()
 	p := etcdtest.Prefix(t)
 	return openAt(t, p, mod), p
 }
 
 // openAt returns another backend on the data set p: another server.
-func openAt(t testing.TB, p string, mod func(*lock.Config)) *etcd.Backend {
+func openAt(t testing.TB, p string, mod func(*etcd.Config)) *etcd.Backend {
 	t.Helper()
-	cfg := lock.DefaultConfig()
+	cfg := etcd.DefaultConfig()
 	if mod != nil {
 		mod(&cfg)
 	}
-	b, err := etcd.New(t.Context(), etcdtest.Shared(t).Client(t), p, cfg)
+	b, err := etcd.New(t.Context(), etcdtest.Shared(t).Client(t), withPrefix(cfg, p))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -108,7 +108,7 @@ func ttlReq(res, node string) lock.LockRequest {
 }
 
 func TestTTLExpiryHandsOn(t *testing.T) {
-	b, _ := open(t, func(c *lock.Config) { c.LockTTL = time.Second })
+	b, _ := open(t, func(c *etcd.Config) { c.LockTTL = time.Second })
 	a := tryLock(t, b, ttlReq("r", "a"))
 	sb := subscribe(t, b, "b")
 	if r := tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: "r", Node: "b", Lease: lock.LeaseSession}); !r.Queued {
@@ -134,7 +134,7 @@ func TestTTLExpiryHandsOn(t *testing.T) {
 }
 
 func TestTTLWaiterExpires(t *testing.T) {
-	b, _ := open(t, func(c *lock.Config) { c.LockTTL = time.Second })
+	b, _ := open(t, func(c *etcd.Config) { c.LockTTL = time.Second })
 	tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: "r", Node: "a", Lease: lock.LeaseSession})
 	tryLock(t, b, ttlReq("r", "w"))
 	eventually(t, "the ttl waiter to leave the queue", func() bool { return stat(t, b, lock.Pull, "r", "").QueueLength == 0 })
@@ -146,7 +146,7 @@ func TestTTLWaiterExpires(t *testing.T) {
 // TestTTLRenewedByStatus: renewals more often than the ttl keep a hold
 // past several ttls.
 func TestTTLRenewedByStatus(t *testing.T) {
-	b, _ := open(t, func(c *lock.Config) { c.LockTTL = 2 * time.Second })
+	b, _ := open(t, func(c *etcd.Config) { c.LockTTL = 2 * time.Second })
 	a := tryLock(t, b, ttlReq("r", "a"))
 	end := time.Now().Add(5 * time.Second)
 	for time.Now().Before(end) {
@@ -159,7 +159,7 @@ func TestTTLRenewedByStatus(t *testing.T) {
 }
 
 func TestClaimTimeout(t *testing.T) {
-	b, _ := open(t, func(c *lock.Config) { c.ClaimTimeout = time.Second })
+	b, _ := open(t, func(c *etcd.Config) { c.ClaimTimeout = time.Second })
 	tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: "r", Node: "a"})
 	tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: "r", Node: "b"})
 	tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: "r", Node: "c"})
@@ -183,7 +183,7 @@ func TestClaimTimeout(t *testing.T) {
 }
 
 func TestMaxHold(t *testing.T) {
-	b, _ := open(t, func(c *lock.Config) { c.MaxHold = time.Second })
+	b, _ := open(t, func(c *etcd.Config) { c.MaxHold = time.Second })
 	tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: "r", Node: "a"})
 	eventually(t, "the hold to end", func() bool { return !stat(t, b, lock.Pull, "r", "").Held })
 	if lc := stat(t, b, lock.Pull, "r", "").LastCompleted; lc == nil || lc.Error != "max hold exceeded" {
@@ -192,7 +192,7 @@ func TestMaxHold(t *testing.T) {
 }
 
 func TestSessionLoss(t *testing.T) {
-	b, _ := open(t, func(c *lock.Config) { c.SessionGrace = time.Second })
+	b, _ := open(t, func(c *etcd.Config) { c.SessionGrace = time.Second })
 	sa, _, err := b.Subscribe(t.Context(), lock.SubscribeRequest{Node: "a"})
 	if err != nil {
 		t.Fatal(err)
@@ -231,7 +231,7 @@ func TestSessionLoss(t *testing.T) {
 // TestSessionLeaseWithoutStream: a session lease asked for without a stream
 // starts a session in its grace, which ends unless a stream opens.
 func TestSessionLeaseWithoutStream(t *testing.T) {
-	b, _ := open(t, func(c *lock.Config) { c.SessionGrace = time.Second })
+	b, _ := open(t, func(c *etcd.Config) { c.SessionGrace = time.Second })
 	tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: "r", Node: "a", Lease: lock.LeaseSession})
 	if st := b.Stats(); st.Sessions != 1 {
 		t.Fatalf("Sessions = %d, want 1", st.Sessions)
@@ -245,7 +245,7 @@ func TestSessionLeaseWithoutStream(t *testing.T) {
 // TestSessionMovesToAnotherServer: a node whose stream moves to another
 // server within the grace keeps its session and its holds.
 func TestSessionMovesToAnotherServer(t *testing.T) {
-	grace := func(c *lock.Config) { c.SessionGrace = 2 * time.Second }
+	grace := func(c *etcd.Config) { c.SessionGrace = 2 * time.Second }
 	b1, p := open(t, grace)
 	b2 := openAt(t, p, grace)
 	s1, sub, err := b1.Subscribe(t.Context(), lock.SubscribeRequest{Node: "a"})
@@ -271,7 +271,7 @@ func TestSessionMovesToAnotherServer(t *testing.T) {
 }
 
 func TestMassSessionLoss(t *testing.T) {
-	b, _ := open(t, func(c *lock.Config) { c.SessionGrace = time.Second })
+	b, _ := open(t, func(c *etcd.Config) { c.SessionGrace = time.Second })
 	const n = 60
 	var streams []lock.Stream
 	for i := range n {
@@ -306,7 +306,7 @@ func TestMassSessionLoss(t *testing.T) {
 }
 
 func TestCompletionRetention(t *testing.T) {
-	b, _ := open(t, func(c *lock.Config) { c.CompletedRetention = time.Second })
+	b, _ := open(t, func(c *etcd.Config) { c.CompletedRetention = time.Second })
 	tryLock(t, b, lock.LockRequest{Type: lock.Delete, Resource: "r", Node: "a"})
 	if _, err := b.Unlock(context.Background(), lock.UnlockRequest{Type: lock.Delete, Resource: "r", Node: "a", Success: true}); err != nil {
 		t.Fatal(err)
@@ -327,7 +327,7 @@ func TestCompletionRetention(t *testing.T) {
 // TestTimersFireOnce: three servers on one data set run the same deadline;
 // it takes effect once.
 func TestTimersFireOnce(t *testing.T) {
-	ttl := func(c *lock.Config) { c.LockTTL = time.Second }
+	ttl := func(c *etcd.Config) { c.LockTTL = time.Second }
 	b1, p := open(t, ttl)
 	b2, b3 := openAt(t, p, ttl), openAt(t, p, ttl)
 	const keys = 20
@@ -354,7 +354,7 @@ func TestTimersFireOnce(t *testing.T) {
 }
 
 func TestMaxSessionsMakesRoom(t *testing.T) {
-	b, _ := open(t, func(c *lock.Config) { c.MaxSessions = 1; c.SessionGrace = time.Second })
+	b, _ := open(t, func(c *etcd.Config) { c.MaxSessions = 1; c.SessionGrace = time.Second })
 	sa, _, err := b.Subscribe(t.Context(), lock.SubscribeRequest{Node: "a"})
 	if err != nil {
 		t.Fatal(err)
@@ -369,7 +369,7 @@ func TestMaxSessionsMakesRoom(t *testing.T) {
 
 // TestCompletedMax: past CompletedMax, the oldest records go first.
 func TestCompletedMax(t *testing.T) {
-	b, _ := open(t, func(c *lock.Config) { c.CompletedMax = 3 })
+	b, _ := open(t, func(c *etcd.Config) { c.CompletedMax = 3 })
 	for _, r := range []string{"r1", "r2", "r3", "r4", "r5"} {
 		tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: r, Node: "a"})
 		if _, err := b.Unlock(context.Background(), lock.UnlockRequest{Type: lock.Pull, Resource: r, Node: "a", Success: true}); err != nil {
@@ -394,9 +394,9 @@ func TestCompletedMax(t *testing.T) {
 // sessions alive.
 func TestStreamsEndWhenEtcdIsGone(t *testing.T) {
 	srv := etcdtest.StartEmbedded(t)
-	cfg := lock.DefaultConfig()
+	cfg := etcd.DefaultConfig()
 	cfg.SessionGrace = 3 * time.Second
-	b, err := etcd.New(t.Context(), srv.Client(t), etcdtest.Prefix(t), cfg)
+	b, err := etcd.New(t.Context(), srv.Client(t), withPrefix(cfg, etcdtest.Prefix(t)))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -417,7 +417,7 @@ func TestStreamsEndWhenEtcdIsGone(t *testing.T) {
 // server that started after the events it missed: the server read them from
 // etcd's history when it started.
 func TestResumeOnNewServer(t *testing.T) {
-	b1, p := open(t, func(c *lock.Config) { c.SessionGrace = time.Hour })
+	b1, p := open(t, func(c *etcd.Config) { c.SessionGrace = time.Hour })
 	st, sub, err := b1.Subscribe(t.Context(), lock.SubscribeRequest{Node: "n"})
 	if err != nil {
 		t.Fatal(err)
@@ -432,7 +432,7 @@ func TestResumeOnNewServer(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	b2 := openAt(t, p, func(c *lock.Config) { c.SessionGrace = time.Hour })
+	b2 := openAt(t, p, func(c *etcd.Config) { c.SessionGrace = time.Hour })
 	st2, sub2, err := b2.Subscribe(t.Context(), lock.SubscribeRequest{Node: "n", LastID: sub.ID, HasLast: true})
 	if err != nil {
 		t.Fatal(err)

@@ -345,7 +345,7 @@ func (w *watcher) endStreams() int {
 	}
 	w.mu.Unlock()
 	for _, f := range all {
-		f.end(false)
+		f.End()
 		w.b.s.release(f)
 	}
 	return len(all)
@@ -524,7 +524,7 @@ func (w *watcher) apply(evs []*clientv3.Event, rev int64) {
 	for _, e := range ended {
 		for _, f := range w.streams[e.node] {
 			w.dropLocked(f)
-			f.end(false)
+			f.End()
 			released = append(released, f)
 		}
 	}

@@ -26,7 +26,7 @@ var eventTests = []test{
 
 // noGrace is a session grace no test outlives: tests that close and reopen
 // a session stream in real time keep the session.
-func noGrace(c *lock.Config) { c.SessionGrace = time.Hour }
+func noGrace(c *Config) { c.SessionGrace = time.Hour }
 
 func testReplay(t *testing.T, s *suite) {
 	m := s.open(t, noGrace)
@@ -88,7 +88,7 @@ func testSessionAndObserver(t *testing.T, s *suite) {
 }
 
 func testSlowStreamClosed(t *testing.T, s *suite) {
-	m := s.open(t, func(c *lock.Config) { c.StreamBuffer = 2 })
+	m := s.open(t, func(c *Config) { c.StreamBuffer = 2 })
 	st := subscribe(t, m, "", &lock.Key{Type: lock.Pull, Resource: "r"})
 	keeps := subscribe(t, m, "", &lock.Key{Type: lock.Pull, Resource: "r"})
 	for i := range 3 {
@@ -154,7 +154,7 @@ func testNotify(t *testing.T, s *suite) {
 // reconnect from within them replays them whole, one from before them
 // replays what is kept and reports the gap.
 func testSessionLogBounded(t *testing.T, s *suite) {
-	m := s.open(t, func(c *lock.Config) { c.SessionLog = 8; noGrace(c) })
+	m := s.open(t, func(c *Config) { c.SessionLog = 8; noGrace(c) })
 	st, first := subscribeReq(t, m, lock.SubscribeRequest{Node: "a"})
 	var seen []lock.Delivery
 	for range 50 {
@@ -188,7 +188,7 @@ func testSessionLogBounded(t *testing.T, s *suite) {
 // SessionLogBytes, a replay from further back gets that and says where it
 // starts, and a replay from within the log is whole.
 func testReplayBoundedInBytes(t *testing.T, s *suite) {
-	m := s.open(t, func(c *lock.Config) { c.SessionLogBytes = lock.MinSessionLogBytes; c.SessionGrace = 5 * time.Second })
+	m := s.open(t, func(c *Config) { c.SessionLogBytes = lock.MinSessionLogBytes; c.SessionGrace = 5 * time.Second })
 	st, first, err := m.Subscribe(t.Context(), lock.SubscribeRequest{Node: "w"})
 	if err != nil {
 		t.Fatal(err)

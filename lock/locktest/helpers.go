@@ -3,7 +3,6 @@ package locktest
 import (
 	"context"
 	"fmt"
-	"sync"
 	"testing"
 	"time"
 
@@ -132,40 +131,6 @@ func increasing(ids []uint64) bool {
 		}
 	}
 	return true
-}
-
-// memRefStore is an in-memory lock.RefStore: the suite's switch for
-// reference counting, and Memory's durable references across a restart.
-type memRefStore struct {
-	mu   sync.Mutex
-	recs map[string]lock.RefRecord
-	max  uint64
-}
-
-func (s *memRefStore) Load(context.Context) (map[string]lock.RefRecord, uint64, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	out := map[string]lock.RefRecord{}
-	for k, r := range s.recs {
-		if len(r.Nodes) > 0 {
-			out[k] = r
-		}
-	}
-	return out, s.max, nil
-}
-
-func (s *memRefStore) Save(_ context.Context, res string, rec lock.RefRecord) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.recs == nil {
-		s.recs = map[string]lock.RefRecord{}
-	}
-	if old, ok := s.recs[res]; ok && old.Version >= rec.Version {
-		return nil
-	}
-	s.recs[res] = rec
-	s.max = max(s.max, rec.Version)
-	return nil
 }
 
 func refNodes(t testing.TB, b lock.Backend, res string) []string {

@@ -25,7 +25,7 @@ var inspectorTests = []test{
 
 // openInspector opens a backend that must be a lock.Inspector; the test is
 // skipped, saying so, when it is not.
-func (s *suite) openInspector(t *testing.T, mod func(*lock.Config)) (lock.Backend, lock.Inspector) {
+func (s *suite) openInspector(t *testing.T, mod func(*Config)) (lock.Backend, lock.Inspector) {
 	t.Helper()
 	m := s.open(t, mod)
 	in, ok := m.(lock.Inspector)
@@ -119,7 +119,7 @@ func testInspectQueueCapped(t *testing.T, s *suite) {
 }
 
 // testInspectQueueAfterCancels: waiters that leave from the middle and the
-// head do not show, and the rest keep their order. (Memory keeps holes in
+// head do not show, and the rest keep their order. (The memory engine keeps holes in
 // its queue's slice; a view that read them as waiters panicked.)
 func testInspectQueueAfterCancels(t *testing.T, s *suite) {
 	m, in := s.openInspector(t, nil)

@@ -26,7 +26,7 @@ var leaseTests = []test{
 }
 
 func testTTLExpiry(t *testing.T, s *suite) {
-	m := s.open(t, func(c *lock.Config) { c.LockTTL = 10 * time.Second })
+	m := s.open(t, func(c *Config) { c.LockTTL = 10 * time.Second })
 	obs := subscribe(t, m, "", &lock.Key{Type: lock.Pull, Resource: "r"})
 	mustLock(t, m, lockReq(lock.Pull, "r", "a"))
 	mustLock(t, m, lockReq(lock.Pull, "r", "b"))
@@ -73,7 +73,7 @@ func testTTLExpiry(t *testing.T, s *suite) {
 // and its ttl queue entry on the key, with no /lock; one without the node
 // renews nothing.
 func testTTLRenewedByStatus(t *testing.T, s *suite) {
-	m := s.open(t, func(c *lock.Config) { c.LockTTL = 10 * time.Second })
+	m := s.open(t, func(c *Config) { c.LockTTL = 10 * time.Second })
 	mustLock(t, m, lockReq(lock.Pull, "r", "a"))
 	mustLock(t, m, lockReq(lock.Pull, "r", "b"))
 	for range 4 {
@@ -97,7 +97,7 @@ func testTTLRenewedByStatus(t *testing.T, s *suite) {
 }
 
 func testClaimTimeoutAndMaxHold(t *testing.T, s *suite) {
-	m := s.open(t, func(c *lock.Config) { c.ClaimTimeout = 2 * time.Second; c.MaxHold = 20 * time.Second })
+	m := s.open(t, func(c *Config) { c.ClaimTimeout = 2 * time.Second; c.MaxHold = 20 * time.Second })
 	mustLock(t, m, lockReq(lock.Pull, "r", "a"))
 	mustLock(t, m, lockReq(lock.Pull, "r", "b"))
 	mustLock(t, m, lockReq(lock.Pull, "r", "c"))
@@ -131,7 +131,7 @@ func testClaimTimeoutAndMaxHold(t *testing.T, s *suite) {
 // testClaimTimeoutOff: with ClaimTimeout 0 a hand-off grant stands
 // unconfirmed, kept by its lease alone.
 func testClaimTimeoutOff(t *testing.T, s *suite) {
-	m := s.open(t, func(c *lock.Config) { c.ClaimTimeout = 0 })
+	m := s.open(t, func(c *Config) { c.ClaimTimeout = 0 })
 	subscribe(t, m, "b", nil) // b's lease is its session
 	mustLock(t, m, lockReq(lock.Pull, "r", "a"))
 	mustLock(t, m, lockReq(lock.Pull, "r", "b"))
@@ -144,7 +144,7 @@ func testClaimTimeoutOff(t *testing.T, s *suite) {
 }
 
 func testSessionLoss(t *testing.T, s *suite) {
-	m := s.open(t, func(c *lock.Config) { c.SessionGrace = 5 * time.Second })
+	m := s.open(t, func(c *Config) { c.SessionGrace = 5 * time.Second })
 	sa, _, err := m.Subscribe(t.Context(), lock.SubscribeRequest{Node: "a"})
 	if err != nil {
 		t.Fatal(err)
@@ -189,7 +189,7 @@ func testSessionLoss(t *testing.T, s *suite) {
 }
 
 func testSessionLeaseWithoutStream(t *testing.T, s *suite) {
-	m := s.open(t, func(c *lock.Config) { c.SessionGrace = 5 * time.Second })
+	m := s.open(t, func(c *Config) { c.SessionGrace = 5 * time.Second })
 	mustLock(t, m, lock.LockRequest{Type: lock.Pull, Resource: "r", Node: "a", Lease: lock.LeaseSession})
 	time.Sleep(6 * time.Second)
 	synctest.Wait()
@@ -211,7 +211,7 @@ func testSessionLeaseWithoutStream(t *testing.T, s *suite) {
 // granted on the way.
 func testMassSessionLoss(t *testing.T, s *suite) {
 	const n = 700
-	m := s.open(t, func(c *lock.Config) { c.SessionGrace = 5 * time.Second })
+	m := s.open(t, func(c *Config) { c.SessionGrace = 5 * time.Second })
 	subscribe(t, m, "A", nil)
 	sb := subscribe(t, m, "B", nil)
 	obs := subscribe(t, m, "", &lock.Key{Type: lock.Pull, Resource: "K"})

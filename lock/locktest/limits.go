@@ -114,7 +114,7 @@ func testErrorTextBounded(t *testing.T, s *suite) {
 }
 
 func testMaxKeys(t *testing.T, s *suite) {
-	m := s.open(t, func(c *lock.Config) { c.Shards = 1; c.MaxKeys = 2; c.CompletedRetention = 0 })
+	m := s.open(t, func(c *Config) { c.ExactLimits = true; c.MaxKeys = 2; c.CompletedRetention = 0 })
 	mustLock(t, m, lockReq(lock.Pull, "r1", "a"))
 	mustLock(t, m, lockReq(lock.Update, "r1", "a"))
 	_, err := m.TryLock(context.Background(), lockReq(lock.Pull, "r2", "a"))
@@ -137,7 +137,7 @@ func testMaxKeys(t *testing.T, s *suite) {
 }
 
 func testMaxQueue(t *testing.T, s *suite) {
-	m := s.open(t, func(c *lock.Config) { c.MaxQueue = 2 })
+	m := s.open(t, func(c *Config) { c.MaxQueue = 2 })
 	mustLock(t, m, lockReq(lock.Pull, "r", "a"))
 	mustLock(t, m, lockReq(lock.Pull, "r", "b"))
 	mustLock(t, m, lockReq(lock.Pull, "r", "c"))
@@ -160,7 +160,7 @@ func testMaxQueue(t *testing.T, s *suite) {
 }
 
 func testMaxSessions(t *testing.T, s *suite) {
-	m := s.open(t, func(c *lock.Config) { c.MaxSessions = 2; c.SessionGrace = 5 * time.Second })
+	m := s.open(t, func(c *Config) { c.MaxSessions = 2; c.SessionGrace = 5 * time.Second })
 	sa := subscribe(t, m, "a", nil)
 	subscribe(t, m, "b", nil)
 	sa2 := subscribe(t, m, "a", nil) // another stream of a session that exists
@@ -201,7 +201,7 @@ func testMaxSessions(t *testing.T, s *suite) {
 }
 
 func testMaxSessionsPerNode(t *testing.T, s *suite) {
-	m := s.open(t, func(c *lock.Config) { c.MaxSessionsPerNode = 2 })
+	m := s.open(t, func(c *Config) { c.MaxSessionsPerNode = 2 })
 	s1 := subscribe(t, m, "a", nil)
 	subscribe(t, m, "a", nil)
 	if _, _, err := m.Subscribe(t.Context(), lock.SubscribeRequest{Node: "a"}); !errors.Is(err, lock.ErrTooManySessions) {
@@ -221,7 +221,7 @@ func testMaxSessionsPerNode(t *testing.T, s *suite) {
 // A backend that is no lock.Inspector has no operator feeds: a second
 // observer takes the feed's place.
 func testMaxWatchers(t *testing.T, s *suite) {
-	m := s.open(t, func(c *lock.Config) { c.MaxWatchers = 2; c.MaxSessionsPerNode = 1 })
+	m := s.open(t, func(c *Config) { c.MaxWatchers = 2; c.MaxSessionsPerNode = 1 })
 	in, isInspector := m.(lock.Inspector)
 	if !isInspector {
 		t.Log("the backend is no lock.Inspector: observers stand in for operator feeds")

@@ -146,7 +146,7 @@ func testLinearizable(t *testing.T, s *suite) {
 
 func linearizableRun(t *testing.T, s *suite, seed uint64) {
 	const nodes, keys, opsPerNode = 6, 2, 150
-	m := s.open(t, func(c *lock.Config) {
+	m := s.open(t, func(c *Config) {
 		c.AllowMultiNodeDownload = false
 		c.SessionGrace = time.Millisecond
 	})

@@ -7,8 +7,8 @@
 // containerd's content testsuite: a backend's test is one call.
 //
 //	func TestConformance(t *testing.T) {
-//		locktest.Run(t, func(t *testing.T, cfg lock.Config) lock.Backend {
-//			b, err := lock.NewMemory(t.Context(), cfg)
+//		locktest.Run(t, func(t *testing.T, cfg locktest.Config) lock.Backend {
+//			b, err := mybackend.New(t.Context(), mybackend.Config{Rules: cfg.Rules})
 //			if err != nil {
 //				t.Fatal(err)
 //			}
@@ -55,25 +55,21 @@
 //
 // newBackend(t, cfg) returns a backend configured by cfg, or ends t with
 // t.Fatal; it never returns nil. The suite builds cfg from
-// lock.DefaultConfig and changes what a subtest needs. A backend honours
-// every rule setting (LockTTL, SessionGrace, ClaimTimeout, MaxHold,
+// lock.DefaultRules and changes what a subtest needs. A backend honours
+// every rule of cfg.Rules (LockTTL, SessionGrace, ClaimTimeout, MaxHold,
 // CompletedRetention, CompletedMax, AllowMultiNodeDownload,
 // UpdateRequiresNoRef, StreamBuffer, SessionLog, SessionLogBytes and the
-// limits MaxSessions, MaxSessionsPerNode, MaxQueue, MaxKeys, MaxWatchers).
-// Settings that describe one implementation are handed over all the same
-// and may be ignored where they mean nothing: Shards (the suite sets 1
-// where it counts a global bound exactly, MaxKeys and CompletedMax, because
-// Memory checks those per shard), TokenCeiling (never set), Logger.
-// cfg.RefStore not nil turns reference counting on: the suite passes an
-// in-memory store of its own; a backend that keeps references elsewhere
-// uses it only as that switch.
+// limits MaxSessions, MaxSessionsPerNode, MaxQueue, MaxKeys, MaxWatchers),
+// turns server-side reference counting on when cfg.RefCounting is set, and
+// counts MaxKeys and CompletedMax exactly when cfg.ExactLimits is set (see
+// Config).
 //
 // State: every subtest (every *testing.T) starts from an empty lock state.
 // A second call of newBackend with the same t is a restart: the suite has
 // closed the first backend and asks for another with the same cfg. The new
 // one keeps what a restart must not lose — references, and fencing tokens
-// that never go back — and the suite checks nothing else across it (Memory
-// forgets its holds and queues, the etcd backend keeps them). A backend
+// that never go back — and the suite checks nothing else across it (the memory
+// engine forgets its holds and queues, the etcd backend keeps them). A backend
 // over shared storage names its data set per t: for instance a map from t
 // to a fresh random key prefix, made on the first call with a t and reused
 // by the next (t.Name() alone repeats under -count).
@@ -108,7 +104,7 @@
 // on a stream, so a backend may deliver a call's events after the call
 // returns. Where it asserts that a stream received nothing, it looks once,
 // without waiting: a backend that delivers a call's events before the call
-// returns to its caller (Memory does) is held to that exactly, one that
+// returns to its caller (the memory engine does) is held to that exactly, one that
 // delivers them later less strictly there.
 //
 // Stats: the suite reads the counters of lock.Stats it has a rule for
@@ -155,7 +151,7 @@ func WithoutFakeTime(reason string) Option {
 
 // Run runs the conformance suite against the backends newBackend makes.
 // See the package documentation for what it expects of newBackend.
-func Run(t *testing.T, newBackend func(t *testing.T, cfg lock.Config) lock.Backend, opts ...Option) {
+func Run(t *testing.T, newBackend func(t *testing.T, cfg Config) lock.Backend, opts ...Option) {
 	s := &suite{newBackend: newBackend}
 	for _, o := range opts {
 		o(&s.opts)
@@ -193,8 +189,23 @@ var groups = []group{
 	{"Stress", stressTests},
 }
 
+// Config is what a subtest asks of newBackend: the rules, and two switches
+// that each engine maps onto its own options.
+type Config struct {
+	lock.Rules
+	// RefCounting turns server-side reference counting on. References
+	// must survive a restart (a second newBackend with the same t): the
+	// memory engine keeps them in a store the harness keeps per t, the etcd
+	// engine in etcd.
+	RefCounting bool
+	// ExactLimits is set where a subtest counts MaxKeys or CompletedMax
+	// exactly: an engine that checks them in parts concurrently (the memory
+	// engine's shards, each with its share) checks them in one place.
+	ExactLimits bool
+}
+
 type suite struct {
-	newBackend func(t *testing.T, cfg lock.Config) lock.Backend
+	newBackend func(t *testing.T, cfg Config) lock.Backend
 	opts       options
 }
 
@@ -211,9 +222,9 @@ func (s *suite) run(t *testing.T, tc test) {
 
 // open returns a new backend with the default configuration changed by
 // mod, closed when the test ends.
-func (s *suite) open(t *testing.T, mod func(*lock.Config)) lock.Backend {
+func (s *suite) open(t *testing.T, mod func(*Config)) lock.Backend {
 	t.Helper()
-	cfg := lock.DefaultConfig()
+	cfg := Config{Rules: lock.DefaultRules()}
 	if mod != nil {
 		mod(&cfg)
 	}
@@ -227,7 +238,7 @@ func (s *suite) open(t *testing.T, mod func(*lock.Config)) lock.Backend {
 
 // restart closes b and opens its successor over the same state (see the
 // package documentation, "State").
-func (s *suite) restart(t *testing.T, b lock.Backend, mod func(*lock.Config)) lock.Backend {
+func (s *suite) restart(t *testing.T, b lock.Backend, mod func(*Config)) lock.Backend {
 	t.Helper()
 	closeBackend(t, b)
 	return s.open(t, mod)

@@ -17,16 +17,15 @@ var refTests = []test{
 	{name: "Off", run: testRefCountOff},
 }
 
-func refConfig(store *memRefStore, updNoRef bool) func(*lock.Config) {
-	return func(c *lock.Config) { c.RefStore = store; c.UpdateRequiresNoRef = updNoRef }
+func refConfig(updNoRef bool) func(*Config) {
+	return func(c *Config) { c.RefCounting = true; c.UpdateRequiresNoRef = updNoRef }
 }
 
 func testRefCountRules(t *testing.T, s *suite) {
 	ctx := context.Background()
-	store := &memRefStore{}
-	m := s.open(t, refConfig(store, false))
+	m := s.open(t, refConfig(false))
 	if !m.Info().RefCounting {
-		t.Fatalf("Info %+v with a RefStore, want reference counting", m.Info())
+		t.Fatalf("Info %+v with RefCounting, want reference counting", m.Info())
 	}
 	mustLock(t, m, lockReq(lock.Pull, "r", "a"))
 	mustLock(t, m, lockReq(lock.Pull, "r", "b"))
@@ -97,7 +96,7 @@ func testRefCountRules(t *testing.T, s *suite) {
 	// Durable: a restart forgets nothing.
 	mustLock(t, m, lockReq(lock.Pull, "kept", "k"))
 	mustUnlock(t, m, lock.Pull, "kept", "k", true)
-	m = s.restart(t, m, refConfig(store, false))
+	m = s.restart(t, m, refConfig(false))
 	if got := refNodes(t, m, "kept"); !slices.Equal(got, []string{"k"}) {
 		t.Fatalf("after restart: %v", got)
 	}
@@ -108,7 +107,7 @@ func testRefCountRules(t *testing.T, s *suite) {
 
 func testRefCountUpdateRequiresNoRef(t *testing.T, s *suite) {
 	ctx := context.Background()
-	m := s.open(t, refConfig(&memRefStore{}, true))
+	m := s.open(t, refConfig(true))
 	mustLock(t, m, lockReq(lock.Pull, "r", "a"))
 	if _, err := m.TryLock(ctx, lockReq(lock.Update, "r", "u")); !errors.Is(err, lock.ErrInUse) {
 		t.Fatalf("update while a pull is held: %v, want ErrInUse", err)

@@ -68,7 +68,7 @@ func testTryLockRules(t *testing.T, s *suite) {
 }
 
 func testMultiNodeDownloadOff(t *testing.T, s *suite) {
-	m := s.open(t, func(c *lock.Config) { c.AllowMultiNodeDownload = false })
+	m := s.open(t, func(c *Config) { c.AllowMultiNodeDownload = false })
 	mustLock(t, m, lockReq(lock.Pull, "r", "a"))
 	_, err := m.TryLock(context.Background(), lockReq(lock.Pull, "r", "b"))
 	var he *lock.HeldError
@@ -292,7 +292,7 @@ func testSkipRecent(t *testing.T, s *suite) {
 // testSkipRecentRetention: a success is skipped only while its record is
 // retained.
 func testSkipRecentRetention(t *testing.T, s *suite) {
-	m := s.open(t, func(c *lock.Config) { c.CompletedRetention = time.Minute })
+	m := s.open(t, func(c *Config) { c.CompletedRetention = time.Minute })
 	mustLock(t, m, lockReq(lock.Delete, "r", "a"))
 	mustUnlock(t, m, lock.Delete, "r", "a", true)
 	time.Sleep(59 * time.Second)
@@ -325,7 +325,7 @@ func testTokensIncrease(t *testing.T, s *suite) {
 }
 
 func testCompletionRecords(t *testing.T, s *suite) {
-	m := s.open(t, func(c *lock.Config) { c.Shards = 1; c.CompletedMax = 3; c.CompletedRetention = time.Minute })
+	m := s.open(t, func(c *Config) { c.ExactLimits = true; c.CompletedMax = 3; c.CompletedRetention = time.Minute })
 	for _, r := range []string{"r1", "r2", "r3", "r4"} {
 		mustLock(t, m, lockReq(lock.Pull, r, "a"))
 		mustUnlock(t, m, lock.Pull, r, "a", true)
@@ -400,7 +400,7 @@ func testValidation(t *testing.T, s *suite) {
 }
 
 func testInfo(t *testing.T, s *suite) {
-	m := s.open(t, func(c *lock.Config) { c.LockTTL = 42 * time.Second })
+	m := s.open(t, func(c *Config) { c.LockTTL = 42 * time.Second })
 	info := m.Info()
 	if info.Epoch == "" || info.RefCounting || info.LockTTL != 42*time.Second {
 		t.Fatalf("Info %+v, want an epoch, no reference counting and the configured ttl", info)
@@ -415,7 +415,7 @@ func testInfo(t *testing.T, s *suite) {
 // with ErrClosed.
 func testClose(t *testing.T, s *suite) {
 	ctx := context.Background()
-	m := s.open(t, func(c *lock.Config) { c.RefStore = &memRefStore{} })
+	m := s.open(t, func(c *Config) { c.RefCounting = true })
 	sess := subscribe(t, m, "a", nil)
 	obs := subscribe(t, m, "", &lock.Key{Type: lock.Pull, Resource: "r"})
 	mustLock(t, m, lockReq(lock.Pull, "r", "a"))

@@ -1,8 +1,10 @@
-package lock
+package memory
 
 import (
 	"hash/maphash"
 	"iter"
+
+	"github.com/dlock/dlock/lock"
 )
 
 // keyTable holds a shard's keys, found by resource and type. It is a hash
@@ -63,7 +65,7 @@ func (t *keyTable) chains(h uint32) (cur, old **keyState) {
 }
 
 // get returns the key (typ, res), nil if the table has none.
-func (t *keyTable) get(typ Type, res string) *keyState {
+func (t *keyTable) get(typ lock.Type, res string) *keyState {
 	if t.old != nil {
 		t.move()
 	}

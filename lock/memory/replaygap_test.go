@@ -1,9 +1,11 @@
-package lock
+package memory
 
 import (
 	"testing"
 	"testing/synctest"
 	"time"
+
+	"github.com/dlock/dlock/lock"
 )
 
 // TestLostSessionGapShowsOnTheWire: a session that ended while nothing was
@@ -14,22 +16,22 @@ import (
 func TestLostSessionGapShowsOnTheWire(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		m := newMemory(t, func(c *Config) { c.SessionGrace = 5 * time.Second })
-		st, _, err := m.Subscribe(t.Context(), SubscribeRequest{Node: "a"})
+		st, _, err := m.Subscribe(t.Context(), lock.SubscribeRequest{Node: "a"})
 		if err != nil {
 			t.Fatal(err)
 		}
-		if res := mustLock(t, m, lockReq(Pull, "r", "a")); !res.Acquired {
+		if res := mustLock(t, m, lockReq(lock.Pull, "r", "a")); !res.Acquired {
 			t.Fatalf("lock: %+v", res)
 		}
 		st.Close()
 		time.Sleep(6 * time.Second)
 		synctest.Wait()
-		if h, _ := m.Status(t.Context(), Pull, "r", ""); h.Held {
+		if h, _ := m.Status(t.Context(), lock.Pull, "r", ""); h.Held {
 			t.Fatalf("hold outlived its session: %+v", h)
 		}
 		// The client saw every event numbered so far (none was its own).
 		last := m.seq.Load()
-		st2, again, err := m.Subscribe(t.Context(), SubscribeRequest{Node: "a", LastID: last, HasLast: true})
+		st2, again, err := m.Subscribe(t.Context(), lock.SubscribeRequest{Node: "a", LastID: last, HasLast: true})
 		if err != nil {
 			t.Fatal(err)
 		}

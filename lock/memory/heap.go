@@ -1,4 +1,4 @@
-package lock
+package memory
 
 // deadlineHeap is an indexed min-heap of entries by their next deadline, so
 // that renewing or removing an entry is O(log n) and one timer per shard

@@ -3,14 +3,16 @@ package lock
 import (
 	"errors"
 	"fmt"
-	"log/slog"
 	"time"
 )
 
-// Config configures a Memory. Start from DefaultConfig.
-type Config struct {
-	// Shards is the number of shards keys are spread over.
-	Shards int
+// Rules are the settings of docs/DESIGN.md's rules that every backend
+// honours the same way: leases, completion retention, the bounds of
+// streams and logs, and the limits that answer with an error. Every server
+// of one data set runs with the same Rules. An engine's own settings (how
+// it stores or spreads its state) are in its own Config, which embeds
+// Rules. Start from DefaultRules.
+type Rules struct {
 	// AllowMultiNodeDownload queues a node that asks for a held key; when
 	// false such a request is refused with ErrLockHeld.
 	AllowMultiNodeDownload bool
@@ -54,33 +56,19 @@ type Config struct {
 	MaxQueue int
 	// MaxKeys bounds the keys with state (a holder, waiters or a retained
 	// completion record); a request that would add a key is refused with
-	// ErrTooManyKeys. Shards check it concurrently, so it may be passed by
-	// at most Shards-1. 0: no limit.
+	// ErrTooManyKeys. A backend may count it in parts that check it
+	// concurrently (the memory engine's shards), so it may be passed by a
+	// few. 0: no limit.
 	MaxKeys int
 	// MaxWatchers bounds the streams that watch without a session: key
 	// observers and operator feeds. Every event of a watched key is
 	// handed to each, so their number must not be a client's choice.
 	MaxWatchers int
-	// RefStore, when not nil, turns on server-side reference counting and
-	// makes references durable in it.
-	RefStore RefStore
-	// TokenCeiling, when not nil, keeps a bound above every fencing token
-	// durable, so that tokens never go back across a restart whatever the
-	// wall clock does. Nil: across restarts, tokens rest on the wall clock
-	// not stepping back (docs/DESIGN.md, "Fencing tokens").
-	TokenCeiling CeilingStore
-	// Logger receives one line per grant and hand-off (debug), expiry and
-	// session loss (info). Nil discards.
-	Logger *slog.Logger
-
-	// Tests set these (tokens.go); zero means the default.
-	tokenLead, tokenWindow time.Duration
 }
 
-// DefaultConfig returns the defaults of README.md, "Configuration".
-func DefaultConfig() Config {
-	return Config{
-		Shards:                 32,
+// DefaultRules returns the defaults of README.md, "Configuration".
+func DefaultRules() Rules {
+	return Rules{
 		AllowMultiNodeDownload: true,
 		CompletedRetention:     5 * time.Minute,
 		CompletedMax:           100000,
@@ -98,16 +86,13 @@ func DefaultConfig() Config {
 	}
 }
 
-// MinSessionLogBytes is the least Config.SessionLogBytes: room for the
+// MinSessionLogBytes is the least Rules.SessionLogBytes: room for the
 // largest event (ids and error text at their longest, every byte escaped).
 const MinSessionLogBytes = 16 << 10
 
 // Validate reports the first setting that cannot work.
-func (c Config) Validate() error {
+func (c Rules) Validate() error {
 	var errs []error
-	if c.Shards < 1 || c.Shards > 1<<16 {
-		errs = append(errs, fmt.Errorf("shards must be between 1 and 65536, not %d", c.Shards))
-	}
 	if c.CompletedRetention < 0 {
 		errs = append(errs, fmt.Errorf("completed retention must not be negative, not %v", c.CompletedRetention))
 	}

@@ -1,4 +1,4 @@
-package lock
+package memory
 
 import (
 	"context"
@@ -9,12 +9,13 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-	"unique"
+
+	"github.com/dlock/dlock/lock"
 )
 
-// Memory is the in-memory Backend: a sharded lock manager whose state lives in
+// Backend is the in-memory lock.Backend: a sharded lock manager whose state lives in
 // this process. It is safe for concurrent use.
-type Memory struct {
+type Backend struct {
 	cfg       Config
 	log       *slog.Logger
 	epoch     string
@@ -47,8 +48,8 @@ type Memory struct {
 	closed  atomic.Bool
 }
 
-// NewMemory returns a Memory. With cfg.RefStore set it loads the stored references.
-func NewMemory(ctx context.Context, cfg Config) (*Memory, error) {
+// New returns a Backend. With cfg.RefStore set it loads the stored references.
+func New(ctx context.Context, cfg Config) (*Backend, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("lock: %w", err)
 	}
@@ -58,7 +59,7 @@ func NewMemory(ctx context.Context, cfg Config) (*Memory, error) {
 	}
 	var b [8]byte
 	_, _ = rand.Read(b[:])
-	m := &Memory{
+	m := &Backend{
 		cfg:    cfg,
 		log:    log,
 		epoch:  hex.EncodeToString(b[:]),
@@ -69,7 +70,7 @@ func NewMemory(ctx context.Context, cfg Config) (*Memory, error) {
 		return nil, err
 	}
 	m.sess.m = make(map[string]*session)
-	m.obs.m = make(map[Key][]*stream)
+	m.obs.m = make(map[lock.Key][]*stream)
 	if cfg.CompletedRetention > 0 && cfg.CompletedMax > 0 {
 		m.recordCap = max(1, cfg.CompletedMax/cfg.Shards)
 	}
@@ -89,32 +90,32 @@ func NewMemory(ctx context.Context, cfg Config) (*Memory, error) {
 }
 
 // mono is a time on the manager's monotonic clock: the time since
-// Memory.start. Reading it costs half of time.Now, which reads the wall
+// Backend.start. Reading it costs half of time.Now, which reads the wall
 // clock too, and the hot path reads it on every call.
 type mono time.Duration
 
 func (t mono) add(d time.Duration) mono { return t + mono(d) }
 
-func (m *Memory) now() mono { return mono(time.Since(m.start)) }
+func (m *Backend) now() mono { return mono(time.Since(m.start)) }
 
-func (m *Memory) wall(t mono) time.Time { return m.start.Add(time.Duration(t)) }
+func (m *Backend) wall(t mono) time.Time { return m.start.Add(time.Duration(t)) }
 
 // micros is t in Unix microseconds, the floor of a fencing token.
-func (m *Memory) micros(t mono) uint64 { return m.startUS + uint64(time.Duration(t)/time.Microsecond) }
+func (m *Backend) micros(t mono) uint64 { return m.startUS + uint64(time.Duration(t)/time.Microsecond) }
 
 // Info describes the manager. Its epoch is a random id chosen when the
 // manager was created: its state lives in this process, and a client that
 // sees the epoch change knows that every hold, queue entry and session is gone.
-func (m *Memory) Info() Info {
-	return Info{Epoch: m.epoch, RefCounting: m.cfg.RefStore != nil, LockTTL: m.cfg.LockTTL}
+func (m *Backend) Info() lock.Info {
+	return lock.Info{Epoch: m.epoch, RefCounting: m.cfg.RefStore != nil, LockTTL: m.cfg.LockTTL}
 }
 
 // Config returns the configuration the manager runs with.
-func (m *Memory) Config() Config { return m.cfg }
+func (m *Backend) Config() Config { return m.cfg }
 
 // Close stops every timer and closes every stream. Calls after Close return
 // ErrClosed. It does not close the RefStore.
-func (m *Memory) Close() error {
+func (m *Backend) Close() error {
 	m.closeMu.Lock()
 	already := m.closed.Swap(true)
 	m.closeMu.Unlock()
@@ -154,7 +155,7 @@ func (m *Memory) Close() error {
 	return nil
 }
 
-func (m *Memory) shardFor(resource string) *shard {
+func (m *Backend) shardFor(resource string) *shard {
 	if len(m.shards) == 1 {
 		return m.shards[0]
 	}
@@ -174,12 +175,12 @@ func ShardIndex(resource string, n int) int {
 
 // TryLock grants, queues or refuses a lock request (docs/DESIGN.md, "TryLock"). It blocks only
 // to make a reference change durable, never to wait for the lock.
-func (m *Memory) TryLock(ctx context.Context, req LockRequest) (LockResult, error) {
+func (m *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockResult, error) {
 	if err := req.Validate(); err != nil {
-		return LockResult{}, err
+		return lock.LockResult{}, err
 	}
 	if m.closed.Load() {
-		return LockResult{}, ErrClosed
+		return lock.LockResult{}, lock.ErrClosed
 	}
 	s := m.shardFor(req.Resource)
 	k := req.Key()
@@ -192,21 +193,21 @@ func (m *Memory) TryLock(ctx context.Context, req LockRequest) (LockResult, erro
 			// of a hand-off grant.
 			if err := s.renew(h, req.Lease); err != nil {
 				s.mu.Unlock()
-				return LockResult{}, err
+				return lock.LockResult{}, err
 			}
 			ks.unclaimed = false
 			s.schedule(h, t.now)
-			res := LockResult{Acquired: true, Token: ks.lastToken, Holder: h.node()}
+			res := lock.LockResult{Acquired: true, Token: ks.lastToken, Holder: h.node()}
 			s.commit(ctx, t)
 			return res, nil
 		}
 		if e := ks.waiter(req.Node); e != nil {
 			if err := s.renew(e, req.Lease); err != nil {
 				s.mu.Unlock()
-				return LockResult{}, err
+				return lock.LockResult{}, err
 			}
 			s.schedule(e, t.now)
-			res := LockResult{Queued: true, Holder: ks.holder.node(), Position: ks.wq.position(e)}
+			res := lock.LockResult{Queued: true, Holder: ks.holder.node(), Position: ks.wq.position(e)}
 			s.commit(ctx, t)
 			return res, nil
 		}
@@ -214,18 +215,18 @@ func (m *Memory) TryLock(ctx context.Context, req LockRequest) (LockResult, erro
 	if s.refs != nil {
 		if err := s.refConflict(k); err != nil {
 			s.mu.Unlock()
-			return LockResult{}, err
+			return lock.LockResult{}, err
 		}
 	}
-	if req.SkipRecent && k.Type != Update && ks != nil && ks.holder == nil && ks.recentSuccess(t.now, m.cfg.CompletedRetention) {
-		res := LockResult{Skip: true}
+	if req.SkipRecent && k.Type != lock.Update && ks != nil && ks.holder == nil && ks.recentSuccess(t.now, m.cfg.CompletedRetention) {
+		res := lock.LockResult{Skip: true}
 		s.mu.Unlock()
 		return res, nil
 	}
 	if ks != nil && ks.holder != nil && !m.cfg.AllowMultiNodeDownload {
 		holder := ks.holder.node()
 		s.mu.Unlock()
-		return LockResult{}, &HeldError{Holder: holder}
+		return lock.LockResult{}, &lock.HeldError{Holder: holder}
 	}
 	// Limits (docs/SECURITY.md): checked before anything changes.
 	newKey := ks == nil
@@ -233,7 +234,7 @@ func (m *Memory) TryLock(ctx context.Context, req LockRequest) (LockResult, erro
 		if max := m.cfg.MaxKeys; max > 0 && m.keys.Load() >= int64(max) {
 			s.mu.Unlock()
 			m.refusedKeys.Add(1)
-			return LockResult{}, fmt.Errorf("%w: %d keys have state, at most %d are allowed", ErrTooManyKeys, m.keys.Load(), max)
+			return lock.LockResult{}, fmt.Errorf("%w: %d keys have state, at most %d are allowed", lock.ErrTooManyKeys, m.keys.Load(), max)
 		}
 		// The key's resource never changes: a session's end reads it
 		// without the shard's mutex (endSessions).
@@ -242,24 +243,24 @@ func (m *Memory) TryLock(ctx context.Context, req LockRequest) (LockResult, erro
 		n := ks.qlen()
 		s.mu.Unlock()
 		m.refusedQueue.Add(1)
-		return LockResult{}, fmt.Errorf("%w: %v has %d waiters, at most %d are allowed", ErrQueueFull, k, n, max)
+		return lock.LockResult{}, fmt.Errorf("%w: %v has %d waiters, at most %d are allowed", lock.ErrQueueFull, k, n, max)
 	}
 	e := s.newEntry(ks)
 	if err := s.attach(e, req.Node, req.Lease); err != nil {
 		s.recycle(e)
 		s.mu.Unlock()
-		return LockResult{}, err
+		return lock.LockResult{}, err
 	}
 	if newKey {
 		s.addKey(ks)
 	}
-	var res LockResult
+	var res lock.LockResult
 	if ks.holder == nil {
 		s.grant(&t, ks, e, false)
-		res = LockResult{Acquired: true, Token: ks.lastToken, Holder: e.node()}
+		res = lock.LockResult{Acquired: true, Token: ks.lastToken, Holder: e.node()}
 	} else {
 		s.enqueue(&t, ks, e)
-		res = LockResult{Queued: true, Holder: ks.holder.node(), Position: ks.qlen()}
+		res = lock.LockResult{Queued: true, Holder: ks.holder.node(), Position: ks.qlen()}
 	}
 	s.commit(ctx, t)
 	return res, nil
@@ -268,12 +269,12 @@ func (m *Memory) TryLock(ctx context.Context, req LockRequest) (LockResult, erro
 // Unlock ends a hold (docs/DESIGN.md, "Unlock"): success of a pull or delete clears the queue
 // and tells every waiter the work is done; anything else hands the lock to
 // the queue head.
-func (m *Memory) Unlock(ctx context.Context, req UnlockRequest) (UnlockResult, error) {
+func (m *Backend) Unlock(ctx context.Context, req lock.UnlockRequest) (lock.UnlockResult, error) {
 	if err := req.Validate(); err != nil {
-		return UnlockResult{}, err
+		return lock.UnlockResult{}, err
 	}
 	if m.closed.Load() {
-		return UnlockResult{}, ErrClosed
+		return lock.UnlockResult{}, lock.ErrClosed
 	}
 	s := m.shardFor(req.Resource)
 	s.mu.Lock()
@@ -281,40 +282,40 @@ func (m *Memory) Unlock(ctx context.Context, req UnlockRequest) (UnlockResult, e
 	ks := s.key(req.Key())
 	if ks == nil || ks.holder == nil || ks.holder.node() != req.Node {
 		if ks != nil && ks.replays(req, t.now, m.cfg.CompletedRetention) {
-			res := UnlockResult{NextHolder: ks.rec.next, Replayed: true}
+			res := lock.UnlockResult{NextHolder: ks.rec.next, Replayed: true}
 			s.mu.Unlock()
 			return res, nil
 		}
 		s.mu.Unlock()
-		return UnlockResult{}, ErrNotHolder
+		return lock.UnlockResult{}, lock.ErrNotHolder
 	}
 	if req.Token != 0 && req.Token != ks.lastToken {
 		s.mu.Unlock()
-		return UnlockResult{}, fmt.Errorf("%w: sent %d, current grant is %d", ErrStaleToken, req.Token, ks.lastToken)
+		return lock.UnlockResult{}, fmt.Errorf("%w: sent %d, current grant is %d", lock.ErrStaleToken, req.Token, ks.lastToken)
 	}
-	errMsg, cut := TruncateError(req.Error)
+	errMsg, cut := lock.TruncateError(req.Error)
 	if cut {
 		m.truncatedErrors.Add(1)
 	}
 	next := s.release(&t, ks, req.Success, errMsg, true)
 	err := s.commit(ctx, t)
-	return UnlockResult{NextHolder: next}, err
+	return lock.UnlockResult{NextHolder: next}, err
 }
 
 // Cancel removes node from the key's queue, or, if node holds the key,
 // releases it as a failure with error "cancelled" (docs/DESIGN.md, "Cancel").
-func (m *Memory) Cancel(ctx context.Context, t Type, resource, node string) (CancelResult, error) {
-	if err := validateKey(t, resource, node); err != nil {
-		return CancelResult{}, err
+func (m *Backend) Cancel(ctx context.Context, t lock.Type, resource, node string) (lock.CancelResult, error) {
+	if err := lock.ValidateKey(t, resource, node); err != nil {
+		return lock.CancelResult{}, err
 	}
 	if m.closed.Load() {
-		return CancelResult{}, ErrClosed
+		return lock.CancelResult{}, lock.ErrClosed
 	}
 	s := m.shardFor(resource)
 	s.mu.Lock()
 	tx := s.begin()
-	ks := s.key(Key{t, resource})
-	var res CancelResult
+	ks := s.key(lock.Key{Type: t, Resource: resource})
+	var res lock.CancelResult
 	switch {
 	case ks == nil:
 	case ks.holder != nil && ks.holder.node() == node:
@@ -330,26 +331,26 @@ func (m *Memory) Cancel(ctx context.Context, t Type, resource, node string) (Can
 
 // Status describes a key (docs/DESIGN.md, "Status"). A non-empty node renews that node's ttl lease on
 // the key, as a /lock would, and gets its queue position.
-func (m *Memory) Status(ctx context.Context, t Type, resource, node string) (Status, error) {
+func (m *Backend) Status(ctx context.Context, t lock.Type, resource, node string) (lock.Status, error) {
 	if err := ctx.Err(); err != nil {
-		return Status{}, err
+		return lock.Status{}, err
 	}
-	if err := validateKey(t, resource, "-"); err != nil {
-		return Status{}, err
+	if err := lock.ValidateKey(t, resource, "-"); err != nil {
+		return lock.Status{}, err
 	}
 	if node != "" {
-		if err := ValidateNode(node); err != nil {
-			return Status{}, err
+		if err := lock.ValidateNode(node); err != nil {
+			return lock.Status{}, err
 		}
 	}
 	if m.closed.Load() {
-		return Status{}, ErrClosed
+		return lock.Status{}, lock.ErrClosed
 	}
-	k := Key{t, resource}
+	k := lock.Key{Type: t, Resource: resource}
 	s := m.shardFor(resource)
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	st := Status{Key: k}
+	st := lock.Status{Key: k}
 	ks := s.key(k)
 	if ks == nil {
 		return st, nil
@@ -376,31 +377,9 @@ func (m *Memory) Status(ctx context.Context, t Type, resource, node string) (Sta
 	return st, nil
 }
 
-// Stats is a snapshot of the manager's gauges and counters.
-type Stats struct {
-	Keys         int    // keys with a holder, a queue or a completion record
-	Held         int    // keys with a holder
-	Queued       int    // queue entries
-	Sessions     int    // open sessions, streaming or in grace
-	Grants       uint64 // grants, direct and by hand-off
-	Handoffs     uint64 // grants by hand-off
-	Expiries     uint64 // holds and queue entries ended by a lease
-	SessionsLost uint64 // sessions ended by their grace running out
-	SlowStreams  uint64 // streams closed for not keeping up
-
-	// Requests refused by a limit (docs/SECURITY.md).
-	RefusedSessions    uint64 // Config.MaxSessions
-	RefusedNodeStreams uint64 // Config.MaxSessionsPerNode
-	RefusedQueue       uint64 // Config.MaxQueue
-	RefusedKeys        uint64 // Config.MaxKeys
-	RefusedWatchers    uint64 // Config.MaxWatchers
-	TruncatedErrors    uint64 // unlock error texts cut to MaxErrorLen
-	ReplayGaps         uint64 // reconnects whose replay missed events the log let go
-}
-
 // Stats returns current gauges and counters.
-func (m *Memory) Stats() Stats {
-	var st Stats
+func (m *Backend) Stats() lock.Stats {
+	var st lock.Stats
 	for _, s := range m.shards {
 		s.mu.Lock()
 		st.Keys += s.keys.n
@@ -424,52 +403,7 @@ func (m *Memory) Stats() Stats {
 	return st
 }
 
-// attach resolves the lease of node's entry e, names e's node, and, for a
-// session lease, links e into the node's session so that the session's end
-// can find it. Called under the shard mutex (lock order: shard, session
-// table, session, grace heap). A session lease that would open a session
-// beyond Config.MaxSessions is refused, and e is left as it was.
-func (s *shard) attach(e *entry, node string, want Lease) error {
-	m := s.m
-	if want == LeaseTTL || (want == LeaseAuto && m.sess.n.Load() == 0) {
-		s.intern(e, node)
-		return nil
-	}
-	m.sess.mu.Lock()
-	ss := m.sess.m[node]
-	if ss == nil {
-		if want == LeaseAuto {
-			m.sess.mu.Unlock()
-			s.intern(e, node)
-			return nil
-		}
-		if err := m.sessionRoom(); err != nil {
-			m.sess.mu.Unlock()
-			return err
-		}
-		// A session lease asked for without a stream starts the session in
-		// grace: a stream must open before it runs out.
-		ss = m.newSessionLocked(node)
-		ss.startGrace(m)
-	}
-	ss.mu.Lock()
-	ss.link(e)
-	if ss.id == (unique.Handle[string]{}) {
-		ss.id = unique.Make(ss.node)
-	}
-	e.sess, e.id = ss, ss.id
-	ss.mu.Unlock()
-	m.sess.mu.Unlock()
-	return nil
-}
-
-func (m *Memory) detach(e *entry) {
-	if s := e.sess; s != nil {
-		s.mu.Lock()
-		if !s.ended { // an ended session's list is gone (endSessions)
-			s.unlink(e)
-		}
-		s.mu.Unlock()
-		e.sess = nil
-	}
-}
+var (
+	_ lock.Backend   = (*Backend)(nil)
+	_ lock.Inspector = (*Backend)(nil)
+)

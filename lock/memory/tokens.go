@@ -1,4 +1,4 @@
-package lock
+package memory
 
 import (
 	"cmp"
@@ -72,7 +72,7 @@ type tokenClock struct {
 
 // startTokens sets the manager's clock origin and the floor every key starts
 // from, and stores the first ceiling. It runs before any grant.
-func (m *Memory) startTokens() (floor uint64, err error) {
+func (m *Backend) startTokens() (floor uint64, err error) {
 	k := &m.tok
 	lead := m.cfg.tokenLead
 	if lead <= 0 {
@@ -110,7 +110,7 @@ func (m *Memory) startTokens() (floor uint64, err error) {
 
 // storeCeiling stores a ceiling a window above the clock + lead and above
 // every token a grant asked to cover.
-func (m *Memory) storeCeiling() error {
+func (m *Backend) storeCeiling() error {
 	k := &m.tok
 	c := max(m.micros(m.now())+k.lead, k.want.Load(), k.above.Load()) + k.window
 	if c <= k.ceiling.Load() {
@@ -124,7 +124,7 @@ func (m *Memory) storeCeiling() error {
 }
 
 // keepTokens starts keepCeiling, the last step of New.
-func (m *Memory) keepTokens() {
+func (m *Backend) keepTokens() {
 	if k := &m.tok; k.store != nil {
 		k.kick = make(chan struct{}, 1)
 		k.stop, k.done = make(chan struct{}), make(chan struct{})
@@ -134,7 +134,7 @@ func (m *Memory) keepTokens() {
 
 // keepCeiling moves the ceiling ahead every period, and when a grant asks,
 // until Close. A store that fails is retried every ceilingRetry.
-func (m *Memory) keepCeiling() {
+func (m *Backend) keepCeiling() {
 	k := &m.tok
 	defer close(k.done)
 	t := time.NewTimer(ceilingPeriod)
@@ -173,7 +173,7 @@ func (m *Memory) keepCeiling() {
 	}
 }
 
-func (m *Memory) stopTokens() {
+func (m *Backend) stopTokens() {
 	if k := &m.tok; k.stop != nil {
 		close(k.stop)
 		<-k.done
@@ -192,7 +192,7 @@ func (s *shard) nextToken(ks *keyState, now mono) uint64 {
 }
 
 // tokenAhead bounds a token more than the lead ahead of the clock.
-func (m *Memory) tokenAhead(token uint64) {
+func (m *Backend) tokenAhead(token uint64) {
 	k := &m.tok
 	if k.store == nil {
 		m.waitClock(token - k.lead)
@@ -227,7 +227,7 @@ func atomicMax(a *atomic.Uint64, v uint64) {
 // faster than once per microsecond for a whole lead ever gets here. (Under
 // testing/synctest the clock stands still while goroutines run: a test must
 // not grant one key more than startWait/1µs = 2000 times in one instant.)
-func (m *Memory) waitClock(us uint64) {
+func (m *Backend) waitClock(us uint64) {
 	for m.micros(m.now()) < us {
 	}
 }

@@ -1,25 +1,24 @@
-package lock
+package memory
 
 import (
 	"context"
 	"hash/fnv"
-	"maps"
-	"slices"
 	"sync"
 	"testing"
 
+	"github.com/dlock/dlock/lock"
 	"go.uber.org/goleak"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-func newMemory(t testing.TB, mod func(*Config)) *Memory {
+func newMemory(t testing.TB, mod func(*Config)) *Backend {
 	t.Helper()
 	cfg := DefaultConfig()
 	if mod != nil {
 		mod(&cfg)
 	}
-	m, err := NewMemory(context.Background(), cfg)
+	m, err := New(context.Background(), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -27,11 +26,11 @@ func newMemory(t testing.TB, mod func(*Config)) *Memory {
 	return m
 }
 
-func lockReq(t Type, res, node string) LockRequest {
-	return LockRequest{Type: t, Resource: res, Node: node}
+func lockReq(t lock.Type, res, node string) lock.LockRequest {
+	return lock.LockRequest{Type: t, Resource: res, Node: node}
 }
 
-func mustLock(t testing.TB, m *Memory, req LockRequest) LockResult {
+func mustLock(t testing.TB, m *Backend, req lock.LockRequest) lock.LockResult {
 	t.Helper()
 	res, err := m.TryLock(context.Background(), req)
 	if err != nil {
@@ -40,9 +39,9 @@ func mustLock(t testing.TB, m *Memory, req LockRequest) LockResult {
 	return res
 }
 
-func mustUnlock(t testing.TB, m *Memory, typ Type, res, node string, success bool) UnlockResult {
+func mustUnlock(t testing.TB, m *Backend, typ lock.Type, res, node string, success bool) lock.UnlockResult {
 	t.Helper()
-	r, err := m.Unlock(context.Background(), UnlockRequest{Type: typ, Resource: res, Node: node, Success: success, Error: errText(success)})
+	r, err := m.Unlock(context.Background(), lock.UnlockRequest{Type: typ, Resource: res, Node: node, Success: success, Error: errText(success)})
 	if err != nil {
 		t.Fatalf("Unlock(%v:%s, %s): %v", typ, res, node, err)
 	}
@@ -56,7 +55,7 @@ func errText(success bool) string {
 	return "failed"
 }
 
-func status(t testing.TB, m *Memory, typ Type, res, node string) Status {
+func status(t testing.TB, m *Backend, typ lock.Type, res, node string) lock.Status {
 	t.Helper()
 	st, err := m.Status(t.Context(), typ, res, node)
 	if err != nil {
@@ -66,9 +65,9 @@ func status(t testing.TB, m *Memory, typ Type, res, node string) Status {
 }
 
 // events drains what a stream has received so far.
-func events(st Stream) []Delivery { return st.Take(nil) }
+func events(st lock.Stream) []lock.Delivery { return st.Take(nil) }
 
-func names(ds []Delivery) []string {
+func names(ds []lock.Delivery) []string {
 	var out []string
 	for _, d := range ds {
 		out = append(out, d.Event.Name+":"+d.Event.Node)
@@ -76,9 +75,9 @@ func names(ds []Delivery) []string {
 	return out
 }
 
-func subscribe(t testing.TB, m *Memory, node string, observe *Key) *stream {
+func subscribe(t testing.TB, m *Backend, node string, observe *lock.Key) *stream {
 	t.Helper()
-	st, _, err := m.Subscribe(t.Context(), SubscribeRequest{Node: node, Observe: observe})
+	st, _, err := m.Subscribe(t.Context(), lock.SubscribeRequest{Node: node, Observe: observe})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -134,7 +133,7 @@ func (s *memRefStore) Save(_ context.Context, res string, rec RefRecord) error {
 	return nil
 }
 
-func refManager(t testing.TB, store *memRefStore, updNoRef bool) *Memory {
+func refManager(t testing.TB, store *memRefStore, updNoRef bool) *Backend {
 	return newMemory(t, func(c *Config) { c.RefStore = store; c.UpdateRequiresNoRef = updNoRef })
 }
 
@@ -143,49 +142,25 @@ func TestRefCountPromotionRefused(t *testing.T) {
 	store := &memRefStore{}
 	m := refManager(t, store, false)
 	sw := subscribe(t, m, "w", nil)
-	mustLock(t, m, lockReq(Delete, "r", "d"))
-	mustLock(t, m, lockReq(Delete, "r", "w")) // queued behind d
-	mustLock(t, m, lockReq(Delete, "r", "z"))
+	mustLock(t, m, lockReq(lock.Delete, "r", "d"))
+	mustLock(t, m, lockReq(lock.Delete, "r", "w")) // queued behind d
+	mustLock(t, m, lockReq(lock.Delete, "r", "z"))
 	// Force a reference while the delete is held, as a restart with a
 	// stored reference would: the promotion check must catch it.
 	s := m.shardFor("r")
 	s.mu.Lock()
 	s.refs["r"] = &refState{nodes: map[string]struct{}{"n": {}}}
 	s.mu.Unlock()
-	r := mustUnlock(t, m, Delete, "r", "d", false)
+	r := mustUnlock(t, m, lock.Delete, "r", "d", false)
 	if r.NextHolder != "" {
 		t.Fatalf("a referenced delete was handed to %q", r.NextHolder)
 	}
 	ev := events(sw)
-	if len(ev) != 1 || ev[0].Event.Name != EventOperationCompleted || ev[0].Event.Node != "w" || ev[0].Event.Error != "in_use" || ev[0].Event.Success {
+	if len(ev) != 1 || ev[0].Event.Name != lock.EventOperationCompleted || ev[0].Event.Node != "w" || ev[0].Event.Error != "in_use" || ev[0].Event.Success {
 		t.Fatalf("refused waiter told %v %+v", names(ev), ev)
 	}
-	if st := status(t, m, Delete, "r", ""); st.Held || st.QueueLength != 0 || st.LastCompleted.Node != "d" {
+	if st := status(t, m, lock.Delete, "r", ""); st.Held || st.QueueLength != 0 || st.LastCompleted.Node != "d" {
 		t.Fatalf("after refusals: %+v", st)
 	}
 	_ = ctx
-}
-
-func TestRefRules(t *testing.T) {
-	for _, tc := range []struct {
-		t       Type
-		count   int
-		updReq  bool
-		wantErr bool
-	}{
-		{Pull, 5, true, false}, {Delete, 0, false, false}, {Delete, 1, false, true},
-		{Update, 1, false, false}, {Update, 1, true, true}, {Update, 0, true, false},
-	} {
-		if err := RefPermits(tc.t, tc.count, tc.updReq); (err != nil) != tc.wantErr {
-			t.Errorf("RefPermits(%v, %d, %v) = %v", tc.t, tc.count, tc.updReq, err)
-		}
-	}
-	want := map[Type][2]RefEffect{Pull: {RefNone, RefAddNode}, Update: {RefNone, RefNone}, Delete: {RefNone, RefClear}}
-	for _, typ := range slices.Sorted(maps.Keys(want)) {
-		for i, success := range []bool{false, true} {
-			if got := RefEffectOf(typ, success); got != want[typ][i] {
-				t.Errorf("RefEffectOf(%v, %v) = %v", typ, success, got)
-			}
-		}
-	}
 }

@@ -1,4 +1,4 @@
-package lock
+package memory
 
 import (
 	"context"
@@ -6,12 +6,14 @@ import (
 	"sync"
 	"time"
 	"unique"
+
+	"github.com/dlock/dlock/lock"
 )
 
 // shard owns the keys of the resources that hash to it. Every field below mu
 // is guarded by mu.
 type shard struct {
-	m *Memory
+	m *Backend
 
 	mu      sync.Mutex
 	keys    keyTable
@@ -35,7 +37,7 @@ type shard struct {
 }
 
 // key returns the state of k, nil when k has none.
-func (s *shard) key(k Key) *keyState { return s.keys.get(k.Type, k.Resource) }
+func (s *shard) key(k lock.Key) *keyState { return s.keys.get(k.Type, k.Resource) }
 
 // addKey adds ks, which has no state in the shard, to the shard's keys.
 func (s *shard) addKey(ks *keyState) {
@@ -73,208 +75,6 @@ func (s *shard) recycle(e *entry) {
 	}
 }
 
-// keyState is one key's holder, queue and retained completion record. A
-// held key that nobody waits for is the common case, and the struct is
-// laid out for it: what only waiters or completions need hangs off a
-// pointer that stays nil until then, and it takes 64 bytes
-// (docs/DESIGN.md, "What a held lock costs").
-type keyState struct {
-	res       string // the resource, one copy for all its keys; it never changes
-	holder    *entry
-	wq        *waitQueue // allocated at the key's first waiter
-	lastToken uint64     // the last token issued: the holder's, while there is one
-	rec       *record    // allocated at the key's first completion: a held key needs none
-	sib       *keyState  // the next key in the shard's chain (keyTable)
-	hash      uint32     // the resource's hash in the shard's keyTable
-	typ       Type
-	unclaimed bool // the holder has a hand-off grant it has not confirmed: the claim timeout runs
-	hasRec    bool
-	inQueue   bool // ks has an entry in the shard's record queue
-}
-
-func (ks *keyState) key() Key { return Key{ks.typ, ks.res} }
-
-// record is a completion record and what the server needs to replay an
-// unlock whose answer was lost.
-type record struct {
-	Completion
-	at        mono   // CompletedAt on the manager's monotonic clock
-	viaUnlock bool   // written by the holder's own /unlock
-	next      string // the next_holder that unlock answered
-}
-
-func (r *record) retained(now mono, retention time.Duration) bool {
-	return time.Duration(now-r.at) < retention
-}
-
-func (ks *keyState) recentSuccess(now mono, retention time.Duration) bool {
-	return ks.hasRec && ks.rec.Success && ks.rec.retained(now, retention)
-}
-
-// replays reports whether req repeats the unlock that wrote the retained record
-// (docs/DESIGN.md, "Unlock").
-func (ks *keyState) replays(req UnlockRequest, now mono, retention time.Duration) bool {
-	r := ks.rec
-	return ks.hasRec && r.viaUnlock && r.Node == req.Node && r.Success == req.Success &&
-		(req.Token == 0 || req.Token == r.Token) && r.retained(now, retention)
-}
-
-// qlen is the number of waiters.
-func (ks *keyState) qlen() int {
-	if ks.wq == nil {
-		return 0
-	}
-	return ks.wq.len()
-}
-
-// waiter is node's queue entry, nil when node does not wait for ks.
-func (ks *keyState) waiter(node string) *entry {
-	if ks.wq == nil {
-		return nil
-	}
-	return ks.wq.byNode[node]
-}
-
-// waitQueue is a key's FIFO of waiters, q from head on. A waiter removed
-// from the middle leaves a nil slot (dead counts them) and the slots are
-// compacted once they are half the slice, so that removing any waiter
-// costs O(1) amortized: a mass session loss removes N waiters in O(N),
-// not O(N²) (docs/DESIGN.md, "How Memory keeps the rules"). It stays with
-// its key once allocated, so that a key handed from waiter to waiter
-// allocates nothing.
-type waitQueue struct {
-	q      []*entry
-	head   int
-	dead   int
-	work   uint64            // queue slots visited to remove waiters or find positions: the tests' measure of cost
-	byNode map[string]*entry // node → its queue entry
-}
-
-func (q *waitQueue) len() int { return len(q.q) - q.head - q.dead }
-
-func (q *waitQueue) push(e *entry) {
-	e.qidx = int32(len(q.q))
-	q.q = append(q.q, e)
-}
-
-// pop removes and returns the first waiter, nil when there is none.
-func (q *waitQueue) pop() *entry {
-	for q.head < len(q.q) {
-		q.work++
-		e := q.q[q.head]
-		q.q[q.head] = nil
-		q.head++
-		if e != nil {
-			q.settle()
-			return e
-		}
-		q.dead--
-	}
-	q.settle()
-	return nil
-}
-
-// remove removes a waiter from anywhere in the queue in O(1) amortized.
-func (q *waitQueue) remove(e *entry) {
-	q.q[e.qidx] = nil
-	q.dead++
-	q.work++
-	q.settle()
-}
-
-// settle trims nil slots at both ends, reuses the backing array once the
-// queue is empty, and compacts a queue that is half holes.
-func (q *waitQueue) settle() {
-	for q.head < len(q.q) && q.q[q.head] == nil {
-		q.head++
-		q.dead--
-		q.work++
-	}
-	for n := len(q.q); n > q.head && q.q[n-1] == nil; n-- {
-		q.q = q.q[:n-1]
-		q.dead--
-		q.work++
-	}
-	switch {
-	case q.head == len(q.q):
-		if cap(q.q) > 4096 {
-			q.q = nil // let a burst's backing array go
-		} else {
-			q.q = q.q[:0]
-		}
-		q.head = 0
-	case len(q.q) >= 64 && 2*(q.head+q.dead) > len(q.q):
-		q.compact()
-	}
-}
-
-// compact moves the waiters to the front of the slice, in order.
-func (q *waitQueue) compact() {
-	n := 0
-	q.work += uint64(len(q.q) - q.head)
-	for _, e := range q.q[q.head:] {
-		if e != nil {
-			e.qidx = int32(n)
-			q.q[n] = e
-			n++
-		}
-	}
-	clear(q.q[n:])
-	q.q = q.q[:n]
-	q.head, q.dead = 0, 0
-}
-
-// position is e's 1-based place in the queue: O(1) unless the queue has holes.
-func (q *waitQueue) position(e *entry) int {
-	if q.dead == 0 {
-		return int(e.qidx) - q.head + 1
-	}
-	p := 1
-	q.work += uint64(int(e.qidx) - q.head)
-	for _, w := range q.q[q.head:e.qidx] {
-		if w != nil {
-			p++
-		}
-	}
-	return p
-}
-
-// entry is a holder or a queue entry: a queue entry becomes the holder on a
-// hand-off, keeping its lease. It keeps only what cannot be derived, in 64
-// bytes: the holder's token is its key's last token, its lease is a
-// session lease exactly while it is in a session, and of its deadlines it
-// keeps the earliest alone: the claim timeout and max hold are fixed
-// offsets from the grant, and a ttl lease is renewed whenever the entry is
-// scheduled (docs/DESIGN.md, "What a held lock costs").
-type entry struct {
-	// id is the node's interned id: every entry of a node shares one copy
-	// of it, the session's for a session lease, where a copy each cost a
-	// string each (docs/DESIGN.md, "What a held lock costs").
-	id   unique.Handle[string]
-	ks   *keyState
-	sess *session // the session of a session lease; nil for a ttl lease
-	// sprev and snext link the entries of sess (session.ents), guarded
-	// by sess.mu.
-	sprev, snext *entry
-	grantedAt    mono
-	at           mono // the earliest deadline (schedule): the entry's place in the heap
-	// hidx and qidx index the shard's heap and the key's queue: int32
-	// bounds each at 2³¹ entries, 128 GiB of them.
-	hidx int32 // -1 when not in the heap
-	qidx int32 // while queued
-}
-
-// lease is e's lease once attached.
-func (e *entry) lease() Lease {
-	if e.sess != nil {
-		return LeaseSession
-	}
-	return LeaseTTL
-}
-
-// node is e's node id.
-func (e *entry) node() string { return e.id.Value() }
-
 // intern names e's node, unless it is named already (a lease switch).
 // The shard keeps the ids it made last, by a cheap hash of the node id:
 // the nodes that lock keys of a shard are mostly few, and a hit spares
@@ -293,33 +93,6 @@ func (s *shard) intern(e *entry, node string) {
 	s.ids[i] = e.id
 }
 
-// deadline is e's earliest deadline as of now, zero when it has none: a
-// ttl lease renewed now, and for a holder the claim timeout (while
-// unclaimed) and max hold, both counted from the grant.
-func (e *entry) deadline(cfg *Config, now mono) mono {
-	var at mono
-	if e.sess == nil {
-		at = now.add(cfg.LockTTL)
-	}
-	if ks := e.ks; ks.holder == e {
-		if ks.unclaimed {
-			at = earliest(at, e.grantedAt.add(cfg.ClaimTimeout))
-		}
-		if cfg.MaxHold > 0 {
-			at = earliest(at, e.grantedAt.add(cfg.MaxHold))
-		}
-	}
-	return at
-}
-
-// earliest is the earlier of two deadlines, where zero means none.
-func earliest(a, b mono) mono {
-	if a == 0 || b < a {
-		return b
-	}
-	return a
-}
-
 // txn collects what a transition must do after the shard mutex is released:
 // make reference changes durable, deliver events, write log lines.
 type txn struct {
@@ -333,7 +106,7 @@ type txn struct {
 type logLine struct {
 	level slog.Level
 	msg   string
-	key   Key
+	key   lock.Key
 	node  string
 	token uint64
 	why   string
@@ -370,7 +143,7 @@ func (s *shard) commit(ctx context.Context, t txn) error {
 	return err
 }
 
-func (s *shard) logf(t *txn, level slog.Level, msg string, k Key, node string, token uint64, why string) {
+func (s *shard) logf(t *txn, level slog.Level, msg string, k lock.Key, node string, token uint64, why string) {
 	if s.m.log.Enabled(context.Background(), level) {
 		t.logs = append(t.logs, logLine{level, msg, k, node, token, why})
 	}
@@ -394,7 +167,7 @@ func (s *shard) grant(t *txn, ks *keyState, e *entry, handoff bool) {
 	}
 	if t.notify {
 		t.items = append(t.items, item{
-			ev:        &Event{Name: EventLockAssigned, Key: ks.key(), Node: e.node(), Token: token},
+			ev:        &lock.Event{Name: lock.EventLockAssigned, Key: ks.key(), Node: e.node(), Token: token},
 			to:        []string{e.node()},
 			observers: true,
 		})
@@ -425,7 +198,7 @@ func (s *shard) forget(ks *keyState, e *entry) {
 	delete(ks.wq.byNode, e.node())
 	s.queued--
 	s.leases.remove(e)
-	s.m.detach(e)
+	e.detach()
 	s.maybeDrop(ks)
 	s.recycle(e)
 }
@@ -434,11 +207,11 @@ func (s *shard) forget(ks *keyState, e *entry) {
 // names another kind; the caller then schedules it, which renews a ttl
 // lease. A switch to a session lease that would open a session beyond the
 // limit is refused, and the entry keeps its lease.
-func (s *shard) renew(e *entry, want Lease) error {
+func (s *shard) renew(e *entry, want lock.Lease) error {
 	switch {
-	case want == LeaseTTL && e.sess != nil:
-		s.m.detach(e)
-	case want == LeaseSession && e.sess == nil:
+	case want == lock.LeaseTTL && e.sess != nil:
+		e.detach()
+	case want == lock.LeaseSession && e.sess == nil:
 		return s.attach(e, e.node(), want)
 	}
 	return nil
@@ -475,14 +248,14 @@ func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUn
 	ks.holder, ks.unclaimed = nil, false
 	s.held--
 	s.leases.remove(h)
-	s.m.detach(h)
+	h.detach()
 	k := ks.key()
 	next := ""
-	var done *Event
+	var done *lock.Event
 	if t.notify {
-		done = &Event{Name: EventOperationCompleted, Key: k, Node: h.node(), Success: success, Error: errMsg, CompletedAt: s.m.wall(t.now)}
+		done = &lock.Event{Name: lock.EventOperationCompleted, Key: k, Node: h.node(), Success: success, Error: errMsg, CompletedAt: s.m.wall(t.now)}
 	}
-	if success && k.Type != Update {
+	if success && k.Type != lock.Update {
 		var waiters []*entry
 		if q := ks.wq; q != nil {
 			q.compact()
@@ -496,7 +269,7 @@ func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUn
 		for _, w := range waiters {
 			s.queued--
 			s.leases.remove(w)
-			s.m.detach(w)
+			w.detach()
 			if t.notify {
 				to = append(to, w.node())
 			}
@@ -512,11 +285,11 @@ func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUn
 			q.q = waiters[:0]
 		}
 		// The opposite operation must never be skipped as "just done".
-		if k.Type == Delete {
-			s.eraseRecord(Key{Pull, k.Resource})
-			s.eraseRecord(Key{Update, k.Resource})
+		if k.Type == lock.Delete {
+			s.eraseRecord(lock.Key{Type: lock.Pull, Resource: k.Resource})
+			s.eraseRecord(lock.Key{Type: lock.Update, Resource: k.Resource})
 		} else {
-			s.eraseRecord(Key{Delete, k.Resource})
+			s.eraseRecord(lock.Key{Type: lock.Delete, Resource: k.Resource})
 		}
 		if done != nil {
 			t.items = append(t.items, item{ev: done, to: to, observers: true})
@@ -529,7 +302,7 @@ func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUn
 		}
 	}
 	s.record(ks, record{
-		Completion: Completion{Node: h.node(), Token: token, Success: success, Error: errMsg, CompletedAt: s.m.wall(t.now)},
+		Completion: lock.Completion{Node: h.node(), Token: token, Success: success, Error: errMsg, CompletedAt: s.m.wall(t.now)},
 		at:         t.now,
 		viaUnlock:  viaUnlock,
 		next:       next,
@@ -551,13 +324,13 @@ func (s *shard) promote(t *txn, ks *keyState) string {
 		if e == nil {
 			return ""
 		}
-		if s.refs != nil && ks.typ != Pull {
+		if s.refs != nil && ks.typ != lock.Pull {
 			if err := s.refConflict(ks.key()); err != nil {
 				node := e.node()
 				s.forget(ks, e)
 				if t.notify {
 					t.items = append(t.items, item{
-						ev: &Event{Name: EventOperationCompleted, Key: ks.key(), Node: node, Error: "in_use", CompletedAt: s.m.wall(t.now)},
+						ev: &lock.Event{Name: lock.EventOperationCompleted, Key: ks.key(), Node: node, Error: "in_use", CompletedAt: s.m.wall(t.now)},
 						to: []string{node},
 					})
 				}
@@ -683,7 +456,7 @@ func (s *shard) record(ks *keyState, r record) {
 	}
 }
 
-func (s *shard) eraseRecord(k Key) {
+func (s *shard) eraseRecord(k lock.Key) {
 	if ks := s.key(k); ks != nil && ks.hasRec {
 		ks.hasRec = false
 		s.maybeDrop(ks)
@@ -728,4 +501,43 @@ func (q *recordQueue) push(r recordRef) {
 func (q *recordQueue) pop() {
 	q.buf[q.head] = recordRef{}
 	q.head++
+}
+
+// attach resolves the lease of node's entry e, names e's node, and, for a
+// session lease, links e into the node's session so that the session's end
+// can find it. Called under the shard mutex (lock order: shard, session
+// table, session, grace heap). A session lease that would open a session
+// beyond Config.MaxSessions is refused, and e is left as it was.
+func (s *shard) attach(e *entry, node string, want lock.Lease) error {
+	m := s.m
+	if want == lock.LeaseTTL || (want == lock.LeaseAuto && m.sess.n.Load() == 0) {
+		s.intern(e, node)
+		return nil
+	}
+	m.sess.mu.Lock()
+	ss := m.sess.m[node]
+	if ss == nil {
+		if want == lock.LeaseAuto {
+			m.sess.mu.Unlock()
+			s.intern(e, node)
+			return nil
+		}
+		if err := m.sessionRoom(); err != nil {
+			m.sess.mu.Unlock()
+			return err
+		}
+		// A session lease asked for without a stream starts the session in
+		// grace: a stream must open before it runs out.
+		ss = m.newSessionLocked(node)
+		ss.startGrace(m)
+	}
+	ss.mu.Lock()
+	ss.link(e)
+	if ss.id == (unique.Handle[string]{}) {
+		ss.id = unique.Make(ss.node)
+	}
+	e.sess, e.id = ss, ss.id
+	ss.mu.Unlock()
+	m.sess.mu.Unlock()
+	return nil
 }

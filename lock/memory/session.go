@@ -1,4 +1,4 @@
-package lock
+package memory
 
 import (
 	"cmp"
@@ -8,6 +8,8 @@ import (
 	"sync/atomic"
 	"time"
 	"unique"
+
+	"github.com/dlock/dlock/lock"
 )
 
 // Sessions: a node's event log, kept while it streams and through a grace
@@ -58,14 +60,14 @@ type session struct {
 	lost uint64
 
 	// graceAt is when the session's grace ends: written under
-	// Memory.grace.mu and s.mu (or the session table's mutex while no
+	// Backend.grace.mu and s.mu (or the session table's mutex while no
 	// stream has s), so it can be read under either. gidx places s in the
-	// grace heap, guarded by Memory.grace.mu.
+	// grace heap, guarded by Backend.grace.mu.
 	graceAt mono
 	gidx    int
 }
 
-func (m *Memory) newSessionLocked(node string) *session {
+func (m *Backend) newSessionLocked(node string) *session {
 	s := &session{node: node, lost: m.seq.Load(), gidx: -1}
 	m.sess.m[node] = s
 	m.sess.n.Add(1)
@@ -74,16 +76,16 @@ func (m *Memory) newSessionLocked(node string) *session {
 
 // sessionRoom reports ErrTooManySessions when no session may be added.
 // Called with m.sess.mu held.
-func (m *Memory) sessionRoom() error {
+func (m *Backend) sessionRoom() error {
 	if max := m.cfg.MaxSessions; max > 0 && len(m.sess.m) >= max {
 		m.refusedSessions.Add(1)
-		return fmt.Errorf("%w: %d sessions are open, at most %d are allowed", ErrTooManySessions, len(m.sess.m), max)
+		return fmt.Errorf("%w: %d sessions are open, at most %d are allowed", lock.ErrTooManySessions, len(m.sess.m), max)
 	}
 	return nil
 }
 
 // startGrace arms the session's end. Called with s.mu held or s unpublished.
-func (s *session) startGrace(m *Memory) {
+func (s *session) startGrace(m *Backend) {
 	m.grace.set(m, s, m.now().add(m.cfg.SessionGrace))
 }
 
@@ -121,22 +123,22 @@ func (s *session) unlink(e *entry) {
 // it, and is kept as it is.
 type logEntry struct {
 	id    uint64
-	ev    *Event // the event, or the template of a compact one
-	res   string // set only in a compact one: its resource, the key's own copy
-	token uint64 // a compact one's token
+	ev    *lock.Event // the event, or the template of a compact one
+	res   string      // set only in a compact one: its resource, the key's own copy
+	token uint64      // a compact one's token
 }
 
 // assigned are the templates of compact lock_assigned events, by type.
-var assigned = [...]Event{
-	Pull:   {Name: EventLockAssigned, Key: Key{Type: Pull}},
-	Update: {Name: EventLockAssigned, Key: Key{Type: Update}},
-	Delete: {Name: EventLockAssigned, Key: Key{Type: Delete}},
+var assigned = [...]lock.Event{
+	lock.Pull:   {Name: lock.EventLockAssigned, Key: lock.Key{Type: lock.Pull}},
+	lock.Update: {Name: lock.EventLockAssigned, Key: lock.Key{Type: lock.Update}},
+	lock.Delete: {Name: lock.EventLockAssigned, Key: lock.Key{Type: lock.Delete}},
 }
 
 // size is the entry's event's WireSize.
 func (le *logEntry) size(s *session) int {
 	if le.res != "" {
-		return wireSize(EventLockAssigned, le.res, s.node, "", "")
+		return lock.EventWireSize(lock.EventLockAssigned, le.res, s.node, "", "")
 	}
 	return le.ev.WireSize()
 }
@@ -146,12 +148,12 @@ func (le *logEntry) size(s *session) int {
 // It builds every compact event of the log, up to SessionLog of them,
 // where Subscribe replays only those after its last event id: Subscribe
 // (stream.go) should ask for after(lastID) instead.
-func (s *session) live() []Delivery { return s.after(0) }
+func (s *session) live() []lock.Delivery { return s.after(0) }
 
 // after is the replay log's events with an id above last, in order. The
 // lock_assigned events the log keeps compact are built anew, in one
 // allocation.
-func (s *session) after(last uint64) []Delivery {
+func (s *session) after(last uint64) []lock.Delivery {
 	log := s.log[s.logHead:]
 	i, _ := slices.BinarySearchFunc(log, last+1, func(le logEntry, id uint64) int { return cmp.Compare(le.id, id) })
 	log = log[i:]
@@ -161,31 +163,31 @@ func (s *session) after(last uint64) []Delivery {
 			n++
 		}
 	}
-	built := make([]Event, n)
-	out := make([]Delivery, len(log))
+	built := make([]lock.Event, n)
+	out := make([]lock.Delivery, len(log))
 	for i := range log {
 		le := &log[i]
 		ev := le.ev
 		if le.res != "" {
 			ev, built = &built[0], built[1:]
-			ev.Name, ev.Key, ev.Node, ev.Token = EventLockAssigned, Key{le.ev.Key.Type, le.res}, s.node, le.token
+			ev.Name, ev.Key, ev.Node, ev.Token = lock.EventLockAssigned, lock.Key{Type: le.ev.Key.Type, Resource: le.res}, s.node, le.token
 		}
-		out[i] = Delivery{ID: le.id, Event: ev}
+		out[i] = lock.Delivery{ID: le.id, Event: ev}
 	}
 	return out
 }
 
-func (s *session) push(m *Memory, ev *Event) {
+func (s *session) push(m *Backend, ev *lock.Event) {
 	var slow []*stream
 	s.mu.Lock()
 	if s.ended {
 		s.mu.Unlock()
 		return
 	}
-	d := Delivery{ID: m.seq.Add(1), Event: ev}
+	d := lock.Delivery{ID: m.seq.Add(1), Event: ev}
 	s.logAppend(&m.cfg, d)
 	for _, st := range s.streams {
-		if !st.offer(d) {
+		if !st.Offer(d) {
 			slow = append(slow, st)
 		}
 	}
@@ -198,10 +200,10 @@ func (s *session) push(m *Memory, ev *Event) {
 // logAppend adds d to the replay log, letting the oldest events go beyond
 // the log's bounds. Dropping from the head and compacting once the head is
 // half the slice costs O(1) amortized an event.
-func (s *session) logAppend(cfg *Config, d Delivery) {
+func (s *session) logAppend(cfg *Config, d lock.Delivery) {
 	size := d.Event.WireSize()
 	le := logEntry{id: d.ID, ev: d.Event}
-	if ev := d.Event; ev.Name == EventLockAssigned && ev.Node == s.node {
+	if ev := d.Event; ev.Name == lock.EventLockAssigned && ev.Node == s.node {
 		le.ev, le.res, le.token = &assigned[ev.Key.Type], ev.Key.Resource, ev.Token
 	}
 	for s.logHead < len(s.log) && (len(s.log)-s.logHead >= cfg.SessionLog || s.logBytes+size > cfg.SessionLogBytes) {
@@ -288,7 +290,7 @@ func (g *graceHeap) removeLocked(s *session) {
 }
 
 // set puts s in the heap to end at at, arming the timer if it fires later.
-func (g *graceHeap) set(m *Memory, s *session, at mono) {
+func (g *graceHeap) set(m *Backend, s *session, at mono) {
 	g.mu.Lock()
 	s.graceAt = at
 	if s.gidx < 0 {
@@ -311,7 +313,7 @@ func (g *graceHeap) stop(s *session) {
 	g.mu.Unlock()
 }
 
-func (g *graceHeap) armLocked(m *Memory, at mono) {
+func (g *graceHeap) armLocked(m *Backend, at mono) {
 	g.timerAt = at
 	d := time.Duration(at - m.now())
 	if g.timer == nil {
@@ -324,7 +326,7 @@ func (g *graceHeap) armLocked(m *Memory, at mono) {
 // graceExpired is the grace timer's callback: it ends every session whose
 // grace ran out. It takes them from the heap endStep at a time: the heap's
 // mutex is taken by every stream that opens or closes.
-func (m *Memory) graceExpired() {
+func (m *Backend) graceExpired() {
 	m.closeMu.RLock()
 	defer m.closeMu.RUnlock()
 	if m.closed.Load() {
@@ -359,7 +361,7 @@ func (m *Memory) graceExpired() {
 
 // sessionDrop is one key of a lost session.
 type sessionDrop struct {
-	key  Key
+	key  lock.Key
 	sess *session
 }
 
@@ -369,7 +371,7 @@ type sessionDrop struct {
 // work goes in steps: the session table and each shard are taken for at
 // most endStep sessions or entries at a time, so that other requests wait
 // for one step, never for the whole mass.
-func (m *Memory) endSessions(due []*session, now mono, drops map[*shard][]sessionDrop) {
+func (m *Backend) endSessions(due []*session, now mono, drops map[*shard][]sessionDrop) {
 	m.sess.mu.Lock()
 	defer m.sess.mu.Unlock()
 	for _, s := range due {

@@ -1,4 +1,4 @@
-package lock
+package memory
 
 import (
 	"fmt"
@@ -10,21 +10,23 @@ import (
 	"testing/synctest"
 	"time"
 	"unsafe"
+
+	"github.com/dlock/dlock/lock"
 )
 
-// Tests of the compact structures of docs/DESIGN.md ("How Memory keeps
+// Tests of the compact structures of docs/DESIGN.md ("The memory engine
 // the rules"): each fails if its structure loses or keeps the wrong thing.
 
 // checkKeys checks a shard's table of keys: each key in the chain of its
 // hash, each resource's keys one per type and sharing one copy of it, and
 // the count right.
-func checkKeys(t *testing.T, m *Memory) {
+func checkKeys(t *testing.T, m *Backend) {
 	t.Helper()
 	for i, s := range m.shards {
 		s.mu.Lock()
 		n := 0
 		copies := map[string]*byte{}
-		types := map[Key]bool{}
+		types := map[lock.Key]bool{}
 		var all []*keyState
 		kt := &s.keys
 		for ks := range kt.all() {
@@ -67,18 +69,18 @@ func checkKeys(t *testing.T, m *Memory) {
 // each is found, and each is forgotten alone, whatever the order, leaving
 // the others held (the first of the chain, the middle, the last).
 func TestKeysOfOneResource(t *testing.T) {
-	orders := [][3]Type{
-		{Pull, Update, Delete}, {Pull, Delete, Update}, {Update, Pull, Delete},
-		{Update, Delete, Pull}, {Delete, Pull, Update}, {Delete, Update, Pull},
+	orders := [][3]lock.Type{
+		{lock.Pull, lock.Update, lock.Delete}, {lock.Pull, lock.Delete, lock.Update}, {lock.Update, lock.Pull, lock.Delete},
+		{lock.Update, lock.Delete, lock.Pull}, {lock.Delete, lock.Pull, lock.Update}, {lock.Delete, lock.Update, lock.Pull},
 	}
 	for _, order := range orders {
 		t.Run(fmt.Sprint(order), func(t *testing.T) {
 			m := newMemory(t, func(c *Config) { c.CompletedMax = 0 }) // no records: a released key is forgotten
 			for round := range 2 {                                    // the second round makes the keys again
-				tokens := map[Type]uint64{}
-				for _, typ := range []Type{Pull, Update, Delete} {
+				tokens := map[lock.Type]uint64{}
+				for _, typ := range []lock.Type{lock.Pull, lock.Update, lock.Delete} {
 					node := typ.String() + "-node"
-					res := mustLock(t, m, LockRequest{Type: typ, Resource: "r", Node: node})
+					res := mustLock(t, m, lock.LockRequest{Type: typ, Resource: "r", Node: node})
 					if !res.Acquired {
 						t.Fatalf("round %d: %v not acquired: %+v", round, typ, res)
 					}
@@ -116,15 +118,15 @@ func TestKeyTableGrowsAndShrinks(t *testing.T) {
 	m := newMemory(t, func(c *Config) { c.Shards = 1; c.CompletedMax = 0 })
 	s := m.shards[0]
 	const n = 3000
-	var keys []Key
+	var keys []lock.Key
 	for i := range n / 3 {
-		for _, typ := range []Type{Pull, Update, Delete} {
-			keys = append(keys, Key{typ, fmt.Sprint("res-", i)})
+		for _, typ := range []lock.Type{lock.Pull, lock.Update, lock.Delete} {
+			keys = append(keys, lock.Key{Type: typ, Resource: fmt.Sprint("res-", i)})
 		}
 	}
 	rng := rand.New(rand.NewPCG(1, 2))
 	rng.Shuffle(len(keys), func(i, j int) { keys[i], keys[j] = keys[j], keys[i] })
-	tokens := map[Key]uint64{}
+	tokens := map[lock.Key]uint64{}
 	moving := 0 // checks made while a resize went on
 	check := func(i int) {
 		if s.keys.old != nil {
@@ -135,7 +137,7 @@ func TestKeyTableGrowsAndShrinks(t *testing.T) {
 		}
 	}
 	for i, k := range keys {
-		tokens[k] = mustLock(t, m, LockRequest{Type: k.Type, Resource: k.Resource, Node: "a"}).Token
+		tokens[k] = mustLock(t, m, lock.LockRequest{Type: k.Type, Resource: k.Resource, Node: "a"}).Token
 		check(i)
 	}
 	checkKeys(t, m)
@@ -174,26 +176,26 @@ func TestDerivedDeadlines(t *testing.T) {
 		m := newMemory(t, func(c *Config) {
 			c.ClaimTimeout, c.MaxHold, c.LockTTL = 5*time.Second, 5*time.Second, time.Hour
 		})
-		mustLock(t, m, lockReq(Pull, "r", "a"))
-		mustLock(t, m, lockReq(Pull, "r", "c"))
-		mustLock(t, m, lockReq(Pull, "r", "b")) // waits from 0 s to 8 s, beyond a max hold
+		mustLock(t, m, lockReq(lock.Pull, "r", "a"))
+		mustLock(t, m, lockReq(lock.Pull, "r", "c"))
+		mustLock(t, m, lockReq(lock.Pull, "r", "b")) // waits from 0 s to 8 s, beyond a max hold
 		time.Sleep(4 * time.Second)
-		mustUnlock(t, m, Pull, "r", "a", false) // c granted at 4 s
-		mustLock(t, m, lockReq(Pull, "r", "c")) // and confirms
+		mustUnlock(t, m, lock.Pull, "r", "a", false) // c granted at 4 s
+		mustLock(t, m, lockReq(lock.Pull, "r", "c")) // and confirms
 		time.Sleep(4 * time.Second)
 		synctest.Wait()
-		if st := status(t, m, Pull, "r", "b"); st.Holder != "c" || st.Position != 1 {
+		if st := status(t, m, lock.Pull, "r", "b"); st.Holder != "c" || st.Position != 1 {
 			t.Fatalf("at 8 s: %+v, want c holding and b waiting", st)
 		}
-		mustUnlock(t, m, Pull, "r", "c", false) // b granted at 8 s, unconfirmed
+		mustUnlock(t, m, lock.Pull, "r", "c", false) // b granted at 8 s, unconfirmed
 		time.Sleep(4 * time.Second)
 		synctest.Wait()
-		if st := status(t, m, Pull, "r", ""); st.Holder != "b" {
+		if st := status(t, m, lock.Pull, "r", ""); st.Holder != "b" {
 			t.Fatalf("at 12 s: %+v, want b holding: its bounds run from its grant at 8 s", st)
 		}
 		time.Sleep(2 * time.Second)
 		synctest.Wait()
-		st := status(t, m, Pull, "r", "")
+		st := status(t, m, lock.Pull, "r", "")
 		if st.Held || st.LastCompleted == nil || st.LastCompleted.Node != "b" || st.LastCompleted.Error != "max hold exceeded" {
 			t.Fatalf("claim timeout and max hold together: %+v %+v, want max hold exceeded", st, st.LastCompleted)
 		}
@@ -202,25 +204,25 @@ func TestDerivedDeadlines(t *testing.T) {
 		m2 := newMemory(t, func(c *Config) {
 			c.ClaimTimeout, c.MaxHold, c.LockTTL = 2*time.Second, 10*time.Second, time.Hour
 		})
-		mustLock(t, m2, lockReq(Pull, "r", "a"))
-		mustLock(t, m2, lockReq(Pull, "r", "b"))
-		mustUnlock(t, m2, Pull, "r", "a", false)
-		if v := inspect(t, m2, KeyQuery{}).Keys; len(v) != 1 || !v[0].Unclaimed {
+		mustLock(t, m2, lockReq(lock.Pull, "r", "a"))
+		mustLock(t, m2, lockReq(lock.Pull, "r", "b"))
+		mustUnlock(t, m2, lock.Pull, "r", "a", false)
+		if v := inspect(t, m2, lock.KeyQuery{}).Keys; len(v) != 1 || !v[0].Unclaimed {
 			t.Fatalf("hand-off not shown unclaimed: %+v", v)
 		}
 		time.Sleep(time.Second)
-		mustLock(t, m2, lockReq(Pull, "r", "b")) // confirms
-		if v := inspect(t, m2, KeyQuery{}).Keys; len(v) != 1 || v[0].Unclaimed {
+		mustLock(t, m2, lockReq(lock.Pull, "r", "b")) // confirms
+		if v := inspect(t, m2, lock.KeyQuery{}).Keys; len(v) != 1 || v[0].Unclaimed {
 			t.Fatalf("confirmed hand-off shown unclaimed: %+v", v)
 		}
 		time.Sleep(8 * time.Second)
 		synctest.Wait()
-		if st := status(t, m2, Pull, "r", ""); st.Holder != "b" {
+		if st := status(t, m2, lock.Pull, "r", ""); st.Holder != "b" {
 			t.Fatalf("at 9 s, confirmed at 1 s: %+v, want b holding", st)
 		}
 		time.Sleep(2 * time.Second)
 		synctest.Wait()
-		if st := status(t, m2, Pull, "r", ""); st.Held || st.LastCompleted.Error != "max hold exceeded" {
+		if st := status(t, m2, lock.Pull, "r", ""); st.Held || st.LastCompleted.Error != "max hold exceeded" {
 			t.Fatalf("at 11 s: %+v %+v, want max hold exceeded", st, st.LastCompleted)
 		}
 	})
@@ -228,7 +230,7 @@ func TestDerivedDeadlines(t *testing.T) {
 
 // sessionEntries checks node's session list (consistent links, every
 // entry leased to the session, nents its length) and returns its keys.
-func sessionEntries(t *testing.T, m *Memory, node string) []Key {
+func sessionEntries(t *testing.T, m *Backend, node string) []lock.Key {
 	t.Helper()
 	for _, sh := range m.shards { // lock order: shards, session table, session
 		sh.mu.Lock()
@@ -240,7 +242,7 @@ func sessionEntries(t *testing.T, m *Memory, node string) []Key {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	var keys []Key
+	var keys []lock.Key
 	var prev *entry
 	for e := s.ents; e != nil; e = e.snext {
 		if e.sprev != prev || e.sess != s {
@@ -255,14 +257,14 @@ func sessionEntries(t *testing.T, m *Memory, node string) []Key {
 	if len(keys) != s.nents {
 		t.Fatalf("%s: %d entries listed, nents %d", node, len(keys), s.nents)
 	}
-	slices.SortFunc(keys, func(a, b Key) int { return strings.Compare(a.String(), b.String()) })
+	slices.SortFunc(keys, func(a, b lock.Key) int { return strings.Compare(a.String(), b.String()) })
 	return keys
 }
 
-func keyList(typ Type, res ...string) []Key {
-	var keys []Key
+func keyList(typ lock.Type, res ...string) []lock.Key {
+	var keys []lock.Key
 	for _, r := range res {
-		keys = append(keys, Key{typ, r})
+		keys = append(keys, lock.Key{Type: typ, Resource: r})
 	}
 	return keys
 }
@@ -278,33 +280,33 @@ func TestSessionList(t *testing.T) {
 		sa := subscribe(t, m, "a", nil)
 		subscribe(t, m, "b", nil)
 		for _, r := range []string{"w1", "w2"} {
-			mustLock(t, m, LockRequest{Type: Pull, Resource: r, Node: "x", Lease: LeaseTTL})
+			mustLock(t, m, lock.LockRequest{Type: lock.Pull, Resource: r, Node: "x", Lease: lock.LeaseTTL})
 		}
 		for _, r := range []string{"h1", "h2", "h3", "h4", "h5", "w1", "w2"} {
-			mustLock(t, m, lockReq(Pull, r, "a"))
+			mustLock(t, m, lockReq(lock.Pull, r, "a"))
 		}
-		if got := sessionEntries(t, m, "a"); !slices.Equal(got, keyList(Pull, "h1", "h2", "h3", "h4", "h5", "w1", "w2")) {
+		if got := sessionEntries(t, m, "a"); !slices.Equal(got, keyList(lock.Pull, "h1", "h2", "h3", "h4", "h5", "w1", "w2")) {
 			t.Fatalf("a's entries: %v", got)
 		}
 		// Leave from the tail (the first linked), the head and the middle.
-		mustUnlock(t, m, Pull, "h1", "a", true)
-		if _, err := m.Cancel(t.Context(), Pull, "w2", "a"); err != nil {
+		mustUnlock(t, m, lock.Pull, "h1", "a", true)
+		if _, err := m.Cancel(t.Context(), lock.Pull, "w2", "a"); err != nil {
 			t.Fatal(err)
 		}
-		mustUnlock(t, m, Pull, "h3", "a", false)
+		mustUnlock(t, m, lock.Pull, "h3", "a", false)
 		// A switch to ttl leaves the list; one back to session joins it.
-		mustLock(t, m, LockRequest{Type: Pull, Resource: "h4", Node: "a", Lease: LeaseTTL})
-		mustLock(t, m, LockRequest{Type: Pull, Resource: "h5", Node: "a", Lease: LeaseTTL})
-		mustLock(t, m, LockRequest{Type: Pull, Resource: "h5", Node: "a", Lease: LeaseSession})
-		if got := sessionEntries(t, m, "a"); !slices.Equal(got, keyList(Pull, "h2", "h5", "w1")) {
+		mustLock(t, m, lock.LockRequest{Type: lock.Pull, Resource: "h4", Node: "a", Lease: lock.LeaseTTL})
+		mustLock(t, m, lock.LockRequest{Type: lock.Pull, Resource: "h5", Node: "a", Lease: lock.LeaseTTL})
+		mustLock(t, m, lock.LockRequest{Type: lock.Pull, Resource: "h5", Node: "a", Lease: lock.LeaseSession})
+		if got := sessionEntries(t, m, "a"); !slices.Equal(got, keyList(lock.Pull, "h2", "h5", "w1")) {
 			t.Fatalf("a's entries after leaving: %v", got)
 		}
 		// b takes what a gave up; the shards reuse a's released entries.
 		for _, r := range []string{"h1", "h3", "w2"} {
-			mustLock(t, m, lockReq(Pull, r, "b"))
+			mustLock(t, m, lockReq(lock.Pull, r, "b"))
 		}
-		mustLock(t, m, lockReq(Pull, "h2", "b")) // waits behind a
-		if got := sessionEntries(t, m, "b"); !slices.Equal(got, keyList(Pull, "h1", "h2", "h3", "w2")) {
+		mustLock(t, m, lockReq(lock.Pull, "h2", "b")) // waits behind a
+		if got := sessionEntries(t, m, "b"); !slices.Equal(got, keyList(lock.Pull, "h1", "h2", "h3", "w2")) {
 			t.Fatalf("b's entries: %v", got)
 		}
 		if p := inspectSessions(t, m); p["a"] != 3 || p["b"] != 4 {
@@ -319,12 +321,12 @@ func TestSessionList(t *testing.T) {
 		}
 		want := map[string]string{"h1": "b", "h2": "b", "h3": "b", "h4": "a", "h5": "", "w1": "x", "w2": "x"}
 		for r, holder := range want {
-			st := status(t, m, Pull, r, "a")
+			st := status(t, m, lock.Pull, r, "a")
 			if st.Holder != holder || st.Position != 0 {
 				t.Errorf("%s after a's loss: %+v, want holder %q and a not waiting", r, st, holder)
 			}
 		}
-		if got := sessionEntries(t, m, "b"); !slices.Equal(got, keyList(Pull, "h1", "h2", "h3", "w2")) {
+		if got := sessionEntries(t, m, "b"); !slices.Equal(got, keyList(lock.Pull, "h1", "h2", "h3", "w2")) {
 			t.Fatalf("b's entries after a's loss: %v", got)
 		}
 		if got := sessionEntries(t, m, "a"); got != nil {
@@ -333,9 +335,9 @@ func TestSessionList(t *testing.T) {
 	})
 }
 
-func inspectSessions(t *testing.T, m *Memory) map[string]int {
+func inspectSessions(t *testing.T, m *Backend) map[string]int {
 	t.Helper()
-	p, err := m.InspectSessions(t.Context(), SessionQuery{})
+	p, err := m.InspectSessions(t.Context(), lock.SessionQuery{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -353,7 +355,7 @@ func inspectSessions(t *testing.T, m *Memory) map[string]int {
 func TestNodeIDsInterned(t *testing.T) {
 	m := newMemory(t, nil)
 	subscribe(t, m, "sess-node", nil)
-	nodeOf := func(k Key) string { // the holder's id as the entry keeps it
+	nodeOf := func(k lock.Key) string { // the holder's id as the entry keeps it
 		s := m.shardFor(k.Resource)
 		s.mu.Lock()
 		defer s.mu.Unlock()
@@ -363,16 +365,16 @@ func TestNodeIDsInterned(t *testing.T) {
 	var ttlIDs, sessIDs []string
 	for i := range 4 {
 		r := fmt.Sprintf("r%d", i)
-		mustLock(t, m, LockRequest{Type: Pull, Resource: r, Node: fresh("ttl-node"), Lease: LeaseTTL})
-		mustLock(t, m, LockRequest{Type: Update, Resource: r, Node: fresh("sess-node")})
-		ttlIDs = append(ttlIDs, nodeOf(Key{Pull, r}))
-		sessIDs = append(sessIDs, nodeOf(Key{Update, r}))
+		mustLock(t, m, lock.LockRequest{Type: lock.Pull, Resource: r, Node: fresh("ttl-node"), Lease: lock.LeaseTTL})
+		mustLock(t, m, lock.LockRequest{Type: lock.Update, Resource: r, Node: fresh("sess-node")})
+		ttlIDs = append(ttlIDs, nodeOf(lock.Key{Type: lock.Pull, Resource: r}))
+		sessIDs = append(sessIDs, nodeOf(lock.Key{Type: lock.Update, Resource: r}))
 	}
 	// A lease switch keeps the entry's id.
-	mustLock(t, m, LockRequest{Type: Update, Resource: "r0", Node: fresh("sess-node"), Lease: LeaseTTL})
-	mustLock(t, m, LockRequest{Type: Update, Resource: "r1", Node: fresh("sess-node"), Lease: LeaseTTL})
-	mustLock(t, m, LockRequest{Type: Update, Resource: "r1", Node: fresh("sess-node"), Lease: LeaseSession})
-	sessIDs = append(sessIDs, nodeOf(Key{Update, "r0"}), nodeOf(Key{Update, "r1"}))
+	mustLock(t, m, lock.LockRequest{Type: lock.Update, Resource: "r0", Node: fresh("sess-node"), Lease: lock.LeaseTTL})
+	mustLock(t, m, lock.LockRequest{Type: lock.Update, Resource: "r1", Node: fresh("sess-node"), Lease: lock.LeaseTTL})
+	mustLock(t, m, lock.LockRequest{Type: lock.Update, Resource: "r1", Node: fresh("sess-node"), Lease: lock.LeaseSession})
+	sessIDs = append(sessIDs, nodeOf(lock.Key{Type: lock.Update, Resource: "r0"}), nodeOf(lock.Key{Type: lock.Update, Resource: "r1"}))
 	sess := m.sess.get("sess-node")
 	for _, id := range sessIDs {
 		if id != "sess-node" || unsafe.StringData(id) != unsafe.StringData(sess.id.Value()) {
@@ -384,24 +386,24 @@ func TestNodeIDsInterned(t *testing.T) {
 			t.Fatalf("ttl entries of one node do not share one copy of its id")
 		}
 	}
-	if st := status(t, m, Pull, "r3", ""); st.Holder != "ttl-node" {
+	if st := status(t, m, lock.Pull, "r3", ""); st.Holder != "ttl-node" {
 		t.Fatalf("holder %q", st.Holder)
 	}
 
 	// Every entry of a node gone, its interned id may be collected; the
 	// next one is named right.
 	for i := range 4 {
-		mustUnlock(t, m, Pull, fmt.Sprintf("r%d", i), "ttl-node", true)
+		mustUnlock(t, m, lock.Pull, fmt.Sprintf("r%d", i), "ttl-node", true)
 	}
 	ttlIDs = nil
 	runtime.GC()
 	runtime.GC()
-	mustLock(t, m, LockRequest{Type: Pull, Resource: "again", Node: fresh("ttl-node"), Lease: LeaseTTL})
-	mustLock(t, m, LockRequest{Type: Pull, Resource: "again", Node: fresh("other"), Lease: LeaseTTL})
-	if st := status(t, m, Pull, "again", "other"); st.Holder != "ttl-node" || st.Position != 1 {
+	mustLock(t, m, lock.LockRequest{Type: lock.Pull, Resource: "again", Node: fresh("ttl-node"), Lease: lock.LeaseTTL})
+	mustLock(t, m, lock.LockRequest{Type: lock.Pull, Resource: "again", Node: fresh("other"), Lease: lock.LeaseTTL})
+	if st := status(t, m, lock.Pull, "again", "other"); st.Holder != "ttl-node" || st.Position != 1 {
 		t.Fatalf("after a collection: %+v", st)
 	}
-	if nodeOf(Key{Pull, "again"}) != "ttl-node" {
+	if nodeOf(lock.Key{Type: lock.Pull, Resource: "again"}) != "ttl-node" {
 		t.Fatal("the id made again names another node")
 	}
 
@@ -410,8 +412,8 @@ func TestNodeIDsInterned(t *testing.T) {
 	for round := range 2 {
 		for i, node := range []string{"node-a1", "node-b1", "node-c1", "node-a1"} {
 			r := fmt.Sprint("k", round, i)
-			mustLock(t, m2, LockRequest{Type: Pull, Resource: r, Node: fresh(node), Lease: LeaseTTL})
-			if st := status(t, m2, Pull, r, ""); st.Holder != node {
+			mustLock(t, m2, lock.LockRequest{Type: lock.Pull, Resource: r, Node: fresh(node), Lease: lock.LeaseTTL})
+			if st := status(t, m2, lock.Pull, r, ""); st.Holder != node {
 				t.Fatalf("round %d: %s held by %q, locked by %q", round, r, st.Holder, node)
 			}
 		}
@@ -426,20 +428,20 @@ func TestReplayRebuildsCompactEvents(t *testing.T) {
 	const logLen = 8
 	m := newMemory(t, func(c *Config) { c.SessionLog = logLen })
 	st := subscribe(t, m, "a", nil)
-	var sent []Delivery
+	var sent []lock.Delivery
 	for i := range 30 {
 		r := fmt.Sprint("r", i)
 		switch i % 3 {
 		case 0: // a direct grant
-			mustLock(t, m, lockReq(Pull, r, "a"))
+			mustLock(t, m, lockReq(lock.Pull, r, "a"))
 		case 1: // a success tells the waiter a
-			mustLock(t, m, LockRequest{Type: Pull, Resource: r, Node: "x", Lease: LeaseTTL})
-			mustLock(t, m, lockReq(Pull, r, "a"))
-			mustUnlock(t, m, Pull, r, "x", true)
+			mustLock(t, m, lock.LockRequest{Type: lock.Pull, Resource: r, Node: "x", Lease: lock.LeaseTTL})
+			mustLock(t, m, lockReq(lock.Pull, r, "a"))
+			mustUnlock(t, m, lock.Pull, r, "x", true)
 		case 2: // a failure hands the key to a
-			mustLock(t, m, LockRequest{Type: Update, Resource: r, Node: "x", Lease: LeaseTTL})
-			mustLock(t, m, lockReq(Update, r, "a"))
-			mustUnlock(t, m, Update, r, "x", false)
+			mustLock(t, m, lock.LockRequest{Type: lock.Update, Resource: r, Node: "x", Lease: lock.LeaseTTL})
+			mustLock(t, m, lockReq(lock.Update, r, "a"))
+			mustUnlock(t, m, lock.Update, r, "x", false)
 		}
 		sent = append(sent, events(st)...)
 		s := m.sess.get("a")
@@ -449,7 +451,7 @@ func TestReplayRebuildsCompactEvents(t *testing.T) {
 			bytes += le.size(s)
 			if le.res != "" {
 				compact++
-			} else if whole++; le.ev.Name == EventLockAssigned {
+			} else if whole++; le.ev.Name == lock.EventLockAssigned {
 				t.Errorf("the log keeps a's own lock_assigned %d whole", le.id)
 			}
 		}
@@ -479,7 +481,7 @@ func TestReplayRebuildsCompactEvents(t *testing.T) {
 					t.Fatalf("round %d, after %d: event %d of %d differs from the log's", i, last, x, len(tail))
 				}
 			}
-			rs, sub, err := m.Subscribe(t.Context(), SubscribeRequest{Node: "a", LastID: last, HasLast: true})
+			rs, sub, err := m.Subscribe(t.Context(), lock.SubscribeRequest{Node: "a", LastID: last, HasLast: true})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -504,12 +506,12 @@ func TestReplayRebuildsCompactEvents(t *testing.T) {
 	}
 }
 
-func sameEvent(a, b *Event) bool {
+func sameEvent(a, b *lock.Event) bool {
 	return a.Name == b.Name && a.Key == b.Key && a.Node == b.Node && a.Token == b.Token && a.Success == b.Success &&
 		a.Error == b.Error && a.CompletedAt.Equal(b.CompletedAt) && a.NextHolder == b.NextHolder && a.WireSize() == b.WireSize()
 }
 
-func eventText(e *Event) string {
+func eventText(e *lock.Event) string {
 	return fmt.Sprintf("%s %v node %s token %d success %v error %q at %v next %q", e.Name, e.Key, e.Node, e.Token, e.Success, e.Error, e.CompletedAt, e.NextHolder)
 }
 

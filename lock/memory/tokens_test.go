@@ -1,4 +1,4 @@
-package lock
+package memory
 
 import (
 	"context"
@@ -11,16 +11,17 @@ import (
 	"time"
 
 	"github.com/dlock/dlock/internal/datadir"
+	"github.com/dlock/dlock/lock"
 )
 
 // grantLoop grants and releases key (pull, r) n times as fast as it can,
 // with a failure so that nothing is retained or skipped, and checks that
 // every token is above the last and at most the lead ahead of the clock, or,
 // with a ceiling store, at most the stored ceiling.
-func grantLoop(t *testing.T, m *Memory, last uint64, n int) uint64 {
+func grantLoop(t *testing.T, m *Backend, last uint64, n int) uint64 {
 	t.Helper()
 	for i := range n {
-		r := mustLock(t, m, lockReq(Pull, "r", "a"))
+		r := mustLock(t, m, lockReq(lock.Pull, "r", "a"))
 		if r.Token <= last {
 			t.Fatalf("grant %d: token %d after %d", i, r.Token, last)
 		}
@@ -31,7 +32,7 @@ func grantLoop(t *testing.T, m *Memory, last uint64, n int) uint64 {
 			t.Fatalf("grant %d: token %d is %dµs ahead of the clock, lead is %dµs", i, r.Token, ahead, m.tok.lead)
 		}
 		last = r.Token
-		mustUnlock(t, m, Pull, "r", "a", false)
+		mustUnlock(t, m, lock.Pull, "r", "a", false)
 	}
 	return last
 }
@@ -129,13 +130,13 @@ func TestTokensForgottenKey(t *testing.T) {
 		wg.Go(func() {
 			var last uint64
 			for range 5000 {
-				r, err := m.TryLock(context.Background(), lockReq(Pull, res, "a"))
+				r, err := m.TryLock(context.Background(), lockReq(lock.Pull, res, "a"))
 				if err != nil || r.Token <= last {
 					t.Errorf("%s: token %d after %d (%v)", res, r.Token, last, err)
 					return
 				}
 				last = r.Token
-				if _, err := m.Unlock(context.Background(), UnlockRequest{Type: Pull, Resource: res, Node: "a", Success: true}); err != nil {
+				if _, err := m.Unlock(context.Background(), lock.UnlockRequest{Type: lock.Pull, Resource: res, Node: "a", Success: true}); err != nil {
 					t.Error(err)
 					return
 				}
@@ -157,12 +158,12 @@ func TestTokensCeilingAhead(t *testing.T) {
 		store := &memCeiling{c: last}
 		m := newMemory(t, func(c *Config) { c.TokenCeiling = store })
 		for range 100 {
-			r := mustLock(t, m, lockReq(Pull, "r", "a"))
+			r := mustLock(t, m, lockReq(lock.Pull, "r", "a"))
 			if r.Token <= last {
 				t.Fatalf("token %d not above %d", r.Token, last)
 			}
 			last = r.Token
-			mustUnlock(t, m, Pull, "r", "a", false)
+			mustUnlock(t, m, lock.Pull, "r", "a", false)
 		}
 		if c := store.load(); c < last+uint64(ceilingPeriod/time.Microsecond) {
 			t.Fatalf("ceiling %d less than a period above the last token %d", c, last)
@@ -182,8 +183,8 @@ func TestTokensCeilingKept(t *testing.T) {
 		}
 		check := func() {
 			t.Helper()
-			r := mustLock(t, m, lockReq(Pull, "r", "a"))
-			mustUnlock(t, m, Pull, "r", "a", false)
+			r := mustLock(t, m, lockReq(lock.Pull, "r", "a"))
+			mustUnlock(t, m, lock.Pull, "r", "a", false)
 			if c := store.load(); r.Token >= c {
 				t.Fatalf("token %d at or above the stored ceiling %d", r.Token, c)
 			}
@@ -225,11 +226,11 @@ func TestTokensCeilingFollowsHotKey(t *testing.T) {
 		})
 		first := store.load()
 		grant := func() uint64 {
-			mustLock(t, m, lockReq(Pull, "r", "a"))
-			mustLock(t, m, lockReq(Pull, "r", "b"))
-			mustUnlock(t, m, Pull, "r", "a", false) // hand-off to b
-			mustUnlock(t, m, Pull, "r", "b", false)
-			return status(t, m, Pull, "r", "").Token
+			mustLock(t, m, lockReq(lock.Pull, "r", "a"))
+			mustLock(t, m, lockReq(lock.Pull, "r", "b"))
+			mustUnlock(t, m, lock.Pull, "r", "a", false) // hand-off to b
+			mustUnlock(t, m, lock.Pull, "r", "b", false)
+			return status(t, m, lock.Pull, "r", "").Token
 		}
 		var last uint64
 		for range 3000 { // 6000 grants in one instant: 4000 past the lead
@@ -262,7 +263,7 @@ func TestTokensCeilingFollowsHotKey(t *testing.T) {
 func TestTokensCeilingErrors(t *testing.T) {
 	cfg := DefaultConfig()
 	cfg.TokenCeiling = &memCeiling{failing: true}
-	if _, err := NewMemory(t.Context(), cfg); !errors.Is(err, errStore) {
+	if _, err := New(t.Context(), cfg); !errors.Is(err, errStore) {
 		t.Fatalf("New with a store that cannot store: %v", err)
 	}
 	dir := t.TempDir()
@@ -270,7 +271,7 @@ func TestTokensCeilingErrors(t *testing.T) {
 		t.Fatal(err)
 	}
 	cfg.TokenCeiling = openCeiling(t, dir)
-	if _, err := NewMemory(t.Context(), cfg); !errors.Is(err, datadir.ErrCorrupt) {
+	if _, err := New(t.Context(), cfg); !errors.Is(err, datadir.ErrCorrupt) {
 		t.Fatalf("New with a corrupt ceiling file: %v", err)
 	}
 }

@@ -1,13 +1,15 @@
-package lock
+package memory
 
 import (
 	"context"
 	"errors"
 	"fmt"
 	"testing"
+
+	"github.com/dlock/dlock/lock"
 )
 
-func inspect(t testing.TB, m *Memory, q KeyQuery) KeyPage {
+func inspect(t testing.TB, m *Backend, q lock.KeyQuery) lock.KeyPage {
 	t.Helper()
 	p, err := m.InspectKeys(t.Context(), q)
 	if err != nil {
@@ -22,7 +24,7 @@ func inspect(t testing.TB, m *Memory, q KeyQuery) KeyPage {
 // have is refused (the rest of InspectKeys is in package locktest).
 func TestInspectCursorPastShards(t *testing.T) {
 	m := newMemory(t, nil)
-	if _, err := m.InspectKeys(t.Context(), KeyQuery{Cursor: keyCursor{shard: 99}.String()}); !errors.Is(err, ErrInvalid) {
+	if _, err := m.InspectKeys(t.Context(), lock.KeyQuery{Cursor: keyCursor{shard: 99}.String()}); !errors.Is(err, lock.ErrInvalid) {
 		t.Fatalf("cursor past the shards: %v", err)
 	}
 }
@@ -31,14 +33,14 @@ func TestInspectWalk(t *testing.T) {
 	m := newMemory(t, nil)
 	const n = 3000
 	for i := range n {
-		mustLock(t, m, lockReq(Pull, fmt.Sprint("res-", i), "h"))
+		mustLock(t, m, lockReq(lock.Pull, fmt.Sprint("res-", i), "h"))
 		if i%3 == 0 {
-			mustLock(t, m, lockReq(Update, fmt.Sprint("res-", i), "h"))
+			mustLock(t, m, lockReq(lock.Update, fmt.Sprint("res-", i), "h"))
 		}
 	}
 	for i := range 500 { // free keys with records are walked over, not listed
-		mustLock(t, m, lockReq(Pull, fmt.Sprint("gone-", i), "g"))
-		mustUnlock(t, m, Pull, fmt.Sprint("gone-", i), "g", true)
+		mustLock(t, m, lockReq(lock.Pull, fmt.Sprint("gone-", i), "g"))
+		mustUnlock(t, m, lock.Pull, fmt.Sprint("gone-", i), "g", true)
 	}
 	want := n + n/3
 	for _, c := range []struct{ limit, budget int }{{200, 1 << 16}, {37, 1 << 16}, {1000, 1 << 16}, {50, 40}} {
@@ -48,9 +50,9 @@ func TestInspectWalk(t *testing.T) {
 			seen := make(map[string]bool)
 			cursor, pages := "", 0
 			for {
-				p := inspect(t, m, KeyQuery{Cursor: cursor, Limit: c.limit})
+				p := inspect(t, m, lock.KeyQuery{Cursor: cursor, Limit: c.limit})
 				pages++
-				if len(p.Keys) > min(c.limit, MaxInspectLimit) {
+				if len(p.Keys) > min(c.limit, lock.MaxInspectLimit) {
 					t.Fatalf("page of %d keys, limit %d", len(p.Keys), c.limit)
 				}
 				// One shard is read whole; the budget stops the walk at the
@@ -76,7 +78,7 @@ func TestInspectWalk(t *testing.T) {
 	}
 }
 
-func watchOps(t testing.TB, m *Memory) OpStream {
+func watchOps(t testing.TB, m *Backend) lock.OpStream {
 	t.Helper()
 	st, err := m.WatchOps(t.Context())
 	if err != nil {
@@ -92,14 +94,14 @@ func TestOpFeedCostsNothingUnwatched(t *testing.T) {
 	m := newMemory(t, nil)
 	work := func() {
 		subscribe(t, m, "w", nil).Close()
-		mustLock(t, m, lockReq(Pull, "r", "a"))
-		mustLock(t, m, lockReq(Pull, "r", "b"))
-		mustLock(t, m, lockReq(Pull, "r", "c"))
-		if _, err := m.Cancel(context.Background(), Pull, "r", "c"); err != nil {
+		mustLock(t, m, lockReq(lock.Pull, "r", "a"))
+		mustLock(t, m, lockReq(lock.Pull, "r", "b"))
+		mustLock(t, m, lockReq(lock.Pull, "r", "c"))
+		if _, err := m.Cancel(context.Background(), lock.Pull, "r", "c"); err != nil {
 			t.Fatal(err)
 		}
-		mustUnlock(t, m, Pull, "r", "a", false)
-		mustUnlock(t, m, Pull, "r", "b", true)
+		mustUnlock(t, m, lock.Pull, "r", "a", false)
+		mustUnlock(t, m, lock.Pull, "r", "b", true)
 	}
 	subscribe(t, m, "b", nil) // lock events are built for b's session
 	work()
@@ -123,8 +125,8 @@ func TestOpFeedSlowClosed(t *testing.T) {
 	m := newMemory(t, func(c *Config) { c.StreamBuffer = 2 })
 	ops := watchOps(t, m)
 	for range 3 {
-		mustLock(t, m, lockReq(Pull, "r", "a"))
-		mustUnlock(t, m, Pull, "r", "a", true)
+		mustLock(t, m, lockReq(lock.Pull, "r", "a"))
+		mustUnlock(t, m, lock.Pull, "r", "a", true)
 	}
 	select {
 	case <-ops.Done():
@@ -135,7 +137,7 @@ func TestOpFeedSlowClosed(t *testing.T) {
 		t.Fatalf("slow=%v stats=%+v watchers=%d", ops.Slow(), m.Stats(), m.ops.n.Load())
 	}
 	_ = m.Close()
-	if _, err := m.WatchOps(t.Context()); !errors.Is(err, ErrClosed) {
+	if _, err := m.WatchOps(t.Context()); !errors.Is(err, lock.ErrClosed) {
 		t.Fatalf("WatchOps after Close: %v", err)
 	}
 }

@@ -1,4 +1,4 @@
-package lock
+package memory
 
 import (
 	"context"
@@ -6,6 +6,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/dlock/dlock/lock"
 )
 
 // BenchmarkUncontended: lock + unlock(success) pairs on distinct keys, from
@@ -26,10 +28,10 @@ func BenchmarkUncontended(b *testing.B) {
 		for pb.Next() {
 			r := res[i%len(res)]
 			i++
-			if _, err := m.TryLock(ctx, LockRequest{Type: Pull, Resource: r, Node: node}); err != nil {
+			if _, err := m.TryLock(ctx, lock.LockRequest{Type: lock.Pull, Resource: r, Node: node}); err != nil {
 				b.Fatal(err)
 			}
-			if _, err := m.Unlock(ctx, UnlockRequest{Type: Pull, Resource: r, Node: node, Success: true}); err != nil {
+			if _, err := m.Unlock(ctx, lock.UnlockRequest{Type: lock.Pull, Resource: r, Node: node, Success: true}); err != nil {
 				b.Fatal(err)
 			}
 		}
@@ -51,19 +53,19 @@ func BenchmarkHandoffClockOnly(b *testing.B) {
 	handoff(b, newMemory(b, nil))
 }
 
-func handoff(b *testing.B, m *Memory) {
+func handoff(b *testing.B, m *Backend) {
 	ctx := context.Background()
 	nodes := [2]string{"a", "b"}
-	if _, err := m.TryLock(ctx, LockRequest{Type: Pull, Resource: "hot", Node: "a"}); err != nil {
+	if _, err := m.TryLock(ctx, lock.LockRequest{Type: lock.Pull, Resource: "hot", Node: "a"}); err != nil {
 		b.Fatal(err)
 	}
 	b.ReportAllocs()
 	for i := 0; b.Loop(); i++ {
 		holder, waiter := nodes[i%2], nodes[(i+1)%2]
-		if _, err := m.TryLock(ctx, LockRequest{Type: Pull, Resource: "hot", Node: waiter}); err != nil {
+		if _, err := m.TryLock(ctx, lock.LockRequest{Type: lock.Pull, Resource: "hot", Node: waiter}); err != nil {
 			b.Fatal(err)
 		}
-		r, err := m.Unlock(ctx, UnlockRequest{Type: Pull, Resource: "hot", Node: holder, Error: "x"})
+		r, err := m.Unlock(ctx, lock.UnlockRequest{Type: lock.Pull, Resource: "hot", Node: holder, Error: "x"})
 		if err != nil || r.NextHolder != waiter {
 			b.Fatal(r, err)
 		}
@@ -89,28 +91,28 @@ func BenchmarkSessionLoss(b *testing.B) {
 	for b.Loop() {
 		b.StopTimer()
 		m := newMemory(b, func(c *Config) { c.SessionGrace = grace })
-		if _, err := m.TryLock(ctx, LockRequest{Type: Pull, Resource: "hot", Node: "holder", Lease: LeaseTTL}); err != nil {
+		if _, err := m.TryLock(ctx, lock.LockRequest{Type: lock.Pull, Resource: "hot", Node: "holder", Lease: lock.LeaseTTL}); err != nil {
 			b.Fatal(err)
 		}
-		streams := make([]Stream, n)
+		streams := make([]lock.Stream, n)
 		for i := range streams {
 			node := "n" + strconv.Itoa(i)
-			st, _, err := m.Subscribe(b.Context(), SubscribeRequest{Node: node})
+			st, _, err := m.Subscribe(b.Context(), lock.SubscribeRequest{Node: node})
 			if err != nil {
 				b.Fatal(err)
 			}
 			streams[i] = st
-			if _, err := m.TryLock(ctx, LockRequest{Type: Pull, Resource: "hot", Node: node}); err != nil {
+			if _, err := m.TryLock(ctx, lock.LockRequest{Type: lock.Pull, Resource: "hot", Node: node}); err != nil {
 				b.Fatal(err)
 			}
 		}
 		// The same loop with nothing else going on: the machine's noise.
 		for t1 := time.Now(); time.Since(t1) < 200*time.Millisecond; {
 			t0 := time.Now()
-			if _, err := m.TryLock(ctx, LockRequest{Type: Pull, Resource: other, Node: "x", Lease: LeaseTTL}); err != nil {
+			if _, err := m.TryLock(ctx, lock.LockRequest{Type: lock.Pull, Resource: other, Node: "x", Lease: lock.LeaseTTL}); err != nil {
 				b.Fatal(err)
 			}
-			if _, err := m.Unlock(ctx, UnlockRequest{Type: Pull, Resource: other, Node: "x", Success: true}); err != nil {
+			if _, err := m.Unlock(ctx, lock.UnlockRequest{Type: lock.Pull, Resource: other, Node: "x", Success: true}); err != nil {
 				b.Fatal(err)
 			}
 			idle = max(idle, time.Since(t0))
@@ -123,10 +125,10 @@ func BenchmarkSessionLoss(b *testing.B) {
 		}
 		for {
 			t0 := time.Now()
-			if _, err := m.TryLock(ctx, LockRequest{Type: Pull, Resource: other, Node: "x", Lease: LeaseTTL}); err != nil {
+			if _, err := m.TryLock(ctx, lock.LockRequest{Type: lock.Pull, Resource: other, Node: "x", Lease: lock.LeaseTTL}); err != nil {
 				b.Fatal(err)
 			}
-			if _, err := m.Unlock(ctx, UnlockRequest{Type: Pull, Resource: other, Node: "x", Success: true}); err != nil {
+			if _, err := m.Unlock(ctx, lock.UnlockRequest{Type: lock.Pull, Resource: other, Node: "x", Success: true}); err != nil {
 				b.Fatal(err)
 			}
 			worst = max(worst, time.Since(t0))
