@@ -82,7 +82,7 @@ packagemap:
 BENCH_ADDR ?= 127.0.0.1:7399
 BENCH_SCENARIOS = pairs,handoff,fanout,sessions,memory
 bench: build
-	$(GO) test -run '^$$' -bench . -benchmem -benchtime 3s ./lock ./server ./refcount | tee bin/gobench.txt
+	$(GO) test -run '^$$' -bench . -benchmem -benchtime 3s ./lock/memory ./server ./refcount | tee bin/gobench.txt
 	@set -e; out=docs/BENCHMARKS.md; \
 	{ echo; echo "## $$(date -u +%F) — make bench"; echo; \
 	  echo "Machine: $$(nproc) cores ($$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')), $$(free -g | awk '/Mem:/{print $$2}') GiB, $$(go version | cut -d' ' -f3)."; echo; \
