@@ -23,12 +23,15 @@ fuzz:
 # and docker-registry (three containerd daemons sharing one store),
 # redis-server and etcd-server (dlock bench --compare), chromium (the live
 # view's browser test) and systemd for systemd-analyze (deploy/systemd's
-# units), and openssl and curl (docs/mkcerts.sh, served and called with mTLS).
-# Without root those tests skip, saying so.
-DEB_PACKAGES = containerd docker-registry redis-server etcd-server chromium systemd openssl curl
+# units), openssl and curl (docs/mkcerts.sh, served and called with mTLS),
+# and iptables (internal/netfault's partitions on loopback addresses; the
+# rules a killed run left are removed by the next: by netfault's TestMain,
+# and before the first rule of every test binary). Without root those
+# tests skip, saying so.
+DEB_PACKAGES = containerd docker-registry redis-server etcd-server chromium systemd openssl curl iptables
 deps:
 	@if [ "$$(id -u)" = 0 ]; then \
-		missing=; for b in containerd ctr docker-registry redis-server etcd chromium systemd-analyze openssl curl; do command -v $$b >/dev/null || missing=yes; done; \
+		missing=; for b in containerd ctr docker-registry redis-server etcd chromium systemd-analyze openssl curl iptables; do command -v $$b >/dev/null || missing=yes; done; \
 		if [ -n "$$missing" ]; then \
 			echo "installing $(DEB_PACKAGES) for the tests that run them"; \
 			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(DEB_PACKAGES) >/dev/null; \
