@@ -1,6 +1,9 @@
 // Package netfault makes faults of the network and of processes for tests,
 // and always undoes them: every fault a test makes is undone at its
-// cleanup.
+// cleanup, and faults that a killed test run left behind are removed by
+// the next run.
+//
+// Two kinds of fault, each with what it models and what it does not:
 //
 // A Proxy is a TCP proxy on 127.0.0.1 in front of one target address. A
 // test points a client (or a dlock server's etcd client) at the proxy and
@@ -14,7 +17,22 @@
 // model: the kernel under the proxy completes handshakes and acknowledges
 // keepalive probes and the bytes that fit in its buffers, so a dial
 // through a black-holed proxy succeeds, and a sender's TCP keepalive or
-// retransmission timeout never fires.
+// retransmission timeout never fires. A test of those uses iptables.
+//
+// DropAddr and DropOneWay drop packets on loopback with iptables (root
+// only; NeedRoot skips, loudly, elsewhere): every packet to and from one
+// loopback address other than 127.0.0.1, or one direction between two
+// addresses. It is a partition for the kernel too: a dial times out,
+// keepalives go unanswered, retransmissions back off, and after the
+// rules are removed TCP delivers what was sent. Only the processes that
+// use the address are cut off: a client dials from it (DialerFrom), or a
+// server listens on it; LoopbackAddr hands a test an address no other
+// test uses, and Linux answers on all of 127.0.0.0/8 without any set-up.
+// Every rule carries the comment dlock-test-<pid>-<n>, is removed at the
+// test's cleanup, and CleanupStale removes the rules of a test process
+// that is gone: the package's TestMain calls it, so `make test` (which
+// runs every package's tests) removes what a killed run left, and
+// NeedRoot calls it once per test binary before the first rule.
 //
 // Nothing here sleeps to order events: a fault is in place when its call
 // returns, and the tests wait for states (a read deadline that passes).

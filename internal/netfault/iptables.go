@@ -1,0 +1,246 @@
+package netfault
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// TagPrefix begins the iptables comment of every rule this package adds:
+// dlock-test-<pid>-<n>, the pid of the test process and a count.
+const TagPrefix = "dlock-test-"
+
+// The rules go in the filter table's INPUT chain, which every packet
+// crosses on loopback as it is received (OUTPUT as it is sent). A drop on
+// receipt is a loss in the network: the sender's stack sent the packet and
+// hears nothing back, where a drop in OUTPUT is reported to the sender
+// (EPERM to a UDP send, an error the TCP stack sees). Each rule is
+// inserted first in the chain, before any ACCEPT of established traffic.
+const chain = "INPUT"
+
+var (
+	ruleSeq atomic.Int64
+
+	// geteuid and findIptables are variables for the tests of NeedRoot.
+	geteuid      = os.Geteuid
+	findIptables = lookIptables
+
+	staleOnce sync.Once
+	staleErr  error
+)
+
+// lookIptables finds iptables in PATH, or where Debian puts it (a root
+// shell's PATH may lack the sbin directories).
+func lookIptables() (string, error) {
+	if p, err := exec.LookPath("iptables"); err == nil {
+		return p, nil
+	}
+	for _, p := range []string{"/usr/sbin/iptables", "/sbin/iptables"} {
+		if st, err := os.Stat(p); err == nil && st.Mode().IsRegular() && st.Mode()&0o111 != 0 {
+			return p, nil
+		}
+	}
+	return "", errors.New("iptables is not installed")
+}
+
+// iptables runs bin with args, waiting for the xtables lock (-w) that
+// concurrent test processes take.
+func iptables(bin string, args ...string) (string, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, bin, append([]string{"-w"}, args...)...).CombinedOutput()
+	if err != nil {
+		return string(out), fmt.Errorf("iptables %s: %v: %s", strings.Join(args, " "), err, bytes.TrimSpace(out))
+	}
+	return string(out), nil
+}
+
+// NeedRoot skips t, saying what is NOT TESTED, unless this process may
+// drop packets with iptables: it runs as root and iptables is installed
+// and works. Under CI=true a root process without a working iptables
+// fails t instead: `make deps` installs Debian's iptables as root, so its
+// absence there is a broken set-up, not a reason to test less. Once per
+// test binary, before the first rule, it removes the rules of test
+// processes that are gone (CleanupStale). DropAddr and DropOneWay call
+// it; a test calls it first to skip before it starts anything.
+func NeedRoot(t testing.TB) {
+	t.Helper()
+	if geteuid() != 0 {
+		t.Skipf("NOT TESTED: %s needs root, to drop packets with iptables (partitions on loopback addresses); run `make test` as root", t.Name())
+	}
+	bin, err := findIptables()
+	if err == nil {
+		// A root without CAP_NET_ADMIN (an unprivileged container)
+		// has an iptables that fails.
+		_, err = iptables(bin, "-S", chain)
+	}
+	if err != nil {
+		msg := fmt.Sprintf("%s needs a working iptables, to drop packets (partitions on loopback addresses): %v; `make deps` installs Debian's iptables as root", t.Name(), err)
+		if os.Getenv("CI") == "true" {
+			t.Fatalf("netfault: %s", msg)
+		}
+		t.Skipf("NOT TESTED: %s", msg)
+	}
+	staleOnce.Do(func() { staleErr = cleanupStale(bin) })
+	if staleErr != nil {
+		t.Fatalf("netfault: removing the rules that earlier test runs left: %v", staleErr)
+	}
+}
+
+// DropAddr drops every packet to and from ip, a loopback address of the
+// test's own (127.0.0.2 and up; LoopbackAddr hands one out), until heal
+// is called or the test ends. It fails the test for any other address:
+// 127.0.0.1, an address outside 127.0.0.0/8, one the system uses. As
+// NeedRoot, it skips the test unless root.
+//
+// Only the traffic of processes that use ip is dropped: a client that
+// dials from it (DialerFrom), a server that listens on it.
+func DropAddr(t testing.TB, ip string) (heal func()) {
+	t.Helper()
+	a, err := ownAddr(ip)
+	if err != nil {
+		t.Fatalf("netfault: DropAddr(%q): %v", ip, err)
+	}
+	return drop(t, fmt.Sprintf("the partition of %s", a),
+		[]string{"-s", a.String() + "/32"},
+		[]string{"-d", a.String() + "/32"})
+}
+
+// DropOneWay drops every packet from src to dst, and none from dst to
+// src, until heal is called or the test ends. Both are loopback addresses
+// and at least one of them is the test's own (as DropAddr's); the other
+// may be 127.0.0.1. A TCP connection from src to dst cannot be opened (its
+// SYN is lost); an open one delivers dst's bytes to src, while src's
+// bytes, and its acknowledgements, are lost.
+func DropOneWay(t testing.TB, src, dst string) (heal func()) {
+	t.Helper()
+	s, serr := loopbackAddr(src)
+	d, derr := loopbackAddr(dst)
+	if err := errors.Join(serr, derr); err != nil {
+		t.Fatalf("netfault: DropOneWay(%q, %q): %v", src, dst, err)
+	}
+	if _, serr = ownAddr(src); serr != nil {
+		if _, derr = ownAddr(dst); derr != nil {
+			t.Fatalf("netfault: DropOneWay(%q, %q): neither is a test's own address: %v", src, dst, errors.Join(serr, derr))
+		}
+	}
+	return drop(t, fmt.Sprintf("the cut from %s to %s", s, d),
+		[]string{"-s", s.String() + "/32", "-d", d.String() + "/32"})
+}
+
+// drop adds one DROP rule for each of matches, tagged, and returns what
+// removes them, which also runs at t's cleanup.
+func drop(t testing.TB, what string, matches ...[]string) (heal func()) {
+	t.Helper()
+	NeedRoot(t)
+	bin, err := findIptables()
+	if err != nil {
+		t.Fatalf("netfault: %s: %v", what, err)
+	}
+	var added [][]string
+	remove := func() error {
+		var errs []error
+		for i := len(added) - 1; i >= 0; i-- {
+			if _, err := iptables(bin, append([]string{"-D"}, added[i]...)...); err != nil {
+				errs = append(errs, err)
+			}
+		}
+		added = nil
+		return errors.Join(errs...)
+	}
+	for _, m := range matches {
+		tag := fmt.Sprintf("%s%d-%d", TagPrefix, os.Getpid(), ruleSeq.Add(1))
+		spec := append(append([]string{chain}, m...), "-m", "comment", "--comment", tag, "-j", "DROP")
+		if _, err := iptables(bin, append([]string{"-I"}, spec...)...); err != nil {
+			t.Fatalf("netfault: %s: %v", what, errors.Join(err, remove()))
+		}
+		added = append(added, spec)
+	}
+	var once sync.Once
+	heal = func() {
+		once.Do(func() {
+			if err := remove(); err != nil {
+				t.Errorf("netfault: undoing %s: %v", what, err)
+			}
+		})
+	}
+	t.Cleanup(heal)
+	return heal
+}
+
+// CleanupStale removes the rules this package added for test processes
+// that are gone (killed before their cleanup ran: go test's -timeout, a
+// SIGKILL), found by their comment's prefix and pid; the rules of live
+// test processes stay. Without root or iptables it does nothing. The
+// package's TestMain calls it, so `make test` does too; NeedRoot calls it
+// once per test binary.
+func CleanupStale() error {
+	if geteuid() != 0 {
+		return nil
+	}
+	bin, err := findIptables()
+	if err != nil {
+		return nil
+	}
+	return cleanupStale(bin)
+}
+
+func cleanupStale(bin string) error {
+	out, err := iptables(bin, "-S")
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, line := range strings.Split(out, "\n") {
+		f := strings.Fields(line)
+		if len(f) < 2 || f[0] != "-A" {
+			continue
+		}
+		pid, ok := tagPid(f)
+		if !ok || alive(pid) {
+			continue
+		}
+		if _, err := iptables(bin, append([]string{"-D"}, f[1:]...)...); err != nil {
+			// Another test process may have removed it first.
+			if _, cerr := iptables(bin, append([]string{"-C"}, f[1:]...)...); cerr == nil {
+				errs = append(errs, err)
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// tagPid is the pid in the comment dlock-test-<pid>-<n> of a rule as
+// `iptables -S` prints it.
+func tagPid(fields []string) (int, bool) {
+	for i := 0; i+1 < len(fields); i++ {
+		if fields[i] != "--comment" {
+			continue
+		}
+		rest, ok := strings.CutPrefix(strings.Trim(fields[i+1], `"`), TagPrefix)
+		if !ok {
+			return 0, false
+		}
+		p, n, ok := strings.Cut(rest, "-")
+		pid, perr := strconv.Atoi(p)
+		_, nerr := strconv.Atoi(n)
+		return pid, ok && perr == nil && nerr == nil && pid > 0
+	}
+	return 0, false
+}
+
+// alive reports whether process pid exists.
+func alive(pid int) bool {
+	err := syscall.Kill(pid, 0)
+	return err == nil || errors.Is(err, syscall.EPERM)
+}
