@@ -3,7 +3,7 @@
 // cleanup, and faults that a killed test run left behind are removed by
 // the next run.
 //
-// Two kinds of fault, each with what it models and what it does not:
+// Three kinds of fault, each with what it models and what it does not:
 //
 // A Proxy is a TCP proxy on 127.0.0.1 in front of one target address. A
 // test points a client (or a dlock server's etcd client) at the proxy and
@@ -34,6 +34,10 @@
 // runs every package's tests) removes what a killed run left, and
 // NeedRoot calls it once per test binary before the first rule.
 //
+// Freeze stops a process with SIGSTOP (a machine that froze, a server
+// hung in a long pause) until Thaw or the test's cleanup sends SIGCONT.
+//
 // Nothing here sleeps to order events: a fault is in place when its call
-// returns, and the tests wait for states (a read deadline that passes).
+// returns, and the tests wait for states (a read deadline that passes, a
+// process state in /proc).
 package netfault
