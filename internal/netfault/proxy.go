@@ -305,9 +305,9 @@ func (p *Proxy) abort(c *pconn) {
 		return
 	}
 	c.aborted = true
-	// Lingering is off before anything closes a socket, so that the
-	// close of run's end, which may come first once done is closed,
-	// resets too.
+	// SO_LINGER 0 (a close resets) is set before anything closes a
+	// socket, so that the close in forget, which may come first once
+	// done is closed, resets too.
 	_ = c.client.SetLinger(0)
 	s, cancel := c.server, c.cancel
 	if s != nil {
