@@ -124,15 +124,21 @@ type OpStream = Feed[OpEvent]
 
 // Stats is a snapshot of the manager's gauges and counters.
 type Stats struct {
-	Keys         int    // keys with a holder, a queue or a completion record
-	Held         int    // keys with a holder
-	Queued       int    // queue entries
-	Sessions     int    // open sessions, streaming or in grace
-	Grants       uint64 // grants, direct and by hand-off
-	Handoffs     uint64 // grants by hand-off
-	Expiries     uint64 // holds and queue entries ended by a lease
-	SessionsLost uint64 // sessions ended by their grace running out
-	SlowStreams  uint64 // streams closed for not keeping up
+	Keys     int    // keys with a holder, a queue or a completion record
+	Held     int    // keys with a holder
+	Queued   int    // queue entries
+	Sessions int    // open sessions, streaming or in grace
+	Grants   uint64 // grants, direct and by hand-off
+	Handoffs uint64 // grants by hand-off
+	Expiries uint64 // holds and queue entries ended by a lease
+	// SessionsLost counts sessions ended by their grace running out that
+	// held or waited for something under their lease, released then;
+	// SessionsClosed those that ended with nothing leased: a node that
+	// closed its streams and went, a clean end (docs/DESIGN.md, "Sessions
+	// and events").
+	SessionsLost   uint64
+	SessionsClosed uint64
+	SlowStreams    uint64 // streams closed for not keeping up
 
 	// Requests refused by a limit (docs/SECURITY.md).
 	RefusedSessions    uint64 // Config.MaxSessions

@@ -211,6 +211,12 @@ type LockResult struct {
 	Token    uint64 // the grant's fencing token when Acquired
 	Holder   string // the current holder ("" when Skip)
 	Position int    // 1-based queue position when Queued
+	// Guaranteed, when Acquired, is how long from the moment the backend
+	// handled the call the hold is sure to stand: nothing can end it and
+	// hand the key on before (docs/DESIGN.md, "Leases"). 0 when the
+	// backend cannot vouch for it. A client's lease runs from when it sent
+	// the call.
+	Guaranteed time.Duration
 }
 
 // UnlockRequest ends a hold (docs/API.md, "POST /unlock").
@@ -261,6 +267,9 @@ type Status struct {
 	QueueLength   int
 	Position      int // the asking node's 1-based queue position, 0 if not queued
 	LastCompleted *Completion
+	// Guaranteed is LockResult.Guaranteed for the asking node's hold, when
+	// the call named the holder; else 0.
+	Guaranteed time.Duration
 }
 
 // Errors returned by the manager. Use errors.Is; messages never contain the

@@ -23,6 +23,124 @@ var leaseTests = []test{
 	{name: "SessionLoss", fakeTime: true, run: testSessionLoss},
 	{name: "SessionLeaseWithoutStream", fakeTime: true, run: testSessionLeaseWithoutStream},
 	{name: "MassSessionLoss", fakeTime: true, run: testMassSessionLoss},
+	{name: "CleanEndIsNotLost", fakeTime: true, run: testCleanEndIsNotLost},
+	{name: "GuaranteeHolds", fakeTime: true, run: testGuaranteeHolds},
+	{name: "Guaranteed", run: testGuaranteed},
+}
+
+// testCleanEndIsNotLost: a session whose streams closed while it held and
+// waited for nothing ends as closed, not lost (docs/DESIGN.md, "Sessions
+// and events"); one that held something is lost.
+func testCleanEndIsNotLost(t *testing.T, s *suite) {
+	m := s.open(t, func(c *Config) { c.SessionGrace = 5 * time.Second })
+	idle := subscribe(t, m, "idle", nil)
+	holder := subscribe(t, m, "holder", nil)
+	mustLock(t, m, lockReq(lock.Pull, "r", "holder"))
+	idle.Close()
+	holder.Close()
+	time.Sleep(6 * time.Second)
+	synctest.Wait()
+	if st := m.Stats(); st.SessionsLost != 1 || st.SessionsClosed != 1 || st.Sessions != 0 {
+		t.Fatalf("stats %+v: want one session lost (the holder's) and one closed (the idle one's)", st)
+	}
+}
+
+// testGuaranteeHolds: whatever a backend answers as Guaranteed, the hold
+// stands at least that long from the call, through a session's grace, a
+// ttl lease and a max hold (docs/DESIGN.md, "Leases"): the key is handed
+// on no sooner.
+func testGuaranteeHolds(t *testing.T, s *suite) {
+	m := s.open(t, func(c *Config) {
+		c.SessionGrace = 5 * time.Second
+		c.LockTTL = 20 * time.Second
+		c.MaxHold = 60 * time.Second
+		c.ClaimTimeout = 0
+	})
+	for _, tc := range []struct {
+		name  string
+		lease lock.Lease
+		close bool // the holder's stream closes right after the grant: its grace runs
+	}{
+		{"session, streaming", lock.LeaseSession, false},
+		{"session, in grace", lock.LeaseSession, true},
+		{"ttl", lock.LeaseTTL, false},
+	} {
+		res := "g-" + strconv.Itoa(int(tc.lease)) + strconv.FormatBool(tc.close)
+		st := subscribe(t, m, "h", nil)
+		r := mustLock(t, m, lock.LockRequest{Type: lock.Pull, Resource: res, Node: "h", Lease: tc.lease})
+		mustLock(t, m, lockReq(lock.Pull, res, "w"))
+		if tc.close {
+			st.Close()
+		}
+		g := r.Guaranteed
+		if g <= 0 {
+			t.Fatalf("%s: a grant with nothing guaranteed: %+v", tc.name, r)
+		}
+		start := time.Now()
+		// Halfway, and just before the guarantee runs out, the key is
+		// still h's.
+		for _, at := range []time.Duration{g / 2, g - time.Nanosecond} {
+			time.Sleep(at - time.Since(start))
+			synctest.Wait()
+			if got := status(t, m, lock.Pull, res, ""); got.Holder != "h" {
+				t.Fatalf("%s: handed to %q after %v of a %v guarantee", tc.name, got.Holder, time.Since(start), g)
+			}
+		}
+		if !tc.close {
+			st.Close()
+		}
+		mustUnlock(t, m, lock.Pull, res, "h", true)
+	}
+	// A guarantee from /status counts from the status call.
+	h := subscribe(t, m, "h2", nil)
+	mustLock(t, m, lockReq(lock.Pull, "late", "h2"))
+	h.Close()
+	time.Sleep(3 * time.Second)
+	synctest.Wait()
+	g := status(t, m, lock.Pull, "late", "h2").Guaranteed
+	if g <= 0 || g > 2*time.Second {
+		t.Fatalf("3 s into a 5 s grace /status guaranteed %v, want at most the 2 s left", g)
+	}
+	time.Sleep(g - time.Nanosecond)
+	synctest.Wait()
+	if got := status(t, m, lock.Pull, "late", ""); got.Holder != "h2" {
+		t.Fatalf("released before its guarantee from /status ran out: %+v", got)
+	}
+}
+
+// testGuaranteed: a grant and the holder's /status say how long the hold
+// is sure to stand, within the bounds of its leases; nobody else's call
+// and no queue place get a guarantee.
+func testGuaranteed(t *testing.T, s *suite) {
+	m := s.open(t, func(c *Config) {
+		c.SessionGrace = 5 * time.Second
+		c.LockTTL = 20 * time.Second
+		c.MaxHold = 10 * time.Second
+	})
+	r := mustLock(t, m, lock.LockRequest{Type: lock.Pull, Resource: "ttl", Node: "a", Lease: lock.LeaseTTL})
+	if r.Guaranteed <= 0 || r.Guaranteed > 10*time.Second {
+		t.Fatalf("a ttl grant with a 10 s max hold guaranteed %v, want (0, 10s]", r.Guaranteed)
+	}
+	st := subscribe(t, m, "b", nil)
+	defer st.Close()
+	r = mustLock(t, m, lock.LockRequest{Type: lock.Pull, Resource: "sess", Node: "b", Lease: lock.LeaseSession})
+	if r.Guaranteed <= 0 || r.Guaranteed > 5*time.Second {
+		t.Fatalf("a session grant, 5 s grace, guaranteed %v, want (0, 5s]", r.Guaranteed)
+	}
+	if again := mustLock(t, m, lockReq(lock.Pull, "sess", "b")); again.Guaranteed <= 0 {
+		t.Fatalf("the holder's repeated /lock guaranteed nothing: %+v", again)
+	}
+	if got := status(t, m, lock.Pull, "sess", "b"); got.Guaranteed <= 0 || got.Guaranteed > 5*time.Second {
+		t.Fatalf("the holder's /status guaranteed %v", got.Guaranteed)
+	}
+	if q := mustLock(t, m, lockReq(lock.Pull, "sess", "c")); !q.Queued || q.Guaranteed != 0 {
+		t.Fatalf("a queue place: %+v, want queued with no guarantee", q)
+	}
+	for _, node := range []string{"", "c"} {
+		if got := status(t, m, lock.Pull, "sess", node); got.Guaranteed != 0 {
+			t.Fatalf("/status by %q, not the holder, guaranteed %v", node, got.Guaranteed)
+		}
+	}
 }
 
 func testTTLExpiry(t *testing.T, s *suite) {

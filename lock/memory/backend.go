@@ -35,8 +35,8 @@ type Backend struct {
 
 	refVersion atomic.Uint64 // last version given to a reference change
 
-	sessionsLost atomic.Uint64
-	slowStreams  atomic.Uint64
+	sessionsLost, sessionsClosed atomic.Uint64
+	slowStreams                  atomic.Uint64
 
 	refusedSessions, refusedNodeStreams, refusedQueue, refusedKeys, refusedWatchers atomic.Uint64
 	watchers                                                                        atomic.Int64 // observer and operator streams (Config.MaxWatchers)
@@ -197,7 +197,7 @@ func (m *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 			}
 			ks.unclaimed = false
 			s.schedule(h, t.now)
-			res := lock.LockResult{Acquired: true, Token: ks.lastToken, Holder: h.node()}
+			res := lock.LockResult{Acquired: true, Token: ks.lastToken, Holder: h.node(), Guaranteed: s.guaranteed(h, t.now)}
 			s.commit(ctx, t)
 			return res, nil
 		}
@@ -257,7 +257,7 @@ func (m *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 	var res lock.LockResult
 	if ks.holder == nil {
 		s.grant(&t, ks, e, false)
-		res = lock.LockResult{Acquired: true, Token: ks.lastToken, Holder: e.node()}
+		res = lock.LockResult{Acquired: true, Token: ks.lastToken, Holder: e.node(), Guaranteed: s.guaranteed(e, t.now)}
 	} else {
 		s.enqueue(&t, ks, e)
 		res = lock.LockResult{Queued: true, Holder: ks.holder.node(), Position: ks.qlen()}
@@ -360,8 +360,11 @@ func (m *Backend) Status(ctx context.Context, t lock.Type, resource, node string
 	st.QueueLength = ks.qlen()
 	if h := ks.holder; h != nil {
 		st.Held, st.Holder, st.AcquiredAt = true, h.node(), m.wall(h.grantedAt)
-		if node == h.node() && h.sess == nil {
-			s.schedule(h, now)
+		if node == h.node() {
+			if h.sess == nil {
+				s.schedule(h, now)
+			}
+			st.Guaranteed = s.guaranteed(h, now)
 		}
 	}
 	if e := ks.waiter(node); e != nil {
@@ -392,6 +395,7 @@ func (m *Backend) Stats() lock.Stats {
 	}
 	st.Sessions = int(m.sess.n.Load())
 	st.SessionsLost = m.sessionsLost.Load()
+	st.SessionsClosed = m.sessionsClosed.Load()
 	st.SlowStreams = m.slowStreams.Load()
 	st.RefusedSessions = m.refusedSessions.Load()
 	st.RefusedNodeStreams = m.refusedNodeStreams.Load()

@@ -1,6 +1,7 @@
 package memory
 
 import (
+	"time"
 	"unique"
 
 	"github.com/dlock/dlock/lock"
@@ -62,6 +63,23 @@ func (e *entry) deadline(cfg *Config, now mono) mono {
 }
 
 // earliest is the earlier of two deadlines, where zero means none.
+// guaranteed is how long from now holder h's hold is sure to stand
+// (docs/DESIGN.md, "Leases"): a session lease stands while its session
+// streams and through the grace after, a ttl lease for the ttl after its
+// last renewal (every caller has just renewed it), and either ends sooner
+// at a claim timeout or max hold. Called under the shard's mutex.
+func (s *shard) guaranteed(h *entry, now mono) time.Duration {
+	cfg := &s.m.cfg
+	left := cfg.LockTTL
+	if ss := h.sess; ss != nil {
+		left = ss.guaranteed(s.m, now)
+	}
+	if at := h.deadline(cfg, now); at != 0 {
+		left = min(left, time.Duration(at-now))
+	}
+	return max(left, 0)
+}
+
 func earliest(a, b mono) mono {
 	if a == 0 || b < a {
 		return b

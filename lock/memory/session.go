@@ -85,6 +85,27 @@ func (m *Backend) sessionRoom() error {
 }
 
 // startGrace arms the session's end. Called with s.mu held or s unpublished.
+// guaranteed is how long from now the session is sure to stand: the whole
+// grace while a stream is open (it starts only when the last one closes),
+// what is left of it in grace, nothing once ended. Takes s.mu, after the
+// shard's mutex (docs/DESIGN.md, "The memory engine": the lock order).
+func (s *session) guaranteed(m *Backend, now mono) time.Duration {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	switch {
+	case s.ended:
+		return 0
+	case len(s.streams) > 0:
+		return m.cfg.SessionGrace
+	}
+	// graceAt may be written under the session table's mutex alone
+	// (attach), never without the grace heap's, which comes after s.mu.
+	m.grace.mu.Lock()
+	at := s.graceAt
+	m.grace.mu.Unlock()
+	return max(time.Duration(at-now), 0)
+}
+
 func (s *session) startGrace(m *Backend) {
 	m.grace.set(m, s, m.now().add(m.cfg.SessionGrace))
 }
@@ -400,8 +421,14 @@ func (m *Backend) endSessions(due []*session, now mono, drops map[*shard][]sessi
 		}
 		s.ents, s.nents, s.log, s.logHead, s.logBytes = nil, 0, nil, 0, 0
 		s.mu.Unlock()
-		m.sessionsLost.Add(1)
 		m.opSession(s)
+		if n == 0 {
+			// A clean end: the node closed its streams holding nothing.
+			m.sessionsClosed.Add(1)
+			m.log.Debug("session ended", "node", s.node)
+			continue
+		}
+		m.sessionsLost.Add(1)
 		m.log.Info("session lost", "node", s.node, "keys", n)
 	}
 }
