@@ -75,10 +75,12 @@ type Backend struct {
 
 	lastCommit atomic.Int64 // the newest revision this backend committed
 
-	w *watcher
-	s *sessions
+	w      *watcher
+	s      *sessions
+	keeper *keeper
 
 	grants, handoffs, expiries, sessionsLost, slowStreams  atomic.Uint64
+	sessionsClosed                                         atomic.Uint64
 	refusedSessions, refusedNodeStreams, refusedQueue      atomic.Uint64
 	refusedKeys, refusedWatchers, truncatedErrors, replays atomic.Uint64
 	conflicts                                              atomic.Uint64
@@ -143,13 +145,15 @@ func New(ctx context.Context, cli *clientv3.Client, cfg Config) (*Backend, error
 	}
 	b.ctx, b.cancel = context.WithCancel(context.Background())
 	b.s = newSessions(b)
+	b.keeper = newKeeper(b)
 	b.w = newWatcher(b)
 	if err := b.w.start(ctx); err != nil {
 		b.cancel()
 		b.wg.Wait()
 		return nil, err
 	}
-	b.wg.Add(3)
+	b.wg.Add(4)
+	go b.keeper.run()
 	go b.timers()
 	go b.sweepOrphans()
 	go b.health()
@@ -193,6 +197,7 @@ func (b *Backend) Stats() lock.Stats {
 	st.Handoffs = b.handoffs.Load()
 	st.Expiries = b.expiries.Load()
 	st.SessionsLost = b.sessionsLost.Load()
+	st.SessionsClosed = b.sessionsClosed.Load()
 	st.SlowStreams = b.slowStreams.Load()
 	st.RefusedSessions = b.refusedSessions.Load()
 	st.RefusedNodeStreams = b.refusedNodeStreams.Load()

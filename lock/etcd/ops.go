@@ -27,6 +27,7 @@ func (b *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 		newLease int64 // a session lease granted for this call, kept across attempts
 		usedNew  bool
 		granted  bool
+		ends     holdEnds // what ends the hold, when res.Acquired
 	)
 	defer func() {
 		if newLease != 0 && !usedNew {
@@ -88,6 +89,7 @@ func (b *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 			if changed {
 				t.put(nil)
 			}
+			ends = endsOf(rec)
 			return nil
 		}
 		// 3. A waiter again: its place, renewed.
@@ -169,6 +171,7 @@ func (b *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 			t.grant(req.Node, lease, sl, now, false)
 			t.put(&trans{Assigned: req.Node})
 			res = lock.LockResult{Acquired: true, Token: rec.Token, Holder: req.Node}
+			ends = endsOf(rec)
 			granted = true
 			return nil
 		}
@@ -191,6 +194,9 @@ func (b *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 	}
 	if granted {
 		b.grants.Add(1)
+	}
+	if res.Acquired {
+		res.Guaranteed = b.guaranteed(ctx, ends)
 	}
 	return res, nil
 }
@@ -566,6 +572,8 @@ func (b *Backend) Status(ctx context.Context, typ lock.Type, resource, node stri
 		return lock.Status{}, err
 	}
 	var st lock.Status
+	var ends holdEnds
+	var held bool // node holds the key
 	var also []string
 	if node != "" {
 		also = append(also, b.n.queueNode(k, node))
@@ -589,6 +597,7 @@ func (b *Backend) Status(ctx context.Context, typ lock.Type, resource, node stri
 				rec.TTL = now.Add(b.cfg.LockTTL).UnixNano()
 				t.put(nil)
 			}
+			ends, held = endsOf(rec), true
 			return nil
 		}
 		seq, ok, err := t.waiting(node)
@@ -612,6 +621,9 @@ func (b *Backend) Status(ctx context.Context, typ lock.Type, resource, node stri
 	}, also...)
 	if err != nil {
 		return lock.Status{}, err
+	}
+	if held {
+		st.Guaranteed = b.guaranteed(ctx, ends)
 	}
 	return st, nil
 }

@@ -269,3 +269,16 @@ func (n names) parseRef(etcdKey string) (string, bool) {
 	r, err := url.PathUnescape(rest)
 	return r, err == nil
 }
+
+// holdEnds are what ends a hold, read from its record: its lease (a ttl
+// deadline or a session's etcd lease) and its claim and max hold deadlines,
+// in unix nanoseconds, 0 for none.
+type holdEnds struct {
+	lease               uint8
+	slease              int64
+	ttl, claim, maxHold int64
+}
+
+func endsOf(rec *keyRec) holdEnds {
+	return holdEnds{lease: rec.Lease, slease: rec.SLease, ttl: rec.TTL, claim: rec.Claim, maxHold: rec.MaxHold}
+}

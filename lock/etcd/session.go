@@ -51,7 +51,6 @@ func (s *sessions) answered(ttl int64) {
 type localSession struct {
 	lease   int64
 	streams int
-	stop    context.CancelFunc
 }
 
 func newSessions(b *Backend) *sessions {
@@ -257,7 +256,8 @@ func (s *sessions) keep(node string, lease int64) (bool, error) {
 		return true, nil
 	}
 	ctx, cancel := context.WithTimeout(b.ctx, 10*time.Second)
-	_, err := b.cli.KeepAliveOnce(ctx, clientv3.LeaseID(lease))
+	sent := time.Now()
+	ka, err := b.cli.KeepAliveOnce(ctx, clientv3.LeaseID(lease))
 	cancel()
 	if errors.Is(err, rpctypes.ErrLeaseNotFound) {
 		return false, nil
@@ -266,26 +266,13 @@ func (s *sessions) keep(node string, lease int64) (bool, error) {
 		return false, b.etcdErr("keeping a session alive", err)
 	}
 	if old := s.local[node]; old != nil {
-		old.stop() // a session that ended and began anew
+		b.keeper.remove(old.lease) // a session that ended and began anew
 	}
-	kctx, stop := context.WithCancel(b.ctx)
-	ch, err := b.cli.KeepAlive(kctx, clientv3.LeaseID(lease))
-	if err != nil {
-		stop()
-		return false, b.etcdErr("keeping a session alive", err)
-	}
-	ls := &localSession{lease: lease, streams: 1, stop: stop}
+	b.keeper.add(lease, sent, sent.Add(time.Duration(ka.TTL)*time.Second))
 	if len(s.local) == 0 {
 		s.alive = time.Now()
 	}
-	s.local[node] = ls
-	b.wg.Add(1)
-	go func() {
-		defer b.wg.Done()
-		for r := range ch {
-			s.answered(r.TTL)
-		}
-	}()
+	s.local[node] = &localSession{lease: lease, streams: 1}
 	return true, nil
 }
 
@@ -310,7 +297,7 @@ func (s *sessions) releaseNode(node string, lease int64) {
 		return
 	}
 	if ls.streams--; ls.streams <= 0 {
-		ls.stop()
+		s.b.keeper.remove(ls.lease)
 		delete(s.local, node)
 	}
 }
@@ -320,10 +307,8 @@ func (s *sessions) releaseNode(node string, lease int64) {
 func (s *sessions) closeAll() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for node, ls := range s.local {
-		ls.stop()
-		delete(s.local, node)
-	}
+	clear(s.local)
+	s.b.keeper.removeAll()
 }
 
 // sessionEnded ends, once in the cluster, what a lost session leased: its
@@ -351,19 +336,26 @@ func (b *Backend) sessionEnded(node string, lease int64) {
 			b.revokeLater(int64(g.ID))
 			return
 		}
-		b.sessionsLost.Add(1)
-		if err := b.endSession(ctx, node, lease); err != nil {
+		switch n, err := b.endSession(ctx, node, lease); {
+		case err != nil:
+			b.sessionsLost.Add(1)
 			b.log.Warn("etcd backend: ending a lost session", "node", node, "err", err)
-		} else {
-			b.log.Info("session lost", "node", node)
+		case n == 0:
+			// A clean end: the node closed its streams holding nothing.
+			b.sessionsClosed.Add(1)
+			b.log.Debug("session ended", "node", node)
+		default:
+			b.sessionsLost.Add(1)
+			b.log.Info("session lost", "node", node, "keys", n)
 		}
 		_, _ = b.cli.Revoke(ctx, g.ID)
 	}()
 }
 
 // endSession removes node's waits, then releases its holds, of the session
-// with lease, and drops their index entries.
-func (b *Backend) endSession(ctx context.Context, node string, lease int64) error {
+// with lease, and drops their index entries. It returns how many keys the
+// session had a hold or a place on.
+func (b *Backend) endSession(ctx context.Context, node string, lease int64) (int, error) {
 	var keys []lock.Key
 	err := b.w.page(ctx, b.n.nodeIndex(node), 0, func(kv kvLike) {
 		if v, err := strconv.ParseInt(string(kv.Value), 16, 64); err != nil || v != lease {
@@ -374,7 +366,7 @@ func (b *Backend) endSession(ctx context.Context, node string, lease int64) erro
 		}
 	})
 	if err != nil {
-		return err
+		return 0, err
 	}
 	// Waiters first, so that no hold is handed to a waiter that is leaving
 	// too.
@@ -408,7 +400,7 @@ func (b *Backend) endSession(ctx context.Context, node string, lease int64) erro
 				return nil
 			})
 			if err != nil {
-				return err
+				return 0, err
 			}
 			if expired {
 				b.expiries.Add(1)
@@ -423,10 +415,10 @@ func (b *Backend) endSession(ctx context.Context, node string, lease int64) erro
 	for _, k := range keys {
 		key := b.n.nodeKey(node, k)
 		if _, err := b.cli.Txn(ctx).If(clientv3.Compare(clientv3.Value(key), "=", v)).Then(clientv3.OpDelete(key)).Commit(); err != nil {
-			return b.etcdErr("dropping a session's index", err)
+			return 0, b.etcdErr("dropping a session's index", err)
 		}
 	}
-	return nil
+	return len(keys), nil
 }
 
 // sweepOrphans ends, every grace or so, the index entries of sessions that
@@ -482,7 +474,7 @@ func (b *Backend) sweepOnce() {
 		if c, err := b.cli.Get(ctx, claim); err != nil || len(c.Kvs) > 0 {
 			continue // a server is at it
 		}
-		if err := b.endSession(ctx, o.node, o.lease); err != nil {
+		if _, err := b.endSession(ctx, o.node, o.lease); err != nil {
 			b.log.Warn("etcd backend: ending an orphaned session", "node", o.node, "err", err)
 		}
 	}
