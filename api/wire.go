@@ -20,6 +20,11 @@ import (
 // EpochHeader carries the server's epoch on every response.
 const EpochHeader = "Dlock-Epoch"
 
+// PingHeader carries, on a /subscribe answer, the longest the stream stays
+// silent, in milliseconds: a client that hears nothing for twice that
+// takes the server for hung or cut off (docs/API.md).
+const PingHeader = "Dlock-Ping-Ms"
+
 // MaxBody is the largest request body accepted.
 const MaxBody = 64 << 10
 
@@ -40,6 +45,11 @@ type LockResponse struct {
 	Token    uint64 `json:"token"`
 	Holder   string `json:"holder"`
 	Position int    `json:"position"`
+	// GuaranteedMs, on a grant, is how many milliseconds from when the
+	// server handled the request the hold is sure to stand (docs/API.md);
+	// 0 when the server cannot vouch for it. Absent from a server that
+	// predates it.
+	GuaranteedMs *int64 `json:"guaranteed_ms,omitempty"`
 }
 
 // UnlockRequest is the body of POST /unlock. Success absent means
@@ -93,6 +103,8 @@ type StatusResponse struct {
 	QueueLength   int         `json:"queue_length"`
 	Position      int         `json:"position"`
 	LastCompleted *Completion `json:"last_completed"`
+	// GuaranteedMs is LockResponse's, for the holder's own /status.
+	GuaranteedMs *int64 `json:"guaranteed_ms,omitempty"`
 }
 
 // RefRequest is the body of POST /refcount/add and /refcount/release.
@@ -128,8 +140,16 @@ type Event struct {
 	NextHolder  string    `json:"next_holder,omitempty"`
 }
 
-// Status converts a lock.Status to its wire form.
-func Status(st lock.Status) StatusResponse {
+// Millis is d in whole milliseconds, rounded down: a guarantee never grows
+// on the wire.
+func Millis(d time.Duration) *int64 {
+	ms := int64(d / time.Millisecond)
+	return &ms
+}
+
+// Status converts a lock.Status to its wire form; node is the asking
+// node's id ("" when none was given).
+func Status(st lock.Status, node string) StatusResponse {
 	r := StatusResponse{
 		Type:        st.Key.Type.String(),
 		ResourceID:  st.Key.Resource,
@@ -140,6 +160,9 @@ func Status(st lock.Status) StatusResponse {
 	}
 	if st.Held {
 		r.State, r.Holder, r.AcquiredAt = "held", st.Holder, st.AcquiredAt.UTC().Format(time.RFC3339Nano)
+		if node != "" && node == st.Holder {
+			r.GuaranteedMs = Millis(st.Guaranteed)
+		}
 	}
 	if c := st.LastCompleted; c != nil {
 		r.LastCompleted = &Completion{NodeID: c.Node, Token: c.Token, Success: c.Success, Error: c.Error, CompletedAt: c.CompletedAt.UTC()}
@@ -283,6 +306,10 @@ func AppendLockResponse(b []byte, r LockResponse) []byte {
 	b = appendString(b, r.Holder)
 	b = append(b, `,"position":`...)
 	b = strconv.AppendInt(b, int64(r.Position), 10)
+	if r.GuaranteedMs != nil {
+		b = append(b, `,"guaranteed_ms":`...)
+		b = strconv.AppendInt(b, *r.GuaranteedMs, 10)
+	}
 	return append(b, '}')
 }
 

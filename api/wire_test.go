@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/dlock/dlock/lock"
 )
@@ -165,5 +166,28 @@ func TestParseAllocs(t *testing.T) {
 		if n := testing.AllocsPerRun(100, f); n > 2 {
 			t.Errorf("%s: %v allocations, want 2 at most (resource_id and node_id)", name, n)
 		}
+	}
+}
+
+// TestAppendLockResponseMatchesJSON holds the hand-written encoder of the
+// hot path to encoding/json, with and without a guarantee.
+func TestAppendLockResponseMatchesJSON(t *testing.T) {
+	for _, r := range []LockResponse{
+		{},
+		{Acquired: true, Token: 7, Holder: "n1", GuaranteedMs: Millis(4999 * time.Millisecond)},
+		{Acquired: true, Token: 1<<64 - 1, Holder: "n\"1\u2028", GuaranteedMs: Millis(0)},
+		{Queued: true, Holder: "h", Position: 3},
+		{Skip: true},
+	} {
+		want, err := json.Marshal(r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := AppendLockResponse(nil, r); string(got) != string(want) {
+			t.Errorf("AppendLockResponse = %s, encoding/json = %s", got, want)
+		}
+	}
+	if got := *Millis(1999999 * time.Microsecond); got != 1999 {
+		t.Errorf("Millis(1.999999s) = %d, want 1999: a guarantee is rounded down", got)
 	}
 }

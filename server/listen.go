@@ -9,19 +9,22 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Listen opens a TCP listener whose connections notice a dead peer within
-// about twice ping: TCP keepalive probes start after ping of silence, and
-// TCP_USER_TIMEOUT drops a connection whose sent data stays unacknowledged
-// for 2×ping. A stream's close is noticed through the request context; this
-// is for peers that vanish without closing.
-func Listen(ctx context.Context, addr string, ping time.Duration) (net.Listener, error) {
-	userTimeout := int((2 * ping).Milliseconds())
+// Listen opens a TCP listener whose connections notice a peer that
+// vanished without closing (a machine that died, a cable pulled, a
+// partition) within ping + deadPeer (docs/DESIGN.md, "Leases"): an event
+// stream sends a ping at least every ping, and TCP_USER_TIMEOUT drops a
+// connection whose sent data stays unacknowledged for deadPeer; TCP
+// keepalive probes, every ping after ping of silence, do the same for an
+// idle request connection. A stream's clean close is noticed at once,
+// through the request context.
+func Listen(ctx context.Context, addr string, ping, deadPeer time.Duration) (net.Listener, error) {
+	userTimeout := int(deadPeer.Milliseconds())
 	lc := net.ListenConfig{
 		KeepAliveConfig: net.KeepAliveConfig{
 			Enable:   true,
-			Idle:     ping,
-			Interval: max(ping/4, time.Second),
-			Count:    4,
+			Idle:     max(ping, time.Second), // the kernel counts in seconds
+			Interval: max(ping, time.Second),
+			Count:    max(1, int((deadPeer+ping-1)/max(ping, time.Second))),
 		},
 		Control: func(network, address string, c syscall.RawConn) error {
 			var serr error

@@ -10,7 +10,7 @@ import (
 )
 
 func TestListenSetsUserTimeout(t *testing.T) {
-	ln, err := Listen(context.Background(), "127.0.0.1:0", 3*time.Second)
+	ln, err := Listen(context.Background(), "127.0.0.1:0", time.Second, 3*time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -44,7 +44,16 @@ func TestListenSetsUserTimeout(t *testing.T) {
 	_ = raw.Control(func(fd uintptr) {
 		got, gerr = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT)
 	})
-	if gerr != nil || got != 6000 {
-		t.Fatalf("accepted connection has TCP_USER_TIMEOUT %d ms (%v), want 6000", got, gerr)
+	if gerr != nil || got != 3000 {
+		t.Fatalf("accepted connection has TCP_USER_TIMEOUT %d ms (%v), want the dead-peer timeout, 3000", got, gerr)
+	}
+	var idle, intvl, cnt int
+	_ = raw.Control(func(fd uintptr) {
+		idle, _ = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_KEEPIDLE)
+		intvl, _ = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_KEEPINTVL)
+		cnt, _ = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_KEEPCNT)
+	})
+	if idle != 1 || intvl != 1 || cnt != 3 {
+		t.Fatalf("keepalive idle %d s, interval %d s, count %d: want probes every ping (1 s) for the dead-peer timeout (3 probes)", idle, intvl, cnt)
 	}
 }

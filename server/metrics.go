@@ -73,12 +73,13 @@ var (
 	descGrants       = prometheus.NewDesc("dlock_grants_total", "Grants, direct and by hand-off.", nil, nil)
 	descHandoffs     = prometheus.NewDesc("dlock_handoffs_total", "Grants by hand-off to a queued node.", nil, nil)
 	descExpiries     = prometheus.NewDesc("dlock_expiries_total", "Holds and queue entries ended by their lease.", nil, nil)
-	descSessionsLost = prometheus.NewDesc("dlock_sessions_lost_total", "Sessions ended because no stream reopened within the grace.", nil, nil)
+	descSessionsLost = prometheus.NewDesc("dlock_sessions_lost_total", "Sessions ended because no stream reopened within the grace while they held or waited for something, which they released.", nil, nil)
+	descSessionEnds  = prometheus.NewDesc("dlock_session_ends_total", "Sessions ended, by reason: lost (their grace ran out while they held or waited for something) or closed (their grace ran out with nothing leased: a node that closed its streams and left).", []string{"reason"}, nil)
 	descSlowStreams  = prometheus.NewDesc("dlock_slow_streams_total", "Event streams closed for not keeping up.", nil, nil)
 )
 
 func (c managerCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descHeld, descQueued, descKeys, descSessions, descGrants, descHandoffs, descExpiries, descSessionsLost, descSlowStreams} {
+	for _, d := range []*prometheus.Desc{descHeld, descQueued, descKeys, descSessions, descGrants, descHandoffs, descExpiries, descSessionsLost, descSessionEnds, descSlowStreams} {
 		ch <- d
 	}
 }
@@ -99,6 +100,8 @@ func (c managerCollector) Collect(ch chan<- prometheus.Metric) {
 	counter(descHandoffs, st.Handoffs)
 	counter(descExpiries, st.Expiries)
 	counter(descSessionsLost, st.SessionsLost)
+	ch <- prometheus.MustNewConstMetric(descSessionEnds, prometheus.CounterValue, float64(st.SessionsLost), "lost")
+	ch <- prometheus.MustNewConstMetric(descSessionEnds, prometheus.CounterValue, float64(st.SessionsClosed), "closed")
 	counter(descSlowStreams, st.SlowStreams)
 }
 

@@ -34,7 +34,10 @@ type Options struct {
 	// Registry receives the server's metrics; nil creates a private one.
 	Registry *prometheus.Registry
 	// PingInterval is the longest an event stream stays silent; zero means
-	// the smaller of 15 s and the manager's lock TTL / 4.
+	// DefaultPingInterval, or the backend's lock TTL / 4 if that is less.
+	// Clients learn it from the stream's Dlock-Ping-Ms header and leave a
+	// stream silent past twice it for another server; a peer that
+	// vanished is noticed within it plus Listen's deadPeer.
 	PingInterval time.Duration
 	// MaxConns bounds the open client connections; past it a new one is
 	// answered 503 overloaded and closed. Zero: no bound.
@@ -66,6 +69,12 @@ type Options struct {
 const (
 	DefaultReadTimeout  = 10 * time.Second
 	DefaultWriteTimeout = 10 * time.Second
+	// DefaultPingInterval and DefaultDeadPeer (Listen) notice a peer
+	// that vanished within 4 s, so that its session's grace starts then
+	// (docs/DESIGN.md, "Leases"). A ping costs an idle stream a few
+	// bytes a second (docs/BENCHMARKS.md).
+	DefaultPingInterval = time.Second
+	DefaultDeadPeer     = 3 * time.Second
 )
 
 // Server serves the dlock API for one lock backend.
@@ -146,7 +155,7 @@ func New(b lock.Backend, opts Options) *Server {
 	}
 	ping := opts.PingInterval
 	if ping <= 0 {
-		ping = min(15*time.Second, info.LockTTL/4)
+		ping = min(DefaultPingInterval, info.LockTTL/4)
 	}
 	s := &Server{
 		b:            b,
@@ -473,10 +482,14 @@ func (s *Server) lockAnswer(ctx context.Context, body, buf []byte) (int, []byte)
 	if err != nil {
 		return s.errorAnswer(err, buf)
 	}
-	out := api.AppendLockResponse(buf, api.LockResponse{
+	lr := api.LockResponse{
 		Acquired: res.Acquired, Queued: res.Queued, Skip: res.Skip,
 		Token: res.Token, Holder: res.Holder, Position: res.Position,
-	})
+	}
+	if res.Acquired {
+		lr.GuaranteedMs = api.Millis(res.Guaranteed)
+	}
+	out := api.AppendLockResponse(buf, lr)
 	return http.StatusOK, append(out, '\n')
 }
 
@@ -529,7 +542,7 @@ func (s *Server) handleStatus(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	writeJSON(w, http.StatusOK, api.Status(st))
+	writeJSON(w, http.StatusOK, api.Status(st, node))
 	return nil
 }
 

@@ -107,7 +107,9 @@ func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byt
 		_ = conn.SetDeadline(time.Time{})
 		out := append(make([]byte, 0, 256+len(first)), "HTTP/1.1 200 OK\r\n"+
 			"Content-Type: text/event-stream\r\nCache-Control: no-cache\r\nX-Accel-Buffering: no\r\n"+
-			"Connection: close\r\n"+api.EpochHeader+": "...)
+			"Connection: close\r\n"+api.PingHeader+": "...)
+		out = strconv.AppendInt(out, s.ping.Milliseconds(), 10)
+		out = append(out, "\r\n"+api.EpochHeader+": "...)
 		out = append(out, s.info.Epoch...)
 		out = append(out, "\r\n\r\n"...)
 		out = append(out, first...)
@@ -129,6 +131,7 @@ func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byt
 	h.Set("Content-Type", "text/event-stream")
 	h.Set("Cache-Control", "no-cache")
 	h.Set("X-Accel-Buffering", "no")
+	h.Set(api.PingHeader, strconv.FormatInt(s.ping.Milliseconds(), 10))
 	w.WriteHeader(http.StatusOK)
 	// Drain must not wait for a write to a client that does not read. The
 	// deadline is never set once the handler has returned: the
