@@ -89,6 +89,9 @@ const (
 	MaxRetryAfter = 30 * time.Second
 )
 
+// DefaultLeaseMargin is Client.LeaseMargin's default.
+const DefaultLeaseMargin = time.Second
+
 // Client talks to a dlock server as one node. Set the exported fields
 // before the first call; the zero value of every field but Node works. A
 // Client is safe for concurrent use; Close it when done.
@@ -121,15 +124,26 @@ type Client struct {
 	// to a server not yet tried since the last pause goes at once: the
 	// pause comes when every server has failed in turn.
 	RetryInterval time.Duration
-	// RequestTimeout bounds one short request. Default 5 s.
+	// RequestTimeout bounds one attempt of a short request. Default 2 s:
+	// a server that does not answer (frozen, or cut off) is left for the
+	// next of Servers within it (docs/DESIGN.md, "Leases").
 	RequestTimeout time.Duration
 	// PollInterval is how often a waiter polls /status while the session
 	// stream is down (seed 000: 500 ms). While the stream is up it polls
 	// ten times less often, as a safety net.
 	PollInterval time.Duration
 	// RenewInterval is how often held locks are checked and their ttl
-	// leases renewed with /status. Default 10 s.
+	// leases renewed with /status when the server gives no guarantee.
+	// Default 10 s. A hold the server guarantees (every server of this
+	// version does) is confirmed every third of its guarantee instead.
 	RenewInterval time.Duration
+	// LeaseMargin is how long before the end of a server's guarantee a
+	// hold is taken as lost (Result.Lost closes, Do cancels fn with
+	// ErrLockLost), at most a quarter of the guarantee: the time the
+	// caller has to stop its work before any server may hand the lock on,
+	// and the bound on how far this machine's clock may run slow against
+	// the servers'. Default DefaultLeaseMargin (docs/DESIGN.md, "Leases").
+	LeaseMargin time.Duration
 	// ShortClient sends the short requests; default a keep-alive client.
 	ShortClient *http.Client
 	// LongClient holds the session stream; it must have no overall timeout.
@@ -204,7 +218,10 @@ func (c *Client) init() error {
 			c.RetryInterval = 200 * time.Millisecond
 		}
 		if c.RequestTimeout <= 0 {
-			c.RequestTimeout = 5 * time.Second
+			c.RequestTimeout = 2 * time.Second
+		}
+		if c.LeaseMargin <= 0 {
+			c.LeaseMargin = DefaultLeaseMargin
 		}
 		if c.PollInterval <= 0 {
 			c.PollInterval = 500 * time.Millisecond

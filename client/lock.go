@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
+	"sync"
 	"time"
 
 	"github.com/dlock/dlock/api"
@@ -50,8 +51,16 @@ type Result struct {
 	// Token is the grant's fencing token.
 	Token uint64
 	// Lost is closed when the lock is lost while held: the server no longer
-	// has this node as its holder (lease expired, session lost, restart).
+	// has this node as its holder (lease expired, session lost, restart),
+	// or no server confirmed the hold within the lease it guaranteed, which
+	// closes Lost at least Margin before any server may hand the lock on
+	// (docs/DESIGN.md, "Leases"). It is closed by Unlock too.
 	Lost <-chan struct{}
+	// Margin is, when the server guaranteed the hold, how long at least
+	// before the earliest hand-over Lost closes: the time the caller has to
+	// stop its work (dlock run: SIGTERM, then SIGKILL half of it later).
+	// 0 from a server that gives no guarantee.
+	Margin time.Duration
 }
 
 type hintKind int
@@ -107,9 +116,76 @@ type hold struct {
 	token  uint64
 	ctx    context.Context
 	cancel context.CancelCauseFunc
+
+	// The client-side lease (docs/DESIGN.md, "Leases"): the hold is taken
+	// as lost at expires, a margin before the moment the servers
+	// guaranteed it to stand to, counted from when this client sent the
+	// request they answered. leased is false when the server said nothing
+	// of a guarantee (a server older than the lease).
+	mu      sync.Mutex
+	leased  bool
+	expires time.Time
+	timer   *time.Timer
+	g       time.Duration // the last guarantee: how often to renew
+	gmax    time.Duration // the longest guarantee: the margin's scale
 }
 
 func (h *hold) lose() { h.cancel(ErrLockLost) }
+
+// confirm extends the lease: a request sent at sent was answered with a
+// guarantee of ms milliseconds. A guarantee ends the lease no sooner than
+// an earlier one did; a server that cannot vouch (0) extends nothing.
+func (c *Client) confirm(k lock.Key, h *hold, sent time.Time, ms *int64) {
+	if ms == nil {
+		return
+	}
+	g := time.Duration(*ms) * time.Millisecond
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.gmax = max(h.gmax, g)
+	// The margin follows the longest guarantee, not this one: one that
+	// shrinks towards a max hold must leave the whole margin before it.
+	expires := sent.Add(g - c.leaseMargin(h.gmax))
+	if h.leased && !expires.After(h.expires) {
+		return
+	}
+	h.leased, h.expires, h.g = true, expires, g
+	if h.timer != nil {
+		h.timer.Stop()
+	}
+	h.timer = time.AfterFunc(time.Until(expires), func() {
+		if h.ctx.Err() == nil {
+			c.Logger.Warn("lock lost: no server confirmed it within its lease", "key", k.String(), "token", h.token, "lease", g)
+			h.lose()
+		}
+	})
+}
+
+// leaseMargin is how long before the end of a guarantee a hold is taken
+// as lost: LeaseMargin, at most a quarter of g, the hold's longest
+// guarantee, so that a short session grace still leaves room to renew.
+func (c *Client) leaseMargin(g time.Duration) time.Duration {
+	return min(c.LeaseMargin, g/4)
+}
+
+// renewEvery is how often h is confirmed: a third of its guarantee, so that
+// two confirmations may fail before it runs out; RenewInterval without one.
+func (h *hold) renewEvery(def time.Duration) time.Duration {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if !h.leased || h.g == 0 {
+		return def
+	}
+	return max(min(def, h.g/3), 10*time.Millisecond)
+}
+
+func (h *hold) stop() {
+	h.mu.Lock()
+	if h.timer != nil {
+		h.timer.Stop()
+	}
+	h.mu.Unlock()
+}
 
 // Lock takes the lock, waiting in the server's queue if another node holds
 // it. It returns Acquired with the grant's token, or Skipped when another
@@ -147,6 +223,7 @@ func (c *Client) lock(ctx context.Context, req Request) (Result, error) {
 	s := c.ensureSession(ctx)
 	w := c.addWaiter(k)
 	defer c.removeWaiter(k, w)
+	sent := time.Now()
 	res, err := c.tryLock(ctx, req)
 	if err != nil {
 		if ctx.Err() != nil {
@@ -159,7 +236,7 @@ func (c *Client) lock(ctx context.Context, req Request) (Result, error) {
 	}
 	switch {
 	case res.Acquired:
-		return c.acquired(k, res.Token), nil
+		return c.acquired(k, res.Token, sent, res.GuaranteedMs), nil
 	case res.Skip:
 		return Result{Skipped: true, SkippedBy: c.lastCompleter(ctx, k)}, nil
 	}
@@ -204,6 +281,7 @@ func (c *Client) lock(ctx context.Context, req Request) (Result, error) {
 		if !relock {
 			continue
 		}
+		sent := time.Now()
 		res, err := c.tryLock(ctx, req)
 		if err != nil {
 			if ctx.Err() != nil {
@@ -213,7 +291,7 @@ func (c *Client) lock(ctx context.Context, req Request) (Result, error) {
 		}
 		switch {
 		case res.Acquired:
-			return c.acquired(k, res.Token), nil
+			return c.acquired(k, res.Token, sent, res.GuaranteedMs), nil
 		case res.Skip:
 			return Result{Skipped: true, SkippedBy: c.lastCompleter(ctx, k)}, nil
 		}
@@ -299,11 +377,15 @@ func (c *Client) tryLock(ctx context.Context, req Request) (api.LockResponse, er
 	return res, err
 }
 
-func (c *Client) acquired(k lock.Key, token uint64) Result {
+// acquired records a grant: the /lock that won it was sent at sent and
+// answered with guarantee ms.
+func (c *Client) acquired(k lock.Key, token uint64, sent time.Time, ms *int64) Result {
 	hctx, cancel := context.WithCancelCause(c.ctx)
 	h := &hold{token: token, ctx: hctx, cancel: cancel}
+	c.confirm(k, h, sent, ms)
 	c.mu.Lock()
 	if old := c.held[k]; old != nil {
+		old.stop()
 		old.cancel(nil)
 	}
 	c.held[k] = h
@@ -312,7 +394,13 @@ func (c *Client) acquired(k lock.Key, token uint64) Result {
 		c.wg.Go(c.watchHolds)
 	}
 	c.mu.Unlock()
-	return Result{Acquired: true, Token: token, Lost: hctx.Done()}
+	h.mu.Lock()
+	var margin time.Duration
+	if h.leased {
+		margin = c.leaseMargin(h.gmax)
+	}
+	h.mu.Unlock()
+	return Result{Acquired: true, Token: token, Lost: hctx.Done(), Margin: margin}
 }
 
 // lastCompleter names the node of the key's retained completion, for a
@@ -351,6 +439,7 @@ func (c *Client) Unlock(ctx context.Context, req Request, opErr error) error {
 	var token uint64
 	if h != nil {
 		token = h.token
+		h.stop()
 		defer h.cancel(nil)
 	}
 	_, err := c.release(ctx, k, token, opErr)
@@ -396,11 +485,15 @@ func (c *Client) Do(ctx context.Context, req Request, fn func(ctx context.Contex
 	return false, errors.Join(ferr, uerr)
 }
 
-// watchHolds checks held locks every RenewInterval: /status with this node's
-// id renews a ttl lease, and an answer that names another holder or token
-// means the lock was lost.
+// watchHolds confirms held locks: /status with this node's id renews a ttl
+// lease and answers how long the hold is sure to stand, which extends its
+// client-side lease (confirm); an answer that names another holder or
+// token means the lock was lost. Each hold is confirmed every third of its
+// guarantee, or every RenewInterval from a server that gives none
+// (docs/DESIGN.md, "Leases").
 func (c *Client) watchHolds() {
-	t := time.NewTicker(c.RenewInterval)
+	next := map[*hold]time.Time{} // when each hold is confirmed next
+	t := time.NewTimer(0)
 	defer t.Stop()
 	for {
 		select {
@@ -416,15 +509,48 @@ func (c *Client) watchHolds() {
 			}
 		}
 		c.mu.Unlock()
+		now := time.Now()
+		wake := now.Add(c.RenewInterval)
+		var wg sync.WaitGroup
+		seen := make(map[*hold]bool, len(holds))
 		for k, h := range holds {
-			st, err := c.status(c.ctx, k, true)
-			if err != nil {
-				continue // unknown: the lease decides, and the next check sees it
+			seen[h] = true
+			at, ok := next[h]
+			if !ok {
+				at = now.Add(h.renewEvery(c.RenewInterval))
 			}
-			if st.Holder != c.Node || st.Token != h.token {
-				c.Logger.Warn("lock lost", "key", k.String(), "token", h.token, "holder", st.Holder)
-				h.lose()
+			if !at.After(now) {
+				// Confirmed one at a time each, all at once: a slow answer
+				// for one hold must not starve another's lease.
+				wg.Go(func() { c.confirmHold(k, h) })
+				at = now.Add(h.renewEvery(c.RenewInterval))
+			}
+			next[h] = at
+			if at.Before(wake) {
+				wake = at
 			}
 		}
+		wg.Wait()
+		for h := range next {
+			if !seen[h] {
+				delete(next, h)
+			}
+		}
+		t.Reset(max(time.Until(wake), time.Millisecond))
 	}
+}
+
+// confirmHold asks the server about one hold (watchHolds).
+func (c *Client) confirmHold(k lock.Key, h *hold) {
+	sent := time.Now()
+	st, err := c.status(h.ctx, k, true)
+	if err != nil {
+		return // unknown: the lease decides, and the next check sees it
+	}
+	if st.Holder != c.Node || st.Token != h.token {
+		c.Logger.Warn("lock lost", "key", k.String(), "token", h.token, "holder", st.Holder)
+		h.lose()
+		return
+	}
+	c.confirm(k, h, sent, st.GuaranteedMs)
 }

@@ -14,6 +14,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/dlock/dlock/api"
@@ -173,6 +174,17 @@ func (s *session) stream(ctx context.Context, first *bool) (connected bool, err 
 	if resp.StatusCode != http.StatusOK {
 		return false, refused(resp)
 	}
+	// A stream silent for twice the server's ping interval is on a server
+	// that hung or was cut off: dropped, and reopened on the next server
+	// (docs/DESIGN.md, "Leases"). A server that does not say its interval
+	// pings at least every 15 s.
+	silence := 2*15*time.Second + time.Second
+	if ms, err := strconv.ParseInt(resp.Header.Get(api.PingHeader), 10, 64); err == nil && ms > 0 {
+		silence = 2*time.Duration(ms)*time.Millisecond + time.Second
+	}
+	var silent atomic.Bool
+	watchdog := time.AfterFunc(silence, func() { silent.Store(true); cancel() })
+	defer watchdog.Stop()
 	// The buffer is the bound on a line: a longer one is a broken stream,
 	// dropped and reopened like any other.
 	r := bufio.NewReaderSize(resp.Body, MaxEventLine)
@@ -183,8 +195,12 @@ func (s *session) stream(ctx context.Context, first *bool) (connected bool, err 
 			return connected, fmt.Errorf("subscribe: %w: an event line over %d bytes", ErrAnswerTooLarge, MaxEventLine)
 		}
 		if err != nil {
+			if silent.Load() {
+				return connected, fmt.Errorf("%w: the session stream was silent for %v", errStreamSilent, silence)
+			}
 			return connected, err
 		}
+		watchdog.Reset(silence)
 		line := strings.TrimRight(string(raw), "\r\n")
 		switch {
 		case line == "":
@@ -222,6 +238,10 @@ func (s *session) stream(ctx context.Context, first *bool) (connected bool, err 
 		}
 	}
 }
+
+// errStreamSilent is a stream that heard nothing, not even a ping, for
+// twice the server's ping interval.
+var errStreamSilent = errors.New("dlock: session stream silent")
 
 // streamElsewhere reports a stream that failed for its server, so that
 // another server may hold it: a network error, a stream that ended or
