@@ -17,19 +17,19 @@ import (
 )
 
 func TestParseServeConns(t *testing.T) {
-	env := map[string]string{"DLOCK_MAX_CONNS": "5", "DLOCK_READ_TIMEOUT": "3s", "DLOCK_WRITE_TIMEOUT": "4s", "DLOCK_SHUTDOWN_TIMEOUT": "7s"}
-	c, err := parseServe([]string{"--read-timeout", "2s"}, func(k string) string { return env[k] }, io.Discard)
+	env := map[string]string{"DLOCK_MAX_CONNS": "5", "DLOCK_READ_TIMEOUT": "3s", "DLOCK_WRITE_TIMEOUT": "4s", "DLOCK_SHUTDOWN_TIMEOUT": "7s", "DLOCK_PING_INTERVAL": "500ms"}
+	c, err := parseServe([]string{"--read-timeout", "2s", "--dead-peer-timeout", "1500ms"}, func(k string) string { return env[k] }, io.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.conns != (connConfig{max: 5, read: 2 * time.Second, write: 4 * time.Second, shutdown: 7 * time.Second}) {
+	if c.conns != (connConfig{max: 5, read: 2 * time.Second, write: 4 * time.Second, shutdown: 7 * time.Second, ping: 500 * time.Millisecond, deadPeer: 1500 * time.Millisecond}) {
 		t.Errorf("got %+v", c.conns)
 	}
 	d, err := parseServe(nil, func(string) string { return "" }, io.Discard)
-	if err != nil || d.conns != (connConfig{max: 0, read: 10 * time.Second, write: 10 * time.Second, shutdown: 10 * time.Second}) {
+	if err != nil || d.conns != (connConfig{max: 0, read: 10 * time.Second, write: 10 * time.Second, shutdown: 10 * time.Second, ping: time.Second, deadPeer: 3 * time.Second}) {
 		t.Errorf("defaults: %+v %v", d.conns, err)
 	}
-	for _, args := range [][]string{{"--max-conns", "-1"}, {"--read-timeout", "0s"}, {"--write-timeout", "-1s"}, {"--shutdown-timeout", "0s"}} {
+	for _, args := range [][]string{{"--max-conns", "-1"}, {"--read-timeout", "0s"}, {"--write-timeout", "-1s"}, {"--shutdown-timeout", "0s"}, {"--ping-interval", "1ms"}, {"--dead-peer-timeout", "10ms"}} {
 		if _, err := parseServe(args, func(string) string { return "" }, io.Discard); err == nil {
 			t.Errorf("%v accepted", args)
 		}

@@ -29,6 +29,8 @@ type connConfig struct {
 	read     time.Duration
 	write    time.Duration
 	shutdown time.Duration
+	ping     time.Duration // --ping-interval
+	deadPeer time.Duration // --dead-peer-timeout
 }
 
 // serveConfig is everything `dlock serve` can be told.
@@ -111,6 +113,8 @@ func parseServe(args []string, getenv func(string) string, stderr io.Writer) (se
 	fs.StringVar(&c.creds.tlsCert, "tls-cert", "", "serve HTTPS only, with this certificate chain (PEM; re-read on SIGHUP)")
 	fs.StringVar(&c.creds.tlsKey, "tls-key", "", "the private key (PEM) of --tls-cert")
 	fs.StringVar(&c.creds.clientCA, "client-ca", "", "CA certificates (PEM) that sign client certificates: every request but /healthz then needs one, and acts only as a node it names (CN or DNS SAN; re-read on SIGHUP)")
+	fs.DurationVar(&c.conns.ping, "ping-interval", server.DefaultPingInterval, "longest an event stream stays silent: a ping is sent when nothing else was; clients leave a stream silent for twice it")
+	fs.DurationVar(&c.conns.deadPeer, "dead-peer-timeout", server.DefaultDeadPeer, "a connection whose sent data stays unacknowledged this long is dropped (TCP_USER_TIMEOUT): a node that vanished is noticed within --ping-interval plus this")
 	fs.DurationVar(&c.conns.shutdown, "shutdown-timeout", 10*time.Second, "longest a shutdown waits for requests in progress before it closes every connection")
 	if err := fs.Parse(args); err != nil {
 		return c, err
@@ -144,6 +148,9 @@ func parseServe(args []string, getenv func(string) string, stderr io.Writer) (se
 	}
 	if c.conns.max < 0 || c.conns.read <= 0 || c.conns.write <= 0 || c.conns.shutdown <= 0 {
 		return c, errors.New("--max-conns must not be negative, and --read-timeout, --write-timeout and --shutdown-timeout must be positive")
+	}
+	if c.conns.ping < 10*time.Millisecond || c.conns.deadPeer < 100*time.Millisecond {
+		return c, fmt.Errorf("--ping-interval must be at least 10ms and --dead-peer-timeout at least 100ms, not %v and %v", c.conns.ping, c.conns.deadPeer)
 	}
 	if err := c.creds.validate(); err != nil {
 		return c, err
@@ -217,11 +224,10 @@ func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	srv := server.New(m, server.Options{Logger: log, MaxConns: c.conns.max, ReadTimeout: c.conns.read, WriteTimeout: c.conns.write, Tokens: tokens, TLS: certs, EventLoop: c.useEventLoop()})
+	srv := server.New(m, server.Options{Logger: log, PingInterval: c.conns.ping, MaxConns: c.conns.max, ReadTimeout: c.conns.read, WriteTimeout: c.conns.write, Tokens: tokens, TLS: certs, EventLoop: c.useEventLoop()})
 	stopReload := reloadOn(c.reload, srv, log)
 	defer stopReload()
-	ping := min(15*time.Second, c.rules.LockTTL/4)
-	ln, err := server.Listen(ctx, c.listen, ping)
+	ln, err := server.Listen(ctx, c.listen, c.conns.ping, c.conns.deadPeer)
 	if err != nil {
 		return err
 	}
