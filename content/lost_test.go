@@ -397,3 +397,30 @@ func TestCommitAndUpdateLockLost(t *testing.T) {
 		t.Fatalf("labels written under a lost lock: %v", err)
 	}
 }
+
+// TestTwoWritersOneNode: two writers of one blob on one node (two
+// namespaces pulling one layer) share the node's pull lock; the first
+// commit's unlock ends the hold, and the second commit, which finds the
+// blob in place and has nothing to move, still succeeds.
+func TestTwoWritersOneNode(t *testing.T) {
+	e := newStoreEnv(t, nil)
+	a := e.storeVia("a", e.srv.URL())
+	data := []byte("one layer, two namespaces")
+	d := digest.FromBytes(data)
+	var ws []content.Writer
+	for _, ref := range []string{"ns1/1/layer-", "ns2/2/layer-"} {
+		w, err := a.Writer(t.Context(), content.WithRef(ref+d.String()), content.WithDescriptor(ocispec.Descriptor{Size: int64(len(data))}))
+		if err != nil {
+			t.Fatalf("writer %s: %v", ref, err)
+		}
+		defer w.Close()
+		w.Write(data)
+		ws = append(ws, w)
+	}
+	for i, w := range ws {
+		if err := w.Commit(t.Context(), int64(len(data)), d); err != nil {
+			t.Fatalf("commit %d: %v", i, err)
+		}
+	}
+	checkIntact(t, e.root, d)
+}

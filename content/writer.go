@@ -115,18 +115,12 @@ func (w *writer) Commit(ctx context.Context, size int64, expected digest.Digest,
 	}
 	committed := false
 	if err == nil || errdefs.IsAlreadyExists(err) {
-		// A hold known lost leaves the blob in this node's ingest folder,
-		// which the next writer of the digest here clears (dropLeftover).
-		if herr := w.s.held(*w.req, w.lost, stepPublish); herr != nil {
-			err = herr
-		} else {
-			var perr error
-			committed, perr = w.s.publish(w.dgst)
-			if perr != nil {
-				err = perr
-			} else if !committed && err == nil {
-				err = fmt.Errorf("content %v: the committed blob is gone: %w", w.dgst, errdefs.ErrAborted)
-			}
+		var perr error
+		committed, perr = w.s.publish(w.dgst, *w.req, w.lost)
+		if perr != nil {
+			err = perr
+		} else if !committed && err == nil {
+			err = fmt.Errorf("content %v: the committed blob is gone: %w", w.dgst, errdefs.ErrAborted)
 		}
 	}
 	w.done = true
