@@ -380,7 +380,7 @@ func (s *Store) restore(dgst digest.Digest, trash string, why error) {
 			if err := s.labels.restore(dgst, trash+labelsSuffix); err != nil {
 				s.log.Warn("delete undone; its labels could not be put back", "digest", dgst, "err", err)
 			}
-			s.log.Warn("delete undone: the lock did not confirm it; blob restored", "digest", dgst, "err", why)
+			s.log.Warn("delete undone: its hold is lost or its unlock unconfirmed; blob restored", "digest", dgst, "err", why)
 			return
 		}
 	}
