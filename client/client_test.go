@@ -344,6 +344,57 @@ func TestDoLockLost(t *testing.T) {
 	})
 }
 
+// TestTryAcquireLost: a TryAcquire grant is watched as Lock's are: its
+// lost channel closes when the server takes the hold back, and a Release
+// with its token ends the watch. A refused TryAcquire has no channel.
+func TestTryAcquireLost(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		srv := startInMemory(t, func(c *memory.Config) { c.MaxHold = 300 * time.Millisecond })
+		a, b := newClient(t, srv, "a"), newClient(t, srv, "b")
+		res, lost, err := a.TryAcquire(t.Context(), pull)
+		if err != nil || !res.Acquired || lost == nil {
+			t.Fatalf("TryAcquire of a free key: %+v %v %v", res, lost, err)
+		}
+		again, lost2, err := a.TryAcquire(t.Context(), pull)
+		if err != nil || again.Token != res.Token || lost2 != lost {
+			t.Fatalf("a asks again: %+v %v, want the same grant and channel", again, err)
+		}
+		if queued, lostB, err := b.TryAcquire(t.Context(), pull); err != nil || queued.Acquired || lostB != nil {
+			t.Fatalf("TryAcquire of a held key: %+v %v %v", queued, lostB, err)
+		}
+		select {
+		case <-lost:
+			t.Fatal("lost closed while the lock is held")
+		default:
+		}
+		start := time.Now()
+		<-lost // the client-side lease ends a margin before the max hold
+		if d, margin := time.Since(start), 300*time.Millisecond/4; d != 300*time.Millisecond-margin {
+			t.Fatalf("lost after %v, want %v: the 300ms max hold less the margin", d, 300*time.Millisecond-margin)
+		}
+		b.Cancel(t.Context(), pull)
+
+		res, lost, err = a.TryAcquire(t.Context(), pull)
+		if err != nil || !res.Acquired {
+			t.Fatalf("TryAcquire after the hand-off: %+v %v", res, err)
+		}
+		if _, err := a.Release(t.Context(), pull, res.Token, nil); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case <-lost:
+		default:
+			t.Fatal("lost still open after the Release")
+		}
+		a.mu.Lock()
+		n := len(a.held)
+		a.mu.Unlock()
+		if n != 0 {
+			t.Fatalf("%d holds watched after the Release", n)
+		}
+	})
+}
+
 func TestErrorClasses(t *testing.T) {
 	srv := startServer(t, func(c *memory.Config) { c.AllowMultiNodeDownload = false })
 	a, b := newClient(t, srv, "a"), newClient(t, srv, "b")

@@ -111,11 +111,13 @@ func (c *Client) hintWaiters(k lock.Key, h hint) {
 }
 
 // hold is a lock this client took with Lock; it stays until Unlock, lost
-// or not, and owns the key's gate until then.
+// or not, and owns the key's gate until then. A grant of TryAcquire is a
+// hold too, without a gate (tried), until a Release with its token.
 type hold struct {
 	token  uint64
 	ctx    context.Context
 	cancel context.CancelCauseFunc
+	tried  bool
 
 	// The client-side lease (docs/DESIGN.md, "Leases"): the hold is taken
 	// as lost at expires, a margin before the moment the servers
@@ -330,14 +332,47 @@ func (c *Client) TryLock(ctx context.Context, req Request) (api.LockResponse, er
 	return c.tryLock(ctx, req)
 }
 
+// TryAcquire is TryLock for a caller that must know when a grant is lost,
+// as Lock's callers do: when the answer is Acquired, lost is closed once
+// this client learns that the server no longer has the hold (the check
+// every RenewInterval, a server restart), and nil otherwise. It neither
+// waits nor takes the key's turn among this Client's Lock callers, so it
+// is not for a key this Client holds with Lock. A Release with the
+// grant's token ends the watch, and closes lost.
+func (c *Client) TryAcquire(ctx context.Context, req Request) (res api.LockResponse, lost <-chan struct{}, err error) {
+	if err := c.prepare(req); err != nil {
+		return api.LockResponse{}, nil, err
+	}
+	sent := time.Now()
+	res, err = c.tryLock(ctx, req)
+	if err != nil || !res.Acquired {
+		return res, nil, err
+	}
+	return res, c.watch(req.key(), res.Token, true, sent, res.GuaranteedMs).ctx.Done(), nil
+}
+
 // Release sends one /unlock with the given token (0: not checked): success
 // when opErr is nil. Unlike Unlock it works without a Lock of this Client,
-// for a lock taken by TryLock or by another process of the same node.
+// for a lock taken by TryLock or by another process of the same node. It
+// ends the watch of a TryAcquire grant with that token, whatever the answer.
 func (c *Client) Release(ctx context.Context, req Request, token uint64, opErr error) (api.UnlockResponse, error) {
 	if err := c.prepare(req); err != nil {
 		return api.UnlockResponse{}, err
 	}
-	return c.release(ctx, req.key(), token, opErr)
+	k := req.key()
+	c.mu.Lock()
+	h := c.held[k]
+	if h != nil && h.tried && h.token == token {
+		delete(c.held, k)
+	} else {
+		h = nil
+	}
+	c.mu.Unlock()
+	if h != nil {
+		h.stop()
+		defer h.cancel(nil)
+	}
+	return c.release(ctx, k, token, opErr)
 }
 
 func (c *Client) release(ctx context.Context, k lock.Key, token uint64, opErr error) (api.UnlockResponse, error) {
@@ -377,14 +412,34 @@ func (c *Client) tryLock(ctx context.Context, req Request) (api.LockResponse, er
 	return res, err
 }
 
-// acquired records a grant: the /lock that won it was sent at sent and
-// answered with guarantee ms.
+// acquired records a grant of Lock: the /lock that won it was sent at sent
+// and answered with guarantee ms.
 func (c *Client) acquired(k lock.Key, token uint64, sent time.Time, ms *int64) Result {
-	hctx, cancel := context.WithCancelCause(c.ctx)
-	h := &hold{token: token, ctx: hctx, cancel: cancel}
-	c.confirm(k, h, sent, ms)
+	h := c.watch(k, token, false, sent, ms)
+	h.mu.Lock()
+	var margin time.Duration
+	if h.leased {
+		margin = c.leaseMargin(h.gmax)
+	}
+	h.mu.Unlock()
+	return Result{Acquired: true, Token: token, Lost: h.ctx.Done(), Margin: margin}
+}
+
+// watch makes a grant a hold, checked by watchHolds, its lease running from
+// sent (confirm). A TryAcquire grant with the token of a hold already
+// watched (one node asking twice) shares that hold: the server has one.
+func (c *Client) watch(k lock.Key, token uint64, tried bool, sent time.Time, ms *int64) *hold {
 	c.mu.Lock()
-	if old := c.held[k]; old != nil {
+	defer c.mu.Unlock()
+	old := c.held[k]
+	if tried && old != nil && old.token == token && old.ctx.Err() == nil {
+		c.confirm(k, old, sent, ms)
+		return old
+	}
+	hctx, cancel := context.WithCancelCause(c.ctx)
+	h := &hold{token: token, ctx: hctx, cancel: cancel, tried: tried}
+	c.confirm(k, h, sent, ms)
+	if old != nil {
 		old.stop()
 		old.cancel(nil)
 	}
@@ -393,14 +448,7 @@ func (c *Client) acquired(k lock.Key, token uint64, sent time.Time, ms *int64) R
 		c.monitor = true
 		c.wg.Go(c.watchHolds)
 	}
-	c.mu.Unlock()
-	h.mu.Lock()
-	var margin time.Duration
-	if h.leased {
-		margin = c.leaseMargin(h.gmax)
-	}
-	h.mu.Unlock()
-	return Result{Acquired: true, Token: token, Lost: hctx.Done(), Margin: margin}
+	return h
 }
 
 // lastCompleter names the node of the key's retained completion, for a
@@ -443,7 +491,7 @@ func (c *Client) Unlock(ctx context.Context, req Request, opErr error) error {
 		defer h.cancel(nil)
 	}
 	_, err := c.release(ctx, k, token, opErr)
-	if h != nil {
+	if h != nil && !h.tried {
 		c.releaseGate(k, err == nil && opErr == nil)
 	}
 	return err

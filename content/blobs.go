@@ -15,6 +15,8 @@ import (
 	"github.com/containerd/containerd/v2/pkg/filters"
 	"github.com/containerd/errdefs"
 	"github.com/opencontainers/go-digest"
+
+	"github.com/dlock/dlock/client"
 )
 
 // The shared blobs, in containerd's local layout (blobs/<alg>/<hex>), read
@@ -193,9 +195,12 @@ func (s *Store) updateLabels(info content.Info, fieldpaths ...string) (content.I
 
 // publish moves a blob this node committed into its ingest folder
 // (<ingest>/blobs/<alg>/<hex>) into the shared blobs. The caller holds the
-// blob's pull lock. A blob already there stays, and the copy goes:
-// committed reports that the shared blob exists either way.
-func (s *Store) publish(d digest.Digest) (committed bool, err error) {
+// blob's pull lock, req, whose lost channel is lost. A blob already there
+// stays, and the copy goes: committed reports that the shared blob exists
+// either way. A hold known lost before the move leaves the copy in this
+// node's ingest folder, which the next writer of the digest here clears
+// (dropLeftover).
+func (s *Store) publish(d digest.Digest, req client.Request, lost <-chan struct{}) (committed bool, err error) {
 	src := path.Join(s.ingestRel, blobPath(d))
 	if _, err := lstatRegular(s.root, src); err != nil {
 		if errors.Is(err, fs.ErrNotExist) {
@@ -206,6 +211,9 @@ func (s *Store) publish(d digest.Digest) (committed bool, err error) {
 	if s.exists(d) {
 		s.root.Remove(src)
 		return true, nil
+	}
+	if err := s.held(req, lost, stepPublish); err != nil {
+		return false, err
 	}
 	// A rename replaces whatever name is at the target (a planted symlink
 	// included) without following it.

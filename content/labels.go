@@ -75,6 +75,28 @@ func (l *labelStore) remove(d digest.Digest) error {
 	return nil
 }
 
+// move moves a blob's labels, if any, to name (into the trash, beside
+// the blob); a symlink planted there is moved as a name, never followed.
+func (l *labelStore) move(d digest.Digest, name string) error {
+	if err := l.root.Rename(labelPath(d), name); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return err
+	}
+	return nil
+}
+
+// restore puts back labels that move took to name, unless the blob has
+// labels again; name goes either way.
+func (l *labelStore) restore(d digest.Digest, name string) error {
+	var err error
+	if _, serr := l.root.Lstat(labelPath(d)); errors.Is(serr, fs.ErrNotExist) {
+		if err = l.root.Rename(name, labelPath(d)); err == nil || errors.Is(err, fs.ErrNotExist) {
+			return nil
+		}
+	}
+	l.root.Remove(name)
+	return err
+}
+
 func (l *labelStore) Update(d digest.Digest, update map[string]string) (map[string]string, error) {
 	labels, err := l.Get(d)
 	if err != nil {

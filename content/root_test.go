@@ -158,8 +158,12 @@ func TestPlantedSymlinks(t *testing.T) {
 		os.MkdirAll(outTrash, 0o755)
 		plant(t, filepath.Join(e.root, "trash"), outTrash)
 		var trashed []string
-		a.afterTrash = func() { trashed = files(t, outTrash) }
-		defer func() { a.afterTrash = nil }()
+		a.testHook = func(step string, _ <-chan struct{}) {
+			if step == stepUnlink {
+				trashed = files(t, outTrash)
+			}
+		}
+		defer func() { a.testHook = nil }()
 		if err := a.Delete(ctx, d); err != nil {
 			t.Fatal(err)
 		}

@@ -71,7 +71,9 @@ type Store struct {
 	refs     map[digest.Digest]struct{} // blobs this node has registered a reference for
 	refEpoch string                     // the server epoch refs belong to
 
-	afterTrash func() // test hook: runs between a delete's rename and its unlock
+	// testHook, set by tests only, runs in held, before the check: a test
+	// stops a call there, between two of its steps.
+	testHook func(step string, lost <-chan struct{})
 
 	// background retries of unlocks that failed inside containerd's calls
 	ctx    context.Context
@@ -288,8 +290,13 @@ func (s *Store) Abort(ctx context.Context, ref string) error {
 // no node references the blob any more, removes it under the delete lock:
 // the blob is moved to a trash name carrying the lock's token and unlinked
 // only if the unlock with that token succeeds, so a delete whose lock expired
-// meanwhile can never remove a blob a new pull committed. It returns nil
-// whenever it leaves the blob in place: one error stops the collector's walk.
+// meanwhile can never remove a blob a new pull committed. Its labels go
+// with it. A hold known lost before the move or before the unlock stops
+// the delete there (held), and the blob is put back. Delete returns an
+// error, wrapping client.ErrLockLost, only when its hold turned out lost:
+// the node is likely cut off from the lock service, and the error stops
+// its collector's walk. It returns nil whenever it leaves the blob in
+// place for another reason.
 func (s *Store) Delete(ctx context.Context, dgst digest.Digest) error {
 	if err := dgst.Validate(); err != nil {
 		return fmt.Errorf("%v: %w", err, errdefs.ErrInvalidArgument)
@@ -307,7 +314,7 @@ func (s *Store) Delete(ctx context.Context, dgst digest.Digest) error {
 	}
 	req := client.Request{Type: lock.Delete, Resource: dgst.String(), Lease: lock.LeaseSession}
 	cctx, cancel = s.call(ctx)
-	res, err := s.c.TryLock(cctx, req)
+	res, lost, err := s.c.TryAcquire(cctx, req)
 	cancel()
 	if err != nil {
 		return nil // in use, being pulled or deleted: the blob stays for now
@@ -321,6 +328,10 @@ func (s *Store) Delete(ctx context.Context, dgst digest.Digest) error {
 	// what a symlink planted there points to.
 	blob := blobPath(dgst)
 	trash := fmt.Sprintf("trash/%s-%s-%d", dgst.Algorithm(), dgst.Encoded(), res.Token)
+	if err := s.held(req, lost, stepTrash); err != nil {
+		s.unlock(ctx, req, res.Token, err)
+		return err
+	}
 	if err := s.root.Rename(blob, trash); err != nil {
 		opErr := err
 		if errors.Is(err, fs.ErrNotExist) {
@@ -329,8 +340,15 @@ func (s *Store) Delete(ctx context.Context, dgst digest.Digest) error {
 		s.unlock(ctx, req, res.Token, opErr)
 		return nil
 	}
-	if s.afterTrash != nil {
-		s.afterTrash()
+	if err := s.labels.move(dgst, trash+labelsSuffix); err != nil {
+		s.log.Warn("delete: moving the labels into the trash failed", "digest", dgst, "err", err)
+	}
+	// A successful unlock is what licenses the unlink: the check before
+	// the unlink comes before the unlock, after which the hold is over.
+	if err := s.held(req, lost, stepUnlink); err != nil {
+		s.restore(dgst, trash, err)
+		s.unlock(ctx, req, res.Token, err)
+		return err
 	}
 	cctx, cancel = s.call(ctx)
 	_, err = s.c.Release(cctx, req, res.Token, nil)
@@ -338,20 +356,60 @@ func (s *Store) Delete(ctx context.Context, dgst digest.Digest) error {
 	if err != nil {
 		// Not confirmed (the lock may have expired and a pull committed the
 		// blob anew): put it back unless a new copy is there already.
-		if _, serr := s.root.Lstat(blob); errors.Is(serr, fs.ErrNotExist) {
-			if rerr := s.root.Rename(trash, blob); rerr == nil {
-				s.log.Warn("delete not confirmed by the lock server; blob restored", "digest", dgst, "err", err)
-				return nil
-			}
+		s.restore(dgst, trash, err)
+		if errors.Is(err, client.ErrNotHolder) || errors.Is(err, client.ErrStaleToken) {
+			return fmt.Errorf("content %v: the unlock that confirms the delete was refused: %w: %w", dgst, client.ErrLockLost, err)
 		}
-		s.root.Remove(trash)
 		return nil
 	}
 	s.root.Remove(trash)
-	if err := s.labels.remove(dgst); err != nil {
-		s.log.Warn("delete: removing the labels failed", "digest", dgst, "err", err)
-	}
+	s.root.Remove(trash + labelsSuffix)
 	return nil
+}
+
+// labelsSuffix names the labels of a blob in the trash, beside it.
+const labelsSuffix = ".labels"
+
+// restore puts back a blob that a delete moved into the trash and must not
+// unlink, with its labels, unless a new copy is in place already; the
+// trashed copy goes then.
+func (s *Store) restore(dgst digest.Digest, trash string, why error) {
+	blob := blobPath(dgst)
+	if _, err := s.root.Lstat(blob); errors.Is(err, fs.ErrNotExist) {
+		if err := s.root.Rename(trash, blob); err == nil {
+			if err := s.labels.restore(dgst, trash+labelsSuffix); err != nil {
+				s.log.Warn("delete undone; its labels could not be put back", "digest", dgst, "err", err)
+			}
+			s.log.Warn("delete undone: its hold is lost or its unlock unconfirmed; blob restored", "digest", dgst, "err", why)
+			return
+		}
+	}
+	s.root.Remove(trash)
+	s.root.Remove(trash + labelsSuffix)
+}
+
+// The steps taken under a lock that other nodes see, as held names them.
+const (
+	stepTrash   = "moving the blob into the trash"
+	stepUnlink  = "unlinking the trashed blob"
+	stepPublish = "moving the committed blob into the shared folder"
+	stepLabels  = "changing the labels"
+)
+
+// held comes right before each step that changes the shared root under a
+// lock: when this node's client knows the hold is lost (lost is closed),
+// it returns an error wrapping client.ErrLockLost, and errdefs'
+// ErrUnavailable for containerd, and the caller does not take the step.
+func (s *Store) held(req client.Request, lost <-chan struct{}, step string) error {
+	if s.testHook != nil {
+		s.testHook(step, lost)
+	}
+	select {
+	case <-lost:
+		return fmt.Errorf("content %s: %s skipped: this node's %s lock is lost: %w: %w", req.Resource, step, req.Type, client.ErrLockLost, errdefs.ErrUnavailable)
+	default:
+		return nil
+	}
 }
 
 // Update changes a blob's labels under the update lock, which the server
@@ -360,7 +418,7 @@ func (s *Store) Delete(ctx context.Context, dgst digest.Digest) error {
 func (s *Store) Update(ctx context.Context, info content.Info, fieldpaths ...string) (content.Info, error) {
 	req := client.Request{Type: lock.Update, Resource: info.Digest.String(), Lease: lock.LeaseSession}
 	cctx, cancel := s.call(ctx)
-	res, err := s.c.TryLock(cctx, req)
+	res, lost, err := s.c.TryAcquire(cctx, req)
 	cancel()
 	switch {
 	case errors.Is(err, client.ErrInUse), errors.Is(err, client.ErrDeleting):
@@ -370,6 +428,10 @@ func (s *Store) Update(ctx context.Context, info content.Info, fieldpaths ...str
 	case !res.Acquired:
 		s.cancelWait(req)
 		return content.Info{}, fmt.Errorf("content %v: another node is updating it: %w", info.Digest, errdefs.ErrUnavailable)
+	}
+	if err := s.held(req, lost, stepLabels); err != nil {
+		s.unlock(ctx, req, res.Token, err)
+		return content.Info{}, err
 	}
 	out, err := s.updateLabels(info, fieldpaths...)
 	s.unlock(ctx, req, res.Token, err)

@@ -203,14 +203,17 @@ func TestDeleteNotConfirmed(t *testing.T) {
 	e := newStoreEnv(t, nil)
 	a := e.store("a")
 	d := commitBlob(t, a, []byte("precious"))
-	a.afterTrash = func() {
+	a.testHook = func(step string, _ <-chan struct{}) {
+		if step != stepUnlink {
+			return
+		}
 		// The server takes the lock back (as an expiry would).
 		if _, err := e.srv.Backend.Cancel(context.Background(), lock.Delete, d.String(), "a"); err != nil {
 			t.Error(err)
 		}
 	}
-	if err := a.Delete(t.Context(), d); err != nil {
-		t.Fatal(err)
+	if err := a.Delete(t.Context(), d); !errors.Is(err, client.ErrLockLost) {
+		t.Fatalf("delete whose unlock is refused: %v, want ErrLockLost", err)
 	}
 	if !blobExists(e.root, d) {
 		t.Fatal("blob removed although the delete was not confirmed")

@@ -51,7 +51,7 @@ func (s *Store) Writer(ctx context.Context, opts ...content.WriterOpt) (content.
 	}
 	req := client.Request{Type: lock.Pull, Resource: dgst.String(), Lease: lock.LeaseSession}
 	cctx, cancel := s.call(ctx)
-	res, err := s.c.TryLock(cctx, req)
+	res, lost, err := s.c.TryAcquire(cctx, req)
 	cancel()
 	switch {
 	case err != nil:
@@ -77,7 +77,7 @@ func (s *Store) Writer(ctx context.Context, opts ...content.WriterOpt) (content.
 		}
 		return nil, err
 	}
-	return &writer{Writer: w, s: s, dgst: dgst, req: &req, token: res.Token}, nil
+	return &writer{Writer: w, s: s, dgst: dgst, req: &req, token: res.Token, lost: lost}, nil
 }
 
 // writer is a local ingest writer that commits into this node's ingest
@@ -91,6 +91,7 @@ type writer struct {
 	dgst  digest.Digest   // the digest locked; "" until a lock is taken
 	req   *client.Request // nil until a lock is taken
 	token uint64
+	lost  <-chan struct{} // the hold's, closed once it is known lost
 	done  bool
 }
 
@@ -115,7 +116,7 @@ func (w *writer) Commit(ctx context.Context, size int64, expected digest.Digest,
 	committed := false
 	if err == nil || errdefs.IsAlreadyExists(err) {
 		var perr error
-		committed, perr = w.s.publish(w.dgst)
+		committed, perr = w.s.publish(w.dgst, *w.req, w.lost)
 		if perr != nil {
 			err = perr
 		} else if !committed && err == nil {
@@ -154,7 +155,7 @@ func (w *writer) lockForCommit(ctx context.Context, expected digest.Digest) erro
 	}
 	req := client.Request{Type: lock.Pull, Resource: dgst.String(), Lease: lock.LeaseSession}
 	cctx, cancel := w.s.call(ctx)
-	res, err := w.s.c.TryLock(cctx, req)
+	res, lost, err := w.s.c.TryAcquire(cctx, req)
 	cancel()
 	switch {
 	case err != nil:
@@ -174,7 +175,7 @@ func (w *writer) lockForCommit(ctx context.Context, expected digest.Digest) erro
 		return w.alreadyThere(ctx, dgst)
 	}
 	w.s.dropLeftover(dgst)
-	w.dgst, w.req, w.token = dgst, &req, res.Token
+	w.dgst, w.req, w.token, w.lost = dgst, &req, res.Token, lost
 	return nil
 }
 
