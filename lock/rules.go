@@ -33,6 +33,15 @@ type Rules struct {
 	ClaimTimeout time.Duration
 	// MaxHold bounds how long any grant may be held; 0 means unlimited.
 	MaxHold time.Duration
+	// LockDelay keeps a key reserved for this long after a hold ended
+	// because its lease ran out (its ttl expired or its session was lost),
+	// as Consul's lock-delay does: the holder may have been paused or cut
+	// off and still be running, so the key is handed on, to the waiters
+	// in their order, only once the delay has passed, and a node that asks
+	// meanwhile is queued behind them. Ends by unlock, cancel, claim
+	// timeout and max hold are not delayed (docs/DESIGN.md, "Leases").
+	// 0 turns the delay off.
+	LockDelay time.Duration
 	// StreamBuffer is the number of undelivered events a stream may have
 	// before it is closed as too slow.
 	StreamBuffer int
@@ -110,6 +119,9 @@ func (c Rules) Validate() error {
 	}
 	if c.MaxHold < 0 {
 		errs = append(errs, fmt.Errorf("max hold must not be negative, not %v", c.MaxHold))
+	}
+	if c.LockDelay < 0 {
+		errs = append(errs, fmt.Errorf("lock delay must not be negative (0: off), not %v", c.LockDelay))
 	}
 	if c.StreamBuffer < 1 {
 		errs = append(errs, fmt.Errorf("stream buffer must be at least 1, not %d", c.StreamBuffer))

@@ -297,10 +297,16 @@ var (
 )
 
 // HeldError is returned when multi-node download mode is off and another node
-// holds the key. It matches ErrLockHeld.
+// holds the key, or the key is reserved by Rules.LockDelay (Holder is then
+// ""). It matches ErrLockHeld.
 type HeldError struct{ Holder string }
 
-func (e *HeldError) Error() string { return "lock is held by " + e.Holder }
+func (e *HeldError) Error() string {
+	if e.Holder == "" {
+		return "lock is reserved until its lock delay has passed"
+	}
+	return "lock is held by " + e.Holder
+}
 
 // Unwrap makes errors.Is(err, ErrLockHeld) true.
 func (e *HeldError) Unwrap() error { return ErrLockHeld }

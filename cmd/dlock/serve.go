@@ -95,6 +95,7 @@ func parseServe(args []string, getenv func(string) string, stderr io.Writer) (se
 	fs.DurationVar(&c.rules.LockTTL, "lock-ttl", c.rules.LockTTL, "life of a ttl-leased hold or queue entry after its last renewal")
 	fs.DurationVar(&c.rules.ClaimTimeout, "claim-timeout", c.rules.ClaimTimeout, "time a hand-off grant waits for the new holder's /lock (0: off)")
 	fs.DurationVar(&c.rules.MaxHold, "max-hold", 0, "longest any grant may be held (0: unlimited)")
+	fs.DurationVar(&c.rules.LockDelay, "lock-delay", 0, "how long a key stays reserved after a hold's lease ran out (ttl expired, session lost) before it is handed on: a margin for a holder that may still be running (0: off)")
 	fs.IntVar(&c.rules.CompletedMax, "completed-max", c.rules.CompletedMax, "most completion records kept")
 	fs.IntVar(&c.rules.MaxSessions, "max-sessions", c.rules.MaxSessions, "most sessions, streaming or in grace (429 too_many_sessions beyond; 0: no limit)")
 	fs.IntVar(&c.rules.MaxSessionsPerNode, "max-sessions-per-node", c.rules.MaxSessionsPerNode, "most open event streams of one node id (429 too_many_sessions beyond; 0: no limit)")

@@ -27,6 +27,7 @@ func TestParseServe(t *testing.T) {
 		"DLOCK_REFCOUNT":                  "server",
 		"DLOCK_DATA_DIR":                  "/tmp/x",
 		"DLOCK_MAX_HOLD":                  "1h",
+		"DLOCK_LOCK_DELAY":                "15s",
 		"DLOCK_COMPLETED_MAX":             "7",
 		"DLOCK_ALLOW_MULTI_NODE_DOWNLOAD": "false",
 	}
@@ -38,13 +39,31 @@ func TestParseServe(t *testing.T) {
 		t.Errorf("flag must win over the environment: shards %d", c.shards)
 	}
 	if c.listen != "127.0.0.1:9999" || c.rules.LockTTL != 10*time.Second || c.refcount != "server" || c.dataDir != "/tmp/x" ||
-		c.rules.MaxHold != time.Hour || c.rules.CompletedMax != 7 || c.rules.AllowMultiNodeDownload {
+		c.rules.MaxHold != time.Hour || c.rules.LockDelay != 15*time.Second || c.rules.CompletedMax != 7 || c.rules.AllowMultiNodeDownload {
 		t.Errorf("environment not applied: %+v", c)
 	}
 	d, err := parseServe(nil, func(string) string { return "" }, io.Discard)
 	if err != nil || d.listen != "127.0.0.1:7380" || d.shards != 32 || d.rules.SessionGrace != 5*time.Second ||
-		d.rules.ClaimTimeout != 30*time.Second || d.rules.CompletedRetention != 5*time.Minute || d.refcount != "off" {
+		d.rules.ClaimTimeout != 30*time.Second || d.rules.CompletedRetention != 5*time.Minute || d.refcount != "off" || d.rules.LockDelay != 0 {
 		t.Errorf("defaults: %+v %v", d, err)
+	}
+}
+
+// TestParseServeLockDelay: --lock-delay reaches the rules both backends are
+// opened with, the flag winning over DLOCK_LOCK_DELAY.
+func TestParseServeLockDelay(t *testing.T) {
+	env := map[string]string{"DLOCK_LOCK_DELAY": "15s"}
+	for _, args := range [][]string{
+		{"--lock-delay", "20s"},
+		{"--lock-delay", "20s", "--backend", "etcd", "--etcd-endpoints", "http://127.0.0.1:2379"},
+	} {
+		c, err := parseServe(args, func(k string) string { return env[k] }, io.Discard)
+		if err != nil {
+			t.Fatalf("parseServe(%v): %v", args, err)
+		}
+		if c.rules.LockDelay != 20*time.Second {
+			t.Errorf("parseServe(%v): lock delay %v, want the flag's 20s", args, c.rules.LockDelay)
+		}
 	}
 }
 
@@ -58,6 +77,8 @@ func TestParseServeRejects(t *testing.T) {
 		{[]string{"--lock-ttl", "soon"}, nil, "lock-ttl"},
 		{[]string{"--refcount", "client"}, nil, "refcount"},
 		{[]string{"--session-grace", "-1s"}, nil, "session grace"},
+		{[]string{"--lock-delay", "-1s"}, nil, "lock delay"},
+		{nil, map[string]string{"DLOCK_LOCK_DELAY": "soon"}, "DLOCK_LOCK_DELAY"},
 		{nil, map[string]string{"DLOCK_CLAIM_TIMEOUT": "x"}, "DLOCK_CLAIM_TIMEOUT"},
 		{[]string{"--update-requires-no-ref"}, nil, "refcount=server"},
 		{[]string{"--refcount", "server", "--data-dir", ""}, nil, "data-dir"},

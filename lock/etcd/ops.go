@@ -136,8 +136,9 @@ func (b *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 			res = lock.LockResult{Skip: true}
 			return nil
 		}
-		// 6. Held, and only one node at a time.
-		if rec.held() && !b.cfg.AllowMultiNodeDownload {
+		// 6. Held, or reserved by its lock delay (refused as held, naming
+		// no holder), and only one node at a time.
+		if (rec.held() || rec.delayed()) && !b.cfg.AllowMultiNodeDownload {
 			return &lock.HeldError{Holder: rec.Holder}
 		}
 		// 7. Limits.
@@ -147,7 +148,7 @@ func (b *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 				return fmt.Errorf("%w: %d keys have state, at most %d are allowed", lock.ErrTooManyKeys, n, b.cfg.MaxKeys)
 			}
 		}
-		if rec.held() && b.cfg.MaxQueue > 0 && rec.Queue >= b.cfg.MaxQueue {
+		if (rec.held() || rec.delayed()) && b.cfg.MaxQueue > 0 && rec.Queue >= b.cfg.MaxQueue {
 			b.refusedQueue.Add(1)
 			return fmt.Errorf("%w: %d waiters, at most %d are allowed", lock.ErrQueueFull, rec.Queue, b.cfg.MaxQueue)
 		}
@@ -166,8 +167,10 @@ func (b *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 		} else {
 			sl = 0
 		}
-		// 8. Free: granted. Held: queued.
-		if !rec.held() {
+		// 8. Free: granted. Held, or reserved by its lock delay: queued,
+		// since the delay protects a holder whose lease ran out but that
+		// may still be running (docs/DESIGN.md, "Leases").
+		if !rec.held() && !rec.delayed() {
 			t.grant(req.Node, lease, sl, now, false)
 			t.put(&trans{Assigned: req.Node})
 			res = lock.LockResult{Acquired: true, Token: rec.Token, Holder: req.Node}
@@ -215,7 +218,7 @@ func (t *tx) grant(node string, lease lock.Lease, slease int64, now time.Time, h
 		r.TTL = now.Add(t.b.cfg.LockTTL).UnixNano()
 	}
 	r.Acquired = now.UnixNano()
-	r.Claim, r.MaxHold = 0, 0
+	r.Claim, r.MaxHold, r.Delay = 0, 0, 0
 	if handoff && t.b.cfg.ClaimTimeout > 0 {
 		r.Claim = now.Add(t.b.cfg.ClaimTimeout).UnixNano()
 	}
@@ -326,7 +329,7 @@ func (b *Backend) Unlock(ctx context.Context, req lock.UnlockRequest) (lock.Unlo
 		if req.Token != 0 && req.Token != rec.Token {
 			return fmt.Errorf("%w: %d, the grant's is %d", lock.ErrStaleToken, req.Token, rec.Token)
 		}
-		next, err := t.end(success, errText, true, now)
+		next, err := t.end(success, errText, true, false, now)
 		if err != nil {
 			return err
 		}
@@ -353,9 +356,12 @@ const maxRefusals = 6
 
 // end ends the hold with an outcome: a success of a pull or delete frees
 // the key and tells every waiter, anything else hands it to the first
-// eligible waiter (docs/DESIGN.md, "Unlock" steps 4 to 6). It returns the
-// next holder.
-func (t *tx) end(success bool, errText string, byUnlock bool, now time.Time) (string, error) {
+// eligible waiter (docs/DESIGN.md, "Unlock" steps 4 to 6), unless
+// leaseRanOut (a ttl expiry or a lost session) and Config.LockDelay
+// reserve the key first: the completion is written and told now, and the
+// key's timer hands it on at the delay's end (expireTx; docs/DESIGN.md,
+// "Leases"). It returns the next holder, "" if none yet.
+func (t *tx) end(success bool, errText string, byUnlock, leaseRanOut bool, now time.Time) (string, error) {
 	r := &t.rec
 	b := t.b
 	d := &done{Node: r.Holder, Token: r.Token, OK: success, Err: errText, At: now.UnixNano(), Unlock: byUnlock}
@@ -379,6 +385,8 @@ func (t *tx) end(success bool, errText string, byUnlock bool, now time.Time) (st
 		if err := t.completed(d.Node, waiters); err != nil {
 			return "", err
 		}
+	} else if leaseRanOut && b.cfg.LockDelay > 0 {
+		r.Delay = now.Add(b.cfg.LockDelay).UnixNano()
 	} else {
 		var err error
 		if next, err = t.promote(x, now); err != nil {
@@ -525,7 +533,7 @@ func (b *Backend) Cancel(ctx context.Context, typ lock.Type, resource, node stri
 	_, err := b.run(ctx, k, func(t *tx) error {
 		res, next = lock.CancelResult{}, ""
 		if t.rec.Holder == node {
-			n, err := t.end(false, "cancelled", false, time.Now())
+			n, err := t.end(false, "cancelled", false, false, time.Now())
 			next = n
 			res.Released = true
 			return err

@@ -39,6 +39,7 @@ type keyRec struct {
 	Queue    int    `json:"q,omitempty"`  // waiters
 	Seq      uint64 `json:"s,omitempty"`  // the next waiter's seq
 	WaitTTL  int64  `json:"wt,omitempty"` // no ttl waiter expires before this
+	Delay    int64  `json:"dl,omitempty"` // a free key is reserved until then: its lock delay (delayed)
 	Done     *done  `json:"c,omitempty"`  // the retained completion record
 	X        *trans `json:"x,omitempty"`  // the transition this write made
 }
@@ -84,9 +85,16 @@ type sessRec struct {
 
 func (r *keyRec) held() bool { return r.Holder != "" }
 
+// delayed reports a key reserved by its lock delay. A hold that ended
+// because its lease ran out sets Delay (tx.end), with no holder; until a
+// timer finds it passed and clears it (expireTx), the key is handed to no
+// one and a newcomer is queued, since the old holder may still be running
+// (docs/DESIGN.md, "Leases").
+func (r *keyRec) delayed() bool { return r.Delay != 0 }
+
 // empty reports a record that keeps nothing: the key is absent.
 func (r *keyRec) empty(now time.Time, retention time.Duration) bool {
-	return !r.held() && r.Queue == 0 && !r.retained(now, retention)
+	return !r.held() && r.Queue == 0 && !r.delayed() && !r.retained(now, retention)
 }
 
 // retained reports whether the completion record is still to be used.
@@ -111,14 +119,17 @@ func (r *keyRec) deadline(retention time.Duration) int64 {
 	}
 	if r.Queue > 0 {
 		early(r.WaitTTL)
-		if !r.held() {
+		if !r.held() && !r.delayed() {
 			early(1) // waiters of a free key are promoted at once
 		}
+	}
+	if !r.held() {
+		early(r.Delay) // the end of the lock delay hands the key on
 	}
 	if r.Done != nil {
 		early(r.Done.At + int64(retention))
 	}
-	if !r.held() && r.Queue == 0 && r.Done == nil {
+	if !r.held() && r.Queue == 0 && r.Done == nil && !r.delayed() {
 		early(1) // an empty record is dropped at once
 	}
 	return d

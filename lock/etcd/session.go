@@ -379,7 +379,7 @@ func (b *Backend) endSession(ctx context.Context, node string, lease int64) (int
 					if t.rec.Holder != node || t.rec.Lease != uint8(lock.LeaseSession) || t.rec.SLease != lease {
 						return nil
 					}
-					next, err := t.end(false, "session lost", false, time.Now())
+					next, err := t.end(false, "session lost", false, true, time.Now())
 					expired, handed = true, next != ""
 					return err
 				}

@@ -13,7 +13,7 @@ import (
 type kvLike = *mvccpb.KeyValue
 
 // timers runs the deadlines of every key (ttl leases, claim timeouts, max
-// hold, completion retention, waiters of a free key), as this server's
+// hold, lock delays, completion retention, waiters of a free key), as this server's
 // watch knows them. Every server runs them: each firing is a transaction
 // guarded by the record it read, so the first one to act wins and the
 // others find nothing left to do — a deadline fires once in the cluster
@@ -140,7 +140,10 @@ func (b *Backend) expireTx(t *tx, expiredOut, grantsOut *uint64) error {
 				reason = "lock expired"
 			}
 			if reason != "" {
-				next, err := t.end(false, reason, false, now)
+				// Only a ttl lease that ran out is delayed: a hand-off
+				// not claimed was never started, and max hold is the
+				// operator's bound, which a delay would stretch.
+				next, err := t.end(false, reason, false, reason == "lock expired", now)
 				if err != nil {
 					return err
 				}
@@ -149,6 +152,25 @@ func (b *Backend) expireTx(t *tx, expiredOut, grantsOut *uint64) error {
 					grants++
 				}
 				return nil
+			}
+		} else if r.delayed() {
+			if r.Delay <= nowNs {
+				// The delay is over: the key is handed on as the end of
+				// the hold would have, or left free.
+				r.Delay = 0
+				changed = true
+				if r.Queue > 0 {
+					x := &trans{}
+					next, err := t.promote(x, now)
+					if err != nil {
+						return err
+					}
+					if next != "" {
+						grants++
+					}
+					t.put(x)
+					return nil
+				}
 			}
 		} else if r.Queue > 0 {
 			x := &trans{}
@@ -166,7 +188,7 @@ func (b *Backend) expireTx(t *tx, expiredOut, grantsOut *uint64) error {
 			r.Done = nil
 			changed = true
 		}
-		if !r.held() && r.Queue == 0 && r.Done == nil && t.recOp < 0 && len(t.ops) == 0 {
+		if !r.held() && r.Queue == 0 && r.Done == nil && !r.delayed() && t.recOp < 0 && len(t.ops) == 0 {
 			t.op(clientv3.OpDelete(b.n.key(k)))
 			return nil
 		}
@@ -190,7 +212,7 @@ func (b *Backend) dropDone(k lock.Key, at int64) (int64, error) {
 			return nil
 		}
 		r.Done = nil
-		if !r.held() && r.Queue == 0 {
+		if !r.held() && r.Queue == 0 && !r.delayed() {
 			t.op(clientv3.OpDelete(b.n.key(k)))
 			return nil
 		}

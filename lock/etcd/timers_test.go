@@ -453,3 +453,244 @@ func TestResumeOnNewServer(t *testing.T) {
 		}
 	}
 }
+
+// The lock delay (docs/DESIGN.md, "Leases"), which the conformance suite
+// checks in fake time. A delay of an hour shows what holds during one: a
+// test that needed it to end would fail its bounded wait. Short delays show
+// that each hand-off comes after the delay, measured on the records'
+// times, whichever server's timer ends it.
+
+// collect waits, at most a minute, for n events of a stream, and returns
+// them with any that came with them: the later ends of the hand-offs the
+// tests make (a claim timeout) may follow at any time.
+func collect(t *testing.T, st lock.Stream, n int) []lock.Delivery {
+	t.Helper()
+	timeout := time.After(time.Minute)
+	var got []lock.Delivery
+	for len(got) < n {
+		select {
+		case <-st.Ready():
+			got = st.Take(got)
+		case <-st.Done():
+			t.Fatalf("stream ended after %d of %d events", len(got), n)
+		case <-timeout:
+			t.Fatalf("%d of %d events after a minute: %v", len(got), n, got)
+		}
+	}
+	return got
+}
+
+func observe(t *testing.T, b lock.Backend, k lock.Key) lock.Stream {
+	t.Helper()
+	st, _, err := b.Subscribe(t.Context(), lock.SubscribeRequest{Observe: &k})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(st.Close)
+	return st
+}
+
+func eventNames(ds []lock.Delivery) []string {
+	var out []string
+	for _, d := range ds {
+		out = append(out, d.Event.Name+":"+d.Event.Node)
+	}
+	return out
+}
+
+// expired waits for the hold of res to have ended with reason, and returns
+// the key's status then.
+func expired(t *testing.T, b lock.Backend, res, reason string) lock.Status {
+	t.Helper()
+	var st lock.Status
+	eventually(t, "the hold of "+res+" to end: "+reason, func() bool {
+		st = stat(t, b, lock.Pull, res, "")
+		return st.LastCompleted != nil && st.LastCompleted.Error == reason
+	})
+	return st
+}
+
+// TestLockDelayReserves: in the delay after a ttl expiry the key is free
+// with its waiter in place, a newcomer queues behind it, a key nobody
+// waited for is reserved too, and the end of the hold has been told.
+func TestLockDelayReserves(t *testing.T) {
+	b, _ := open(t, func(c *etcd.Config) { c.LockTTL = time.Second; c.LockDelay = time.Hour })
+	obs := observe(t, b, lock.Key{Type: lock.Pull, Resource: "r"})
+	sb := subscribe(t, b, "b")
+	tryLock(t, b, ttlReq("r", "a"))
+	tryLock(t, b, ttlReq("solo", "a"))
+	if r := tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: "r", Node: "b", Lease: lock.LeaseSession}); !r.Queued {
+		t.Fatalf("b: %+v, want queued", r)
+	}
+	st := expired(t, b, "r", "lock expired")
+	if st.Held || st.Holder != "" || st.QueueLength != 1 || st.LastCompleted.Node != "a" {
+		t.Fatalf("in the delay: %+v %+v, want free with b waiting", st, st.LastCompleted)
+	}
+	got := collect(t, obs, 2)
+	if names := eventNames(got); names[0] != "lock_assigned:a" || names[1] != "operation_completed:a" || got[1].Event.NextHolder != "" {
+		t.Fatalf("observer saw %v (%+v), want a's grant and its end with no next holder", names, got[1].Event)
+	}
+	if r := tryLock(t, b, ttlReq("r", "c")); !r.Queued || r.Position != 2 || r.Holder != "" {
+		t.Fatalf("c in the delay: %+v, want queued second with no holder", r)
+	}
+	if r := tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: "r", Node: "b"}); !r.Queued || r.Position != 1 {
+		t.Fatalf("b again in the delay: %+v, want its place kept", r)
+	}
+	if st := stat(t, b, lock.Pull, "r", "c"); st.Held || st.QueueLength != 2 || st.Position != 2 {
+		t.Fatalf("status in the delay: %+v", st)
+	}
+	expired(t, b, "solo", "lock expired")
+	if r := tryLock(t, b, ttlReq("solo", "d")); !r.Queued || r.Position != 1 {
+		t.Fatalf("d on a key nobody waited for, in its delay: %+v, want queued first", r)
+	}
+	eventually(t, "the watch to count the delayed keys", func() bool {
+		s := b.Stats()
+		return s.Keys == 2 && s.Held == 0 && s.Queued == 3
+	})
+	if got := sb.Take(nil); len(got) != 0 {
+		t.Fatalf("b was told %v in the delay", eventNames(got))
+	}
+}
+
+// TestLockDelayMultiNodeOff: with multi-node download off a key in its
+// delay is refused like a held one, naming no holder, and nobody queues.
+func TestLockDelayMultiNodeOff(t *testing.T) {
+	b, _ := open(t, func(c *etcd.Config) {
+		c.AllowMultiNodeDownload = false
+		c.LockTTL = time.Second
+		c.LockDelay = time.Hour
+	})
+	tryLock(t, b, ttlReq("r", "a"))
+	expired(t, b, "r", "lock expired")
+	_, err := b.TryLock(context.Background(), ttlReq("r", "b"))
+	var he *lock.HeldError
+	if !errors.Is(err, lock.ErrLockHeld) || !errors.As(err, &he) || he.Holder != "" {
+		t.Fatalf("b in the delay: %v, want ErrLockHeld naming no holder", err)
+	}
+	if st := stat(t, b, lock.Pull, "r", ""); st.QueueLength != 0 {
+		t.Fatalf("b was queued: %+v", st)
+	}
+}
+
+// TestLockDelayTTLHandsOn: after a ttl expiry the waiter is granted once
+// the delay has passed, not before: its grant is the delay or more after
+// the completion. The delay's end is no expiry.
+func TestLockDelayTTLHandsOn(t *testing.T) {
+	const delay = 2 * time.Second
+	b, _ := open(t, func(c *etcd.Config) { c.LockTTL = time.Second; c.LockDelay = delay })
+	obs := observe(t, b, lock.Key{Type: lock.Pull, Resource: "r"})
+	sb := subscribe(t, b, "b")
+	a := tryLock(t, b, ttlReq("r", "a"))
+	tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: "r", Node: "b", Lease: lock.LeaseSession})
+	d := next(t, sb)
+	if d.Event.Name != lock.EventLockAssigned || d.Event.Token <= a.Token {
+		t.Fatalf("b got %+v, want lock_assigned with a newer token", d.Event)
+	}
+	st := stat(t, b, lock.Pull, "r", "")
+	lc := st.LastCompleted
+	if st.Holder != "b" || lc == nil || lc.Node != "a" || lc.Error != "lock expired" {
+		t.Fatalf("status %+v %+v, want b holding after a expired", st, lc)
+	}
+	if gap := st.AcquiredAt.Sub(lc.CompletedAt); gap < delay {
+		t.Fatalf("b was granted %v after a's hold ended, within the %v delay", gap, delay)
+	}
+	got := collect(t, obs, 3)
+	if names := eventNames(got); names[0] != "lock_assigned:a" || names[1] != "operation_completed:a" || names[2] != "lock_assigned:b" ||
+		!got[1].Event.CompletedAt.Equal(lc.CompletedAt) {
+		t.Fatalf("observer saw %v, want a's end told when it ended, then b's grant", names)
+	}
+	eventually(t, "the expiry to be counted", func() bool { return b.Stats().Expiries >= 1 })
+	if n := b.Stats().Expiries; n != 1 {
+		t.Fatalf("Expiries = %d, want 1: the delay's end is none", n)
+	}
+}
+
+// TestLockDelaySessionLossOnAnotherServer: a session lost while its
+// server is gone: another server ends the hold, and its timer the delay.
+func TestLockDelaySessionLossOnAnotherServer(t *testing.T) {
+	const delay = 2 * time.Second
+	cfg := func(c *etcd.Config) { c.SessionGrace = time.Second; c.LockDelay = delay }
+	b1, p := open(t, cfg)
+	b2 := openAt(t, p, cfg)
+	sa, _, err := b1.Subscribe(t.Context(), lock.SubscribeRequest{Node: "a"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := tryLock(t, b1, lock.LockRequest{Type: lock.Pull, Resource: "r", Node: "a"}) // auto: a has a session
+	sw := subscribe(t, b2, "w")
+	tryLock(t, b2, lock.LockRequest{Type: lock.Pull, Resource: "r", Node: "w"})
+	sa.Close()
+	b1.Close()
+	d := next(t, sw)
+	if d.Event.Name != lock.EventLockAssigned || d.Event.Token <= a.Token {
+		t.Fatalf("w got %+v", d.Event)
+	}
+	st := stat(t, b2, lock.Pull, "r", "")
+	lc := st.LastCompleted
+	if st.Holder != "w" || lc == nil || lc.Node != "a" || lc.Error != "session lost" {
+		t.Fatalf("status %+v %+v, want w holding after a's session was lost", st, lc)
+	}
+	if gap := st.AcquiredAt.Sub(lc.CompletedAt); gap < delay {
+		t.Fatalf("w was granted %v after a's hold ended, within the %v delay", gap, delay)
+	}
+}
+
+// TestLockDelayNotForOtherEnds: with a delay of an hour, an unlock, a
+// cancel, a claim timeout and max hold still hand the key on at once.
+func TestLockDelayNotForOtherEnds(t *testing.T) {
+	b, _ := open(t, func(c *etcd.Config) {
+		c.LockDelay = time.Hour
+		c.ClaimTimeout = time.Second
+		c.MaxHold = 2 * time.Second
+	})
+	req := func(res, node string) lock.LockRequest {
+		return lock.LockRequest{Type: lock.Pull, Resource: res, Node: node}
+	}
+	tryLock(t, b, req("unlock", "a"))
+	tryLock(t, b, req("unlock", "b"))
+	if r, err := b.Unlock(context.Background(), lock.UnlockRequest{Type: lock.Pull, Resource: "unlock", Node: "a", Error: "x"}); err != nil || r.NextHolder != "b" {
+		t.Fatalf("a failed unlock: %+v %v, want b next at once", r, err)
+	}
+	tryLock(t, b, req("cancel", "a"))
+	tryLock(t, b, req("cancel", "b"))
+	if r, err := b.Cancel(context.Background(), lock.Pull, "cancel", "a"); err != nil || !r.Released {
+		t.Fatalf("the holder's cancel: %+v %v", r, err)
+	}
+	if st := stat(t, b, lock.Pull, "cancel", ""); st.Holder != "b" {
+		t.Fatalf("after the holder's cancel: %+v, want b at once", st)
+	}
+	claim := observe(t, b, lock.Key{Type: lock.Pull, Resource: "claim"})
+	tryLock(t, b, req("claim", "a"))
+	tryLock(t, b, req("claim", "b"))
+	tryLock(t, b, req("claim", "c"))
+	if _, err := b.Unlock(context.Background(), lock.UnlockRequest{Type: lock.Pull, Resource: "claim", Node: "a", Error: "x"}); err != nil {
+		t.Fatal(err)
+	}
+	// b never confirms: at its claim timeout the key goes to c.
+	got := collect(t, claim, 5)
+	if names := eventNames(got); names[3] != "lock_assigned:c" || names[4] != "operation_completed:b" || got[4].Event.Error != "not claimed" {
+		t.Fatalf("claim's observer saw %v, want c granted at b's claim timeout", names)
+	}
+	hold := observe(t, b, lock.Key{Type: lock.Pull, Resource: "hold"})
+	tryLock(t, b, req("hold", "x"))
+	tryLock(t, b, req("hold", "y"))
+	got = collect(t, hold, 3)
+	if names := eventNames(got); names[1] != "lock_assigned:y" || names[2] != "operation_completed:x" || got[2].Event.Error != "max hold exceeded" {
+		t.Fatalf("hold's observer saw %v, want y granted at x's max hold", names)
+	}
+}
+
+// TestLockDelayEndsFree: a delay nobody waited through leaves nothing: with
+// no completion record kept, the key's record goes at the delay's end, and
+// the next /lock is granted.
+func TestLockDelayEndsFree(t *testing.T) {
+	b, _ := open(t, func(c *etcd.Config) { c.LockTTL = time.Second; c.LockDelay = time.Second; c.CompletedRetention = 0 })
+	tryLock(t, b, ttlReq("r", "a"))
+	// The key is counted while held and in its delay, and no longer once
+	// the watch has seen its record go.
+	eventually(t, "the expiry, with the key still counted", func() bool { s := b.Stats(); return s.Expiries == 1 && s.Keys == 1 })
+	eventually(t, "the key's record to go after its delay", func() bool { return b.Stats().Keys == 0 })
+	if r := tryLock(t, b, ttlReq("r", "b")); !r.Acquired {
+		t.Fatalf("after the delay: %+v, want acquired", r)
+	}
+}

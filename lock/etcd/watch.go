@@ -238,7 +238,7 @@ func b2i(v bool) int {
 }
 
 func info(r *keyRec, retention time.Duration) keyInfo {
-	ki := keyInfo{held: r.held(), kept: r.held() || r.Queue > 0 || r.Done != nil, queue: r.Queue, deadline: r.deadline(retention)}
+	ki := keyInfo{held: r.held(), kept: r.held() || r.Queue > 0 || r.Done != nil || r.delayed(), queue: r.Queue, deadline: r.deadline(retention)}
 	if r.Done != nil {
 		ki.doneAt = r.Done.At
 	}

@@ -30,6 +30,13 @@
 //   - Leases: ttl expiry and renewal by TryLock and Status, claim timeout,
 //     max hold, session loss after the grace, a session lease without a
 //     stream, hundreds of sessions lost at once.
+//   - LockDelay: a hold ended by a ttl expiry or a lost session leaves its
+//     key free but reserved for Rules.LockDelay (told at once, handed on
+//     not a millisecond before the delay's end and right at it), a
+//     newcomer queued behind the waiters, a key without waiters reserved
+//     too, multi-node download off refusing with ErrLockHeld and no
+//     holder, no delay after an unlock, a cancel, a claim timeout or max
+//     hold, and none with LockDelay 0.
 //   - Events: observers, a stream that is both session and observer, replay
 //     with a last event id (Subscription.ID, Replay, Missed), the session
 //     log's bounds in events and bytes, a stream that does not keep up,
@@ -57,7 +64,7 @@
 // t.Fatal; it never returns nil. The suite builds cfg from
 // lock.DefaultRules and changes what a subtest needs. A backend honours
 // every rule of cfg.Rules (LockTTL, SessionGrace, ClaimTimeout, MaxHold,
-// CompletedRetention, CompletedMax, AllowMultiNodeDownload,
+// LockDelay, CompletedRetention, CompletedMax, AllowMultiNodeDownload,
 // UpdateRequiresNoRef, StreamBuffer, SessionLog, SessionLogBytes and the
 // limits MaxSessions, MaxSessionsPerNode, MaxQueue, MaxKeys, MaxWatchers),
 // turns server-side reference counting on when cfg.RefCounting is set, and
@@ -96,7 +103,7 @@
 // t.Skip and a message that says NOT TESTED and names the reason; `go test
 // -v` lists them. The timer rules are then not checked for that backend,
 // and it needs tests of its own for them: those of Rules/SkipRecentRetention,
-// Rules/CompletionRecords, every Leases subtest, Events/ReplayBoundedInBytes
+// Rules/CompletionRecords, every Leases and LockDelay subtest, Events/ReplayBoundedInBytes
 // (its end: a session begun anew replays nothing) and Limits/MaxSessions (a
 // session that ended makes room).
 //
@@ -181,6 +188,7 @@ type group struct {
 var groups = []group{
 	{"Rules", rulesTests},
 	{"Leases", leaseTests},
+	{"LockDelay", delayTests},
 	{"Events", eventTests},
 	{"Refs", refTests},
 	{"Limits", limitTests},

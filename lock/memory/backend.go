@@ -207,7 +207,7 @@ func (m *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 				return lock.LockResult{}, err
 			}
 			s.schedule(e, t.now)
-			res := lock.LockResult{Queued: true, Holder: ks.holder.node(), Position: ks.wq.position(e)}
+			res := lock.LockResult{Queued: true, Holder: ks.holderNode(), Position: ks.wq.position(e)}
 			s.commit(ctx, t)
 			return res, nil
 		}
@@ -223,8 +223,10 @@ func (m *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 		s.mu.Unlock()
 		return res, nil
 	}
-	if ks != nil && ks.holder != nil && !m.cfg.AllowMultiNodeDownload {
-		holder := ks.holder.node()
+	// A key reserved by its lock delay is refused as a held one: it is
+	// not this node's to take, and the mode queues no one.
+	if ks != nil && (ks.holder != nil || ks.delayed()) && !m.cfg.AllowMultiNodeDownload {
+		holder := ks.holderNode()
 		s.mu.Unlock()
 		return lock.LockResult{}, &lock.HeldError{Holder: holder}
 	}
@@ -239,7 +241,7 @@ func (m *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 		// The key's resource never changes: a session's end reads it
 		// without the shard's mutex (endSessions).
 		ks = &keyState{res: s.keys.resource(k.Resource), typ: k.Type, lastToken: s.tokenFloor}
-	} else if max := m.cfg.MaxQueue; ks.holder != nil && max > 0 && ks.qlen() >= max {
+	} else if max := m.cfg.MaxQueue; (ks.holder != nil || ks.delayed()) && max > 0 && ks.qlen() >= max {
 		n := ks.qlen()
 		s.mu.Unlock()
 		m.refusedQueue.Add(1)
@@ -255,12 +257,15 @@ func (m *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 		s.addKey(ks)
 	}
 	var res lock.LockResult
-	if ks.holder == nil {
+	if ks.holder == nil && !ks.delayed() {
 		s.grant(&t, ks, e, false)
 		res = lock.LockResult{Acquired: true, Token: ks.lastToken, Holder: e.node(), Guaranteed: s.guaranteed(e, t.now)}
 	} else {
+		// Held, or reserved by its lock delay: the delay protects a
+		// holder whose lease ran out but that may still be running, so a
+		// newcomer waits behind the queue (docs/DESIGN.md, "Leases").
 		s.enqueue(&t, ks, e)
-		res = lock.LockResult{Queued: true, Holder: ks.holder.node(), Position: ks.qlen()}
+		res = lock.LockResult{Queued: true, Holder: ks.holderNode(), Position: ks.qlen()}
 	}
 	s.commit(ctx, t)
 	return res, nil
@@ -297,7 +302,7 @@ func (m *Backend) Unlock(ctx context.Context, req lock.UnlockRequest) (lock.Unlo
 	if cut {
 		m.truncatedErrors.Add(1)
 	}
-	next := s.release(&t, ks, req.Success, errMsg, true)
+	next := s.release(&t, ks, req.Success, errMsg, true, false)
 	err := s.commit(ctx, t)
 	return lock.UnlockResult{NextHolder: next}, err
 }
@@ -319,7 +324,7 @@ func (m *Backend) Cancel(ctx context.Context, t lock.Type, resource, node string
 	switch {
 	case ks == nil:
 	case ks.holder != nil && ks.holder.node() == node:
-		s.release(&tx, ks, false, "cancelled", false)
+		s.release(&tx, ks, false, "cancelled", false, false)
 		res.Released = true
 	case ks.waiter(node) != nil:
 		s.dequeue(ks, ks.waiter(node))

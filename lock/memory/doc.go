@@ -16,8 +16,8 @@
 //     Stats and Close; config.go: its Config (lock.Rules plus shards,
 //     stores and logger).
 //   - shard.go: a shard and a key's transitions under its mutex (grant,
-//     enqueue, release, promote, expire), with keytable.go (the shard's
-//     key table) and heap.go (its deadlines).
+//     enqueue, release, promote, expire, the lock delay), with keytable.go
+//     (the shard's key table) and heap.go (its deadlines).
 //   - key.go: a key's holder, queue and completion record; queue.go: its
 //     FIFO of waiters; entry.go: a holder or waiter and its lease.
 //

@@ -61,6 +61,20 @@ func (ks *keyState) qlen() int {
 	return ks.wq.len()
 }
 
+// delayed reports whether ks is reserved by its lock delay: free, but
+// handed to no one, not even a node that asks, until the delay has passed
+// (docs/DESIGN.md, "Leases").
+func (ks *keyState) delayed() bool { return ks.wq != nil && ks.wq.delay != nil }
+
+// holderNode is the holder's node id, "" when the key is free (as it is,
+// with waiters, during a lock delay).
+func (ks *keyState) holderNode() string {
+	if ks.holder == nil {
+		return ""
+	}
+	return ks.holder.node()
+}
+
 // waiter is node's queue entry, nil when node does not wait for ks.
 func (ks *keyState) waiter(node string) *entry {
 	if ks.wq == nil {

@@ -13,6 +13,12 @@ type waitQueue struct {
 	dead   int
 	work   uint64            // queue slots visited to remove waiters or find positions: the tests' measure of cost
 	byNode map[string]*entry // node → its queue entry
+	// delay is the key's lock delay while it runs (docs/DESIGN.md,
+	// "Leases"): an entry of no node whose deadline in the shard's heap
+	// is the delay's end. It lives here, not in keyState, so that a key
+	// stays 64 bytes: a delay is rare, and a key that has one keeps its
+	// waitQueue anyway, since a node that asks meanwhile waits.
+	delay *entry
 }
 
 func (q *waitQueue) len() int { return len(q.q) - q.head - q.dead }

@@ -241,9 +241,12 @@ func (s *shard) arm(at mono) {
 
 // release ends ks's hold. Success of a pull or delete clears the queue and
 // tells each waiter; anything else hands the key to the next eligible waiter
-// (docs/DESIGN.md, "Unlock").
-// It returns the node the key went to, "" if it became free.
-func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUnlock bool) string {
+// (docs/DESIGN.md, "Unlock"), unless leaseRanOut (a ttl expiry or a lost
+// session) and Config.LockDelay reserve the key for the delay first
+// (docs/DESIGN.md, "Leases"): the completion is recorded and told now, the
+// hand-off comes when the delay ends (endDelay).
+// It returns the node the key went to, "" if it became free or reserved.
+func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUnlock, leaseRanOut bool) string {
 	h, token := ks.holder, ks.lastToken // a hand-off below issues the next token
 	ks.holder, ks.unclaimed = nil, false
 	s.held--
@@ -295,7 +298,11 @@ func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUn
 			t.items = append(t.items, item{ev: done, to: to, observers: true})
 		}
 	} else {
-		next = s.promote(t, ks)
+		if leaseRanOut && s.m.cfg.LockDelay > 0 {
+			s.startDelay(t, ks)
+		} else {
+			next = s.promote(t, ks)
+		}
 		if done != nil {
 			done.NextHolder = next
 			t.items = append(t.items, item{ev: done, observers: true})
@@ -310,6 +317,42 @@ func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUn
 	s.maybeDrop(ks)
 	s.recycle(h)
 	return next
+}
+
+// startDelay reserves ks, just freed because its holder's lease ran out,
+// for Config.LockDelay: its waiters keep their places and a node that asks
+// meanwhile joins them (TryLock), since the old holder may still be
+// running (docs/DESIGN.md, "Leases"). The delay's end is a deadline in
+// the shard's heap, served by the shard's one timer like every lease, so
+// that it costs no goroutine and nothing under the mutex waits for it.
+func (s *shard) startDelay(t *txn, ks *keyState) {
+	if ks.wq == nil {
+		// A key nobody waited for is reserved too: whoever asks in the
+		// delay must wait for its end.
+		ks.wq = &waitQueue{byNode: make(map[string]*entry)}
+	}
+	d := s.newEntry(ks)
+	ks.wq.delay = d
+	at := t.now.add(s.m.cfg.LockDelay)
+	s.leases.set(d, at)
+	if s.timerAt == 0 || at < s.timerAt {
+		s.arm(at)
+	}
+}
+
+// endDelay ends ks's lock delay, its entry already out of the heap, and
+// hands the key to the first eligible waiter exactly as release would
+// have: lock_assigned goes out now, the completion went out at the hold's
+// end. A key nobody waits for becomes free, or is forgotten.
+func (s *shard) endDelay(t *txn, ks *keyState) {
+	d := ks.wq.delay
+	ks.wq.delay = nil
+	s.recycle(d)
+	next := s.promote(t, ks)
+	s.logf(t, slog.LevelDebug, "lock delay over", ks.key(), next, ks.lastToken, "")
+	if next == "" {
+		s.maybeDrop(ks)
+	}
 }
 
 // promote grants ks to the first waiter that may have it. With server-side
@@ -359,6 +402,10 @@ func (s *shard) expire() {
 			e := s.leases[0]
 			s.leases.remove(e)
 			ks := e.ks
+			if ks.wq != nil && ks.wq.delay == e {
+				s.endDelay(&t, ks) // no lease ended: not an expiry
+				continue
+			}
 			s.expiries++
 			if ks.holder != e {
 				s.logf(&t, slog.LevelInfo, "queue entry expired", ks.key(), e.node(), 0, "lock expired")
@@ -373,7 +420,10 @@ func (s *shard) expire() {
 				why = "not claimed"
 			}
 			s.logf(&t, slog.LevelInfo, "hold expired", ks.key(), e.node(), ks.lastToken, why)
-			s.release(&t, ks, false, why, false)
+			// Only a ttl lease that ran out is delayed: a hand-off not
+			// claimed was never started, and max hold is the operator's
+			// bound, which a delay would stretch.
+			s.release(&t, ks, false, why, false, why == "lock expired")
 		}
 		more = len(s.leases) > 0 && s.leases[0].at <= t.now
 		if !more && len(s.leases) > 0 {
@@ -404,7 +454,7 @@ func (s *shard) dropSessions(drops []sessionDrop) {
 				case ks.holder != nil && ks.holder.sess == d.sess:
 					h := ks.holder
 					s.logf(&t, slog.LevelInfo, "session lost", d.key, h.node(), ks.lastToken, "session lost")
-					s.release(&t, ks, false, "session lost", false)
+					s.release(&t, ks, false, "session lost", false, true)
 				}
 			}
 			_ = s.commit(context.Background(), t)
@@ -463,11 +513,12 @@ func (s *shard) eraseRecord(k lock.Key) {
 	}
 }
 
-// maybeDrop forgets a key that has nothing left to say. Its next token still
-// goes forward: the shard keeps its last token as a floor (docs/DESIGN.md,
-// "Fencing tokens").
+// maybeDrop forgets a key that has nothing left to say. A key in its lock
+// delay still has: its entry in the heap, and a reservation a node that
+// asks must wait for. Its next token still goes forward: the shard keeps
+// its last token as a floor (docs/DESIGN.md, "Fencing tokens").
 func (s *shard) maybeDrop(ks *keyState) {
-	if ks.holder == nil && ks.qlen() == 0 && !ks.hasRec {
+	if ks.holder == nil && ks.qlen() == 0 && !ks.hasRec && !ks.delayed() {
 		if s.removeKey(ks) {
 			s.forgetToken(ks)
 		}
