@@ -101,11 +101,12 @@ func (k *keeper) stream() {
 		return
 	}
 	// Sends lost with a broken stream are never answered: forget them,
-	// which only makes until earlier than it could be.
+	// which only makes until earlier than it could be, and send again at
+	// once on the next stream.
 	defer func() {
 		k.mu.Lock()
 		for _, l := range k.leases {
-			l.sent = l.sent[:0]
+			l.sent, l.last = l.sent[:0], time.Time{}
 		}
 		k.mu.Unlock()
 	}()
