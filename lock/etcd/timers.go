@@ -100,6 +100,19 @@ func (b *Backend) expireTx(t *tx, expiredOut, grantsOut *uint64) error {
 		now := time.Now()
 		nowNs := now.UnixNano()
 		r := &t.rec
+		// promote hands the free key to its first eligible waiter.
+		promote := func() error {
+			x := &trans{}
+			next, err := t.promote(x, now)
+			if err != nil {
+				return err
+			}
+			if next != "" {
+				grants++
+			}
+			t.put(x)
+			return nil
+		}
 		if t.recRev == 0 {
 			return nil
 		}
@@ -160,29 +173,11 @@ func (b *Backend) expireTx(t *tx, expiredOut, grantsOut *uint64) error {
 				r.Delay = 0
 				changed = true
 				if r.Queue > 0 {
-					x := &trans{}
-					next, err := t.promote(x, now)
-					if err != nil {
-						return err
-					}
-					if next != "" {
-						grants++
-					}
-					t.put(x)
-					return nil
+					return promote()
 				}
 			}
 		} else if r.Queue > 0 {
-			x := &trans{}
-			next, err := t.promote(x, now)
-			if err != nil {
-				return err
-			}
-			if next != "" {
-				grants++
-			}
-			t.put(x)
-			return nil
+			return promote()
 		}
 		if r.Done != nil && !r.retained(now, b.cfg.CompletedRetention) {
 			r.Done = nil
