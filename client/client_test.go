@@ -344,6 +344,56 @@ func TestDoLockLost(t *testing.T) {
 	})
 }
 
+// TestLeaseEnds: Result.LeaseEnds has the client-side lease's end at the
+// grant, and again each time a confirmation moves it (later, always), and
+// Lost closes at the last end it gave: what dlock run's watchdog is told
+// is the moment the client itself would act. A max hold caps the lease, in
+// fake time.
+func TestLeaseEnds(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		srv := startInMemory(t, func(c *memory.Config) { c.SessionGrace = 300 * time.Millisecond; c.MaxHold = time.Second })
+		a := newClient(t, srv, "a")
+		start := time.Now()
+		res, err := a.Lock(t.Context(), pull)
+		if err != nil || !res.Acquired || res.LeaseEnds == nil {
+			t.Fatalf("Lock: %+v %v", res, err)
+		}
+		var last time.Time
+		select {
+		case last = <-res.LeaseEnds:
+		default:
+			t.Fatal("no lease end at the grant")
+		}
+		// The grace less the margin, a quarter of it.
+		if d := last.Sub(start); d != 300*time.Millisecond-75*time.Millisecond {
+			t.Fatalf("the first lease ends %v after the grant, want 225ms", d)
+		}
+		moves := 0
+		for {
+			select {
+			case end := <-res.LeaseEnds:
+				if !end.After(last) {
+					t.Fatalf("a lease end %v after %v: not later", end.Sub(start), last.Sub(start))
+				}
+				last, moves = end, moves+1
+				continue
+			case <-res.Lost:
+			}
+			break
+		}
+		if moves < 2 {
+			t.Fatalf("the lease end moved %d times in a second of confirmations every 100ms", moves)
+		}
+		if d := time.Since(last); d != 0 {
+			t.Fatalf("Lost closed %v after the last lease end given", d)
+		}
+		// The max hold less the margin.
+		if d := last.Sub(start); d != time.Second-75*time.Millisecond {
+			t.Fatalf("the last lease end is %v after the grant, want 925ms", d)
+		}
+	})
+}
+
 // TestTryAcquireLost: a TryAcquire grant is watched as Lock's are: its
 // lost channel closes when the server takes the hold back, and a Release
 // with its token ends the watch. A refused TryAcquire has no channel.

@@ -61,6 +61,17 @@ type Result struct {
 	// stop its work (dlock run: SIGTERM, then SIGKILL half of it later).
 	// 0 from a server that gives no guarantee.
 	Margin time.Duration
+	// LeaseEnds receives the end of the client-side lease, the moment at
+	// which Lost closes unless a confirmation comes first: once for the
+	// grant, and again each time a confirmation moves the end, which is
+	// only ever later. It holds the newest end only, so a reader that falls
+	// behind reads the latest one, never a stale one. The times carry the
+	// monotonic clock: use them as durations (time.Until), never as wall
+	// clock times. Nothing is sent while the servers give no guarantee
+	// (Margin 0), and it is never closed: stop reading once Lost closes.
+	// dlock run hands each end to its watchdog process, which stops the
+	// command when dlock run cannot (docs/DESIGN.md, "Leases").
+	LeaseEnds <-chan time.Time
 }
 
 type hintKind int
@@ -130,6 +141,9 @@ type hold struct {
 	timer   *time.Timer
 	g       time.Duration // the last guarantee: how often to renew
 	gmax    time.Duration // the longest guarantee: the margin's scale
+	// ends holds the newest expires, for Result.LeaseEnds: a buffer of
+	// one, written only under mu, emptied before each write.
+	ends chan time.Time
 }
 
 func (h *hold) lose() { h.cancel(ErrLockLost) }
@@ -152,6 +166,11 @@ func (c *Client) confirm(k lock.Key, h *hold, sent time.Time, ms *int64) {
 		return
 	}
 	h.leased, h.expires, h.g = true, expires, g
+	select {
+	case <-h.ends: // superseded: a reader gets the newest end only
+	default:
+	}
+	h.ends <- expires
 	if h.timer != nil {
 		h.timer.Stop()
 	}
@@ -422,7 +441,7 @@ func (c *Client) acquired(k lock.Key, token uint64, sent time.Time, ms *int64) R
 		margin = c.leaseMargin(h.gmax)
 	}
 	h.mu.Unlock()
-	return Result{Acquired: true, Token: token, Lost: h.ctx.Done(), Margin: margin}
+	return Result{Acquired: true, Token: token, Lost: h.ctx.Done(), Margin: margin, LeaseEnds: h.ends}
 }
 
 // watch makes a grant a hold, checked by watchHolds, its lease running from
@@ -437,7 +456,7 @@ func (c *Client) watch(k lock.Key, token uint64, tried bool, sent time.Time, ms 
 		return old
 	}
 	hctx, cancel := context.WithCancelCause(c.ctx)
-	h := &hold{token: token, ctx: hctx, cancel: cancel, tried: tried}
+	h := &hold{token: token, ctx: hctx, cancel: cancel, tried: tried, ends: make(chan time.Time, 1)}
 	c.confirm(k, h, sent, ms)
 	if old != nil {
 		old.stop()

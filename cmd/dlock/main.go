@@ -14,6 +14,9 @@ import (
 )
 
 func main() {
+	if code, ok := internalMain(os.Args[1:]); ok {
+		os.Exit(code)
+	}
 	err := run(context.Background(), os.Args[1:], os.Getenv, os.Stdin, os.Stdout, os.Stderr)
 	os.Exit(exitCode(err, os.Stderr))
 }

@@ -11,6 +11,8 @@ import (
 	"strconv"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // ExitLockLost is dlock run's exit status when the lock was lost while the
@@ -90,54 +92,133 @@ func cmdRun(ctx context.Context, args []string, getenv func(string) string, stdi
 		return exitStatus(*skipCode)
 	}
 
-	cmd := exec.Command(argv[0], argv[1:]...)
+	unlockCtx := context.WithoutCancel(ctx)
+	fail := func(err error) error {
+		_ = c.Unlock(unlockCtx, req, err)
+		return err
+	}
+	path, err := exec.LookPath(argv[0])
+	if err != nil {
+		return fail(err)
+	}
+	after := res.Margin / 2
+	if after <= 0 {
+		after = *killAfter
+	}
+
+	// The watchdog stops the command when the lease runs out and dlock
+	// run cannot (paused, stalled). The command starts behind a gate
+	// that the watchdog opens once it knows the command's group, so that
+	// the command never runs unwatched (watchdog.go).
+	gateR, gateW, err := os.Pipe()
+	if err != nil {
+		return fail(err)
+	}
+	wd, err := startWatchdog(after, gateW, stderr)
+	gateW.Close()
+	if err != nil {
+		gateR.Close()
+		return fail(fmt.Errorf("starting the watchdog: %w", err))
+	}
+	select {
+	case end := <-res.LeaseEnds: // the grant's, before the command starts
+		_ = wd.setEnd(end)
+	default: // a server that gives no guarantee
+	}
+	cmd := exec.Command(selfExe, append([]string{execArg, path}, argv...)...)
+	cmd.Args[0] = argv[0]
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = stdin, stdout, stderr
 	cmd.Env = append(os.Environ(), "DLOCK_FENCING_TOKEN="+strconv.FormatUint(res.Token, 10))
+	cmd.ExtraFiles = []*os.File{gateR}
 	// Its own process group, so that a lost lock stops the command and
 	// every process it started; and killed if dlock dies, so that it never
 	// runs on unwatched (docs/DESIGN.md, "Leases").
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	unlockCtx := context.WithoutCancel(ctx)
-	if err := cmd.Start(); err != nil {
-		_ = c.Unlock(unlockCtx, req, err)
-		return err
+	err = cmd.Start()
+	gateR.Close()
+	if err != nil {
+		wd.stop()
+		return fail(err)
 	}
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
 	group := -cmd.Process.Pid
-	var interrupted, lost bool
-	var waitErr error
+	_ = wd.setGroup(cmd.Process.Pid)
+
+	// Each later end of the lease goes to the watchdog.
+	stopForward, forwarded := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(forwarded)
+		for {
+			select {
+			case end := <-res.LeaseEnds:
+				if wd.setEnd(end) != nil {
+					return
+				}
+			case <-stopForward:
+				return
+			}
+		}
+	}()
+	// The leader's exit is seen without reaping it: its number, the
+	// group's, stays the command's until the watchdog, which signals the
+	// group, is gone.
+	exited := make(chan struct{})
+	go func() {
+		defer close(exited)
+		var info unix.Siginfo
+		for unix.Waitid(unix.P_PID, cmd.Process.Pid, &info, unix.WEXITED|unix.WNOWAIT, nil) == unix.EINTR {
+		}
+	}()
+	var interrupted, lost, wdFired bool
 	var kill <-chan time.Time
+	wdGone := wd.gone
 wait:
 	for {
 		select {
-		case waitErr = <-exited:
+		case <-exited:
 			break wait
 		case s := <-sigs:
 			interrupted = true
 			_ = syscall.Kill(group, s.(syscall.Signal))
 		case <-res.Lost:
+			if leaderExited(cmd.Process.Pid) {
+				// The command ended already (dlock run was paused
+				// past its lease, say): by itself, or stopped by
+				// the watchdog, which tells which.
+				break wait
+			}
 			// The lease ran out a margin before any server may hand the
 			// lock on: the command gets SIGTERM now and SIGKILL half the
 			// margin later, so that it is gone before the next holder
 			// starts.
 			lost, res.Lost = true, nil
-			after := res.Margin / 2
-			if after <= 0 {
-				after = *killAfter
-			}
 			fmt.Fprintf(stderr, "dlock: lock lost while the command ran; stopping it (SIGTERM, SIGKILL in %v)\n", after)
 			_ = syscall.Kill(group, syscall.SIGTERM)
 			kill = time.After(after)
 		case <-kill:
 			kill = nil
 			_ = syscall.Kill(group, syscall.SIGKILL)
+		case <-wdGone:
+			// It exits by itself only once it has killed the group.
+			wdGone = nil
+			if !wd.fired {
+				fmt.Fprintf(stderr, "dlock: the watchdog ended (%v); the command runs on, watched by dlock run alone\n", wd.err)
+			}
 		}
+	}
+	close(stopForward)
+	wdFired = wd.stop()
+	<-forwarded
+	if wdFired && !lost {
+		// dlock run did not act in time (paused, stalled): its watchdog
+		// did.
+		lost = true
+		fmt.Fprintln(stderr, "dlock: the lease ran out while dlock run could not act; its watchdog stopped the command")
 	}
 	if lost {
 		// Whatever of the group is left goes too.
 		_ = syscall.Kill(group, syscall.SIGKILL)
 	}
+	waitErr := cmd.Wait()
 	status := cmd.ProcessState.ExitCode()
 	if ws, ok := cmd.ProcessState.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
 		status = 128 + int(ws.Signal())
@@ -163,4 +244,12 @@ wait:
 		}
 	}
 	return exitStatus(status)
+}
+
+// leaderExited says, without waiting and without reaping it, whether the
+// child pid has exited.
+func leaderExited(pid int) bool {
+	var info unix.Siginfo // zeroed by the kernel when none has
+	err := unix.Waitid(unix.P_PID, pid, &info, unix.WEXITED|unix.WNOWAIT|unix.WNOHANG, nil)
+	return err == nil && info.Signo != 0
 }
