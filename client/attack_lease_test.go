@@ -329,3 +329,26 @@ func TestAttackUnlockAfterLostSendsToken(t *testing.T) {
 		b.Unlock(t.Context(), pull, nil)
 	})
 }
+
+// TestAttackDoNoRetriesUnlocks: a Client that never retries (MaxRetries
+// negative, as `dlock run --max-retries 0` sets it) still gets its Do's
+// unlock out: the unlock's time is one attempt at least, not
+// RequestTimeout × (MaxRetries+1) = 0, which failed every such unlock
+// before it was sent and left the key held until the session ended.
+func TestAttackDoNoRetriesUnlocks(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		srv := startInMemory(t, nil)
+		a := newClient(t, srv, "a")
+		a.MaxRetries = -1
+		if _, err := a.Do(t.Context(), pull, func(context.Context) error { return nil }); err != nil {
+			t.Fatalf("Do: %v", err)
+		}
+		st, err := a.Status(t.Context(), pull.Type, pull.Resource)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.Holder != "" || st.LastCompleted == nil || !st.LastCompleted.Success {
+			t.Fatalf("after Do returned: %+v, want the key free with a success recorded", st)
+		}
+	})
+}

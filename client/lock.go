@@ -547,7 +547,7 @@ func (c *Client) Do(ctx context.Context, req Request, fn func(ctx context.Contex
 	if h != nil && errors.Is(context.Cause(h.ctx), ErrLockLost) {
 		// Lost before fn could start (a grant its server vouched for
 		// less than the margin): fn does not run.
-		uctx, ucancel := context.WithTimeout(context.WithoutCancel(ctx), c.RequestTimeout*time.Duration(c.MaxRetries+1))
+		uctx, ucancel := context.WithTimeout(context.WithoutCancel(ctx), c.unlockTimeout())
 		defer ucancel()
 		_ = c.Unlock(uctx, req, ErrLockLost)
 		return false, ErrLockLost
@@ -562,13 +562,19 @@ func (c *Client) Do(ctx context.Context, req Request, fn func(ctx context.Contex
 	}
 	ferr := fn(fctx)
 	lost := errors.Is(context.Cause(fctx), ErrLockLost)
-	uctx, ucancel := context.WithTimeout(context.WithoutCancel(ctx), c.RequestTimeout*time.Duration(c.MaxRetries+1))
+	uctx, ucancel := context.WithTimeout(context.WithoutCancel(ctx), c.unlockTimeout())
 	defer ucancel()
 	uerr := c.Unlock(uctx, req, ferr)
 	if lost {
 		return false, errors.Join(ErrLockLost, ferr)
 	}
 	return false, errors.Join(ferr, uerr)
+}
+
+// unlockTimeout bounds Do's unlock: every attempt MaxRetries allows, one
+// at least (a negative MaxRetries means no retry, not no attempt).
+func (c *Client) unlockTimeout() time.Duration {
+	return c.RequestTimeout * time.Duration(max(c.MaxRetries, 0)+1)
 }
 
 // watchHolds confirms held locks: /status with this node's id renews a ttl
