@@ -194,6 +194,42 @@ func (h *hold) renewEvery(def time.Duration) time.Duration {
 	return max(min(def, h.g/3), 10*time.Millisecond)
 }
 
+// valid reports whether h stands by its lease now: false once lost, or
+// once the lease's end has passed although its timer has not run yet (a
+// process that was paused runs its own code before its timers), in which
+// case it is lost now.
+func (h *hold) valid() bool {
+	if h.ctx.Err() != nil {
+		return false
+	}
+	h.mu.Lock()
+	expired := h.leased && !time.Now().Before(h.expires)
+	h.mu.Unlock()
+	if expired {
+		h.lose()
+		return false
+	}
+	return true
+}
+
+// Held reports whether this Client holds req's key, by Lock or TryAcquire,
+// and its lease still stands: what a holder asks right before a step that
+// others can see. Unlike a look at Result.Lost it is exact at the moment
+// of the call: a lease whose end has passed while its timer has not yet
+// run (the process was paused: a long GC, SIGSTOP, a VM frozen, and runs
+// its own code first when it resumes) is lost now, and Lost closes. A
+// pause between this call and the step is not covered: the fencing token
+// is the defence there (docs/DESIGN.md, "Leases").
+func (c *Client) Held(req Request) bool {
+	if c.prepare(req) != nil {
+		return false
+	}
+	c.mu.Lock()
+	h := c.held[req.key()]
+	c.mu.Unlock()
+	return h != nil && h.valid()
+}
+
 func (h *hold) stop() {
 	h.mu.Lock()
 	if h.timer != nil {
