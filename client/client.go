@@ -92,6 +92,15 @@ const (
 // DefaultLeaseMargin is Client.LeaseMargin's default.
 const DefaultLeaseMargin = time.Second
 
+// MaxGuarantee caps what one server's answer may vouch for: a longer
+// guaranteed_ms (a server with a bug, or a hostile one) is taken as this
+// long, a negative one as 0. A hold is confirmed far more often anyway
+// (every third of its guarantee, at most RenewInterval apart), so the cap
+// costs a sane server nothing; it bounds how long a client cut off from
+// every server goes on believing a lying one, and keeps the lease's time
+// arithmetic far from overflowing.
+const MaxGuarantee = 24 * time.Hour
+
 // Client talks to a dlock server as one node. Set the exported fields
 // before the first call; the zero value of every field but Node works. A
 // Client is safe for concurrent use; Close it when done.

@@ -155,7 +155,10 @@ func (c *Client) confirm(k lock.Key, h *hold, sent time.Time, ms *int64) {
 	if ms == nil {
 		return
 	}
-	g := time.Duration(*ms) * time.Millisecond
+	// Clamped before the arithmetic: a negative or absurd answer (int64
+	// milliseconds times 1e6 overflows) must neither wrap into a lease of
+	// centuries nor move the lease's end at all (MaxGuarantee).
+	g := min(time.Duration(max(*ms, 0)), MaxGuarantee/time.Millisecond) * time.Millisecond
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	h.gmax = max(h.gmax, g)
@@ -173,6 +176,16 @@ func (c *Client) confirm(k lock.Key, h *hold, sent time.Time, ms *int64) {
 	h.ends <- expires
 	if h.timer != nil {
 		h.timer.Stop()
+	}
+	if !expires.After(time.Now()) {
+		// Vouched for nothing (0) or for less than the margin: lost now,
+		// not when a timer's goroutine runs, so that a grant that is lost
+		// already reaches its caller with Lost closed.
+		if h.ctx.Err() == nil {
+			c.Logger.Warn("lock lost: its server vouched for less than the lease margin", "key", k.String(), "token", h.token, "lease", g)
+			h.lose()
+		}
+		return
 	}
 	h.timer = time.AfterFunc(time.Until(expires), func() {
 		if h.ctx.Err() == nil {
@@ -198,6 +211,42 @@ func (h *hold) renewEvery(def time.Duration) time.Duration {
 		return def
 	}
 	return max(min(def, h.g/3), 10*time.Millisecond)
+}
+
+// valid reports whether h stands by its lease now: false once lost, or
+// once the lease's end has passed although its timer has not run yet (a
+// process that was paused runs its own code before its timers), in which
+// case it is lost now.
+func (h *hold) valid() bool {
+	if h.ctx.Err() != nil {
+		return false
+	}
+	h.mu.Lock()
+	expired := h.leased && !time.Now().Before(h.expires)
+	h.mu.Unlock()
+	if expired {
+		h.lose()
+		return false
+	}
+	return true
+}
+
+// Held reports whether this Client holds req's key, by Lock or TryAcquire,
+// and its lease still stands: what a holder asks right before a step that
+// others can see. Unlike a look at Result.Lost it is exact at the moment
+// of the call: a lease whose end has passed while its timer has not yet
+// run (the process was paused: a long GC, SIGSTOP, a VM frozen, and runs
+// its own code first when it resumes) is lost now, and Lost closes. A
+// pause between this call and the step is not covered: the fencing token
+// is the defence there (docs/DESIGN.md, "Leases").
+func (c *Client) Held(req Request) bool {
+	if c.prepare(req) != nil {
+		return false
+	}
+	c.mu.Lock()
+	h := c.held[req.key()]
+	c.mu.Unlock()
+	return h != nil && h.valid()
 }
 
 func (h *hold) stop() {
@@ -253,7 +302,7 @@ func (c *Client) lock(ctx context.Context, req Request) (Result, error) {
 			// place nobody waits on in front of the nodes behind it.
 			return Result{}, c.abandon(ctx, k)
 		}
-		return Result{}, err
+		return Result{}, c.lockFailed(k, err)
 	}
 	switch {
 	case res.Acquired:
@@ -308,7 +357,7 @@ func (c *Client) lock(ctx context.Context, req Request) (Result, error) {
 			if ctx.Err() != nil {
 				return Result{}, c.abandon(ctx, k)
 			}
-			return Result{}, err
+			return Result{}, c.lockFailed(k, err)
 		}
 		switch {
 		case res.Acquired:
@@ -330,6 +379,24 @@ func (c *Client) pollEvery(streamUp bool) time.Duration {
 // error. A grant that raced the cancel is released by it as a failure, so
 // the key passes on.
 func (c *Client) abandon(ctx context.Context, k lock.Key) error {
+	c.cancelWait(k)
+	return context.Cause(ctx)
+}
+
+// lockFailed handles a /lock that failed with err, which it returns. When
+// no answer came (every attempt timed out or broke, or the last was a
+// 5xx), an earlier attempt may have been handled: the node may hold the
+// key or wait for it with nobody to release it, so the wait is cancelled
+// as abandon does. A refusal the server answered (4xx) queued nothing.
+func (c *Client) lockFailed(k lock.Key, err error) error {
+	if ae, ok := errors.AsType[*api.Error](err); !ok || ae.Status >= 500 {
+		c.cancelWait(k)
+	}
+	return err
+}
+
+// cancelWait sends /cancel for k, best effort.
+func (c *Client) cancelWait(k lock.Key) {
 	cctx, cancel := context.WithTimeout(c.ctx, c.RequestTimeout)
 	defer cancel()
 	var res api.CancelResponse
@@ -337,7 +404,6 @@ func (c *Client) abandon(ctx context.Context, k lock.Key) error {
 	if err != nil {
 		c.Logger.Warn("cancelling a wait failed; the server drops it when its lease ends", "key", k.String(), "err", err)
 	}
-	return context.Cause(ctx)
 }
 
 // TryLock sends one /lock and returns the answer: acquired, queued (the node
@@ -533,6 +599,14 @@ func (c *Client) Do(ctx context.Context, req Request, fn func(ctx context.Contex
 	c.mu.Lock()
 	h := c.held[req.key()]
 	c.mu.Unlock()
+	if h != nil && errors.Is(context.Cause(h.ctx), ErrLockLost) {
+		// Lost before fn could start (a grant its server vouched for
+		// less than the margin): fn does not run.
+		uctx, ucancel := context.WithTimeout(context.WithoutCancel(ctx), c.unlockTimeout())
+		defer ucancel()
+		_ = c.Unlock(uctx, req, ErrLockLost)
+		return false, ErrLockLost
+	}
 	if h != nil {
 		stop := context.AfterFunc(h.ctx, func() {
 			if errors.Is(context.Cause(h.ctx), ErrLockLost) {
@@ -543,13 +617,19 @@ func (c *Client) Do(ctx context.Context, req Request, fn func(ctx context.Contex
 	}
 	ferr := fn(fctx)
 	lost := errors.Is(context.Cause(fctx), ErrLockLost)
-	uctx, ucancel := context.WithTimeout(context.WithoutCancel(ctx), c.RequestTimeout*time.Duration(c.MaxRetries+1))
+	uctx, ucancel := context.WithTimeout(context.WithoutCancel(ctx), c.unlockTimeout())
 	defer ucancel()
 	uerr := c.Unlock(uctx, req, ferr)
 	if lost {
 		return false, errors.Join(ErrLockLost, ferr)
 	}
 	return false, errors.Join(ferr, uerr)
+}
+
+// unlockTimeout bounds Do's unlock: every attempt MaxRetries allows, one
+// at least (a negative MaxRetries means no retry, not no attempt).
+func (c *Client) unlockTimeout() time.Duration {
+	return c.RequestTimeout * time.Duration(max(c.MaxRetries, 0)+1)
 }
 
 // watchHolds confirms held locks: /status with this node's id renews a ttl
@@ -560,12 +640,18 @@ func (c *Client) Do(ctx context.Context, req Request, fn func(ctx context.Contex
 // (docs/DESIGN.md, "Leases").
 func (c *Client) watchHolds() {
 	next := map[*hold]time.Time{} // when each hold is confirmed next
+	busy := map[*hold]bool{}      // holds whose confirmation is on the wire
+	done := make(chan *hold)
+	var wg sync.WaitGroup
+	defer wg.Wait()
 	t := time.NewTimer(0)
 	defer t.Stop()
 	for {
 		select {
 		case <-c.ctx.Done():
 			return
+		case h := <-done:
+			delete(busy, h)
 		case <-t.C:
 		}
 		c.mu.Lock()
@@ -578,7 +664,6 @@ func (c *Client) watchHolds() {
 		c.mu.Unlock()
 		now := time.Now()
 		wake := now.Add(c.RenewInterval)
-		var wg sync.WaitGroup
 		seen := make(map[*hold]bool, len(holds))
 		for k, h := range holds {
 			seen[h] = true
@@ -586,10 +671,22 @@ func (c *Client) watchHolds() {
 			if !ok {
 				at = now.Add(h.renewEvery(c.RenewInterval))
 			}
+			if busy[h] {
+				// Its answer, when it comes, wakes the loop: a slow
+				// answer for one hold delays that hold's next
+				// confirmation only, never another's.
+				next[h] = at
+				continue
+			}
 			if !at.After(now) {
-				// Confirmed one at a time each, all at once: a slow answer
-				// for one hold must not starve another's lease.
-				wg.Go(func() { c.confirmHold(k, h) })
+				busy[h] = true
+				wg.Go(func() {
+					c.confirmHold(k, h)
+					select {
+					case done <- h:
+					case <-c.ctx.Done():
+					}
+				})
 				at = now.Add(h.renewEvery(c.RenewInterval))
 			}
 			next[h] = at
@@ -597,7 +694,6 @@ func (c *Client) watchHolds() {
 				wake = at
 			}
 		}
-		wg.Wait()
 		for h := range next {
 			if !seen[h] {
 				delete(next, h)

@@ -23,12 +23,17 @@ type keeper struct {
 
 	mu     sync.Mutex
 	leases map[int64]*kept
+	// sent are the keepalives sent on the current stream and not yet
+	// answered, oldest first, per lease, whether or not the lease is kept
+	// still: a lease removed and kept again while one was on the wire
+	// gets its answer, which must be paired with that send, not a later
+	// one.
+	sent map[int64][]time.Time
 }
 
 type kept struct {
-	sent  []time.Time // keepalives sent and not yet answered, oldest first
-	last  time.Time   // the last keepalive sent
-	until time.Time   // etcd does not expire the lease before this
+	last  time.Time // the last keepalive sent
+	until time.Time // etcd does not expire the lease before this
 }
 
 func newKeeper(b *Backend) *keeper {
@@ -36,6 +41,7 @@ func newKeeper(b *Backend) *keeper {
 		b:      b,
 		every:  max(100*time.Millisecond, time.Duration(b.graceTTL)*time.Second/3),
 		leases: map[int64]*kept{},
+		sent:   map[int64][]time.Time{},
 	}
 }
 
@@ -105,8 +111,9 @@ func (k *keeper) stream() {
 	// once on the next stream.
 	defer func() {
 		k.mu.Lock()
+		clear(k.sent)
 		for _, l := range k.leases {
-			l.sent, l.last = l.sent[:0], time.Time{}
+			l.last = time.Time{}
 		}
 		k.mu.Unlock()
 	}()
@@ -129,19 +136,7 @@ func (k *keeper) stream() {
 	defer t.Stop()
 	var ids []int64
 	for {
-		k.mu.Lock()
-		ids = ids[:0]
-		now := time.Now()
-		for id, l := range k.leases {
-			// A lease whose sends pile up unanswered gets no more
-			// until etcd answers: the stream is stuck, not the lease.
-			if now.Sub(l.last) >= k.every && len(l.sent) < 8 {
-				l.sent = append(l.sent, now)
-				l.last = now
-				ids = append(ids, id)
-			}
-		}
-		k.mu.Unlock()
+		ids = k.due(ids[:0], time.Now())
 		for _, id := range ids {
 			if err := st.Send(&pb.LeaseKeepAliveRequest{ID: id}); err != nil {
 				return
@@ -155,17 +150,39 @@ func (k *keeper) stream() {
 	}
 }
 
+// due appends to ids the leases whose keepalive is due at now, and notes
+// it as sent at now.
+func (k *keeper) due(ids []int64, now time.Time) []int64 {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	for id, l := range k.leases {
+		// A lease whose sends pile up unanswered gets no more
+		// until etcd answers: the stream is stuck, not the lease.
+		if now.Sub(l.last) >= k.every && len(k.sent[id]) < 8 {
+			k.sent[id] = append(k.sent[id], now)
+			l.last = now
+			ids = append(ids, id)
+		}
+	}
+	return ids
+}
+
 // answered pairs an answer with the oldest send of its lease.
 func (k *keeper) answered(resp *pb.LeaseKeepAliveResponse) {
 	k.mu.Lock()
-	l := k.leases[resp.ID]
-	if l == nil || len(l.sent) == 0 {
+	q := k.sent[resp.ID]
+	if len(q) == 0 {
 		k.mu.Unlock()
 		return
 	}
-	sent := l.sent[0]
-	l.sent = l.sent[1:]
-	if resp.TTL > 0 {
+	sent := q[0]
+	if q = q[1:]; len(q) == 0 {
+		delete(k.sent, resp.ID)
+	} else {
+		k.sent[resp.ID] = q
+	}
+	l := k.leases[resp.ID]
+	if l != nil && resp.TTL > 0 {
 		l.until = later(l.until, sent.Add(time.Duration(resp.TTL)*time.Second))
 	}
 	k.mu.Unlock()

@@ -1,0 +1,53 @@
+package main
+
+import (
+	"encoding/json"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/dlock/dlock/internal/dlocktest"
+)
+
+// TestAttackRunUnvouchedGrant: a server grants the lock but vouches for
+// nothing (guaranteed_ms 0: an etcd-backed server that lost etcd just as
+// it granted, or one with a bug). The client takes such a hold as lost
+// when Lock returns; dlock run must then not start the command at all.
+// Today it starts it, sees Lost closed, sends SIGTERM, and, Result.Margin
+// being 0, falls back to --kill-after (5 s) for SIGKILL: the command runs
+// on a hold nobody vouched for.
+func TestAttackRunUnvouchedGrant(t *testing.T) {
+	t.Skip("BUG: cmd/dlock/run.go starts the command without looking at res.Lost, and a leased grant with Margin 0 gets --kill-after (5 s) instead of an immediate SIGKILL; left to the helper changing dlock run")
+	srv := dlocktest.Start(t, dlocktest.Options{Wrap: func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path != "/lock" {
+				next.ServeHTTP(w, r)
+				return
+			}
+			rec := httptest.NewRecorder()
+			next.ServeHTTP(rec, r)
+			var m map[string]any
+			body := rec.Body.Bytes()
+			if json.Unmarshal(body, &m) == nil && m["acquired"] == true {
+				m["guaranteed_ms"] = 0
+				body, _ = json.Marshal(m)
+			}
+			for k, v := range rec.Header() {
+				w.Header()[k] = v
+			}
+			w.Header().Del("Content-Length")
+			w.WriteHeader(rec.Code)
+			w.Write(body)
+		})
+	}})
+	ran := filepath.Join(t.TempDir(), "ran")
+	_, errOut, st := dlock(t, srv.URL(), "run", "--resource", "r", "--", "touch", ran)
+	if _, err := os.Stat(ran); err == nil {
+		t.Fatalf("the command ran on a grant vouched for 0 ms (status %d, %s)", st, errOut)
+	}
+	if st != ExitLockLost {
+		t.Fatalf("status %d, want %d (lock lost): %s", st, ExitLockLost, errOut)
+	}
+}
