@@ -169,11 +169,13 @@ func (c *Client) confirm(k lock.Key, h *hold, sent time.Time, ms *int64) {
 		return
 	}
 	h.leased, h.expires, h.g = true, expires, g
-	select {
-	case <-h.ends: // superseded: a reader gets the newest end only
-	default:
+	if h.ends != nil {
+		select {
+		case <-h.ends: // superseded: a reader gets the newest end only
+		default:
+		}
+		h.ends <- expires
 	}
-	h.ends <- expires
 	if h.timer != nil {
 		h.timer.Stop()
 	}

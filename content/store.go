@@ -404,12 +404,16 @@ func (s *Store) held(req client.Request, lost <-chan struct{}, step string) erro
 	if s.testHook != nil {
 		s.testHook(step, lost)
 	}
+	// Held is exact at this moment, where a look at lost alone is not
+	// after a pause: the lease timer that closes lost may not have run.
 	select {
 	case <-lost:
-		return fmt.Errorf("content %s: %s skipped: this node's %s lock is lost: %w: %w", req.Resource, step, req.Type, client.ErrLockLost, errdefs.ErrUnavailable)
 	default:
-		return nil
+		if s.c.Held(req) {
+			return nil
+		}
 	}
+	return fmt.Errorf("content %s: %s skipped: this node's %s lock is lost: %w: %w", req.Resource, step, req.Type, client.ErrLockLost, errdefs.ErrUnavailable)
 }
 
 // Update changes a blob's labels under the update lock, which the server

@@ -22,6 +22,9 @@ const ExitLockLost = 75
 // errLostStopped is the failure dlock run reports for a hold it gave up.
 var errLostStopped = errors.New("lock lost: the command was stopped")
 
+// errLostBeforeStart is the failure for a hold lost before its command ran.
+var errLostBeforeStart = errors.New("lock lost before the command started")
+
 // cmdRun is the distributed flock(1): it takes the lock, runs the command,
 // and unlocks with the command's outcome. It returns the command's exit
 // status as an exitStatus.
@@ -96,6 +99,15 @@ func cmdRun(ctx context.Context, args []string, getenv func(string) string, stdi
 	fail := func(err error) error {
 		_ = c.Unlock(unlockCtx, req, err)
 		return err
+	}
+	select {
+	case <-res.Lost:
+		// Granted, but vouched for less than the lease margin (a server
+		// that cannot reach etcd): the command does not start.
+		_ = c.Unlock(unlockCtx, req, errLostBeforeStart)
+		fmt.Fprintln(stderr, "dlock: lock lost before the command started (its server vouched for less than the lease margin); not running it")
+		return exitStatus(ExitLockLost)
+	default:
 	}
 	path, err := exec.LookPath(argv[0])
 	if err != nil {
