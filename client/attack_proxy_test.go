@@ -94,7 +94,7 @@ func TestAttackProxyOneWayCut(t *testing.T) {
 					cancel()
 					<-got
 					<-doErr
-					t.Skipf("BUG (liveness, not fixed: needs a design change): through a proxy cut %v, the holder gave up %v after the cut (its unlock lost in the cut) but the server, whose connection to the proxy stays healthy, keeps its session: the key did not move on in 15 s, and moves only when the holder's session ends", dir, lostT.Sub(cut))
+					t.Skipf("NOT TESTED, a known limit (docs/DESIGN.md, \"Behind a proxy\"): liveness through a TCP proxy: cut %v, the holder gave up %v after the cut (its unlock lost in the cut) but the server, whose connection to the proxy stays healthy, keeps its session: the key did not move on in 15 s, and moves only when the holder's session ends", dir, lostT.Sub(cut))
 				default:
 					t.Fatalf("%v cut: neither moved in 15 s", dir)
 				}
