@@ -71,8 +71,9 @@ const (
 	DefaultWriteTimeout = 10 * time.Second
 	// DefaultPingInterval and DefaultDeadPeer (Listen) notice a peer
 	// that vanished within 4 s, so that its session's grace starts then
-	// (docs/DESIGN.md, "Leases"). A ping costs an idle stream a few
-	// bytes a second (docs/BENCHMARKS.md).
+	// (docs/DESIGN.md, "Leases"). A ping costs an idle stream 8 bytes
+	// and about 14 µs of server CPU an interval: 10,000 idle streams at
+	// 1 s, 13–14 % of one core and 80 kB/s (docs/BENCHMARKS.md).
 	DefaultPingInterval = time.Second
 	DefaultDeadPeer     = 3 * time.Second
 )

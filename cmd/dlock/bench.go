@@ -37,13 +37,15 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	fs := flag.NewFlagSet("dlock bench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	server := fs.String("server", "http://127.0.0.1:7380", "dlock server URL (one: bench measures a server)")
-	scenarios := fs.String("scenario", "pairs,handoff,fanout,sessions", "scenarios to run: pairs, handoff, fanout (and its floor), sessions, memory, failover (--backend etcd)")
+	scenarios := fs.String("scenario", "pairs,handoff,fanout,sessions", "scenarios to run: pairs, handoff, fanout (and its floor), sessions, memory, pings, failover (--backend etcd)")
 	duration := fs.Duration("duration", 10*time.Second, "how long each scenario runs")
 	concurrency := fs.Int("concurrency", 32, "connections (pairs, sessions, memory) or nodes on the key (handoff)")
 	waiters := fs.Int("waiters", 1000, "fanout: waiters, each with its own session, queued on one key (and the floor's loopback sockets)")
 	heldN := fs.Int("held", 100000, "memory: locks to hold while the server's RSS is read (held-ttl, held-session; 0: neither)")
 	heldNodes := fs.Int("held-nodes", 100, "memory: nodes, each with a session stream, that hold the held-session locks")
-	sessionsN := fs.Int("sessions", 10000, "memory: session streams to keep open while the server's RSS is read (idle-sessions; 0: not run)")
+	sessionsN := fs.Int("sessions", 10000, "memory: session streams to keep open while the server's RSS is read (idle-sessions; 0: not run); pings: idle session streams on each server")
+	pingIntervals := fs.String("ping-intervals", "250ms,1s,5s,15s", "pings: the --ping-interval of each fresh `dlock serve` measured, comma-separated (10ms to 1m)")
+	pingWindow := fs.Duration("ping-window", 10*time.Second, "pings: the shortest window measured on each server, made a whole number of intervals, two at least")
 	memoryServer := fs.String("memory-server", "", "memory: measure this server (with the same credentials) instead of a fresh `dlock serve` for each measurement")
 	compare := fs.String("compare", "", "also run pairs and handoff against: redis, etcd (comma-separated; started on 127.0.0.1)")
 	backend := fs.String("backend", "", "etcd: instead of measuring --server, start an etcd on 127.0.0.1 and `dlock serve --backend etcd` on it, and measure that (--compare etcd then measures the same etcd)")
@@ -69,7 +71,7 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	}
 	runs := strings.Split(*scenarios, ",")
 	for _, s := range runs {
-		if !slices.Contains([]string{"pairs", "handoff", "fanout", "sessions", "memory", "failover"}, s) {
+		if !slices.Contains([]string{"pairs", "handoff", "fanout", "sessions", "memory", "pings", "failover"}, s) {
 			return usageError{fmt.Errorf("unknown scenario %q", s)}
 		}
 	}
@@ -81,6 +83,9 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 			return usageError{errors.New("--scenario failover needs --backend etcd: servers that share their lock state, started by bench")}
 		}
 	case "etcd":
+		if slices.Contains(runs, "pings") {
+			return usageError{errors.New("--scenario pings measures fresh memory servers: no --backend")}
+		}
 		if serverSet {
 			return usageError{errors.New("--backend etcd measures the server it starts: no --server")}
 		}
@@ -108,6 +113,16 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	}
 	if *concurrency < 1 || *waiters < 1 || *duration <= 0 || *heldN < 0 || *sessionsN < 0 || *heldNodes < 1 {
 		return usageError{errors.New("--concurrency, --waiters, --held-nodes and --duration must be positive, --held and --sessions not negative")}
+	}
+	var intervals []time.Duration
+	if slices.Contains(runs, "pings") {
+		var err error
+		if intervals, err = bench.ParsePingIntervals(*pingIntervals); err != nil {
+			return usageError{fmt.Errorf("--ping-intervals: %w", err)}
+		}
+		if *sessionsN < 1 || *pingWindow <= 0 {
+			return usageError{errors.New("--scenario pings needs --sessions and --ping-window above 0")}
+		}
 	}
 	tlsConfig, token, err := loadCredentials(cred, *server)
 	if err != nil {
@@ -198,7 +213,32 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 		return r, err
 	}
 	var results []bench.Result
+	var pings []bench.PingResult
 	for _, s := range runs {
+		if s == "pings" {
+			bin, err := benchServerBinary()
+			if err != nil {
+				return fmt.Errorf("pings: the dlock binary to serve: %w", err)
+			}
+			po := bench.PingOptions{Intervals: intervals, Sessions: *sessionsN, Window: *pingWindow,
+				Start: func(ctx context.Context, ping time.Duration) (string, func(), error) {
+					flags := append(append(freshServerFlags(*sessionsN, 0), extraServe...), "--ping-interval", ping.String())
+					return freshServer(bin, flags, stderr)(ctx)
+				},
+				Opened: func(ping, took time.Duration) {
+					fmt.Fprintf(stderr, "pings %v: %d streams open in %.1fs, measuring %v\n", ping, *sessionsN, took.Seconds(), bench.PingWindow(ping, *pingWindow))
+				},
+				Done: func(r bench.PingResult) {
+					fmt.Fprintf(stderr, "pings %v: %.0f pings/s (%.0f expected), server CPU %.2f%%\n", msDuration(r.IntervalMS), r.Rate, r.Expected, r.ServerCPU)
+				}}
+			rs, err := bench.Pings(ctx, po)
+			if err != nil {
+				return fmt.Errorf("pings: %w", err)
+			}
+			pings = append(pings, rs...)
+			setup = append(setup, fmt.Sprintf("pings: a fresh `dlock serve --ping-interval …` for each interval, started by bench, %d idle session streams on it read by bench over 127.0.0.1; CPU in %% of one core; bytes are the streams' payload (no TCP/IP headers or ACKs); a ping is %q", *sessionsN, bench.PingFrame))
+			continue
+		}
 		if s == "memory" {
 			mo := bench.MemoryOptions{Held: *heldN, HeldNodes: *heldNodes, Sessions: *sessionsN, Conns: *concurrency,
 				Done: func(r bench.Result) { fmt.Fprintf(stderr, "memory %s: %s\n", r.Scenario, r.Note) }}
@@ -333,6 +373,9 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 		if len(setup) > 0 {
 			out["setup"] = setup
 		}
+		if len(pings) > 0 {
+			out["pings"] = pings
+		}
 		return enc.Encode(out)
 	}
 	lines := append(setup, cpuLines(results)...)
@@ -340,6 +383,20 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 		lines = append(lines, fmt.Sprintf("%s = %.2f", k, ratios[k]))
 	}
 	if *asMarkdown {
+		if len(pings) > 0 {
+			fmt.Fprintln(stdout, "| "+strings.Join(pingColumns, " | ")+" |")
+			fmt.Fprintln(stdout, strings.Repeat("| --- ", len(pingColumns))+"|")
+			for _, r := range pings {
+				fmt.Fprintln(stdout, "| "+strings.Join(pingRow(r), " | ")+" |")
+			}
+			fmt.Fprintln(stdout)
+		}
+		if len(results) == 0 {
+			for _, l := range lines {
+				fmt.Fprintf(stdout, "- %s\n", l)
+			}
+			return nil
+		}
 		fmt.Fprintln(stdout, "| scenario | system | concurrency | ops/s | p50 | p90 | p99 | max | one op | server CPU/op | server RSS |")
 		fmt.Fprintln(stdout, "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 		for _, r := range results {
@@ -356,12 +413,22 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 		}
 		return nil
 	}
-	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "scenario\tsystem\tconcurrency\tops/s\tp50\tp90\tp99\tmax\tone op\tserver CPU/op\tserver RSS\t")
-	for _, r := range results {
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%.0f\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", r.Scenario, r.System, r.Concurrency, r.Rate, us(r.P50), us(r.P90), us(r.P99), us(r.Max), r.Unit, cpuText(r.ServerCPUPerOp), rssText(r))
+	if len(pings) > 0 {
+		tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
+		fmt.Fprintln(tw, strings.Join(pingColumns, "\t")+"\t")
+		for _, r := range pings {
+			fmt.Fprintln(tw, strings.Join(pingRow(r), "\t")+"\t")
+		}
+		tw.Flush()
 	}
-	tw.Flush()
+	if len(results) > 0 || len(pings) == 0 {
+		tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
+		fmt.Fprintln(tw, "scenario\tsystem\tconcurrency\tops/s\tp50\tp90\tp99\tmax\tone op\tserver CPU/op\tserver RSS\t")
+		for _, r := range results {
+			fmt.Fprintf(tw, "%s\t%s\t%d\t%.0f\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", r.Scenario, r.System, r.Concurrency, r.Rate, us(r.P50), us(r.P90), us(r.P99), us(r.Max), r.Unit, cpuText(r.ServerCPUPerOp), rssText(r))
+		}
+		tw.Flush()
+	}
 	for _, r := range results {
 		if r.Note != "" {
 			fmt.Fprintf(stdout, "%s %s: %s\n", r.Scenario, r.System, r.Note)
@@ -372,6 +439,20 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	}
 	return nil
 }
+
+// pingColumns head the pings scenario's table, a row of which pingRow
+// makes: CPU in percent of one core, bytes the streams' payload.
+var pingColumns = []string{"ping interval", "streams", "window", "server CPU", "bench CPU", "pings/s", "of expected", "bytes/s", "bytes/s a stream", "bytes a ping", "server CPU a ping"}
+
+func pingRow(r bench.PingResult) []string {
+	return []string{msDuration(r.IntervalMS).String(), strconv.Itoa(r.Streams), fmt.Sprintf("%.1fs", r.Seconds),
+		fmt.Sprintf("%.2f%%", r.ServerCPU), fmt.Sprintf("%.2f%%", r.BenchCPU),
+		fmt.Sprintf("%.0f", r.Rate), fmt.Sprintf("%.2f", r.Rate/r.Expected),
+		fmt.Sprintf("%.0f", r.BytesPerSecond), fmt.Sprintf("%.2f", r.BytesPerStream), fmt.Sprintf("%.1f", r.PingBytes), cpuText(r.ServerCPUPerPing)}
+}
+
+// msDuration is a duration given in milliseconds.
+func msDuration(ms float64) time.Duration { return time.Duration(ms * float64(time.Millisecond)) }
 
 // benchRatios divides dlock's rate by each other system's, and the other
 // system's server CPU per op into dlock's, per scenario; and the fan-out's
@@ -448,13 +529,14 @@ func cpuText(v float64) string {
 // benchFiles is the file descriptors the scenarios open in this process
 // (and in the floor's writers, which inherit the limit): a stream per
 // fan-out waiter or per floor reader, the memory scenario's idle-sessions
-// --sessions streams, plus a reserve for everything else.
+// and the pings scenario's --sessions streams, plus a reserve for
+// everything else.
 func benchFiles(runs []string, waiters, sessions, heldNodes, conns int) uint64 {
 	need := conns + heldNodes
 	if slices.Contains(runs, "fanout") {
 		need = max(need, waiters+32)
 	}
-	if slices.Contains(runs, "memory") {
+	if slices.Contains(runs, "memory") || slices.Contains(runs, "pings") {
 		need = max(need, sessions+conns)
 	}
 	return uint64(need) + 256

@@ -3,6 +3,7 @@ package main
 import (
 	"encoding/json"
 	"io"
+	"math"
 	"net"
 	"net/http"
 	"net/url"
@@ -138,6 +139,57 @@ func TestBenchFanoutFloor(t *testing.T) {
 	out, _, st = inProcess(t, nil, "bench", "--server", srv.URL(), "--scenario", "fanout", "--waiters", "5", "--duration", "10ms", "--markdown")
 	if st != 0 || !strings.Contains(out, "| fanout-floor | loopback | 5 |") || !strings.Contains(out, "- fanout max dlock/floor = ") || !strings.Contains(out, "server CPU/op") {
 		t.Fatalf("markdown: %q", out)
+	}
+}
+
+// dlock bench --scenario pings: a fresh server per interval, the pings of
+// its idle streams counted; the shorter interval, the more pings, in
+// proportion. A check of the measurement, not of its numbers.
+func TestBenchPings(t *testing.T) {
+	useBinary(t)
+	const streams = 50
+	out, errOut, st := inProcess(t, nil, "bench", "--scenario", "pings", "--sessions", "50", "--ping-intervals", "100ms,400ms", "--ping-window", "1s", "--json")
+	var res struct {
+		Results []bench.Result
+		Pings   []bench.PingResult
+		Setup   []string
+	}
+	if st != 0 || json.Unmarshal([]byte(out), &res) != nil || len(res.Pings) != 2 || len(res.Results) != 0 || len(res.Setup) != 1 {
+		t.Fatalf("bench pings: %d %q %q", st, out, errOut)
+	}
+	for i, want := range []struct {
+		ms     float64
+		window float64
+	}{{100, 1}, {400, 1.2}} {
+		r := res.Pings[i]
+		if r.IntervalMS != want.ms || r.Streams != streams || r.Seconds < want.window || r.Seconds > want.window+0.5 {
+			t.Errorf("row %d: %+v, want interval %vms, %d streams, a %vs window", i, r, want.ms, streams, want.window)
+		}
+		if r.Pings <= 0 || r.Rate <= 0 || r.FewestPings < 1 || math.Abs(r.Expected-streams*1000/want.ms) > 1e-6 {
+			t.Errorf("row %d: no pings measured: %+v", i, r)
+		}
+		if r.PingBytes != float64(len(bench.PingFrame)) || r.Bytes != r.Pings*int64(len(bench.PingFrame)) || math.Abs(r.BytesPerStream*streams-r.BytesPerSecond) > 1e-6 {
+			t.Errorf("row %d: bytes %d for %d pings: %+v", i, r.Bytes, r.Pings, r)
+		}
+		// The server's CPU is read (an unread one fails the run), in steps
+		// of 10 ms: a second of 50 streams' pings may round to none.
+		if r.ServerCPU < 0 || r.ServerCPUPerPing < 0 {
+			t.Errorf("row %d: server CPU %+v", i, r)
+		}
+	}
+	// A quarter of the interval, four times the pings: at least twice,
+	// whatever the machine's load.
+	if a, b := res.Pings[0].Rate, res.Pings[1].Rate; a < 2*b || a > 8*b {
+		t.Errorf("%.0f pings/s at 100ms, %.0f at 400ms: not about 4 times", a, b)
+	}
+	out, _, st = inProcess(t, nil, "bench", "--scenario", "pings", "--sessions", "5", "--ping-intervals", "50ms", "--ping-window", "200ms")
+	if st != 0 || !strings.Contains(out, "ping interval") || !strings.Contains(out, "bytes a ping") || !strings.Contains(out, " 50ms ") || strings.Contains(out, "scenario") {
+		t.Fatalf("the pings table: %q", out)
+	}
+	for _, bad := range [][]string{{"--ping-intervals", "5ms"}, {"--ping-intervals", "2m"}, {"--ping-intervals", ","}, {"--sessions", "0"}, {"--backend", "etcd"}} {
+		if _, errOut, st := inProcess(t, nil, append([]string{"bench", "--scenario", "pings"}, bad...)...); st != 2 {
+			t.Errorf("bench pings %q: status %d %q, want a usage error", bad, st, errOut)
+		}
 	}
 }
 

@@ -219,23 +219,10 @@ func OpenSessions(ctx context.Context, base string, d rawhttp.Dialer, n int) (Re
 	if err != nil {
 		return Result{}, err
 	}
-	streams := make([]*rawhttp.Stream, n)
-	defer func() {
-		for _, s := range streams {
-			if s != nil {
-				s.Close()
-			}
-		}
-	}()
 	start := time.Now()
-	if err := parallel(64, n, func(i int) error {
-		if err := ctx.Err(); err != nil {
-			return err
-		}
-		s, err := d.Subscribe(base, fmt.Sprintf("idle-%s-%d", id, i))
-		streams[i] = s
-		return err
-	}); err != nil {
+	streams, err := openIdle(ctx, base, d, n, "idle-"+id)
+	defer closeStreams(streams)
+	if err != nil {
 		return Result{}, err
 	}
 	elapsed := time.Since(start)

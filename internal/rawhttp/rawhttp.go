@@ -253,6 +253,20 @@ func (s *Stream) Next() (name string, data []byte, err error) {
 	return s.ev.Name, s.ev.Data, nil
 }
 
+// Line reads the stream's next raw line, its "\n" included: pings and the
+// blank lines that end events too. It is for a reader that counts what
+// arrives (bench's pings scenario); line is valid until the next call.
+func (s *Stream) Line() (line []byte, err error) {
+	line, err = s.r.ReadSlice('\n')
+	if errors.Is(err, bufio.ErrBufferFull) {
+		return nil, fmt.Errorf("rawhttp: an event line over %d bytes", s.r.Size())
+	}
+	return line, err
+}
+
+// Header is the header of the stream's 200 answer (Dlock-Ping-Ms, …).
+func (s *Stream) Header() http.Header { return s.resp.Header }
+
 // ID is the id of the last event Next returned ("" if it had none): what
 // a reopened stream sends as Last-Event-ID.
 func (s *Stream) ID() string { return s.ev.ID }

@@ -37,3 +37,15 @@ func TestReadEvent(t *testing.T) {
 		t.Fatalf("a line over the buffer: %v", err)
 	}
 }
+
+func TestStreamLine(t *testing.T) {
+	s := &Stream{r: bufio.NewReaderSize(strings.NewReader(": ping\n\nevent: x\r\n"+strings.Repeat("y", 40)+"\n"), 16)}
+	for _, want := range []string{": ping\n", "\n", "event: x\r\n"} {
+		if line, err := s.Line(); err != nil || string(line) != want {
+			t.Fatalf("line %q %v, want %q", line, err, want)
+		}
+	}
+	if _, err := s.Line(); err == nil || !strings.Contains(err.Error(), "over 16 bytes") {
+		t.Fatalf("a line over the buffer: %v", err)
+	}
+}
