@@ -49,16 +49,23 @@ func TestDefaultMaxConns(t *testing.T) {
 // Accept fails with EMFILE; dlock serve must go on, and serve again once
 // connections close (it used to return from Serve and exit).
 func TestServeSurvivesEMFILE(t *testing.T) {
-	cmd := exec.Command(dlockBinary(t), "serve", "--listen", "127.0.0.1:0", "--max-conns", "10000")
+	// A data dir of its own: the default one may be another server's,
+	// which would make this one refuse to start.
+	cmd := exec.Command(dlockBinary(t), "serve", "--listen", "127.0.0.1:0", "--max-conns", "10000", "--data-dir", t.TempDir())
 	stderr, _ := cmd.StderrPipe()
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
 	exited := make(chan struct{}) // closed once cmd.Wait returned waitErr
 	var waitErr error
+	watching := false // the goroutine that closes exited runs
 	defer func() {
 		cmd.Process.Kill()
-		<-exited
+		if watching {
+			<-exited
+		} else {
+			_ = cmd.Wait()
+		}
 	}()
 	sc := bufio.NewScanner(stderr)
 	addr := ""
@@ -72,6 +79,7 @@ func TestServeSurvivesEMFILE(t *testing.T) {
 		t.Fatal("no listen address logged")
 	}
 	acceptFailed := make(chan struct{})
+	watching = true
 	go func() {
 		once := false
 		for sc.Scan() {
