@@ -256,6 +256,26 @@ func drop(what string, matches ...[]string) (heal func() error, err error) {
 	return remove, nil
 }
 
+// Remaining lists the rules this process added that are still in place,
+// as `iptables -S` prints them: none once every fault is undone.
+func Remaining() ([]string, error) {
+	bin, err := findIptables()
+	if err != nil {
+		return nil, err
+	}
+	out, err := iptables(bin, "-S")
+	if err != nil {
+		return nil, err
+	}
+	var found []string
+	for _, line := range strings.Split(out, "\n") {
+		if pid, ok := tagPid(strings.Fields(line)); ok && pid == os.Getpid() {
+			found = append(found, line)
+		}
+	}
+	return found, nil
+}
+
 // CleanupStale removes the rules this package added for test processes
 // that are gone (killed before their cleanup ran: go test's -timeout, a
 // SIGKILL), found by their comment's prefix and pid; the rules of live

@@ -369,3 +369,18 @@ func TestDropForPrograms(t *testing.T) {
 		t.Fatalf("rules after the refusals: %q", got)
 	}
 }
+
+// TestRemaining: the rules of this process in place, listed; none once
+// healed.
+func TestRemaining(t *testing.T) {
+	NeedRoot(t)
+	heal := DropAddr(t, LoopbackAddr(t))
+	got, err := Remaining()
+	if err != nil || len(got) != 2 {
+		t.Fatalf("Remaining with one DropAddr: %q %v", got, err)
+	}
+	heal()
+	if got, err := Remaining(); err != nil || len(got) != 0 {
+		t.Fatalf("Remaining after heal: %q %v", got, err)
+	}
+}
