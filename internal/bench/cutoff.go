@@ -746,3 +746,56 @@ func lastOf(ls []cutoffLine, node string) time.Time {
 
 // shq quotes s for sh.
 func shq(s string) string { return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'" }
+
+// CutoffSummary is a scenario's rounds, as dlock bench prints them. The
+// times of the rounds in which the holder kept its hold are left out of
+// the stopped and next figures: the fault did not move the key then.
+type CutoffSummary struct {
+	Scenario string `json:"scenario"`
+	Rounds   int    `json:"rounds"`
+	// Kept counts the rounds in which the holder kept its hold.
+	Kept int `json:"kept"`
+	// Stopped: cut → the holder's last line; Next: cut → the next
+	// holder's first line (p50 and max over the rounds it stopped in).
+	StoppedP50 float64 `json:"stopped_p50_ms"`
+	StoppedMax float64 `json:"stopped_max_ms"`
+	NextP50    float64 `json:"next_p50_ms"`
+	NextMax    float64 `json:"next_max_ms"`
+	Bound      float64 `json:"bound_ms"`
+	// Overlap is the longest overlap of any round, and OverlapLines all
+	// rounds' holder lines at or after the waiter's first: both 0.
+	Overlap      float64  `json:"overlap_ms"`
+	OverlapLines int      `json:"overlap_lines"`
+	Problems     []string `json:"problems,omitempty"`
+}
+
+// SummarizeCutoff sums up a scenario's rounds.
+func SummarizeCutoff(name string, rounds []CutoffOutcome) CutoffSummary {
+	s := CutoffSummary{Scenario: name, Rounds: len(rounds), Bound: ms(CutoffBound(name))}
+	var stopped, next []time.Duration
+	for i, o := range rounds {
+		if o.Kept {
+			s.Kept++
+		} else {
+			stopped, next = append(stopped, o.Stopped), append(next, o.Next)
+		}
+		s.Overlap = max(s.Overlap, ms(o.Overlap))
+		s.OverlapLines += o.OverlapLines
+		for _, p := range o.Problems {
+			s.Problems = append(s.Problems, fmt.Sprintf("round %d: %s", i+1, p))
+		}
+	}
+	if len(stopped) > 0 {
+		s.StoppedP50, s.StoppedMax = median(stopped)/1e3, durMax(stopped)/1e3
+		s.NextP50, s.NextMax = median(next)/1e3, durMax(next)/1e3
+	}
+	return s
+}
+
+// Failed reports a round that broke the promise: an overlap, or any
+// other problem.
+func (s CutoffSummary) Failed() bool {
+	return s.Overlap > 0 || s.OverlapLines > 0 || len(s.Problems) > 0
+}
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1e3 }
