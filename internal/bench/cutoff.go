@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"net/url"
@@ -36,7 +37,9 @@ import (
 // loopback address (--source-addr), so that a fault can cut off H alone.
 // Both commands append a line "NODE UNIX-NANOSECONDS" to one shared file
 // every 50 ms: H's until a stop file appears, W's five lines. Once H has
-// written three lines and W is queued, the fault is made; the round then
+// written three lines and W is queued, and then 0 to 19 more of H's lines
+// (the cut's moment spread over the second that H's confirmations and the
+// server's pings repeat in), the fault is made; the round then
 // waits for W's command to finish, healing nothing before. When H is still
 // writing long after the cut, past the moment its lock would have moved on
 // had it been lost (KeptAfter), it kept its hold (by moving to a server
@@ -361,6 +364,19 @@ func (r *cutoffRound) run(ctx context.Context, o *CutoffOutcome) error {
 		}
 		st, err := keyStatus(r.waiter.servers[0], key)
 		return err == nil && st.Holder == r.holder.name && st.QueueLength >= 1, nil
+	}); err != nil {
+		return err
+	}
+	// The cut comes at a moment spread over a second (0 to 19 more of
+	// H's lines, each 50 ms apart): over the period of H's confirmations
+	// and of the server's pings, whose phases the timeline depends on.
+	more := count(mustRead(read), r.holder.name) + rand.IntN(20)
+	if err := waitUntil(ctx, 30*time.Second, "the holder's command to write more lines", func() (bool, error) {
+		if h.done() || w.done() {
+			return false, fmt.Errorf("a node exited before the cut: holder %d %s, waiter %d %s", h.status(), h.stderr(), w.status(), w.stderr())
+		}
+		ls, err := read()
+		return count(ls, r.holder.name) >= more, err
 	}); err != nil {
 		return err
 	}
@@ -721,6 +737,13 @@ func parseCutoffLines(data []byte) ([]cutoffLine, error) {
 		ls = append(ls, cutoffLine{node: f[0], at: time.Unix(0, ns)})
 	}
 	return ls, sc.Err()
+}
+
+// mustRead is the lines read, none on an error (which the next read,
+// checked, reports).
+func mustRead(read func() ([]cutoffLine, error)) []cutoffLine {
+	ls, _ := read()
+	return ls
 }
 
 func count(ls []cutoffLine, node string) int {
