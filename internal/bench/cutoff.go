@@ -23,6 +23,8 @@ import (
 	"time"
 
 	"github.com/dlock/dlock/internal/netfault"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
 )
 
 // The cut-off scenarios prove, with real faults on real processes, that a
@@ -44,7 +46,9 @@ import (
 // writing long after the cut, past the moment its lock would have moved on
 // had it been lost (KeptAfter), it kept its hold (by moving to a server
 // that can vouch for it): the stop file ends its command, and W's runs
-// after. The file alone then says whether the two commands overlapped.
+// after. The file alone then says whether the two commands overlapped. On
+// etcd, another data set of the same etcd changes all along, as on an etcd
+// that other users share.
 
 // Cutoff scenarios, by name.
 const (
@@ -237,6 +241,11 @@ func (r *cutoffRound) setUp(ctx context.Context) error {
 	// Three servers on one data set; H's first is server 0, the one the
 	// fault hits, W's server 1.
 	prefix := fmt.Sprintf("/dlock-cutoff-%s-%d/", r.id, time.Now().UnixNano())
+	// The etcd is shared, as a real one may be: another data set changes
+	// every 100 ms, so that etcd's revision moves on outside this one's.
+	if err := r.elsewhere(prefix); err != nil {
+		return err
+	}
 	etcdFlags := func(endpoints []string) []string {
 		return append([]string{"--backend", "etcd", "--etcd-endpoints", strings.Join(endpoints, ","), "--etcd-prefix", prefix}, common...)
 	}
@@ -315,6 +324,33 @@ func (r *cutoffRound) setUp(ctx context.Context) error {
 			}, nil
 		}
 	}
+	return nil
+}
+
+// elsewhere writes, until the round ends, a key outside the round's data
+// set every 100 ms.
+func (r *cutoffRound) elsewhere(prefix string) error {
+	cli, err := clientv3.New(clientv3.Config{Endpoints: r.env.Etcd, DialTimeout: 5 * time.Second, Logger: zap.NewNop()})
+	if err != nil {
+		return err
+	}
+	stop, done := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(done)
+		t := time.NewTicker(100 * time.Millisecond)
+		defer t.Stop()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-t.C:
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+			_, _ = cli.Put(ctx, "/dlock-cutoff-elsewhere"+prefix, time.Now().String())
+			cancel()
+		}
+	}()
+	r.later(func() { close(stop); <-done; cli.Close() })
 	return nil
 }
 
