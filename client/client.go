@@ -157,6 +157,13 @@ type Client struct {
 	ShortClient *http.Client
 	// LongClient holds the session stream; it must have no overall timeout.
 	LongClient *http.Client
+	// LocalAddr, if set, is the local address every connection of the
+	// default ShortClient and LongClient dials from (a *net.TCPAddr,
+	// usually with port 0): a node with several addresses picks the one
+	// its traffic leaves from, and a test cuts exactly this node off by
+	// dropping that address (`dlock --source-addr`). A caller that sets
+	// ShortClient or LongClient dials as those do.
+	LocalAddr net.Addr
 	// Logger receives stream reconnects and lost locks; nil discards.
 	Logger *slog.Logger
 	// TLSConfig is the TLS of an https:// Server (or Servers): the CA that
@@ -239,11 +246,11 @@ func (c *Client) init() error {
 			c.RenewInterval = 10 * time.Second
 		}
 		if c.ShortClient == nil {
-			c.ShortClient = &http.Client{Transport: defaultTransport(c.TLSConfig)}
+			c.ShortClient = &http.Client{Transport: defaultTransport(c.TLSConfig, c.LocalAddr)}
 			c.owned = append(c.owned, c.ShortClient)
 		}
 		if c.LongClient == nil {
-			c.LongClient = &http.Client{Transport: defaultTransport(c.TLSConfig)}
+			c.LongClient = &http.Client{Transport: defaultTransport(c.TLSConfig, c.LocalAddr)}
 			c.owned = append(c.owned, c.LongClient)
 		}
 		if c.Logger == nil {
@@ -328,9 +335,15 @@ func (c *Client) serverNames() string {
 // session stream has a connection of its own either way. And over h2 a
 // client certificate the server refuses after a TLS 1.3 handshake reaches
 // the caller as "client conn could not be established", without the
-// alert, which would be retried as a network error.
-func defaultTransport(tlsConfig *tls.Config) *http.Transport {
+// alert, which would be retried as a network error. Its connections
+// leave from local when that is set (Client.LocalAddr).
+func defaultTransport(tlsConfig *tls.Config, local net.Addr) *http.Transport {
 	t := http.DefaultTransport.(*http.Transport).Clone()
+	if local != nil {
+		// http.DefaultTransport's dialer, from local.
+		d := &net.Dialer{Timeout: 30 * time.Second, KeepAlive: 30 * time.Second, LocalAddr: local}
+		t.DialContext = d.DialContext
+	}
 	t.MaxIdleConnsPerHost = 64
 	t.ForceAttemptHTTP2 = false
 	t.TLSNextProto = map[string]func(string, *tls.Conn) http.RoundTripper{}

@@ -16,6 +16,7 @@ import (
 
 	"github.com/dlock/dlock/internal/dlocktest"
 	"github.com/dlock/dlock/internal/dlocktest/kit"
+	"github.com/dlock/dlock/internal/netfault"
 	"github.com/dlock/dlock/lock"
 	"github.com/dlock/dlock/lock/memory"
 	"go.uber.org/goleak"
@@ -546,6 +547,40 @@ func TestDependencies(t *testing.T) {
 			if strings.HasPrefix(dep, banned) {
 				t.Errorf("client depends on %s", dep)
 			}
+		}
+	}
+}
+
+// TestLocalAddr: with LocalAddr, every connection of the default clients,
+// the session stream's and the requests', leaves from that address, so
+// that dropping it cuts off this node alone (dlock --source-addr).
+func TestLocalAddr(t *testing.T) {
+	local := netfault.LoopbackAddr(t)
+	var mu sync.Mutex
+	seen := map[string]string{} // path → the client's address
+	srv := dlocktest.Start(t, dlocktest.Options{Wrap: func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			host, _, _ := net.SplitHostPort(r.RemoteAddr)
+			mu.Lock()
+			seen[r.URL.Path] = host
+			mu.Unlock()
+			next.ServeHTTP(w, r)
+		})
+	}})
+	c := &Client{Server: srv.URL(), Node: "n", LocalAddr: &net.TCPAddr{IP: net.ParseIP(local)}}
+	defer c.Close()
+	ctx := t.Context()
+	if _, err := c.Lock(ctx, pull); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Unlock(ctx, pull, nil); err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	for _, p := range []string{"/subscribe", "/lock", "/unlock"} {
+		if seen[p] != local {
+			t.Errorf("%s came from %q, want %s (LocalAddr): %v", p, seen[p], local, seen)
 		}
 	}
 }

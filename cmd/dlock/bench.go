@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/dlock/dlock/internal/bench"
+	"github.com/dlock/dlock/internal/netfault"
 	"github.com/dlock/dlock/internal/rawhttp"
 	"github.com/dlock/dlock/lock"
 )
@@ -37,7 +38,7 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	fs := flag.NewFlagSet("dlock bench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	server := fs.String("server", "http://127.0.0.1:7380", "dlock server URL (one: bench measures a server)")
-	scenarios := fs.String("scenario", "pairs,handoff,fanout,sessions", "scenarios to run: pairs, handoff, fanout (and its floor), sessions, memory, pings, failover (--backend etcd)")
+	scenarios := fs.String("scenario", "pairs,handoff,fanout,sessions", "scenarios to run: pairs, handoff, fanout (and its floor), sessions, memory, pings, failover (--backend etcd), cutoff (as root; its etcd cases with --backend etcd)")
 	duration := fs.Duration("duration", 10*time.Second, "how long each scenario runs")
 	concurrency := fs.Int("concurrency", 32, "connections (pairs, sessions, memory) or nodes on the key (handoff)")
 	waiters := fs.Int("waiters", 1000, "fanout: waiters, each with its own session, queued on one key (and the floor's loopback sockets)")
@@ -50,7 +51,8 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	compare := fs.String("compare", "", "also run pairs and handoff against: redis, etcd (comma-separated; started on 127.0.0.1)")
 	backend := fs.String("backend", "", "etcd: instead of measuring --server, start an etcd on 127.0.0.1 and `dlock serve --backend etcd` on it, and measure that (--compare etcd then measures the same etcd)")
 	servers := fs.Int("servers", 3, "failover: dlock servers on the one etcd, one SIGKILLed each round")
-	rounds := fs.Int("rounds", 5, "failover: rounds")
+	rounds := fs.Int("rounds", 5, "failover, cutoff: rounds (cutoff: of each case)")
+	cutoffCases := fs.String("cutoff", "", "cutoff: the cases to run, comma-separated (default: the memory engine's, and with --backend etcd the etcd engine's): "+strings.Join(bench.CutoffScenarios, ", "))
 	rawNode := fs.Bool("failover-raw", false, "failover: the node is raw HTTP that tries the other servers in turn, not client.Client with every server")
 	recheck := fs.Duration("recheck", 6*time.Second, "failover: check the hold again this long after the kill, past the servers' --session-grace (0: only at once)")
 	serveFlags := fs.String("serve-flags", "", "more flags for the `dlock serve` processes bench starts, space-separated (e.g. --debug-listen 127.0.0.1:6060)")
@@ -71,7 +73,7 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	}
 	runs := strings.Split(*scenarios, ",")
 	for _, s := range runs {
-		if !slices.Contains([]string{"pairs", "handoff", "fanout", "sessions", "memory", "pings", "failover"}, s) {
+		if !slices.Contains([]string{"pairs", "handoff", "fanout", "sessions", "memory", "pings", "failover", "cutoff"}, s) {
 			return usageError{fmt.Errorf("unknown scenario %q", s)}
 		}
 	}
@@ -97,6 +99,19 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	}
 	if *servers < 2 || *rounds < 1 {
 		return usageError{errors.New("--servers must be at least 2 and --rounds at least 1")}
+	}
+	var cutoffs []string
+	if slices.Contains(runs, "cutoff") {
+		var err error
+		if cutoffs, err = cutoffList(*cutoffCases, *backend == "etcd"); err != nil {
+			return usageError{err}
+		}
+		// Faults are iptables rules: without root, nothing to measure.
+		if err := cutoffUsable(); err != nil {
+			return fmt.Errorf("the cutoff scenario cannot run: %w", err)
+		}
+	} else if *cutoffCases != "" {
+		return usageError{errors.New("--cutoff needs --scenario cutoff")}
 	}
 	var others []string
 	if *compare != "" {
@@ -155,7 +170,7 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 		defer etcdServer.Stop()
 		fmt.Fprintf(stderr, "%s\n", etcdServer)
 		setup = append(setup, "etcd: "+etcdServer.String())
-		if slices.ContainsFunc(runs, func(s string) bool { return s != "memory" && s != "failover" }) {
+		if slices.ContainsFunc(runs, func(s string) bool { return s != "memory" && s != "failover" && s != "cutoff" }) {
 			prefix := fmt.Sprintf("/dlock-bench-%d/", time.Now().UnixNano())
 			base, stop, err := startOnEtcd(func() string { return prefix })(ctx)
 			if err != nil {
@@ -214,6 +229,7 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	}
 	var results []bench.Result
 	var pings []bench.PingResult
+	var cutoffSums []bench.CutoffSummary
 	for _, s := range runs {
 		if s == "pings" {
 			bin, err := benchServerBinary()
@@ -237,6 +253,35 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 			}
 			pings = append(pings, rs...)
 			setup = append(setup, fmt.Sprintf("pings: a fresh `dlock serve --ping-interval …` for each interval, started by bench, %d idle session streams on it read by bench over 127.0.0.1; CPU in %% of one core; bytes are the streams' payload (no TCP/IP headers or ACKs); a ping is %q", *sessionsN, bench.PingFrame))
+			continue
+		}
+		if s == "cutoff" {
+			bin, err := benchServerBinary()
+			if err != nil {
+				return fmt.Errorf("cutoff: the dlock binary to run: %w", err)
+			}
+			dir, err := os.MkdirTemp("", "dlock-bench-cutoff")
+			if err != nil {
+				return err
+			}
+			defer os.RemoveAll(dir)
+			env := bench.CutoffEnv{Bin: bin, Dir: dir, LostStatus: ExitLockLost}
+			if etcdServer != nil {
+				env.Etcd = []string{etcdServer.Endpoint}
+			}
+			for _, c := range cutoffs {
+				var outcomes []bench.CutoffOutcome
+				for round := 1; round <= *rounds; round++ {
+					o, err := bench.RunCutoff(ctx, env, c)
+					if err != nil {
+						return fmt.Errorf("cutoff %s, round %d: %w", c, round, err)
+					}
+					fmt.Fprintf(stderr, "cutoff %s round %d: %s\n", c, round, cutoffRoundText(o))
+					outcomes = append(outcomes, o)
+				}
+				cutoffSums = append(cutoffSums, bench.SummarizeCutoff(c, outcomes))
+			}
+			setup = append(setup, fmt.Sprintf("cutoff: per case and round, fresh `dlock serve` processes (memory: one, --session-grace 3s; etcd: three on one data set of the etcd above, --session-grace 5s; --ping-interval 1s --dead-peer-timeout 3s) and two `dlock run` on one key, the holder dialing from a loopback address of its own; faults by iptables, SIGSTOP and black-holing proxies; %d rounds each", *rounds))
 			continue
 		}
 		if s == "memory" {
@@ -376,7 +421,13 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 		if len(pings) > 0 {
 			out["pings"] = pings
 		}
-		return enc.Encode(out)
+		if len(cutoffSums) > 0 {
+			out["cutoff"] = cutoffSums
+		}
+		if err := enc.Encode(out); err != nil {
+			return err
+		}
+		return cutoffFailed(cutoffSums)
 	}
 	lines := append(setup, cpuLines(results)...)
 	for _, k := range slices.Sorted(maps.Keys(ratios)) {
@@ -391,18 +442,15 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 			}
 			fmt.Fprintln(stdout)
 		}
-		if len(results) == 0 {
-			for _, l := range lines {
-				fmt.Fprintf(stdout, "- %s\n", l)
+		if len(results) > 0 {
+			fmt.Fprintln(stdout, "| scenario | system | concurrency | ops/s | p50 | p90 | p99 | max | one op | server CPU/op | server RSS |")
+			fmt.Fprintln(stdout, "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+			for _, r := range results {
+				fmt.Fprintf(stdout, "| %s | %s | %d | %.0f | %s | %s | %s | %s | %s | %s | %s |\n", r.Scenario, r.System, r.Concurrency, r.Rate, us(r.P50), us(r.P90), us(r.P99), us(r.Max), r.Unit, cpuText(r.ServerCPUPerOp), rssText(r))
 			}
-			return nil
+			fmt.Fprintln(stdout)
 		}
-		fmt.Fprintln(stdout, "| scenario | system | concurrency | ops/s | p50 | p90 | p99 | max | one op | server CPU/op | server RSS |")
-		fmt.Fprintln(stdout, "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-		for _, r := range results {
-			fmt.Fprintf(stdout, "| %s | %s | %d | %.0f | %s | %s | %s | %s | %s | %s | %s |\n", r.Scenario, r.System, r.Concurrency, r.Rate, us(r.P50), us(r.P90), us(r.P99), us(r.Max), r.Unit, cpuText(r.ServerCPUPerOp), rssText(r))
-		}
-		fmt.Fprintln(stdout)
+		printCutoff(stdout, cutoffSums, true)
 		for _, r := range results {
 			if r.Note != "" {
 				fmt.Fprintf(stdout, "- %s %s: %s\n", r.Scenario, r.System, r.Note)
@@ -411,7 +459,7 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 		for _, l := range lines {
 			fmt.Fprintf(stdout, "- %s\n", l)
 		}
-		return nil
+		return cutoffFailed(cutoffSums)
 	}
 	if len(pings) > 0 {
 		tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
@@ -421,7 +469,7 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 		}
 		tw.Flush()
 	}
-	if len(results) > 0 || len(pings) == 0 {
+	if len(results) > 0 || (len(pings) == 0 && len(cutoffSums) == 0) {
 		tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
 		fmt.Fprintln(tw, "scenario\tsystem\tconcurrency\tops/s\tp50\tp90\tp99\tmax\tone op\tserver CPU/op\tserver RSS\t")
 		for _, r := range results {
@@ -429,6 +477,7 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 		}
 		tw.Flush()
 	}
+	printCutoff(stdout, cutoffSums, false)
 	for _, r := range results {
 		if r.Note != "" {
 			fmt.Fprintf(stdout, "%s %s: %s\n", r.Scenario, r.System, r.Note)
@@ -436,6 +485,111 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	}
 	for _, l := range lines {
 		fmt.Fprintln(stdout, l)
+	}
+	return cutoffFailed(cutoffSums)
+}
+
+// cutoffUsable says whether the cutoff scenario can make its faults:
+// netfault.Usable (root, a working iptables); a variable for the tests.
+var cutoffUsable = netfault.Usable
+
+// cutoffList reads --cutoff: the cases named, or by default the memory
+// engine's, and the etcd engine's with an etcd.
+func cutoffList(list string, etcd bool) ([]string, error) {
+	var out []string
+	if list == "" {
+		for _, c := range bench.CutoffScenarios {
+			if etcd || !bench.CutoffEtcd(c) {
+				out = append(out, c)
+			}
+		}
+		return out, nil
+	}
+	for _, c := range strings.Split(list, ",") {
+		c = strings.TrimSpace(c)
+		if !slices.Contains(bench.CutoffScenarios, c) {
+			return nil, fmt.Errorf("--cutoff: unknown case %q (%s)", c, strings.Join(bench.CutoffScenarios, ", "))
+		}
+		if bench.CutoffEtcd(c) && !etcd {
+			return nil, fmt.Errorf("--cutoff %s needs --backend etcd", c)
+		}
+		out = append(out, c)
+	}
+	return out, nil
+}
+
+// cutoffRoundText is one round's outcome in a progress line.
+func cutoffRoundText(o bench.CutoffOutcome) string {
+	var t string
+	if o.Kept {
+		t = fmt.Sprintf("holder kept its hold; next holder ran %s after the cut", secs(o.Next))
+	} else {
+		t = fmt.Sprintf("cut → holder stopped %s, cut → next holder running %s", secs(o.Stopped), secs(o.Next))
+	}
+	t += fmt.Sprintf(", overlap %s", secs(o.Overlap))
+	for _, p := range o.Problems {
+		t += "; " + p
+	}
+	return t
+}
+
+func secs(d time.Duration) string { return fmt.Sprintf("%.2f s", d.Seconds()) }
+
+// msText prints milliseconds as seconds; "—" for none.
+func msText(v float64) string {
+	if v <= 0 {
+		return "—"
+	}
+	return fmt.Sprintf("%.2f s", v/1e3)
+}
+
+// printCutoff prints the cutoff scenario's table: per case, the rounds,
+// in how many the holder kept its hold, cut → holder stopped and cut →
+// next holder running (p50 / max over the rounds the holder stopped in),
+// the bound, and the overlap, which must be 0; then every problem.
+func printCutoff(w io.Writer, sums []bench.CutoffSummary, markdown bool) {
+	if len(sums) == 0 {
+		return
+	}
+	row := func(s bench.CutoffSummary) []string {
+		return []string{s.Scenario, fmt.Sprint(s.Rounds), fmt.Sprintf("%d/%d", s.Kept, s.Rounds),
+			msText(s.StoppedP50) + " / " + msText(s.StoppedMax), msText(s.NextP50) + " / " + msText(s.NextMax),
+			msText(s.Bound), fmt.Sprintf("%.0f ms, %d lines", s.Overlap, s.OverlapLines)}
+	}
+	head := []string{"cutoff case", "rounds", "hold kept", "cut → holder stopped (p50 / max)", "cut → next holder running (p50 / max)", "bound", "overlap"}
+	if markdown {
+		fmt.Fprintf(w, "| %s |\n|%s\n", strings.Join(head, " | "), strings.Repeat(" --- |", len(head)))
+		for _, s := range sums {
+			fmt.Fprintf(w, "| %s |\n", strings.Join(row(s), " | "))
+		}
+		fmt.Fprintln(w)
+	} else {
+		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+		fmt.Fprintln(tw, strings.Join(head, "\t")+"\t")
+		for _, s := range sums {
+			fmt.Fprintln(tw, strings.Join(row(s), "\t")+"\t")
+		}
+		tw.Flush()
+	}
+	for _, s := range sums {
+		for _, p := range s.Problems {
+			fmt.Fprintf(w, "FAILED %s %s\n", s.Scenario, p)
+		}
+	}
+}
+
+// cutoffFailed is the error of a cutoff run in which a round broke the
+// promise: an overlap, a holder that did not stop, a key that did not move
+// on within its bound.
+func cutoffFailed(sums []bench.CutoffSummary) error {
+	var failed []string
+	for _, s := range sums {
+		if s.Failed() {
+			failed = append(failed, s.Scenario)
+		}
+	}
+	if len(failed) > 0 {
+		return fmt.Errorf("cutoff: %s broke the promise: an overlap, a holder that did not stop, or a key that did not move on within its bound (see above)", strings.Join(failed, ", "))
 	}
 	return nil
 }

@@ -2,6 +2,7 @@ package main
 
 import (
 	"encoding/json"
+	"errors"
 	"io"
 	"math"
 	"net"
@@ -12,9 +13,11 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/dlock/dlock/internal/bench"
 	"github.com/dlock/dlock/internal/dlocktest"
+	"github.com/dlock/dlock/internal/netfault"
 )
 
 // freshServer runs the real binary on a loopback port, answering, and
@@ -276,5 +279,91 @@ func TestBenchBackendEtcd(t *testing.T) {
 		if _, errOut, st := inProcess(t, nil, append([]string{"bench"}, args...)...); st != 2 {
 			t.Errorf("bench %q: exit %d, want 2 (usage): %s", args, st, errOut)
 		}
+	}
+}
+
+// dlock bench --scenario cutoff: its flags, and without root (faked here)
+// it says it cannot run and exits non-zero.
+func TestBenchCutoffFlags(t *testing.T) {
+	old := cutoffUsable
+	t.Cleanup(func() { cutoffUsable = old })
+	cutoffUsable = func() error { return errors.New("dropping packets with iptables needs root") }
+	_, errOut, st := inProcess(t, nil, "bench", "--scenario", "cutoff")
+	if st != 1 || !strings.Contains(errOut, "the cutoff scenario cannot run") || !strings.Contains(errOut, "needs root") {
+		t.Fatalf("cutoff without root: exit %d, %q; want 1 saying it cannot run", st, errOut)
+	}
+	for _, args := range [][]string{
+		{"--scenario", "cutoff", "--cutoff", "etcd-cut"},        // needs --backend etcd
+		{"--scenario", "cutoff", "--cutoff", "memory-cut,nope"}, // no such case
+		{"--scenario", "pairs", "--cutoff", "memory-cut"},       // --cutoff without the scenario
+		{"--scenario", "cutoff", "--rounds", "0"},
+	} {
+		if _, errOut, st := inProcess(t, nil, append([]string{"bench"}, args...)...); st != 2 {
+			t.Errorf("bench %q: exit %d, want 2 (usage): %s", args, st, errOut)
+		}
+	}
+	if got, err := cutoffList("", false); err != nil || !slices.Equal(got, []string{bench.CutoffMemoryCut, bench.CutoffMemoryToHolder, bench.CutoffMemoryFromHolder}) {
+		t.Errorf("default cases without etcd: %q %v", got, err)
+	}
+	if got, err := cutoffList("", true); err != nil || !slices.Equal(got, bench.CutoffScenarios) {
+		t.Errorf("default cases with etcd: %q %v", got, err)
+	}
+	if got, err := cutoffList(" etcd-frozen ,memory-cut", true); err != nil || !slices.Equal(got, []string{bench.CutoffEtcdFrozen, bench.CutoffMemoryCut}) {
+		t.Errorf("--cutoff ' etcd-frozen ,memory-cut': %q %v", got, err)
+	}
+}
+
+// The cutoff table: the three measures and the overlap per case, in text
+// and Markdown; an overlap, or any problem, fails the run.
+func TestBenchCutoffPrint(t *testing.T) {
+	ok := bench.SummarizeCutoff(bench.CutoffMemoryCut, []bench.CutoffOutcome{
+		{Stopped: 2 * time.Second, Next: 6 * time.Second},
+		{Stopped: 2200 * time.Millisecond, Next: 7 * time.Second},
+		{Kept: true, Next: 11 * time.Second},
+	})
+	if ok.Rounds != 3 || ok.Kept != 1 || ok.StoppedMax != 2200 || ok.NextMax != 7000 || ok.NextP50 != 6500 || ok.Bound != 17000 || ok.Failed() {
+		t.Fatalf("summary %+v", ok)
+	}
+	bad := bench.SummarizeCutoff(bench.CutoffEtcdCut, []bench.CutoffOutcome{
+		{Stopped: 4 * time.Second, Next: 3 * time.Second, Overlap: time.Second, OverlapLines: 20, Problems: []string{"OVERLAP: 20 lines"}},
+	})
+	if !bad.Failed() || bad.Overlap != 1000 || len(bad.Problems) != 1 || !strings.HasPrefix(bad.Problems[0], "round 1: ") {
+		t.Fatalf("summary %+v", bad)
+	}
+	var text, md strings.Builder
+	printCutoff(&text, []bench.CutoffSummary{ok, bad}, false)
+	printCutoff(&md, []bench.CutoffSummary{ok, bad}, true)
+	for _, want := range []string{"cut → holder stopped (p50 / max)", "cut → next holder running (p50 / max)", "overlap", "2.10 s / 2.20 s", "6.50 s / 7.00 s", "17.00 s", "1/3", "0 ms, 0 lines", "1000 ms, 20 lines", "FAILED etcd-cut round 1: OVERLAP"} {
+		if !strings.Contains(text.String(), want) {
+			t.Errorf("text table lacks %q:\n%s", want, text.String())
+		}
+	}
+	if !strings.Contains(md.String(), "| memory-cut | 3 | 1/3 | 2.10 s / 2.20 s | 6.50 s / 7.00 s | 17.00 s | 0 ms, 0 lines |") {
+		t.Errorf("markdown:\n%s", md.String())
+	}
+	if err := cutoffFailed([]bench.CutoffSummary{ok}); err != nil {
+		t.Errorf("a clean run failed: %v", err)
+	}
+	if err := cutoffFailed([]bench.CutoffSummary{ok, bad}); err == nil || !strings.Contains(err.Error(), "etcd-cut") {
+		t.Errorf("a run with an overlap: %v", err)
+	}
+}
+
+// dlock bench --scenario cutoff, one round of the memory engine's cut, for
+// real (as root).
+func TestBenchCutoff(t *testing.T) {
+	netfault.NeedRoot(t)
+	useBinary(t)
+	out, errOut, st := inProcess(t, nil, "bench", "--scenario", "cutoff", "--cutoff", "memory-cut", "--rounds", "1", "--json")
+	var res struct {
+		Cutoff []bench.CutoffSummary
+		Setup  []string
+	}
+	if st != 0 || json.Unmarshal([]byte(out), &res) != nil || len(res.Cutoff) != 1 {
+		t.Fatalf("bench cutoff: %d %q %q", st, out, errOut)
+	}
+	c := res.Cutoff[0]
+	if c.Scenario != bench.CutoffMemoryCut || c.Rounds != 1 || c.Failed() || c.StoppedMax <= 0 || c.NextMax <= c.StoppedMax || len(res.Setup) != 1 {
+		t.Fatalf("cutoff %+v, setup %q", c, res.Setup)
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"strings"
 	"time"
@@ -39,6 +40,7 @@ type clientFlags struct {
 	typ      string
 	resource string
 	human    bool
+	source   string // --source-addr
 	cred     *client.CredentialFiles
 }
 
@@ -50,6 +52,7 @@ func newClientFlags(name, defaultNode string, stderr io.Writer) *clientFlags {
 	f.fs.StringVar(&f.typ, "type", "pull", "operation type: pull, update or delete")
 	f.fs.StringVar(&f.resource, "resource", "", "resource id, e.g. a blob digest")
 	f.fs.BoolVar(&f.human, "human", false, "print a short line instead of JSON")
+	f.fs.StringVar(&f.source, "source-addr", "", "local IP address every connection to the servers is dialed from (default: the system's choice)")
 	f.cred = credentialFlags(f.fs)
 	return f
 }
@@ -72,6 +75,9 @@ func (f *clientFlags) parse(args []string, getenv func(string) string, needResou
 	if needResource && f.resource == "" {
 		return client.Request{}, usageError{errors.New("--resource is required")}
 	}
+	if f.source != "" && net.ParseIP(f.source) == nil {
+		return client.Request{}, usageError{fmt.Errorf("--source-addr %q: not an IP address", f.source)}
+	}
 	return client.Request{Type: t, Resource: f.resource}, nil
 }
 
@@ -84,7 +90,11 @@ func (f *clientFlags) client() (*client.Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &client.Client{Servers: servers, Node: f.node, TLSConfig: tlsConfig, Token: token}, nil
+	c := &client.Client{Servers: servers, Node: f.node, TLSConfig: tlsConfig, Token: token}
+	if f.source != "" {
+		c.LocalAddr = &net.TCPAddr{IP: net.ParseIP(f.source)}
+	}
+	return c, nil
 }
 
 // credentialFlags adds --ca, --cert, --key and --token-file to fs.

@@ -45,8 +45,8 @@ server:
   serve      run the lock server
   token      token new NODE_ID: a line for the server's --token-file
 
-client (flags: --server, --node, --type, --resource, --human, and the credentials
-        --ca, --cert, --key, --token-file; env DLOCK_<FLAG>; --server takes
+client (flags: --server, --node, --type, --resource, --human, --source-addr, and
+        the credentials --ca, --cert, --key, --token-file; env DLOCK_<FLAG>; --server takes
         several servers of one lock service as URL1,URL2,…, and moves to the
         next when one fails):
   lock       take a lock, or join its queue, with a ttl lease (repeat to renew)
@@ -55,7 +55,7 @@ client (flags: --server, --node, --type, --resource, --human, and the credential
   refcount   show, --add or --release a resource's references
   run        run a command under a lock: dlock run --resource R -- CMD [ARGS...]
 
-  bench      load generator: dlock bench [--scenario pairs,handoff,fanout,sessions,memory]
+  bench      load generator: dlock bench [--scenario pairs,handoff,fanout,sessions,memory,cutoff]
              [--compare redis,etcd] [--json]
 
 'dlock <command> -h' lists a command's flags.

@@ -2,6 +2,7 @@ package netfault
 
 import (
 	"bufio"
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -115,6 +116,17 @@ var (
 // frees when the process ends, killed or not.
 func LoopbackAddr(t testing.TB) string {
 	t.Helper()
+	a, release, err := ReserveAddr()
+	if err != nil {
+		t.Fatalf("netfault: %v", err)
+	}
+	t.Cleanup(release)
+	return a
+}
+
+// ReserveAddr is LoopbackAddr for a program that is not a test (dlock
+// bench): the address is held until release, or until the process ends.
+func ReserveAddr() (addr string, release func(), err error) {
 	addrMu.Lock()
 	defer addrMu.Unlock()
 	for range addrCount {
@@ -129,13 +141,11 @@ func LoopbackAddr(t testing.TB) string {
 		}
 		claim, err := net.Listen("unix", "@dlock-netfault-"+a.String())
 		if err != nil {
-			continue // another test holds it
+			continue // another process holds it
 		}
-		t.Cleanup(func() { claim.Close() })
-		return a.String()
+		return a.String(), func() { claim.Close() }, nil
 	}
-	t.Fatalf("netfault: no free loopback address in 127.77.0.0/16")
-	return ""
+	return "", nil, errors.New("no free loopback address in 127.77.0.0/16")
 }
 
 // DialerFrom returns a dialer whose connections leave from ip (any port):

@@ -37,6 +37,14 @@
 // Freeze stops a process with SIGSTOP (a machine that froze, a server
 // hung in a long pause) until Thaw or the test's cleanup sends SIGCONT.
 //
+// Each has an entry point for a program that is not a test (dlock bench's
+// cutoff scenario), which returns errors instead of failing a test and
+// leaves the undoing to its caller: Usable (NeedRoot's check), Drop and
+// DropFromTo (DropAddr's and DropOneWay's rules, with the same tags, so
+// that CleanupStale removes those of a killed run), ReserveAddr
+// (LoopbackAddr), Suspend (Freeze; Thaw undoes both) and ListenProxy
+// (NewProxyAt).
+//
 // Nothing here sleeps to order events: a fault is in place when its call
 // returns, and the tests wait for states (a read deadline that passes, a
 // process state in /proc).

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/dlock/dlock/internal/dlocktest/kit"
 )
@@ -33,6 +34,29 @@ func Freeze(t testing.TB, pid int) {
 	}
 	// A stop is delivered when each thread next runs: wait for all.
 	kit.Await(t, fmt.Sprintf("process %d to stop", pid), func() error { return stopped(pid) })
+}
+
+// Suspend is Freeze for a program that is not a test (dlock bench): it
+// stops pid with SIGSTOP and returns once every thread is stopped, or an
+// error after kit.Patience. The caller thaws it (Thaw).
+func Suspend(pid int) error {
+	if err := checkPid(pid); err != nil {
+		return fmt.Errorf("suspending %d: %w", pid, err)
+	}
+	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
+		return fmt.Errorf("suspending %d: %w", pid, err)
+	}
+	deadline := time.Now().Add(kit.Patience)
+	for {
+		err := stopped(pid)
+		if err == nil {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("process %d did not stop within %v: %w", pid, kit.Patience, err)
+		}
+		time.Sleep(time.Millisecond)
+	}
 }
 
 // Thaw lets process pid go on with SIGCONT. Thawing a process that is not

@@ -99,3 +99,23 @@ func TestFreezeRefuses(t *testing.T) {
 		}
 	}
 }
+
+// TestSuspend: Suspend, for programs that are not tests, returns with
+// every thread stopped; Thaw lets the process go on; a pid of this
+// process is refused.
+func TestSuspend(t *testing.T) {
+	pid, _, _ := echoChild(t)
+	if err := Suspend(pid); err != nil {
+		t.Fatal(err)
+	}
+	if err := stopped(pid); err != nil {
+		t.Fatalf("after Suspend: %v", err)
+	}
+	if err := Thaw(pid); err != nil {
+		t.Fatal(err)
+	}
+	expectState(t, pid, "RS")
+	if err := Suspend(os.Getpid()); err == nil {
+		t.Fatal("Suspend of the test's own process: no error")
+	}
+}

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/netip"
 	"os"
 	"os/exec"
 	"strconv"
@@ -78,23 +79,55 @@ func NeedRoot(t testing.TB) {
 	if geteuid() != 0 {
 		t.Skipf("NOT TESTED: %s needs root, to drop packets with iptables (partitions on loopback addresses); run `make test` as root", t.Name())
 	}
-	bin, err := findIptables()
-	if err == nil {
-		// A root without CAP_NET_ADMIN (an unprivileged container)
-		// has an iptables that fails.
-		_, err = iptables(bin, "-S", chain)
-	}
-	if err != nil {
+	if err := usable(); err != nil {
 		msg := fmt.Sprintf("%s needs a working iptables, to drop packets (partitions on loopback addresses): %v; `make deps` installs Debian's iptables as root", t.Name(), err)
 		if os.Getenv("CI") == "true" {
 			t.Fatalf("netfault: %s", msg)
 		}
 		t.Skipf("NOT TESTED: %s", msg)
 	}
-	staleOnce.Do(func() { staleErr = cleanupStale(bin) })
-	if staleErr != nil {
-		t.Fatalf("netfault: removing the rules that earlier test runs left: %v", staleErr)
+	if err := cleanupOnce(); err != nil {
+		t.Fatalf("netfault: removing the rules that earlier test runs left: %v", err)
 	}
+}
+
+// Usable is NeedRoot for a program that is not a test (dlock bench): nil
+// when this process may drop packets with iptables, else why not. Like
+// NeedRoot, the first call removes the rules of processes that are gone.
+func Usable() error {
+	if geteuid() != 0 {
+		return errors.New("dropping packets with iptables needs root")
+	}
+	if err := usable(); err != nil {
+		return fmt.Errorf("dropping packets needs a working iptables: %w (Debian: apt-get install iptables)", err)
+	}
+	if err := cleanupOnce(); err != nil {
+		return fmt.Errorf("removing the rules that earlier runs left: %w", err)
+	}
+	return nil
+}
+
+// usable checks that iptables is there and works: a root without
+// CAP_NET_ADMIN (an unprivileged container) has an iptables that fails.
+func usable() error {
+	bin, err := findIptables()
+	if err == nil {
+		_, err = iptables(bin, "-S", chain)
+	}
+	return err
+}
+
+// cleanupOnce removes the stale rules once per process (CleanupStale).
+func cleanupOnce() error {
+	staleOnce.Do(func() {
+		bin, err := findIptables()
+		if err != nil {
+			staleErr = err
+			return
+		}
+		staleErr = cleanupStale(bin)
+	})
+	return staleErr
 }
 
 // DropAddr drops every packet to and from ip, a loopback address of the
@@ -107,13 +140,11 @@ func NeedRoot(t testing.TB) {
 // dials from it (DialerFrom), a server that listens on it.
 func DropAddr(t testing.TB, ip string) (heal func()) {
 	t.Helper()
-	a, err := ownAddr(ip)
-	if err != nil {
+	if _, err := ownAddr(ip); err != nil {
 		t.Fatalf("netfault: DropAddr(%q): %v", ip, err)
 	}
-	return drop(t, fmt.Sprintf("the partition of %s", a),
-		[]string{"-s", a.String() + "/32"},
-		[]string{"-d", a.String() + "/32"})
+	NeedRoot(t)
+	return forTest(t, fmt.Sprintf("the partition of %s", ip), func() (func() error, error) { return Drop(ip) })
 }
 
 // DropOneWay drops every packet from src to dst, and none from dst to
@@ -124,31 +155,87 @@ func DropAddr(t testing.TB, ip string) (heal func()) {
 // bytes, and its acknowledgements, are lost.
 func DropOneWay(t testing.TB, src, dst string) (heal func()) {
 	t.Helper()
-	s, serr := loopbackAddr(src)
-	d, derr := loopbackAddr(dst)
-	if err := errors.Join(serr, derr); err != nil {
+	if _, _, err := oneWay(src, dst); err != nil {
 		t.Fatalf("netfault: DropOneWay(%q, %q): %v", src, dst, err)
 	}
-	if _, serr = ownAddr(src); serr != nil {
-		if _, derr = ownAddr(dst); derr != nil {
-			t.Fatalf("netfault: DropOneWay(%q, %q): neither is a test's own address: %v", src, dst, errors.Join(serr, derr))
-		}
+	NeedRoot(t)
+	return forTest(t, fmt.Sprintf("the cut from %s to %s", src, dst), func() (func() error, error) { return DropFromTo(src, dst) })
+}
+
+// forTest makes a fault with make, failing t if it cannot, and returns
+// what undoes it, which also runs at t's cleanup.
+func forTest(t testing.TB, what string, make func() (func() error, error)) (heal func()) {
+	t.Helper()
+	remove, err := make()
+	if err != nil {
+		t.Fatalf("netfault: %v", err)
 	}
-	return drop(t, fmt.Sprintf("the cut from %s to %s", s, d),
+	var once sync.Once
+	heal = func() {
+		once.Do(func() {
+			if err := remove(); err != nil {
+				t.Errorf("netfault: undoing %s: %v", what, err)
+			}
+		})
+	}
+	t.Cleanup(heal)
+	return heal
+}
+
+// Drop is DropAddr for a program that is not a test (dlock bench): the
+// same rules for the same addresses, in place when it returns, removed by
+// heal, which the caller must call (a process killed first leaves them to
+// the next CleanupStale: a test binary's first rule, or Usable). Call
+// Usable first.
+func Drop(ip string) (heal func() error, err error) {
+	a, err := ownAddr(ip)
+	if err != nil {
+		return nil, fmt.Errorf("the partition of %q: %w", ip, err)
+	}
+	return drop(fmt.Sprintf("the partition of %s", a),
+		[]string{"-s", a.String() + "/32"},
+		[]string{"-d", a.String() + "/32"})
+}
+
+// DropFromTo is DropOneWay for a program that is not a test, as Drop is
+// DropAddr's.
+func DropFromTo(src, dst string) (heal func() error, err error) {
+	s, d, err := oneWay(src, dst)
+	if err != nil {
+		return nil, fmt.Errorf("the cut from %q to %q: %w", src, dst, err)
+	}
+	return drop(fmt.Sprintf("the cut from %s to %s", s, d),
 		[]string{"-s", s.String() + "/32", "-d", d.String() + "/32"})
 }
 
+// oneWay checks the addresses of a one-way cut: both loopback addresses,
+// at least one of them the caller's own.
+func oneWay(src, dst string) (s, d netip.Addr, err error) {
+	s, serr := loopbackAddr(src)
+	d, derr := loopbackAddr(dst)
+	if err := errors.Join(serr, derr); err != nil {
+		return s, d, err
+	}
+	if _, serr = ownAddr(src); serr != nil {
+		if _, derr = ownAddr(dst); derr != nil {
+			return s, d, fmt.Errorf("neither is a test's own address: %w", errors.Join(serr, derr))
+		}
+	}
+	return s, d, nil
+}
+
 // drop adds one DROP rule for each of matches, tagged, and returns what
-// removes them, which also runs at t's cleanup.
-func drop(t testing.TB, what string, matches ...[]string) (heal func()) {
-	t.Helper()
-	NeedRoot(t)
+// removes them; once removed, heal does nothing.
+func drop(what string, matches ...[]string) (heal func() error, err error) {
 	bin, err := findIptables()
 	if err != nil {
-		t.Fatalf("netfault: %s: %v", what, err)
+		return nil, fmt.Errorf("%s: %w", what, err)
 	}
+	var mu sync.Mutex
 	var added [][]string
 	remove := func() error {
+		mu.Lock()
+		defer mu.Unlock()
 		var errs []error
 		for i := len(added) - 1; i >= 0; i-- {
 			if _, err := iptables(bin, append([]string{"-D"}, added[i]...)...); err != nil {
@@ -162,20 +249,31 @@ func drop(t testing.TB, what string, matches ...[]string) (heal func()) {
 		tag := fmt.Sprintf("%s%d-%d", TagPrefix, os.Getpid(), ruleSeq.Add(1))
 		spec := append(append([]string{chain}, m...), "-m", "comment", "--comment", tag, "-j", "DROP")
 		if _, err := iptables(bin, append([]string{"-I"}, spec...)...); err != nil {
-			t.Fatalf("netfault: %s: %v", what, errors.Join(err, remove()))
+			return nil, fmt.Errorf("%s: %w", what, errors.Join(err, remove()))
 		}
 		added = append(added, spec)
 	}
-	var once sync.Once
-	heal = func() {
-		once.Do(func() {
-			if err := remove(); err != nil {
-				t.Errorf("netfault: undoing %s: %v", what, err)
-			}
-		})
+	return remove, nil
+}
+
+// Remaining lists the rules this process added that are still in place,
+// as `iptables -S` prints them: none once every fault is undone.
+func Remaining() ([]string, error) {
+	bin, err := findIptables()
+	if err != nil {
+		return nil, err
 	}
-	t.Cleanup(heal)
-	return heal
+	out, err := iptables(bin, "-S")
+	if err != nil {
+		return nil, err
+	}
+	var found []string
+	for _, line := range strings.Split(out, "\n") {
+		if pid, ok := tagPid(strings.Fields(line)); ok && pid == os.Getpid() {
+			found = append(found, line)
+		}
+	}
+	return found, nil
 }
 
 // CleanupStale removes the rules this package added for test processes

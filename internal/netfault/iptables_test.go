@@ -308,3 +308,79 @@ func TestLoopbackAddr(t *testing.T) {
 	send(t, client, "x")
 	expect(t, srv, "x")
 }
+
+// TestDropForPrograms: Drop and DropFromTo, for programs that are not
+// tests (dlock bench), add the rules DropAddr and DropOneWay add, and
+// their heal removes them; bad addresses are refused without a rule.
+func TestDropForPrograms(t *testing.T) {
+	NeedRoot(t)
+	if err := Usable(); err != nil {
+		t.Fatal(err)
+	}
+	ip, release, err := ReserveAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer release()
+	ln, conns := server(t, "127.0.0.1:0")
+	heal, err := Drop(ip)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := rules(t, ours()); len(got) != 2 {
+		heal()
+		t.Fatalf("rules after Drop: %q", got)
+	}
+	expectDialTimeout(t, ip, ln.Addr().String())
+	if err := heal(); err != nil {
+		t.Fatal(err)
+	}
+	if err := heal(); err != nil {
+		t.Fatalf("a second heal: %v", err)
+	}
+	connect(t, ip, ln.Addr().String(), conns)
+	heal, err = DropFromTo(ip, "127.0.0.1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := rules(t, ours()); len(got) != 1 {
+		heal()
+		t.Fatalf("rules after DropFromTo: %q", got)
+	}
+	expectDialTimeout(t, ip, ln.Addr().String())
+	if err := heal(); err != nil {
+		t.Fatal(err)
+	}
+	if got := rules(t, ours()); len(got) != 0 {
+		t.Fatalf("rules after heal: %q", got)
+	}
+	for _, bad := range [][2]string{{"127.0.0.1", ""}, {"10.0.0.1", ""}, {"127.0.0.1", "127.0.0.1"}} {
+		var err error
+		if bad[1] == "" {
+			_, err = Drop(bad[0])
+		} else {
+			_, err = DropFromTo(bad[0], bad[1])
+		}
+		if err == nil {
+			t.Errorf("%q: no error", bad)
+		}
+	}
+	if got := rules(t, ours()); len(got) != 0 {
+		t.Fatalf("rules after the refusals: %q", got)
+	}
+}
+
+// TestRemaining: the rules of this process in place, listed; none once
+// healed.
+func TestRemaining(t *testing.T) {
+	NeedRoot(t)
+	heal := DropAddr(t, LoopbackAddr(t))
+	got, err := Remaining()
+	if err != nil || len(got) != 2 {
+		t.Fatalf("Remaining with one DropAddr: %q %v", got, err)
+	}
+	heal()
+	if got, err := Remaining(); err != nil || len(got) != 0 {
+		t.Fatalf("Remaining after heal: %q %v", got, err)
+	}
+}

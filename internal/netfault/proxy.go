@@ -97,15 +97,25 @@ func NewProxy(t testing.TB, target string) *Proxy {
 // an address (an etcd member's advertised URL, a server's restart).
 func NewProxyAt(t testing.TB, listen, target string) *Proxy {
 	t.Helper()
+	p, err := ListenProxy(listen, target)
+	if err != nil {
+		t.Fatalf("netfault: %v", err)
+	}
+	t.Cleanup(func() { p.Close() })
+	return p
+}
+
+// ListenProxy is NewProxyAt for a program that is not a test (dlock
+// bench): the caller closes the proxy.
+func ListenProxy(listen, target string) (*Proxy, error) {
 	ln, err := net.Listen("tcp", listen)
 	if err != nil {
-		t.Fatalf("netfault: proxy to %s: %v", target, err)
+		return nil, fmt.Errorf("proxy to %s: %w", target, err)
 	}
 	p := &Proxy{target: target, ln: ln, changed: make(chan struct{}), conns: make(map[*pconn]struct{})}
 	p.wg.Add(1)
 	go p.serve()
-	t.Cleanup(func() { p.Close() })
-	return p
+	return p, nil
 }
 
 // Addr is the address the proxy listens on, host:port.

@@ -414,8 +414,17 @@ func (w *watcher) setProcessed(rev int64) {
 }
 
 // caughtUp waits, at most d, until the watch has applied rev.
+//
+// The watch hears only of the data set's prefix, so a revision that etcd
+// reached through changes outside it (another data set on the same etcd,
+// another user of it, leases of those expiring) is reached only through a
+// progress notification: while it waits, caughtUp asks etcd for one every
+// progressEvery, which etcd sends once the watch has caught up. Without
+// it, a wait for etcd's current revision (a stream opening, with the
+// revision of its session's read) lasted until the next change in the
+// data set.
 func (w *watcher) caughtUp(rev int64, d time.Duration) bool {
-	var timeout <-chan time.Time
+	var timeout, ask <-chan time.Time
 	for {
 		w.mu.Lock()
 		ok, ch := w.processed >= rev, w.advanced
@@ -427,9 +436,16 @@ func (w *watcher) caughtUp(rev int64, d time.Duration) bool {
 			t := time.NewTimer(d)
 			defer t.Stop()
 			timeout = t.C
+			// A change of the data set is usually on its way (this
+			// server's own commit): ask only if none came soon.
+			tick := time.NewTicker(progressEvery)
+			defer tick.Stop()
+			ask = tick.C
 		}
 		select {
 		case <-ch:
+		case <-ask:
+			_ = w.b.cli.RequestProgress(w.wctx())
 		case <-timeout:
 			return false
 		case <-w.b.ctx.Done():
@@ -437,6 +453,10 @@ func (w *watcher) caughtUp(rev int64, d time.Duration) bool {
 		}
 	}
 }
+
+// progressEvery is how often caughtUp asks etcd for a progress
+// notification while it waits.
+const progressEvery = 50 * time.Millisecond
 
 // change is one key's record as a revision left it.
 type change struct {
