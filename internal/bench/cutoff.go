@@ -44,7 +44,7 @@ import (
 // server's pings repeat in), the fault is made; the round then
 // waits for W's command to finish, healing nothing before. When H is still
 // writing long after the cut, past the moment its lock would have moved on
-// had it been lost (KeptAfter), it kept its hold (by moving to a server
+// had it been lost (grace + ping + dead-peer + 2 s), it kept its hold (by moving to a server
 // that can vouch for it): the stop file ends its command, and W's runs
 // after. The file alone then says whether the two commands overlapped. On
 // etcd, another data set of the same etcd changes all along, as on an etcd
@@ -52,12 +52,12 @@ import (
 
 // Cutoff scenarios, by name.
 const (
-	CutoffMemoryCut        = "memory-cut"         // memory: H's address dropped, both ways
-	CutoffMemoryToHolder   = "memory-to-holder"   // memory: the server's packets to H dropped
-	CutoffMemoryFromHolder = "memory-from-holder" // memory: H's packets to the server dropped
-	CutoffEtcdCut          = "etcd-cut"           // etcd: H's address dropped, cut off from every server
-	CutoffEtcdFrozen       = "etcd-frozen"        // etcd: H's server frozen (SIGSTOP) and its address dropped
-	CutoffEtcdOffEtcd      = "etcd-server-off-etcd"
+	CutoffMemoryCut        = "memory-cut"           // memory: H's address dropped, both ways
+	CutoffMemoryToHolder   = "memory-to-holder"     // memory: the server's packets to H dropped
+	CutoffMemoryFromHolder = "memory-from-holder"   // memory: H's packets to the server dropped
+	CutoffEtcdCut          = "etcd-cut"             // etcd: H's address dropped, cut off from every server
+	CutoffEtcdFrozen       = "etcd-frozen"          // etcd: H's server frozen (SIGSTOP) and its address dropped
+	CutoffEtcdOffEtcd      = "etcd-server-off-etcd" // etcd: H's server cut off from etcd (black-holed proxies)
 )
 
 // CutoffScenarios lists the scenarios in the order they run: the memory
@@ -120,9 +120,9 @@ type CutoffEnv struct {
 // CutoffOutcome is one round's outcome.
 type CutoffOutcome struct {
 	Scenario string
-	// Kept: H was still writing KeptAfter past the cut, so it kept its
-	// hold, and its command was then ended; Stopped and Next say nothing
-	// of the fault then.
+	// Kept: H was still writing long past the cut (grace + ping +
+	// dead-peer + 2 s), so it kept its hold, and its command was then
+	// ended; Stopped and Next say nothing of the fault then.
 	Kept bool
 	// Stopped is the time from the cut to H's last line: H's command was
 	// stopped at most 50 ms later (when not Kept).
