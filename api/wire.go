@@ -49,7 +49,7 @@ type LockResponse struct {
 	// server handled the request the hold is sure to stand (docs/API.md);
 	// 0 when the server cannot vouch for it. Absent from a server that
 	// predates it.
-	GuaranteedMs *int64 `json:"guaranteed_ms,omitempty"`
+	GuaranteedMs Guarantee `json:"guaranteed_ms,omitzero"`
 }
 
 // UnlockRequest is the body of POST /unlock. Success absent means
@@ -104,7 +104,7 @@ type StatusResponse struct {
 	Position      int         `json:"position"`
 	LastCompleted *Completion `json:"last_completed"`
 	// GuaranteedMs is LockResponse's, for the holder's own /status.
-	GuaranteedMs *int64 `json:"guaranteed_ms,omitempty"`
+	GuaranteedMs Guarantee `json:"guaranteed_ms,omitzero"`
 }
 
 // RefRequest is the body of POST /refcount/add and /refcount/release.
@@ -140,11 +140,36 @@ type Event struct {
 	NextHolder  string    `json:"next_holder,omitempty"`
 }
 
-// Millis is d in whole milliseconds, rounded down: a guarantee never grows
-// on the wire.
-func Millis(d time.Duration) *int64 {
-	ms := int64(d / time.Millisecond)
-	return &ms
+// Guarantee is guaranteed_ms (docs/API.md): milliseconds that an answer
+// carries or, from a server that predates it, does not (Set false). A value,
+// not a pointer, so that the answer to a /lock allocates nothing for it.
+type Guarantee struct {
+	Ms  int64
+	Set bool
+}
+
+// Millis is d as a Guarantee, in whole milliseconds rounded down: a
+// guarantee never grows on the wire.
+func Millis(d time.Duration) Guarantee { return Guarantee{Ms: int64(d / time.Millisecond), Set: true} }
+
+// IsZero reports an absent guarantee, which omitzero leaves out.
+func (g Guarantee) IsZero() bool { return !g.Set }
+
+// MarshalJSON writes the number of milliseconds.
+func (g Guarantee) MarshalJSON() ([]byte, error) { return strconv.AppendInt(nil, g.Ms, 10), nil }
+
+// UnmarshalJSON reads a number of milliseconds; null is absent.
+func (g *Guarantee) UnmarshalJSON(b []byte) error {
+	if string(b) == "null" {
+		*g = Guarantee{}
+		return nil
+	}
+	var ms int64
+	if err := json.Unmarshal(b, &ms); err != nil {
+		return err
+	}
+	*g = Guarantee{Ms: ms, Set: true}
+	return nil
 }
 
 // Status converts a lock.Status to its wire form; node is the asking
@@ -306,9 +331,9 @@ func AppendLockResponse(b []byte, r LockResponse) []byte {
 	b = appendString(b, r.Holder)
 	b = append(b, `,"position":`...)
 	b = strconv.AppendInt(b, int64(r.Position), 10)
-	if r.GuaranteedMs != nil {
+	if r.GuaranteedMs.Set {
 		b = append(b, `,"guaranteed_ms":`...)
-		b = strconv.AppendInt(b, *r.GuaranteedMs, 10)
+		b = strconv.AppendInt(b, r.GuaranteedMs.Ms, 10)
 	}
 	return append(b, '}')
 }

@@ -178,6 +178,7 @@ func TestAppendLockResponseMatchesJSON(t *testing.T) {
 		{Acquired: true, Token: 1<<64 - 1, Holder: "n\"1\u2028", GuaranteedMs: Millis(0)},
 		{Queued: true, Holder: "h", Position: 3},
 		{Skip: true},
+		{Acquired: true, Token: 1, Holder: "n", GuaranteedMs: Guarantee{Ms: -5, Set: true}},
 	} {
 		want, err := json.Marshal(r)
 		if err != nil {
@@ -187,7 +188,14 @@ func TestAppendLockResponseMatchesJSON(t *testing.T) {
 			t.Errorf("AppendLockResponse = %s, encoding/json = %s", got, want)
 		}
 	}
-	if got := *Millis(1999999 * time.Microsecond); got != 1999 {
+	// Decoding tells an absent guarantee from 0.
+	for in, want := range map[string]Guarantee{`{}`: {}, `{"guaranteed_ms":0}`: {Ms: 0, Set: true}, `{"guaranteed_ms":4999}`: {Ms: 4999, Set: true}, `{"guaranteed_ms":null}`: {}} {
+		var r LockResponse
+		if err := json.Unmarshal([]byte(in), &r); err != nil || r.GuaranteedMs != want {
+			t.Errorf("%s decodes to %+v (%v), want %+v", in, r.GuaranteedMs, err, want)
+		}
+	}
+	if got := Millis(1999999 * time.Microsecond).Ms; got != 1999 {
 		t.Errorf("Millis(1.999999s) = %d, want 1999: a guarantee is rounded down", got)
 	}
 }

@@ -13,6 +13,7 @@ import (
 	"testing/synctest"
 	"time"
 
+	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/internal/dlocktest"
 	"github.com/dlock/dlock/lock"
 	"github.com/dlock/dlock/lock/memory"
@@ -168,7 +169,7 @@ func TestAttackReorderedConfirmations(t *testing.T) {
 		}
 		defer c.Close()
 		k := pull.key()
-		ms := func(d time.Duration) *int64 { v := int64(d / time.Millisecond); return &v }
+		ms := api.Millis
 		t0 := time.Now()
 		type conf struct {
 			sent time.Duration // after t0

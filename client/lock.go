@@ -151,14 +151,14 @@ func (h *hold) lose() { h.cancel(ErrLockLost) }
 // confirm extends the lease: a request sent at sent was answered with a
 // guarantee of ms milliseconds. A guarantee ends the lease no sooner than
 // an earlier one did; a server that cannot vouch (0) extends nothing.
-func (c *Client) confirm(k lock.Key, h *hold, sent time.Time, ms *int64) {
-	if ms == nil {
+func (c *Client) confirm(k lock.Key, h *hold, sent time.Time, ms api.Guarantee) {
+	if !ms.Set {
 		return
 	}
 	// Clamped before the arithmetic: a negative or absurd answer (int64
 	// milliseconds times 1e6 overflows) must neither wrap into a lease of
 	// centuries nor move the lease's end at all (MaxGuarantee).
-	g := min(time.Duration(max(*ms, 0)), MaxGuarantee/time.Millisecond) * time.Millisecond
+	g := min(time.Duration(max(ms.Ms, 0)), MaxGuarantee/time.Millisecond) * time.Millisecond
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	h.gmax = max(h.gmax, g)
@@ -501,7 +501,7 @@ func (c *Client) tryLock(ctx context.Context, req Request) (api.LockResponse, er
 
 // acquired records a grant of Lock: the /lock that won it was sent at sent
 // and answered with guarantee ms.
-func (c *Client) acquired(k lock.Key, token uint64, sent time.Time, ms *int64) Result {
+func (c *Client) acquired(k lock.Key, token uint64, sent time.Time, ms api.Guarantee) Result {
 	h := c.watch(k, token, false, sent, ms)
 	h.mu.Lock()
 	var margin time.Duration
@@ -515,7 +515,7 @@ func (c *Client) acquired(k lock.Key, token uint64, sent time.Time, ms *int64) R
 // watch makes a grant a hold, checked by watchHolds, its lease running from
 // sent (confirm). A TryAcquire grant with the token of a hold already
 // watched (one node asking twice) shares that hold: the server has one.
-func (c *Client) watch(k lock.Key, token uint64, tried bool, sent time.Time, ms *int64) *hold {
+func (c *Client) watch(k lock.Key, token uint64, tried bool, sent time.Time, ms api.Guarantee) *hold {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	old := c.held[k]
