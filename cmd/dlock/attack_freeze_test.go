@@ -2,25 +2,15 @@ package main
 
 import (
 	"context"
-	"errors"
 	"testing"
 	"time"
 
+	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/client"
 	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/internal/netfault"
 	"github.com/dlock/dlock/lock"
 )
-
-// lostAt records when a client's Lost closed.
-func lostAt(lost <-chan struct{}) <-chan time.Time {
-	out := make(chan time.Time, 1)
-	go func() {
-		<-lost
-		out <- time.Now()
-	}()
-	return out
-}
 
 // TestAttackFreezeServerMidHold: a holder's client holds a session lock
 // through server 0 of three `dlock serve --backend etcd` on a 3-member
@@ -50,26 +40,8 @@ func TestAttackFreezeServerMidHold(t *testing.T) {
 	}
 	lost := lostAt(ra.Lost)
 	t.Logf("holder granted token %d, margin %v", ra.Token, ra.Margin)
-	type grant struct {
-		r   client.Result
-		at  time.Time
-		err error
-	}
-	granted := make(chan grant, 1)
-	go func() {
-		r, err := b.Lock(ctx, key)
-		granted <- grant{r, time.Now(), err}
-	}()
-	kit.Await(t, "the waiter to queue", func() error {
-		st, err := h.status(ctx, urls[1], "pull", key.Resource)
-		if err != nil {
-			return err
-		}
-		if st.QueueLength != 1 || st.Holder != "holder" {
-			return errors.New("not queued yet")
-		}
-		return nil
-	})
+	granted := lockLater(ctx, b, key)
+	awaitQueued(t, "holder", func() (api.StatusResponse, error) { return h.status(ctx, urls[1], "pull", key.Resource) })
 
 	h.servers[0].mu.Lock()
 	pid := h.servers[0].cmd.Process.Pid

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/client"
 	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/lock"
@@ -58,26 +59,8 @@ func TestAttackEtcdLeaderKilledMidHold(t *testing.T) {
 				defer ucancel()
 				a.Unlock(uctx, key, errGaveUp)
 			}()
-			type grant struct {
-				r   client.Result
-				at  time.Time
-				err error
-			}
-			granted := make(chan grant, 1)
-			go func() {
-				r, err := b.Lock(ctx, key)
-				granted <- grant{r, time.Now(), err}
-			}()
-			kit.Await(t, "the waiter to queue", func() error {
-				st, err := h.status(ctx, urls[1], "pull", key.Resource)
-				if err != nil {
-					return err
-				}
-				if st.QueueLength != 1 {
-					return errors.New("not queued yet")
-				}
-				return nil
-			})
+			granted := lockLater(ctx, b, key)
+			awaitQueued(t, "", func() (api.StatusResponse, error) { return h.status(ctx, urls[1], "pull", key.Resource) })
 			leader := h.etcdLeader(t)
 			h.etcd.Kill(leader)
 			killed := time.Now()

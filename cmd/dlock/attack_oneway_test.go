@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -10,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/client"
 	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/internal/netfault"
@@ -99,26 +99,8 @@ func oneWayCut(t *testing.T, servers []string, lease lock.Lease, up bool) {
 		t.Fatalf("holder: %+v %v", ra, err)
 	}
 	lost := lostAt(ra.Lost)
-	type grant struct {
-		r   client.Result
-		at  time.Time
-		err error
-	}
-	granted := make(chan grant, 1)
-	go func() {
-		r, err := b.Lock(ctx, key)
-		granted <- grant{r, time.Now(), err}
-	}()
-	kit.Await(t, "the waiter to queue", func() error {
-		st, err := b.Status(ctx, lock.Pull, key.Resource)
-		if err != nil {
-			return err
-		}
-		if st.QueueLength != 1 || st.Holder != "holder" {
-			return errors.New("not queued yet")
-		}
-		return nil
-	})
+	granted := lockLater(ctx, b, key)
+	awaitQueued(t, "holder", func() (api.StatusResponse, error) { return b.Status(ctx, lock.Pull, key.Resource) })
 	if up {
 		netfault.DropOneWay(t, ip, "127.0.0.1")
 	} else {
