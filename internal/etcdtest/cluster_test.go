@@ -2,14 +2,14 @@ package etcdtest
 
 import (
 	"context"
-	"fmt"
 	"net"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/dlock/dlock/internal/dlocktest/kit"
 )
 
 // TestCluster: dlock's client (etcd client v3.7) against a cluster of
@@ -74,22 +74,6 @@ func TestCluster(t *testing.T) {
 	}
 }
 
-// outcomeTB records how EtcdBinary ends a test.
-type outcomeTB struct {
-	testing.TB
-	skipped, failed string
-}
-
-func (o *outcomeTB) Helper() {}
-func (o *outcomeTB) Skipf(format string, args ...any) {
-	o.skipped = fmt.Sprintf(format, args...)
-	runtime.Goexit()
-}
-func (o *outcomeTB) Fatalf(format string, args ...any) {
-	o.failed = fmt.Sprintf(format, args...)
-	runtime.Goexit()
-}
-
 // TestNoEtcdBinary: without etcd, a test fails in CI and skips elsewhere,
 // saying NOT TESTED; either way it names `make deps`.
 func TestNoEtcdBinary(t *testing.T) {
@@ -99,21 +83,17 @@ func TestNoEtcdBinary(t *testing.T) {
 	defer func() { debianEtcd = old }()
 	for _, ci := range []string{"true", ""} {
 		t.Setenv("CI", ci)
-		o := &outcomeTB{TB: t}
-		done := make(chan struct{})
-		go func() {
-			defer close(done)
-			EtcdBinary(o)
+		o := kit.Catch(t, func(tb testing.TB) {
+			EtcdBinary(tb)
 			t.Errorf("CI=%q: EtcdBinary returned", ci)
-		}()
-		<-done
+		})
 		switch {
-		case ci == "true" && (o.failed == "" || o.skipped != ""):
-			t.Errorf("CI=true: failed %q, skipped %q; want a failure", o.failed, o.skipped)
-		case ci != "true" && (o.skipped == "" || o.failed != "" || !strings.HasPrefix(o.skipped, "NOT TESTED: ")):
-			t.Errorf("CI unset: failed %q, skipped %q; want a skip saying NOT TESTED", o.failed, o.skipped)
+		case ci == "true" && (o.FatalMsg == "" || o.SkipMsg != ""):
+			t.Errorf("CI=true: failed %q, skipped %q; want a failure", o.FatalMsg, o.SkipMsg)
+		case ci != "true" && (o.SkipMsg == "" || o.FatalMsg != "" || !strings.HasPrefix(o.SkipMsg, "NOT TESTED: ")):
+			t.Errorf("CI unset: failed %q, skipped %q; want a skip saying NOT TESTED", o.FatalMsg, o.SkipMsg)
 		}
-		if msg := o.failed + o.skipped; !strings.Contains(msg, "make deps") {
+		if msg := o.FatalMsg + o.SkipMsg; !strings.Contains(msg, "make deps") {
 			t.Errorf("CI=%q: %q does not name `make deps`", ci, msg)
 		}
 	}

@@ -90,8 +90,8 @@ func TestFreeze(t *testing.T) {
 // own, are refused rather than signalled.
 func TestFreezeRefuses(t *testing.T) {
 	for _, pid := range []int{0, -1, os.Getpid()} {
-		o := outcome(t, func(tb testing.TB) { Freeze(tb, pid) })
-		if o.failed == "" {
+		o := kit.Catch(t, func(tb testing.TB) { Freeze(tb, pid) })
+		if o.FatalMsg == "" {
 			t.Errorf("Freeze(%d) did not fail", pid)
 		}
 		if err := Thaw(pid); err == nil {

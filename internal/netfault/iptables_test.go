@@ -186,15 +186,15 @@ func TestDropOneWay(t *testing.T) {
 // system uses are refused, before any rule is added and without root.
 func TestDropRefuses(t *testing.T) {
 	for _, ip := range []string{"127.0.0.1", "10.0.0.1", "0.0.0.0", "::1", "::ffff:127.0.0.1", "127.0.0.0", "127.255.255.255", "127.0.0.53", "127.0.1.1", "localhost", ""} {
-		o := outcome(t, func(tb testing.TB) { DropAddr(tb, ip) })
-		if o.failed == "" || !strings.Contains(o.failed, "DropAddr") {
-			t.Errorf("DropAddr(%q): failed %q, skipped %q; want a failure", ip, o.failed, o.skipped)
+		o := kit.Catch(t, func(tb testing.TB) { DropAddr(tb, ip) })
+		if o.FatalMsg == "" || !strings.Contains(o.FatalMsg, "DropAddr") {
+			t.Errorf("DropAddr(%q): failed %q, skipped %q; want a failure", ip, o.FatalMsg, o.SkipMsg)
 		}
 	}
 	for _, pair := range [][2]string{{"127.0.0.1", "127.0.0.1"}, {"127.0.0.1", "127.0.0.53"}, {"127.0.0.2", "10.0.0.1"}, {"192.168.1.1", "127.0.0.2"}} {
-		o := outcome(t, func(tb testing.TB) { DropOneWay(tb, pair[0], pair[1]) })
-		if o.failed == "" || !strings.Contains(o.failed, "DropOneWay") {
-			t.Errorf("DropOneWay(%q, %q): failed %q, skipped %q; want a failure", pair[0], pair[1], o.failed, o.skipped)
+		o := kit.Catch(t, func(tb testing.TB) { DropOneWay(tb, pair[0], pair[1]) })
+		if o.FatalMsg == "" || !strings.Contains(o.FatalMsg, "DropOneWay") {
+			t.Errorf("DropOneWay(%q, %q): failed %q, skipped %q; want a failure", pair[0], pair[1], o.FatalMsg, o.SkipMsg)
 		}
 	}
 	for _, ip := range []string{"127.0.0.2", "127.0.0.3", "127.77.1.2", "127.254.0.1"} {
@@ -224,14 +224,14 @@ func TestNeedRoot(t *testing.T) {
 	} {
 		geteuid = func() int { return c.euid }
 		t.Setenv("CI", c.ci)
-		o := outcome(t, func(tb testing.TB) { NeedRoot(tb) })
+		o := kit.Catch(t, func(tb testing.TB) { NeedRoot(tb) })
 		switch {
-		case c.fail && (o.failed == "" || o.skipped != ""):
-			t.Errorf("euid %d, CI=%q: failed %q, skipped %q; want a failure", c.euid, c.ci, o.failed, o.skipped)
-		case !c.fail && (o.skipped == "" || o.failed != "" || !strings.HasPrefix(o.skipped, "NOT TESTED: ")):
-			t.Errorf("euid %d, CI=%q: failed %q, skipped %q; want a skip saying NOT TESTED", c.euid, c.ci, o.failed, o.skipped)
+		case c.fail && (o.FatalMsg == "" || o.SkipMsg != ""):
+			t.Errorf("euid %d, CI=%q: failed %q, skipped %q; want a failure", c.euid, c.ci, o.FatalMsg, o.SkipMsg)
+		case !c.fail && (o.SkipMsg == "" || o.FatalMsg != "" || !strings.HasPrefix(o.SkipMsg, "NOT TESTED: ")):
+			t.Errorf("euid %d, CI=%q: failed %q, skipped %q; want a skip saying NOT TESTED", c.euid, c.ci, o.FatalMsg, o.SkipMsg)
 		}
-		if msg := o.failed + o.skipped; !strings.Contains(msg, c.mentions) {
+		if msg := o.FatalMsg + o.SkipMsg; !strings.Contains(msg, c.mentions) {
 			t.Errorf("euid %d, CI=%q: %q does not say %q", c.euid, c.ci, msg, c.mentions)
 		}
 	}

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"runtime"
 	"testing"
 	"time"
 
@@ -51,33 +50,4 @@ func expectQuiet(t *testing.T, conn deadlineReader, what string) {
 	if err := conn.SetReadDeadline(time.Time{}); err != nil {
 		t.Fatal(err)
 	}
-}
-
-// outcomeTB records how a helper ends a test, without ending the real one.
-type outcomeTB struct {
-	testing.TB
-	skipped, failed string
-}
-
-func (o *outcomeTB) Helper() {}
-func (o *outcomeTB) Skipf(format string, args ...any) {
-	o.skipped = fmt.Sprintf(format, args...)
-	runtime.Goexit()
-}
-func (o *outcomeTB) Fatalf(format string, args ...any) {
-	o.failed = fmt.Sprintf(format, args...)
-	runtime.Goexit()
-}
-
-// outcome runs f with an outcomeTB over t, in a goroutine of its own so
-// that its Goexit ends only f.
-func outcome(t *testing.T, f func(tb testing.TB)) *outcomeTB {
-	o := &outcomeTB{TB: t}
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		f(o)
-	}()
-	<-done
-	return o
 }
