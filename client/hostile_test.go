@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/lock"
 )
@@ -196,6 +197,25 @@ func TestHugeAnswer(t *testing.T) {
 		}
 		if n := hits.Load(); n != 1 {
 			t.Errorf("HTTP %d: %d requests: an oversized answer is not retried", status, n)
+		}
+	}
+}
+
+// TestSilenceBoundFromAHostileHeader: the ping interval a server announces
+// is bounded before it is doubled, so no header makes the stream's
+// watchdog fire at once (an overflow into the negative) or never.
+func TestSilenceBoundFromAHostileHeader(t *testing.T) {
+	for header, want := range map[string]time.Duration{
+		"1000":                 3 * time.Second,
+		"":                     31 * time.Second,
+		"-5":                   31 * time.Second,
+		"0":                    31 * time.Second,
+		"1e3":                  31 * time.Second,
+		"9223372036854775807":  2*time.Hour + time.Second,
+		"99999999999999999999": 31 * time.Second, // not an int64
+	} {
+		if got := silenceBound(header); got != want {
+			t.Errorf("%s: %q gives %v, want %v", api.PingHeader, header, got, want)
 		}
 	}
 }

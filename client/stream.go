@@ -174,14 +174,7 @@ func (s *session) stream(ctx context.Context, first *bool) (connected bool, err 
 	if resp.StatusCode != http.StatusOK {
 		return false, refused(resp)
 	}
-	// A stream silent for twice the server's ping interval is on a server
-	// that hung or was cut off: dropped, and reopened on the next server
-	// (docs/DESIGN.md, "Leases"). A server that does not say its interval
-	// pings at least every 15 s.
-	silence := 2*15*time.Second + time.Second
-	if ms, err := strconv.ParseInt(resp.Header.Get(api.PingHeader), 10, 64); err == nil && ms > 0 {
-		silence = 2*time.Duration(ms)*time.Millisecond + time.Second
-	}
+	silence := silenceBound(resp.Header.Get(api.PingHeader))
 	var silent atomic.Bool
 	watchdog := time.AfterFunc(silence, func() { silent.Store(true); cancel() })
 	defer watchdog.Stop()
@@ -237,6 +230,24 @@ func (s *session) stream(ctx context.Context, first *bool) (connected bool, err 
 			data = strings.TrimPrefix(line[5:], " ")
 		}
 	}
+}
+
+// maxPingMs bounds the ping interval a server may announce: an hour.
+const maxPingMs = 3600 * 1000
+
+// silenceBound is how long a stream may hear nothing before it is taken
+// for one on a server that hung or was cut off: twice the ping interval
+// the server announced (its Dlock-Ping-Ms header), and a second, so that it
+// is left and reopened on the next server (docs/DESIGN.md, "Leases"). A
+// server that does not say pings at least every 15 s. The header is
+// bounded before the arithmetic: a broken or hostile server's must not
+// overflow into a watchdog that fires at once, or never.
+func silenceBound(header string) time.Duration {
+	ping := 15 * time.Second
+	if ms, err := strconv.ParseInt(header, 10, 64); err == nil && ms > 0 {
+		ping = min(time.Duration(ms), maxPingMs) * time.Millisecond
+	}
+	return 2*ping + time.Second
 }
 
 // errStreamSilent is a stream that heard nothing, not even a ping, for
