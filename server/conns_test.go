@@ -300,8 +300,10 @@ func cmpOr(a, b int) int {
 	return b
 }
 
-// TestPanicRecovered: a panic while serving a request closes that
-// connection, is counted, and the server goes on, on both loops.
+// TestPanicRecovered: a panic while serving a request is answered 500 with
+// Connection: close, the connection then closes, the panic is counted, and
+// the server goes on, on both loops and on net/http (docs/DESIGN.md, "When
+// a server closes a connection").
 func TestPanicRecovered(t *testing.T) {
 	for _, l := range loops {
 		t.Run(l.name, func(t *testing.T) { testPanicRecovered(t, l.goroutines) })
@@ -325,8 +327,11 @@ func testPanicRecovered(t *testing.T, goroutines bool) {
 		"POST /cancel HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + strconv.FormatInt(int64(len(boom)), 16) + "\r\n" + boom + "\r\n0\r\n\r\n", // net/http
 	} {
 		c := e.dial()
-		if _, err := io.WriteString(c, raw); err != nil {
-			t.Fatal(err)
+		// Another request after it, already sent: the answer must not be
+		// lost to the reset that closing with it unread would send.
+		r := exchange(t, c, raw+rawPost("/cancel", boom))
+		if r.StatusCode != http.StatusInternalServerError || !r.Close {
+			t.Fatalf("a panicking request: %d, close %v, want 500 and Connection: close", r.StatusCode, r.Close)
 		}
 		waitClosed(t, c, "a panicking request")
 	}
@@ -420,4 +425,89 @@ func testPipelinedFloodNeverReadTimesOut(t *testing.T, goroutines bool) {
 	kit.WaitFor(t, "the connection to be closed", func() bool { return e.srv.conns.Load() == 0 })
 	c.Close()
 	<-wrote
+}
+
+// TestSlowAnswerStillSent: an answer that took longer than the write
+// timeout to compute (a backend waiting on etcd) is still written whole:
+// the write deadline runs from when the answer is ready, on both loops and
+// on net/http (docs/DESIGN.md, "When a server closes a connection").
+func TestSlowAnswerStillSent(t *testing.T) {
+	for _, l := range loops {
+		t.Run(l.name, func(t *testing.T) { testSlowAnswerStillSent(t, l.goroutines) })
+	}
+}
+
+func testSlowAnswerStillSent(t *testing.T, goroutines bool) {
+	const wt = 50 * time.Millisecond
+	// slow lets the write timeout pass three times over: the state of the
+	// clock this test needs, not an ordering of events.
+	slow := func() { time.Sleep(3 * wt) }
+	e := newEnvWith(t, envConfig{goroutines: goroutines, opts: Options{WriteTimeout: wt}, prep: func(s *Server) {
+		lock := s.routes["/lock"]
+		core := lock.core
+		lock.core = func(ctx context.Context, body, buf []byte) (int, []byte) {
+			slow()
+			return core(ctx, body, buf)
+		}
+		status := s.routes["/status"]
+		h := status.h
+		status.h = func(w http.ResponseWriter, r *http.Request) error {
+			slow()
+			return h(w, r)
+		}
+	}})
+	body := `{"type":"pull","resource_id":"slow","node_id":"a"}`
+	for _, c := range []struct{ name, raw string }{
+		{"lean loop", rawPost("/lock", body)},
+		{"net/http, POST", "POST /lock HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + strconv.FormatInt(int64(len(body)), 16) + "\r\n" + body + "\r\n0\r\n\r\n"},
+		{"net/http, GET", "GET /status?type=pull&resource_id=slow HTTP/1.1\r\nHost: x\r\n\r\n"},
+	} {
+		conn := e.dial()
+		if _, err := io.WriteString(conn, c.raw); err != nil {
+			t.Fatal(err)
+		}
+		r, err := http.ReadResponse(bufio.NewReader(conn), nil)
+		if err != nil {
+			t.Fatalf("%s: no answer after the write timeout: %v", c.name, err)
+		}
+		if got := bodyOf(r); r.StatusCode != http.StatusOK || !strings.Contains(got, "slow") && !strings.Contains(got, "acquired") {
+			t.Fatalf("%s: %d %s", c.name, r.StatusCode, got)
+		}
+	}
+}
+
+// TestClosingAnnounced: while the server closes, an answer it gives on a
+// keep-alive connection says Connection: close, so that the client sends
+// nothing more on a connection about to close (docs/DESIGN.md, "When a
+// server closes a connection"); both loops.
+func TestClosingAnnounced(t *testing.T) {
+	for _, l := range loops {
+		t.Run(l.name, func(t *testing.T) { testClosingAnnounced(t, l.goroutines) })
+	}
+}
+
+func testClosingAnnounced(t *testing.T, goroutines bool) {
+	var srv *Server
+	e := newEnvWith(t, envConfig{goroutines: goroutines, prep: func(s *Server) {
+		srv = s
+		rt := s.routes["/cancel"]
+		core := rt.core
+		rt.core = func(ctx context.Context, body, buf []byte) (int, []byte) {
+			if strings.Contains(string(body), "last") {
+				// The server starts closing while this request is served.
+				s.closing.Store(true)
+			}
+			return core(ctx, body, buf)
+		}
+	}})
+	c := e.dial()
+	if r := exchange(t, c, rawPost("/cancel", `{"type":"pull","resource_id":"first","node_id":"a"}`)); r.StatusCode != http.StatusOK || r.Close {
+		t.Fatalf("before closing: %d, close %v", r.StatusCode, r.Close)
+	}
+	r := exchange(t, c, rawPost("/cancel", `{"type":"pull","resource_id":"last","node_id":"a"}`))
+	if r.StatusCode != http.StatusOK || !r.Close {
+		t.Fatalf("while closing: %d, close %v, want Connection: close", r.StatusCode, r.Close)
+	}
+	waitClosed(t, c, "an answer that announced the close")
+	srv.closing.Store(false)
 }

@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/tls"
+	"errors"
 	"io"
 	"net"
 	"net/http"
@@ -57,10 +58,16 @@ type handover struct {
 // to net/http through pass.
 func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server, ho handover) {
 	passed := false
+	var bw *bufio.Writer // nil until the loop serves requests
+	serving := false     // a request was read and is not answered yet
 	defer func() {
 		if p := recover(); p != nil {
-			// As net/http does: log, drop this connection, keep serving.
+			// As net/http does: log, keep serving the others; this
+			// connection's request gets an answer, and then it closes.
 			s.panicked(p, lc.RemoteAddr().String())
+			if serving && bw != nil {
+				s.answerPanic(lc, bw)
+			}
 		}
 		if !passed {
 			lc.Close()
@@ -96,12 +103,16 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server, ho
 			return
 		}
 	}
-	bw := bufio.NewWriterSize(lc, leanBufSize)
+	bw = bufio.NewWriterSize(lc, leanBufSize)
 	if len(ho.out) > 0 {
 		_ = lc.SetWriteDeadline(time.Now().Add(s.writeTimeout))
-		if _, err := lc.Write(ho.out); err != nil || ho.close {
+		if _, err := lc.Write(ho.out); err != nil {
 			return
 		}
+	}
+	if ho.close {
+		closeAfterAnswer(lc.Conn)
+		return
 	}
 	var scratch []byte
 	idle := idleTimeout(hs)
@@ -124,18 +135,11 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server, ho
 			rdeadline = now.Add(idle)
 			_ = lc.SetReadDeadline(rdeadline)
 		}
-		// The write deadline is kept ahead of every write, not only of the
-		// explicit flushes: answers to pipelined requests fill bw, which
-		// then flushes by itself, and a client that never reads must not
-		// block that write for ever.
-		if stale(wdeadline, now, s.writeTimeout) {
-			wdeadline = now.Add(s.writeTimeout)
-			_ = lc.SetWriteDeadline(wdeadline)
-		}
 		if _, err := br.Peek(1); err != nil {
 			return // closed, idle too long, or closing
 		}
 		lc.idle.Store(false)
+		serving = true
 		req, st := peekRequest(br, waiting)
 		switch st {
 		case leanMore:
@@ -159,19 +163,76 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server, ho
 		}
 		rq := request{method: http.MethodPost, path: req.path, head: req.head, body: req.body, conn: lc.Conn, peer: lc.peer}
 		status, body := s.serveRequest(&rq, scratch[:0])
-		writeLeanAnswer(bw, status, body, s.epoch[0], req.close)
+		// The write deadline runs from when the answer is ready, not from
+		// when the request came: a backend call may wait on etcd for
+		// longer than the write timeout, and its answer must still go out
+		// (docs/DESIGN.md, "When a server closes a connection"). It is
+		// kept ahead of every write, not only of the explicit flushes:
+		// answers to pipelined requests fill bw, which then flushes by
+		// itself, and a client that never reads must not block that write
+		// for ever.
+		if now := time.Now(); stale(wdeadline, now, s.writeTimeout) {
+			wdeadline = now.Add(s.writeTimeout)
+			_ = lc.SetWriteDeadline(wdeadline)
+		}
+		// A server that closes announces it on the answer, so that the
+		// client sends nothing more on a connection about to close.
+		closing := req.close || s.closing.Load()
+		writeLeanAnswer(bw, status, body, s.epoch[0], closing)
 		scratch = body[:0]
 		_, _ = br.Discard(req.size)
-		if br.Buffered() == 0 || req.close { // pipelined requests share one write
+		if br.Buffered() == 0 || closing { // pipelined requests share one write
 			if bw.Flush() != nil {
 				return
 			}
 		}
-		if req.close {
+		if closing {
+			closeAfterAnswer(lc.Conn)
+			return
+		}
+		serving = false
+	}
+}
+
+// answerPanic answers, with a 500 and Connection: close, the request whose
+// handling panicked on a lean connection, after the answers bw holds for
+// the requests before it, then closes the connection as closeAfterAnswer
+// does. A second panic here only loses the answer.
+func (s *Server) answerPanic(lc *leanConn, bw *bufio.Writer) {
+	defer func() { _ = recover() }()
+	_ = lc.SetWriteDeadline(time.Now().Add(s.writeTimeout))
+	status, body := s.errorAnswer(errPanicked, nil)
+	writeLeanAnswer(bw, status, body, s.epoch[0], true)
+	if bw.Flush() == nil {
+		closeAfterAnswer(lc.Conn)
+	}
+}
+
+// errPanicked is the error of a request whose handling panicked.
+var errPanicked = errors.New("the server failed serving this request; it was logged")
+
+// closeAfterAnswer ends a connection whose last answer said Connection:
+// close. Closed with requests unread, the socket would send a reset, which
+// can overtake the answer and make the client's kernel discard it: so
+// half-close, and read what the client still sends until it closes, for
+// half a second at most, as net/http does (docs/DESIGN.md, "When a server
+// closes a connection"). The caller closes c.
+func closeAfterAnswer(c net.Conn) {
+	cw, ok := c.(interface{ CloseWrite() error })
+	if !ok || cw.CloseWrite() != nil {
+		return
+	}
+	_ = c.SetReadDeadline(time.Now().Add(closeLinger))
+	var b [512]byte
+	for {
+		if _, err := c.Read(b[:]); err != nil {
 			return
 		}
 	}
 }
+
+// closeLinger bounds closeAfterAnswer's wait for the client to close.
+const closeLinger = 500 * time.Millisecond
 
 // idleTimeout is how long a connection may wait between requests: hs's,
 // or net/http's default in effect.

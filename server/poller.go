@@ -200,11 +200,20 @@ func (p *poller) run() {
 // serve reads what one connection sent and answers it. out and scratch
 // are the loop's buffers, returned for the next connection.
 func (p *poller) serve(pc *pollConn, buf, out, scratch []byte) (_, _ []byte) {
+	written := false
 	defer func() {
 		if r := recover(); r != nil {
-			// As net/http does: log, drop this connection, keep serving.
+			// As net/http does: log, keep serving the others. This
+			// connection's request gets an answer, after those of the
+			// requests before it, and then the connection closes
+			// (closeAfterAnswer, in the lean loop).
 			p.s.panicked(r, pc.remote.String())
-			p.drop(pc)
+			if written {
+				p.drop(pc)
+				return
+			}
+			status, body := p.s.errorAnswer(errPanicked, nil)
+			p.handOver(pc, handover{out: appendLeanAnswer(out, status, body, p.s.epoch[0], true), close: true})
 		}
 	}()
 	n, err := rawIO(unix.SYS_READ, pc.fd, buf)
@@ -224,15 +233,17 @@ func (p *poller) serve(pc *pollConn, buf, out, scratch []byte) (_, _ []byte) {
 		}
 		rq := request{method: http.MethodPost, path: req.path, head: req.head, body: req.body, conn: pc}
 		status, body := p.s.serveRequest(&rq, scratch)
-		out = appendLeanAnswer(out, status, body, p.s.epoch[0], req.close)
+		// A server that closes announces it (serveLean).
+		closing = req.close || p.s.closing.Load()
+		out = appendLeanAnswer(out, status, body, p.s.epoch[0], closing)
 		scratch = body[:0]
 		data = data[req.size:]
-		closing = req.close
 	}
 	if closing {
 		data = nil // what follows a Connection: close is not read
 	}
 	w := 0
+	written = true
 	if len(out) > 0 {
 		w, err = rawIO(unix.SYS_WRITE, pc.fd, out)
 		if err != nil && err != unix.EAGAIN && err != unix.EINTR {
@@ -245,7 +256,9 @@ func (p *poller) serve(pc *pollConn, buf, out, scratch []byte) (_, _ []byte) {
 	case w < len(out) || len(data) > 0:
 		p.handOver(pc, handover{in: data, out: out[w:], close: closing})
 	case closing:
-		p.drop(pc)
+		// Closed at once, the socket could reset the answer away when
+		// the client has sent more: closeAfterAnswer, in the lean loop.
+		p.handOver(pc, handover{close: true})
 	}
 	return out, scratch
 }

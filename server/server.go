@@ -4,6 +4,7 @@
 package server
 
 import (
+	"bufio"
 	"bytes"
 	"cmp"
 	"context"
@@ -213,22 +214,77 @@ func New(b lock.Backend, opts Options) *Server {
 
 // ServeHTTP serves a request net/http read.
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	aw := &answerWriter{ResponseWriter: w, start: time.Now(), timeout: s.writeTimeout}
 	defer func() {
 		if p := recover(); p != nil {
-			if p != http.ErrAbortHandler {
-				s.panicked(p, r.RemoteAddr)
+			if p == http.ErrAbortHandler {
+				panic(p)
 			}
-			// net/http closes the connection without logging it again.
-			panic(http.ErrAbortHandler)
+			s.panicked(p, r.RemoteAddr)
+			if aw.began {
+				// Part of an answer went out: only a close ends it.
+				panic(http.ErrAbortHandler)
+			}
+			// The client gets an answer, and the connection closes after
+			// it (docs/DESIGN.md, "When a server closes a connection").
+			aw.Header().Set("Connection", "close")
+			writeJSON(aw, http.StatusInternalServerError, panicBody)
 		}
 	}()
-	w.Header()[api.EpochHeader] = s.epoch // shared, never modified
-	rq := request{method: r.Method, path: r.URL.Path, w: w, r: r}
+	aw.Header()[api.EpochHeader] = s.epoch // shared, never modified
+	rq := request{method: r.Method, path: r.URL.Path, w: aw, r: r}
 	if s.mtls {
 		rq.peer = peerOf(r)
 	}
 	s.serveRequest(&rq, nil)
 }
+
+// panicBody answers a request whose handling panicked.
+var panicBody = api.ErrorBody{Error: "the server failed serving this request", Code: api.CodeInternal, Message: "the server failed serving this request; it was logged"}
+
+// answerWriter is the ResponseWriter of a request net/http serves. Its
+// write deadline runs from when the answer begins, not from when the
+// request came: a backend call may wait on etcd for longer than the write
+// timeout, and its answer must still go out (docs/DESIGN.md, "When a server
+// closes a connection"). It also knows whether an answer began, for a
+// panic's.
+type answerWriter struct {
+	http.ResponseWriter
+	start   time.Time
+	timeout time.Duration
+	began   bool
+}
+
+// begin moves the write deadline when the handler took a while: net/http
+// set it, from the end of the request's headers, before the handler ran.
+func (w *answerWriter) begin() {
+	if w.began {
+		return
+	}
+	w.began = true
+	if w.timeout > 0 && time.Since(w.start) > w.timeout/4 {
+		_ = http.NewResponseController(w.ResponseWriter).SetWriteDeadline(time.Now().Add(w.timeout))
+	}
+}
+
+func (w *answerWriter) WriteHeader(status int) {
+	w.begin()
+	w.ResponseWriter.WriteHeader(status)
+}
+
+func (w *answerWriter) Write(b []byte) (int, error) {
+	w.begin()
+	return w.ResponseWriter.Write(b)
+}
+
+// Hijack is the event streams' (sse.go): the connection is theirs.
+func (w *answerWriter) Hijack() (net.Conn, *bufio.ReadWriter, error) {
+	w.began = true
+	return http.NewResponseController(w.ResponseWriter).Hijack()
+}
+
+// Unwrap lets http.ResponseController reach net/http's writer.
+func (w *answerWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
 
 // request is what the entry point sees of a request, whichever loop read
 // it: enough to route it, and to authenticate it once for both loops.
