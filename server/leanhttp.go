@@ -126,19 +126,26 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server, ho
 		_ = lc.SetReadDeadline(rdeadline)
 	}
 	for {
-		lc.idle.Store(true)
-		if s.closing.Load() {
-			return
+		// With bytes of a request read already (pipelined, or handed
+		// over), the connection is not idle: a closing server answers
+		// that request, with Connection: close, after the answers bw
+		// holds for the ones before it. Returning here dropped them all
+		// (docs/DESIGN.md, "When a server closes a connection").
+		if br.Buffered() == 0 {
+			lc.idle.Store(true)
+			if s.closing.Load() {
+				return // bw is empty: it is flushed whenever br is
+			}
+			now := time.Now()
+			if stale(rdeadline, now, idle) {
+				rdeadline = now.Add(idle)
+				_ = lc.SetReadDeadline(rdeadline)
+			}
+			if _, err := br.Peek(1); err != nil {
+				return // closed, idle too long, or closing
+			}
+			lc.idle.Store(false)
 		}
-		now := time.Now()
-		if stale(rdeadline, now, idle) {
-			rdeadline = now.Add(idle)
-			_ = lc.SetReadDeadline(rdeadline)
-		}
-		if _, err := br.Peek(1); err != nil {
-			return // closed, idle too long, or closing
-		}
-		lc.idle.Store(false)
 		serving = true
 		req, st := peekRequest(br, waiting)
 		switch st {

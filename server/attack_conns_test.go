@@ -1,0 +1,154 @@
+package server
+
+import (
+	"bufio"
+	"context"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/dlock/dlock/internal/dlocktest/kit"
+)
+
+// Attacks on docs/DESIGN.md, "When a server closes a connection": a live
+// server never closes a connection with a request it read and did not
+// answer, unless the answer before said Connection: close.
+
+// shutdownBehind starts e's Shutdown in the background, waits until the
+// server is closing and its pass listeners are closed, and returns
+// Shutdown's result to come.
+func shutdownBehind(t *testing.T, e *env) <-chan error {
+	t.Helper()
+	done := make(chan error, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), kit.Patience)
+		defer cancel()
+		done <- e.srv.Shutdown(ctx)
+	}()
+	kit.WaitFor(t, "the server to be closing, its pass listeners closed", func() bool {
+		if !e.srv.closing.Load() {
+			return false
+		}
+		e.srv.mu.Lock()
+		defer e.srv.mu.Unlock()
+		for _, p := range e.srv.passes {
+			select {
+			case <-p.done:
+			default:
+				return false
+			}
+		}
+		return true
+	})
+	return done
+}
+
+// answersUntilClose reads answers from br until one says Connection: close or
+// reading fails; it returns them and the error that ended them, if any.
+func answersUntilClose(br *bufio.Reader) (rs []*http.Response, bodies []string, err error) {
+	for {
+		r, err := http.ReadResponse(br, nil)
+		if err != nil {
+			return rs, bodies, err
+		}
+		b, err := io.ReadAll(r.Body)
+		if err != nil {
+			return rs, bodies, err
+		}
+		rs, bodies = append(rs, r), append(bodies, string(b))
+		if r.Close {
+			return rs, bodies, nil
+		}
+	}
+}
+
+// leanStates reports the idle flags of the lean connections.
+func (e *env) leanStates() (idle, busy int) {
+	e.srv.mu.Lock()
+	defer e.srv.mu.Unlock()
+	for lc := range e.srv.leanConns {
+		if lc.idle.Load() {
+			idle++
+		} else {
+			busy++
+		}
+	}
+	return idle, busy
+}
+
+// gateListener's connections block their first write until release is
+// closed, after closing blocked: a client that does not read, made exact.
+type gateListener struct {
+	net.Listener
+	blocked, release chan struct{}
+}
+
+func (l *gateListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	return &gateConn{TCPConn: c.(*net.TCPConn), l: l}, nil
+}
+
+type gateConn struct {
+	*net.TCPConn // CloseWrite too
+	l            *gateListener
+	fired        atomic.Bool
+}
+
+func (c *gateConn) Write(p []byte) (int, error) {
+	if !c.fired.Swap(true) {
+		close(c.l.blocked)
+		<-c.l.release
+	}
+	return c.TCPConn.Write(p)
+}
+
+// TestAttackPipelinedAnswersSurviveClosing: the lean loop holds the
+// answers to pipelined requests in its buffer until the last one read; if
+// the server starts closing while a write of that buffer is blocked (a
+// client slow to read), the requests already read and answered must still
+// get their answers, the last with Connection: close. The loop returned at
+// its next turn instead, dropping the answers it held (requests that had
+// taken effect) and cutting one in half.
+func TestAttackPipelinedAnswersSurviveClosing(t *testing.T) {
+	gl := &gateListener{blocked: make(chan struct{}), release: make(chan struct{})}
+	e := newEnvWith(t, envConfig{goroutines: true, wrap: func(ln net.Listener) net.Listener {
+		gl.Listener = ln
+		return gl
+	}})
+	c := e.dial()
+	// Fewer than leanBufSize bytes of requests, all read at once, whose
+	// answers are more than leanBufSize: the buffer flushes by itself
+	// while requests are still buffered.
+	one := rawPost("/cancel", `{"type":"pull","resource_id":"x","node_id":"a"}`)
+	n := (leanBufSize - 1) / len(one)
+	if _, err := io.WriteString(c, strings.Repeat(one, n)); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-gl.blocked:
+	case <-time.After(kit.Patience):
+		t.Fatal("the answers never filled the write buffer")
+	}
+	done := shutdownBehind(t, e)
+	close(gl.release)
+	rs, _, err := answersUntilClose(bufio.NewReader(c))
+	if err != nil {
+		t.Fatalf("after %d of %d answers: %v (answers lost to the close)", len(rs), n, err)
+	}
+	for i, r := range rs {
+		if r.StatusCode != http.StatusOK {
+			t.Fatalf("answer %d: %d", i+1, r.StatusCode)
+		}
+	}
+	waitClosed(t, c, "an answer that announced the close")
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+}
