@@ -152,3 +152,46 @@ func TestAttackPipelinedAnswersSurviveClosing(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestAttackPanicWhileClosing: a pipelined request panics while the server
+// closes. Its 500 and the answers before it must still go out: the event
+// loop handed them to a lean goroutine, which a closing server refused, and
+// the connection closed with requests that had taken effect unanswered.
+func TestAttackPanicWhileClosing(t *testing.T) {
+	for _, l := range loops {
+		t.Run(l.name, func(t *testing.T) { testAttackPanicWhileClosing(t, l.goroutines) })
+	}
+}
+
+func testAttackPanicWhileClosing(t *testing.T, goroutines bool) {
+	entered, release := make(chan struct{}), make(chan struct{})
+	e := newEnvWith(t, envConfig{goroutines: goroutines, prep: func(s *Server) {
+		rt := s.routes["/cancel"]
+		core := rt.core
+		rt.core = func(ctx context.Context, body, buf []byte) (int, []byte) {
+			if strings.Contains(string(body), "boom") {
+				close(entered)
+				<-release
+				panic("boom")
+			}
+			return core(ctx, body, buf)
+		}
+	}})
+	c := e.dial()
+	raw := rawPost("/cancel", `{"type":"pull","resource_id":"first","node_id":"a"}`) +
+		rawPost("/cancel", `{"type":"pull","resource_id":"boom","node_id":"a"}`)
+	if _, err := io.WriteString(c, raw); err != nil {
+		t.Fatal(err)
+	}
+	<-entered
+	done := shutdownBehind(t, e)
+	close(release)
+	rs, _, err := answersUntilClose(bufio.NewReader(c))
+	if err != nil || len(rs) != 2 || rs[0].StatusCode != 200 || rs[1].StatusCode != 500 {
+		t.Fatalf("got %d answers (%v), want a 200 and a 500 with Connection: close", len(rs), err)
+	}
+	waitClosed(t, c, "a panicking request")
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+}

@@ -180,7 +180,7 @@ func BenchmarkLeanLoopPairs(b *testing.B) {
 	s := New(m, Options{})
 	mc := &memConn{pairs: b.N}
 	lc := &leanConn{Conn: mc}
-	s.trackLean(lc, true)
+	s.trackLean(lc, true, false)
 	b.ReportAllocs()
 	b.ResetTimer()
 	s.serveLean(lc, newPassListener(mc.LocalAddr()), &http.Server{}, handover{})

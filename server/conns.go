@@ -84,7 +84,7 @@ func (s *Server) Serve(ln net.Listener, hs *http.Server) error {
 			conn = tls.Server(conn, s.certs.Config())
 		}
 		lc := &leanConn{Conn: conn}
-		if !s.trackLean(lc, true) {
+		if !s.trackLean(lc, true, false) {
 			lc.Close()
 			continue
 		}
@@ -190,7 +190,14 @@ func (s *Server) panicked(p any, remote string) {
 	s.log.Error("panic serving a request; its connection is closed", "remote", remote, "panic", p, "stack", string(debug.Stack()))
 }
 
-func (s *Server) trackLean(lc *leanConn, add bool) bool {
+// trackLean adds lc to the lean connections, or takes it out (!add). A new
+// connection is refused once the server closes. One the event loop hands
+// over (handedOver) is not, until Shutdown's context ends: it may owe the
+// answers to requests that took effect, or hold a request read and not
+// answered yet, and closed at once it would lose them (docs/DESIGN.md,
+// "When a server closes a connection"). The poller handing it over holds
+// leanWG, so the Add below never starts from zero while Close waits.
+func (s *Server) trackLean(lc *leanConn, add, handedOver bool) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if !add {
@@ -198,7 +205,7 @@ func (s *Server) trackLean(lc *leanConn, add bool) bool {
 		s.leanWG.Done()
 		return true
 	}
-	if s.closing.Load() {
+	if s.closing.Load() && (!handedOver || s.forced) {
 		return false
 	}
 	if s.leanConns == nil {
@@ -264,6 +271,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	case <-ctx.Done():
 		err = ctx.Err()
 		s.mu.Lock()
+		s.forced = true
 		for lc := range s.leanConns {
 			lc.Close()
 		}

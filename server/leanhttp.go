@@ -72,7 +72,7 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server, ho
 		if !passed {
 			lc.Close()
 		}
-		s.trackLean(lc, false)
+		s.trackLean(lc, false, false)
 	}()
 	if tc, ok := lc.Conn.(*tls.Conn); ok {
 		h2, ok := s.handshake(lc, tc)

@@ -303,7 +303,7 @@ func (p *poller) handOver(pc *pollConn, ho handover) {
 	}
 	f.Close()
 	lc := &leanConn{Conn: &trackedConn{Conn: c, open: &p.s.conns}}
-	if !p.s.trackLean(lc, true) {
+	if !p.s.trackLean(lc, true, true) {
 		lc.Close()
 		return
 	}

@@ -134,6 +134,9 @@ type Server struct {
 	passes    []*passListener
 	https     []*http.Server
 	leanConns map[*leanConn]struct{}
+	// forced is set when Shutdown's context ended and it closed the
+	// lean connections unfinished: none is taken after it.
+	forced bool
 	leanWG    sync.WaitGroup
 	// The event loop's pollers (poller.go), started by the first
 	// connection they take; guarded by mu.
