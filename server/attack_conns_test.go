@@ -195,3 +195,47 @@ func testAttackPanicWhileClosing(t *testing.T, goroutines bool) {
 		t.Fatal(err)
 	}
 }
+
+// TestAttackPassWhileClosing: a request the lean loop leaves to net/http
+// arrives whole while the server closes, after the pass listener closed.
+// It must be answered (503, Connection: close), not dropped with the
+// connection.
+func TestAttackPassWhileClosing(t *testing.T) {
+	for _, l := range loops {
+		t.Run(l.name, func(t *testing.T) { testAttackPassWhileClosing(t, l.goroutines) })
+	}
+}
+
+func testAttackPassWhileClosing(t *testing.T, goroutines bool) {
+	e := newEnvWith(t, envConfig{goroutines: goroutines})
+	c := e.dial()
+	br := bufio.NewReader(c)
+	if goroutines {
+		// The loop is running: waiting for this connection's next request.
+		if r := exchange(t, c, rawPost("/cancel", smuggleLock)); r.StatusCode != 200 {
+			t.Fatal(r.StatusCode)
+		}
+		kit.WaitFor(t, "the connection to wait, idle", func() bool { idle, _ := e.leanStates(); return idle == 1 })
+	}
+	// Half a request: the lean loop reads it (the event loop hands it to
+	// the lean loop) and waits for the rest.
+	if _, err := io.WriteString(c, "GET /status?type=pull&resource_id=r HTTP/1.1\r\nHost: x\r\n"); err != nil {
+		t.Fatal(err)
+	}
+	kit.WaitFor(t, "the lean loop to read the request", func() bool { _, busy := e.leanStates(); return busy == 1 })
+	done := shutdownBehind(t, e)
+	if _, err := io.WriteString(c, "\r\n"); err != nil {
+		t.Fatal(err)
+	}
+	rs, bodies, err := answersUntilClose(br)
+	if err != nil || len(rs) != 1 {
+		t.Fatalf("a whole request while closing: %d answers, %v", len(rs), err)
+	}
+	if rs[0].StatusCode != http.StatusServiceUnavailable || !strings.Contains(bodies[0], `"code":"unavailable"`) || rs[0].Header.Get("Retry-After") == "" {
+		t.Fatalf("a request net/http would serve, while closing: %d %v %s", rs[0].StatusCode, rs[0].Header, bodies[0])
+	}
+	waitClosed(t, c, "the answer that announced the close")
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+}

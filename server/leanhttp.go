@@ -163,6 +163,11 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server, ho
 				pc = passedTLSConn{passedConn: pc.(*passedConn), tc: tc}
 			}
 			if !pass.give(pc) {
+				// net/http takes no more: the server closes. The request
+				// read is answered all the same, 503 unavailable with
+				// Connection: close, not dropped with the connection
+				// (docs/DESIGN.md, "When a server closes a connection").
+				s.answerAndClose(lc, bw, api.ErrUnavailable)
 				return
 			}
 			passed = true
@@ -207,8 +212,14 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server, ho
 // does. A second panic here only loses the answer.
 func (s *Server) answerPanic(lc *leanConn, bw *bufio.Writer) {
 	defer func() { _ = recover() }()
+	s.answerAndClose(lc, bw, errPanicked)
+}
+
+// answerAndClose answers err, with Connection: close, after the answers bw
+// holds, then closes the connection as closeAfterAnswer does.
+func (s *Server) answerAndClose(lc *leanConn, bw *bufio.Writer, err error) {
 	_ = lc.SetWriteDeadline(time.Now().Add(s.writeTimeout))
-	status, body := s.errorAnswer(errPanicked, nil)
+	status, body := s.errorAnswer(err, nil)
 	writeLeanAnswer(bw, status, body, s.epoch[0], true)
 	if bw.Flush() == nil {
 		closeAfterAnswer(lc.Conn)
