@@ -239,3 +239,46 @@ func testAttackPassWhileClosing(t *testing.T, goroutines bool) {
 		t.Fatal(err)
 	}
 }
+
+// TestAttackAnswerNotHeldForNextRequest: a request whole and the start of
+// the next one arrive together; the answer to the first must go out while
+// the lean loop waits for the rest of the second. It waited in the loop's
+// buffer, and when the rest never came within the read timeout, the
+// connection closed with the first request (which had taken effect)
+// unanswered.
+func TestAttackAnswerNotHeldForNextRequest(t *testing.T) {
+	for _, l := range loops {
+		t.Run(l.name, func(t *testing.T) { testAttackAnswerNotHeldForNextRequest(t, l.goroutines) })
+	}
+}
+
+func testAttackAnswerNotHeldForNextRequest(t *testing.T, goroutines bool) {
+	e := newEnvWith(t, envConfig{goroutines: goroutines, opts: Options{ReadTimeout: 2 * time.Second}})
+	c := e.dial()
+	br := bufio.NewReader(c)
+	req := func(r string) string { return rawPost("/lock", `{"type":"pull","resource_id":"`+r+`","node_id":"a"}`) }
+	b, d := req("b"), req("d")
+	// On the event loop, the first step hands the connection over with
+	// the half request; the second is the lean loop's alone.
+	for i, step := range []struct {
+		send string
+		want []string
+	}{
+		{req("a") + b[:20], []string{"a"}},
+		{b[20:] + req("c") + d[:len(d)-5], []string{"b", "c"}},
+		{d[len(d)-5:], []string{"d"}},
+	} {
+		if _, err := io.WriteString(c, step.send); err != nil {
+			t.Fatal(err)
+		}
+		for _, w := range step.want {
+			r, err := http.ReadResponse(br, nil)
+			if err != nil {
+				t.Fatalf("step %d: no answer for %s while the next request is incomplete: %v", i+1, w, err)
+			}
+			if body := bodyOf(r); r.StatusCode != 200 || !strings.Contains(body, `"acquired":true`) {
+				t.Fatalf("step %d, %s: %d %s", i+1, w, r.StatusCode, body)
+			}
+		}
+	}
+}

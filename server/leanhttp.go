@@ -121,9 +121,19 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server, ho
 	// idle connection; once a request has begun and is not all there, it
 	// is cut to the read timeout.
 	var rdeadline, wdeadline time.Time
-	waiting := func() {
+	waiting := func() bool {
+		// The answers bw holds for the requests before this one go out
+		// before the loop waits for the rest of it: held, they waited on
+		// a request the client may send only once it has them, and a read
+		// timeout then closed the connection with those requests, which
+		// had taken effect, unanswered (docs/DESIGN.md, "When a server
+		// closes a connection").
+		if bw.Flush() != nil {
+			return false
+		}
 		rdeadline = time.Now().Add(s.readTimeout)
 		_ = lc.SetReadDeadline(rdeadline)
+		return true
 	}
 	for {
 		// With bytes of a request read already (pipelined, or handed
@@ -337,8 +347,9 @@ const (
 // consuming it. leanPass leaves every byte in br for net/http; leanMore
 // means reading the rest of the request failed (the peer left, or the read
 // deadline passed). waiting is called, at most once, before it blocks for
-// more of the request.
-func peekRequest(br *bufio.Reader, waiting func()) (req leanRequest, st leanStatus) {
+// more of the request; when it returns false, peekRequest reports leanMore
+// without reading.
+func peekRequest(br *bufio.Reader, waiting func() bool) (req leanRequest, st leanStatus) {
 	var buf []byte
 	end, from := -1, 0
 	for {
@@ -355,7 +366,9 @@ func peekRequest(br *bufio.Reader, waiting func()) (req leanRequest, st leanStat
 		}
 		from = max(0, len(buf)-1)
 		if waiting != nil {
-			waiting()
+			if !waiting() {
+				return req, leanMore
+			}
 			waiting = nil
 		}
 		if _, err := br.Peek(len(buf) + 1); err != nil {
@@ -365,8 +378,8 @@ func peekRequest(br *bufio.Reader, waiting func()) (req leanRequest, st leanStat
 	if req, st = leanFrame(buf, end, br.Size()); st != leanMore {
 		return req, st
 	}
-	if waiting != nil {
-		waiting()
+	if waiting != nil && !waiting() {
+		return req, leanMore
 	}
 	full, err := br.Peek(req.size)
 	if err != nil {
