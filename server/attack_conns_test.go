@@ -282,3 +282,51 @@ func testAttackAnswerNotHeldForNextRequest(t *testing.T, goroutines bool) {
 		}
 	}
 }
+
+// TestAttackNetHTTPClosingAnnounced: while the lean loops finish, before
+// http.Server.Shutdown starts, net/http still serves the connections the
+// lean loop passed it; their answers too must say Connection: close, or
+// the client sends its next request on a connection Shutdown then closes.
+func TestAttackNetHTTPClosingAnnounced(t *testing.T) {
+	for _, l := range loops {
+		t.Run(l.name, func(t *testing.T) { testAttackNetHTTPClosingAnnounced(t, l.goroutines) })
+	}
+}
+
+func testAttackNetHTTPClosingAnnounced(t *testing.T, goroutines bool) {
+	entered, release := make(chan struct{}), make(chan struct{})
+	e := newEnvWith(t, envConfig{goroutines: goroutines, prep: func(s *Server) {
+		rt := s.routes["/lock"]
+		core := rt.core
+		rt.core = func(ctx context.Context, body, buf []byte) (int, []byte) {
+			if strings.Contains(string(body), "slow") {
+				close(entered)
+				<-release
+			}
+			return core(ctx, body, buf)
+		}
+	}})
+	get := "GET /status?type=pull&resource_id=r HTTP/1.1\r\nHost: x\r\n\r\n"
+	x := e.dial()
+	if r := exchange(t, x, get); r.StatusCode != 200 || r.Close {
+		t.Fatalf("net/http before closing: %d, close %v", r.StatusCode, r.Close)
+	}
+	// A lean request in progress holds Shutdown before net/http's.
+	y := e.dial()
+	if _, err := io.WriteString(y, rawPost("/lock", `{"type":"pull","resource_id":"slow","node_id":"a"}`)); err != nil {
+		t.Fatal(err)
+	}
+	<-entered
+	done := shutdownBehind(t, e)
+	r := exchange(t, x, get)
+	close(release)
+	if r.StatusCode != 200 || !r.Close {
+		t.Fatalf("net/http while closing: %d, close %v, want Connection: close", r.StatusCode, r.Close)
+	}
+	if r := exchange(t, y, ""); r.StatusCode != 200 || !r.Close {
+		t.Fatalf("the slow lean request: %d, close %v", r.StatusCode, r.Close)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+}

@@ -137,7 +137,7 @@ type Server struct {
 	// forced is set when Shutdown's context ended and it closed the
 	// lean connections unfinished: none is taken after it.
 	forced bool
-	leanWG    sync.WaitGroup
+	leanWG sync.WaitGroup
 	// The event loop's pollers (poller.go), started by the first
 	// connection they take; guarded by mu.
 	eventLoop  bool
@@ -235,6 +235,13 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 	}()
 	aw.Header()[api.EpochHeader] = s.epoch // shared, never modified
+	if s.closing.Load() {
+		// The lean loops finish before http.Server.Shutdown starts, which
+		// then closes this connection once idle: say so now, or the
+		// client's next request meets the close (docs/DESIGN.md, "When a
+		// server closes a connection").
+		aw.Header().Set("Connection", "close")
+	}
 	rq := request{method: r.Method, path: r.URL.Path, w: aw, r: r}
 	if s.mtls {
 		rq.peer = peerOf(r)
