@@ -3,9 +3,11 @@ package server
 import (
 	"bufio"
 	"context"
+	"errors"
 	"io"
 	"net"
 	"net/http"
+	"os"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -328,5 +330,46 @@ func testAttackNetHTTPClosingAnnounced(t *testing.T, goroutines bool) {
 	}
 	if err := <-done; err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestAttackCloseDrainBounded: after Connection: close, the server
+// half-closes and reads what the client still sends, for a bounded time: a
+// client that sends for ever gets its answer, and neither the connection
+// nor Shutdown waits on it for ever.
+func TestAttackCloseDrainBounded(t *testing.T) {
+	for _, l := range loops {
+		t.Run(l.name, func(t *testing.T) { testAttackCloseDrainBounded(t, l.goroutines) })
+	}
+}
+
+func testAttackCloseDrainBounded(t *testing.T, goroutines bool) {
+	e := newEnvWith(t, envConfig{goroutines: goroutines})
+	c := e.dial()
+	_ = c.SetDeadline(time.Now().Add(kit.Patience))
+	r := exchange(t, c, rawPost("/cancel", smuggleLock, "Connection: close"))
+	if r.StatusCode != 200 || !r.Close {
+		t.Fatalf("%d, close %v", r.StatusCode, r.Close)
+	}
+	wrote := make(chan error, 1)
+	go func() {
+		junk := []byte(strings.Repeat(rawPost("/lock", smuggleLock), 8))
+		for {
+			if _, err := c.Write(junk); err != nil {
+				wrote <- err
+				return
+			}
+		}
+	}()
+	done := shutdownBehind(t, e)
+	if err := <-done; err != nil {
+		t.Fatalf("Shutdown with a client that sends for ever: %v", err)
+	}
+	kit.WaitFor(t, "the connection to be closed", func() bool { return e.srv.conns.Load() == 0 })
+	if err := <-wrote; errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatal("the server never closed the connection")
+	}
+	if st := e.m.Stats(); st.Held != 0 {
+		t.Fatalf("a request sent after Connection: close was served: %+v", st)
 	}
 }
