@@ -288,11 +288,11 @@ func (p *poller) handOver(pc *pollConn, ho handover) {
 				})
 				// Closed with requests unread, the socket would send a
 				// reset, which can overtake the answers: half-close, and
-				// read what the client still sends for a moment first,
+				// read what the client still sends for closeLinger first,
 				// as net/http does before it closes.
 				_ = rc.Read(func(fd uintptr) bool {
 					_ = unix.Shutdown(int(fd), unix.SHUT_WR)
-					drainFor(int(fd), time.Now().Add(min(p.s.readTimeout, time.Second)))
+					drainFor(int(fd), time.Now().Add(closeLinger))
 					return true
 				})
 			}
