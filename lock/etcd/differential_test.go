@@ -152,6 +152,27 @@ func TestDifferentialResume(t *testing.T) {
 	}
 }
 
+// TestDifferentialErasedRecord: a pull's success erases the delete's
+// completion record (docs/DESIGN.md, "Unlock"), which leaves the delete
+// key with nothing: absent, and /status reports no token for it
+// ("Status"). The memory engine forgets the key at once; etcd keeps its
+// empty record until the key's timer drops it, and a /status made before
+// then must already answer as for an absent key. Each round asks at once,
+// with no wait after the unlock, so that the timer has seldom acted.
+func TestDifferentialErasedRecord(t *testing.T) {
+	srv := etcdtest.Shared(t)
+	del, pull := 0, 1
+	keys := []lock.Key{{Type: lock.Delete, Resource: "a"}, {Type: lock.Pull, Resource: "a"}}
+	d := newDiff(t, srv, 0, diffRules(), 2, keys)
+	for range 25 {
+		d.step(dop{kind: opLock, node: 0, key: del, lease: lock.LeaseTTL})
+		d.step(dop{kind: opUnlock, node: 0, key: del, success: true})
+		d.step(dop{kind: opLock, node: 1, key: pull, lease: lock.LeaseTTL})
+		d.step(dop{kind: opUnlock, node: 1, key: pull, success: true}, dop{kind: opStatus, key: del, anyNode: true})
+	}
+	d.finish()
+}
+
 // diffRules are the rules both engines get: no timer fires within a
 // history (leases, the grace, the claim timeout and the records' retention
 // far longer than it), so that both see the same sequence of calls and
