@@ -5,10 +5,12 @@ package etcd_test
 // by docs/DESIGN.md ("Events", "Event ids and replay", "Sessions and
 // events"), not by the engine: a node, its streams broken and resumed with
 // Last-Event-ID, must receive on etcd exactly the events it receives in
-// memory, and every call must answer the same. Fencing tokens differ in
-// value between the engines (docs/DESIGN.md, "Fencing tokens"; "An etcd
-// backend", "Tokens"), so both are named by the order in which the test
-// first saw them.
+// memory, and every call must answer the same, on whichever of two etcd
+// servers of one data set it is made or a stream resumes (docs/DESIGN.md,
+// "What a client does": it moves to another server and resumes there).
+// Fencing tokens differ in value between the engines (docs/DESIGN.md,
+// "Fencing tokens"; "An etcd backend"), so a key's tokens are named by the
+// order in which the test first saw them.
 
 import (
 	"context"
@@ -32,7 +34,7 @@ import (
 // step.
 func TestDifferential(t *testing.T) {
 	srv := etcdtest.Shared(t)
-	for seed := uint64(1); seed <= 10; seed++ {
+	for seed := uint64(1); seed <= 8; seed++ {
 		t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) {
 			t.Parallel() // each history has its own backends and data set
 			rng := rand.New(rand.NewPCG(seed, 0x646c6f636b))
@@ -48,7 +50,7 @@ func TestDifferential(t *testing.T) {
 			nodes := 3 + rng.IntN(3)
 			keys := diffKeys(rng)
 			d := newDiff(t, srv, seed, rules, nodes, keys)
-			for range 80 {
+			for range 70 {
 				d.begin(d.gen(rng, true))
 				if rng.IntN(5) == 0 {
 					// Two calls with no wait between them: on etcd the
@@ -71,8 +73,9 @@ func TestDifferential(t *testing.T) {
 // receive each lock_assigned once, whether the grant was the direct answer
 // to its own TryLock (which sends lock_assigned too: docs/DESIGN.md,
 // "Events") or a hand-off made while its stream was down, and nothing
-// replayed twice. Both engines are run and compared as in
-// TestDifferential, and each must also give the events written here.
+// replayed twice; also when it resumes on another etcd server. Both
+// engines are run and compared as in TestDifferential, and each must also
+// give the events written here.
 func TestDifferentialResume(t *testing.T) {
 	srv := etcdtest.Shared(t)
 	const a, b = 0, 1
@@ -135,20 +138,32 @@ func TestDifferentialResume(t *testing.T) {
 		},
 		want: []string{"replay " + assigned},
 	}} {
-		t.Run(c.name, func(t *testing.T) {
-			t.Parallel()
-			rules := diffRules()
-			d := newDiff(t, srv, 0, rules, 3, keys)
-			for _, o := range c.ops {
-				d.step(o)
-			}
-			d.finish()
-			for _, s := range d.sides {
-				if got := s.got[b]; !slices.Equal(got, c.want) {
-					t.Fatalf("%s: n2 received\n\t%s\nwant\n\t%s\nhistory:\n%s", s.name, strings.Join(got, "\n\t"), strings.Join(c.want, "\n\t"), d.history())
+		// Each case twice: b on a's server throughout, and b resuming,
+		// and making its calls, on the other server of the data set.
+		for _, elsewhere := range []bool{false, true} {
+			name, ops := c.name, slices.Clone(c.ops)
+			if elsewhere {
+				name += "Elsewhere"
+				for i, o := range ops {
+					if o.node == b && o.kind != opOpen {
+						ops[i].server = 1
+					}
 				}
 			}
-		})
+			t.Run(name, func(t *testing.T) {
+				t.Parallel()
+				d := newDiff(t, srv, 0, diffRules(), 3, keys)
+				for _, o := range ops {
+					d.step(o)
+				}
+				d.finish()
+				for _, s := range d.sides {
+					if got := s.got[b]; !slices.Equal(got, c.want) {
+						t.Fatalf("%s: n2 received\n\t%s\nwant\n\t%s\nhistory:\n%s", s.name, strings.Join(got, "\n\t"), strings.Join(c.want, "\n\t"), d.history())
+					}
+				}
+			})
+		}
 	}
 }
 
@@ -236,9 +251,18 @@ type dop struct {
 	success bool
 	tok     tokChoice
 	anyNode bool // opStatus: without a node
+	server  int  // the etcd server of two that the call goes to
 }
 
 func (o dop) String(keys []lock.Key) string {
+	at := ""
+	if o.server != 0 {
+		at = fmt.Sprintf(" @etcd%d", o.server+1)
+	}
+	return o.call(keys) + at
+}
+
+func (o dop) call(keys []lock.Key) string {
 	n := nodeName(o.node)
 	k := keys[o.key].String()
 	switch o.kind {
@@ -286,12 +310,22 @@ func newDiff(t *testing.T, srv *etcdtest.Server, seed uint64, rules lock.Rules, 
 	if err != nil {
 		t.Fatal(err)
 	}
-	et, err := etcd.New(t.Context(), srv.Client(t), etcd.Config{Rules: rules, Prefix: etcdtest.Prefix(t)})
-	if err != nil {
-		mem.Close()
-		t.Fatal(err)
+	// Two servers of one data set, each with its own etcd client, as
+	// dlock serve processes have.
+	cfg := etcd.Config{Rules: rules, Prefix: etcdtest.Prefix(t)}
+	var ets []lock.Backend
+	for range 2 {
+		et, err := etcd.New(t.Context(), srv.Client(t), cfg)
+		if err != nil {
+			mem.Close()
+			for _, b := range ets {
+				b.Close()
+			}
+			t.Fatal(err)
+		}
+		ets = append(ets, et)
 	}
-	d.sides = [2]*side{newSide(t, "memory", mem, nodes, keys), newSide(t, "etcd", et, nodes, keys)}
+	d.sides = [2]*side{newSide(t, "memory", []lock.Backend{mem}, nodes, keys), newSide(t, "etcd", ets, nodes, keys)}
 	t.Cleanup(func() {
 		for _, s := range d.sides {
 			s.close()
@@ -305,10 +339,13 @@ func newDiff(t *testing.T, srv *etcdtest.Server, seed uint64, rules lock.Rules, 
 // engines answered alike so far, so the history does not depend on which
 // one is asked.
 func (d *diff) gen(rng *rand.Rand, breaks bool) dop {
-	o := dop{node: rng.IntN(d.nodes), slot: rng.IntN(2), key: rng.IntN(len(d.keys))}
+	o := dop{node: rng.IntN(d.nodes), key: rng.IntN(len(d.keys)), server: rng.IntN(2)}
+	if rng.IntN(4) == 0 {
+		o.slot = 1 // a second stream of the node, now and then
+	}
 	mem := d.sides[0]
 	switch p := rng.IntN(100); {
-	case p < 20:
+	case p < 30:
 		switch sl := mem.slots[o.node][o.slot]; {
 		case sl.st != nil && !breaks:
 			o.kind = opStatus
@@ -319,11 +356,11 @@ func (d *diff) gen(rng *rand.Rand, breaks bool) dop {
 		default:
 			o.kind = opOpen
 		}
-	case p < 50:
+	case p < 55:
 		o.kind = opLock
 		o.lease = []lock.Lease{lock.LeaseSession, lock.LeaseSession, lock.LeaseTTL, lock.LeaseAuto}[rng.IntN(4)]
 		o.skip = rng.IntN(4) == 0
-	case p < 75:
+	case p < 78:
 		if d.last != nil && rng.IntN(8) == 0 {
 			return *d.last // a repeat, whose answer may be a replay
 		}
@@ -336,7 +373,7 @@ func (d *diff) gen(rng *rand.Rand, breaks bool) dop {
 		if rng.IntN(4) != 0 && o.tok == tokStale {
 			o.tok = tokCurrent
 		}
-	case p < 85:
+	case p < 86:
 		o.kind = opCancel
 	default:
 		o.kind = opStatus
@@ -403,7 +440,7 @@ func (d *diff) history() string { return strings.Join(d.steps, "\n") }
 type side struct {
 	t    *testing.T
 	name string
-	b    lock.Backend
+	bs   []lock.Backend // its servers: memory's one, etcd's two
 
 	keyTok map[lock.Key][]uint64 // a key's tokens, in the order the test first saw them
 	slots  [][2]*slot            // a node's two streams
@@ -411,8 +448,8 @@ type side struct {
 	obs    []lock.Stream         // an observer of each key
 	holder map[lock.Key]int      // as the observers said; -1 for none
 
-	barrier   lock.Stream // observes barrierKey
-	barrierOn bool        // barrierNode holds barrierKey
+	barrier   []lock.Stream // observes barrierKey, on each server
+	barrierOn bool          // barrierNode holds barrierKey
 	barriers  int
 }
 
@@ -424,16 +461,18 @@ type slot struct {
 }
 
 // barrierKey is locked and unlocked, by a node without a session, after
-// every step: once its observer has the event of that write, every
-// earlier write's events have been delivered, on etcd because the watch
-// applies revisions in order (docs/DESIGN.md, "An etcd backend").
+// every step: once its observer on a server has the event of that write,
+// every earlier write's events have been delivered there, on etcd because
+// each server's watch applies revisions in order (docs/DESIGN.md, "An etcd
+// backend").
 var barrierKey = lock.Key{Type: lock.Pull, Resource: "barrier"}
 
 const barrierNode = "barrier-node"
 
-func newSide(t *testing.T, name string, b lock.Backend, nodes int, keys []lock.Key) *side {
+func newSide(t *testing.T, name string, bs []lock.Backend, nodes int, keys []lock.Key) *side {
 	t.Helper()
-	s := &side{t: t, name: name, b: b, keyTok: map[lock.Key][]uint64{}, holder: map[lock.Key]int{}}
+	b := bs[0] // the observers' server
+	s := &side{t: t, name: name, bs: bs, keyTok: map[lock.Key][]uint64{}, holder: map[lock.Key]int{}}
 	for range nodes {
 		s.slots = append(s.slots, [2]*slot{{}, {}})
 	}
@@ -446,11 +485,13 @@ func newSide(t *testing.T, name string, b lock.Backend, nodes int, keys []lock.K
 		}
 		s.obs = append(s.obs, st)
 	}
-	st, _, err := b.Subscribe(t.Context(), lock.SubscribeRequest{Observe: &barrierKey})
-	if err != nil {
-		t.Fatalf("%s: observing the barrier: %v", name, err)
+	for _, b := range bs {
+		st, _, err := b.Subscribe(t.Context(), lock.SubscribeRequest{Observe: &barrierKey})
+		if err != nil {
+			t.Fatalf("%s: observing the barrier: %v", name, err)
+		}
+		s.barrier = append(s.barrier, st)
 	}
-	s.barrier = st
 	return s
 }
 
@@ -465,8 +506,12 @@ func (s *side) close() {
 	for _, st := range s.obs {
 		st.Close()
 	}
-	s.barrier.Close()
-	s.b.Close()
+	for _, st := range s.barrier {
+		st.Close()
+	}
+	for _, b := range s.bs {
+		b.Close()
+	}
 }
 
 // run makes the call o and returns its answer, normalised.
@@ -475,6 +520,7 @@ func (s *side) run(keys []lock.Key, o dop) []string {
 	k := keys[o.key]
 	node := nodeName(o.node)
 	sl := s.slots[o.node][o.slot]
+	b := s.bs[o.server%len(s.bs)]
 	var out []string
 	switch o.kind {
 	case opOpen, opResume:
@@ -485,7 +531,7 @@ func (s *side) run(keys []lock.Key, o dop) []string {
 		if o.kind == opResume {
 			req.LastID, req.HasLast = sl.last, true
 		}
-		st, sub, err := s.b.Subscribe(ctx, req)
+		st, sub, err := b.Subscribe(ctx, req)
 		if err != nil {
 			out = append(out, "subscribe: "+errClass(err))
 			break
@@ -526,7 +572,7 @@ func (s *side) run(keys []lock.Key, o dop) []string {
 		sl.st.Close()
 		sl.st = nil
 	case opLock:
-		r, err := s.b.TryLock(ctx, lock.LockRequest{Type: k.Type, Resource: k.Resource, Node: node, Lease: o.lease, SkipRecent: o.skip})
+		r, err := b.TryLock(ctx, lock.LockRequest{Type: k.Type, Resource: k.Resource, Node: node, Lease: o.lease, SkipRecent: o.skip})
 		switch {
 		case err != nil:
 			out = append(out, "lock: "+errClass(err))
@@ -559,14 +605,14 @@ func (s *side) run(keys []lock.Key, o dop) []string {
 		if !o.success {
 			errText = "failed at " + node
 		}
-		r, err := s.b.Unlock(ctx, lock.UnlockRequest{Type: k.Type, Resource: k.Resource, Node: node, Success: o.success, Error: errText, Token: tok})
+		r, err := b.Unlock(ctx, lock.UnlockRequest{Type: k.Type, Resource: k.Resource, Node: node, Success: o.success, Error: errText, Token: tok})
 		if err != nil {
 			out = append(out, "unlock: "+errClass(err))
 		} else {
 			out = append(out, fmt.Sprintf("unlock: released next_holder=%q replayed=%v", r.NextHolder, r.Replayed))
 		}
 	case opCancel:
-		r, err := s.b.Cancel(ctx, k.Type, k.Resource, node)
+		r, err := b.Cancel(ctx, k.Type, k.Resource, node)
 		if err != nil {
 			out = append(out, "cancel: "+errClass(err))
 		} else {
@@ -577,7 +623,7 @@ func (s *side) run(keys []lock.Key, o dop) []string {
 		if o.anyNode {
 			n = ""
 		}
-		st, err := s.b.Status(ctx, k.Type, k.Resource, n)
+		st, err := b.Status(ctx, k.Type, k.Resource, n)
 		if err != nil {
 			out = append(out, "status: "+errClass(err))
 			break
@@ -629,20 +675,21 @@ func (s *side) settle(keys []lock.Key) []string {
 	return out
 }
 
-// wait writes barrierKey and waits until its observer has the write's
-// event. It is no pause: it ends when the event is there.
+// wait writes barrierKey and waits until its observer on every server has
+// the write's event. It is no pause: it ends when the events are there.
 func (s *side) wait() {
 	ctx := s.t.Context()
+	b := s.bs[0]
 	s.barriers++
 	var want func(*lock.Event) bool
 	if s.barrierOn {
 		msg := fmt.Sprintf("barrier %d", s.barriers)
-		if _, err := s.b.Unlock(ctx, lock.UnlockRequest{Type: barrierKey.Type, Resource: barrierKey.Resource, Node: barrierNode, Error: msg}); err != nil {
+		if _, err := b.Unlock(ctx, lock.UnlockRequest{Type: barrierKey.Type, Resource: barrierKey.Resource, Node: barrierNode, Error: msg}); err != nil {
 			s.t.Fatalf("%s: the barrier's unlock: %v", s.name, err)
 		}
 		want = func(e *lock.Event) bool { return e.Name == lock.EventOperationCompleted && e.Error == msg }
 	} else {
-		r, err := s.b.TryLock(ctx, lock.LockRequest{Type: barrierKey.Type, Resource: barrierKey.Resource, Node: barrierNode, Lease: lock.LeaseTTL})
+		r, err := b.TryLock(ctx, lock.LockRequest{Type: barrierKey.Type, Resource: barrierKey.Resource, Node: barrierNode, Lease: lock.LeaseTTL})
 		if err != nil || !r.Acquired {
 			s.t.Fatalf("%s: the barrier's lock: %+v %v", s.name, r, err)
 		}
@@ -651,18 +698,21 @@ func (s *side) wait() {
 	s.barrierOn = !s.barrierOn
 	timeout := time.NewTimer(kit.Patience)
 	defer timeout.Stop()
-	for {
-		for _, dl := range s.barrier.Take(nil) {
-			if want(dl.Event) {
-				return
+	for i, obs := range s.barrier {
+	wait:
+		for {
+			for _, dl := range obs.Take(nil) {
+				if want(dl.Event) {
+					break wait
+				}
 			}
-		}
-		select {
-		case <-s.barrier.Ready():
-		case <-s.barrier.Done():
-			s.t.Fatalf("%s: the barrier's observer ended", s.name)
-		case <-timeout.C:
-			s.t.Fatalf("%s: the barrier's event did not come within %v", s.name, kit.Patience)
+			select {
+			case <-obs.Ready():
+			case <-obs.Done():
+				s.t.Fatalf("%s: the barrier's observer on server %d ended", s.name, i+1)
+			case <-timeout.C:
+				s.t.Fatalf("%s: the barrier's event did not come to server %d within %v", s.name, i+1, kit.Patience)
+			}
 		}
 	}
 }
