@@ -92,6 +92,13 @@ func (r *keyRec) held() bool { return r.Holder != "" }
 // (docs/DESIGN.md, "Leases").
 func (r *keyRec) delayed() bool { return r.Delay != 0 }
 
+// bare reports a record with nothing in it at all, not even a completion
+// record (the opposite type's success erased it, or none is kept): the
+// key is absent, and its timer drops the record at once (deadline).
+func (r *keyRec) bare() bool {
+	return !r.held() && r.Queue == 0 && r.Done == nil && !r.delayed()
+}
+
 // empty reports a record that keeps nothing: the key is absent.
 func (r *keyRec) empty(now time.Time, retention time.Duration) bool {
 	return !r.held() && r.Queue == 0 && !r.delayed() && !r.retained(now, retention)
@@ -129,7 +136,7 @@ func (r *keyRec) deadline(retention time.Duration) int64 {
 	if r.Done != nil {
 		early(r.Done.At + int64(retention))
 	}
-	if !r.held() && r.Queue == 0 && r.Done == nil && !r.delayed() {
+	if r.bare() {
 		early(1) // an empty record is dropped at once
 	}
 	return d
