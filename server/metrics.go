@@ -50,6 +50,10 @@ func newMetrics(reg *prometheus.Registry, m lock.Backend) *metrics {
 		Help: "Requests refused 403 because a browser sent them for another site (Sec-Fetch-Site, Origin).",
 	})
 	reg.MustRegister(mt.latency, mt.streams, mt.fullSockets, mt.refused, mt.acceptErrors, mt.panics, mt.crossSite, managerCollector{m}, limitsCollector{m})
+	if c, ok := m.(prometheus.Collector); ok {
+		// An engine's own counters (the etcd engine's round trips).
+		reg.MustRegister(c)
+	}
 	return mt
 }
 

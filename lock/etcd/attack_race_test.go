@@ -245,7 +245,7 @@ func attackRace(t *testing.T, refs bool) {
 		}
 		for _, kv := range resp.Kvs {
 			rest := strings.TrimPrefix(string(kv.Key), p)
-			if rest != "epoch" && !strings.HasPrefix(rest, "k/") && !strings.HasPrefix(rest, "r/") && !strings.HasPrefix(rest, "lost/") {
+			if rest != "epoch" && rest != "dropped" && !strings.HasPrefix(rest, "k/") && !strings.HasPrefix(rest, "r/") && !strings.HasPrefix(rest, "lost/") {
 				left = append(left, rest+" = "+string(kv.Value))
 			}
 		}

@@ -76,6 +76,7 @@ type Backend struct {
 	lastCommit atomic.Int64 // the newest revision this backend committed
 
 	w      *watcher
+	rc     *recCache // the records calls read first (cache.go)
 	s      *sessions
 	keeper *keeper
 
@@ -84,6 +85,7 @@ type Backend struct {
 	refusedSessions, refusedNodeStreams, refusedQueue      atomic.Uint64
 	refusedKeys, refusedWatchers, truncatedErrors, replays atomic.Uint64
 	conflicts                                              atomic.Uint64
+	cacheStale                                             atomic.Uint64 // first attempts the cache misled
 }
 
 var _ lock.Backend = (*Backend)(nil)
@@ -136,6 +138,7 @@ func New(ctx context.Context, cli *clientv3.Client, cfg Config) (*Backend, error
 		graceTTL:    max(1, int64(math.Ceil(cfg.SessionGrace.Seconds()))),
 		seed:        maphash.MakeSeed(),
 	}
+	b.rc = newRecCache(b.n)
 	for i := range b.stripes {
 		b.stripes[i] = make(chan struct{}, 1)
 	}

@@ -185,7 +185,7 @@ func (b *Backend) applyBatch(k lock.Key, calls []*call) []*call {
 	for _, c := range calls {
 		also = append(also, c.also...)
 	}
-	for {
+	for attempt := 0; ; attempt++ {
 		if err := b.alive(); err != nil {
 			for _, c := range calls {
 				finish(c, 0, err)
@@ -193,12 +193,14 @@ func (b *Backend) applyBatch(k lock.Key, calls []*call) []*call {
 			return nil
 		}
 		t := &tx{b: b, ctx: ctx, k: k, guarded: map[string]bool{}, recOp: -1}
-		if err := t.load(also...); err != nil {
-			err = b.batchErr(ctx, err)
-			for _, c := range calls {
-				finish(c, 0, err)
+		if attempt > 0 || !t.loadCached(also...) {
+			if err := t.load(also...); err != nil {
+				err = b.batchErr(ctx, err)
+				for _, c := range calls {
+					finish(c, 0, err)
+				}
+				return nil
 			}
-			return nil
 		}
 		type outcome struct {
 			c   *call
@@ -230,6 +232,22 @@ func (b *Backend) applyBatch(k lock.Key, calls []*call) []*call {
 			continue
 		}
 		rev := t.readRev
+		if t.cached && len(t.ops) == 0 {
+			// Answers of the cache alone (tx.confirm); with writes, the
+			// commit's guards check the same.
+			r, ok, err := t.confirm()
+			if err != nil {
+				err = b.batchErr(ctx, err)
+				for _, o := range applied {
+					finish(o.c, 0, err)
+				}
+				return deferred
+			}
+			if !ok {
+				continue
+			}
+			rev = r
+		}
 		if len(t.ops) > 0 {
 			resp, err := b.cli.Txn(ctx).If(t.cmps...).Then(t.ops...).Commit()
 			if err != nil {
@@ -241,10 +259,14 @@ func (b *Backend) applyBatch(k lock.Key, calls []*call) []*call {
 			}
 			if !resp.Succeeded {
 				b.conflicts.Add(1)
+				if t.cached {
+					b.cacheStale.Add(1)
+				}
 				continue
 			}
 			rev = resp.Header.Revision
 			b.committed(rev)
+			b.rc.writeThrough(t.ops, rev)
 		}
 		for _, o := range applied {
 			finish(o.c, rev, o.err)

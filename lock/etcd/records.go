@@ -21,6 +21,7 @@ import (
 //	P/n/<node>/<type>/<res>     the session lease id of a session-leased hold or wait
 //	P/r/<res>                   refRec: the nodes referencing the resource
 //	P/lost/<node>/<lease>       the claim of the server that ends a lost session
+//	P/dropped                   rewritten by every drop of a key's record
 //
 // Resources and nodes are path-escaped, so that no id contains the "/" that
 // separates a resource from the seq after it.
@@ -169,7 +170,13 @@ var typeNames = [...]string{lock.Pull: "pull", lock.Update: "update", lock.Delet
 func esc(s string) string { return url.PathEscape(s) }
 
 func (n names) epoch() string { return n.p + "epoch" }
-func (n names) keys() string  { return n.p + "k/" }
+
+// dropped is written by every transaction that drops a key's record: a
+// grant of a key read absent is guarded by it (tx.load), so that no record
+// of the key was made and dropped again between its read and its commit
+// with a token the new grant's would not be above.
+func (n names) dropped() string { return n.p + "dropped" }
+func (n names) keys() string    { return n.p + "k/" }
 func (n names) key(k lock.Key) string {
 	return n.p + "k/" + typeNames[k.Type] + "/" + esc(k.Resource)
 }

@@ -185,6 +185,7 @@ func (b *Backend) expireTx(t *tx, expiredOut, grantsOut *uint64) error {
 		}
 		if !r.held() && r.Queue == 0 && r.Done == nil && !r.delayed() && t.recOp < 0 && len(t.ops) == 0 {
 			t.op(clientv3.OpDelete(b.n.key(k)))
+			t.op(clientv3.OpPut(b.n.dropped(), ""))
 			return nil
 		}
 		if changed {
@@ -209,6 +210,7 @@ func (b *Backend) dropDone(k lock.Key, at int64) (int64, error) {
 		r.Done = nil
 		if !r.held() && r.Queue == 0 && !r.delayed() {
 			t.op(clientv3.OpDelete(b.n.key(k)))
+			t.op(clientv3.OpPut(b.n.dropped(), ""))
 			return nil
 		}
 		t.put(nil)

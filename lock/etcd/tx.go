@@ -35,8 +35,12 @@ type tx struct {
 	guarded map[string]bool
 	cache   map[string]*mvccpb.KeyValue // what load read besides the record; nil: absent
 	recOp   int                         // the index in ops of the record's write, -1 before it
-	x       *trans                      // the transition this transaction makes
-	removed map[uint64]bool             // the waiters this transaction dequeues, by seq
+	// cached: the reads were served by the watch's cache (recCache), so
+	// an answer that writes nothing is confirmed by a transaction of the
+	// reads' guards alone before it is given.
+	cached  bool
+	x       *trans          // the transition this transaction makes
+	removed map[uint64]bool // the waiters this transaction dequeues, by seq
 }
 
 // errConflict is a read that cannot be made as of the transaction's first
@@ -115,13 +119,32 @@ func (b *Backend) attempt(ctx context.Context, k lock.Key, fn func(t *tx) error,
 			return 0, err
 		}
 		t := &tx{b: b, ctx: ctx, k: k, guarded: map[string]bool{}, recOp: -1}
-		if err := t.load(also...); err != nil {
-			return 0, err
+		if attempt > 0 || !t.loadCached(also...) {
+			if err := t.load(also...); err != nil {
+				return 0, err
+			}
 		}
-		if err := fn(t); errors.Is(err, errConflict) {
+		err := fn(t)
+		if errors.Is(err, errConflict) {
 			b.conflicts.Add(1)
 			continue
-		} else if err != nil {
+		}
+		if t.cached && (err != nil || len(t.ops) == 0) {
+			// An answer of the cache alone stands only if what it read
+			// is still so.
+			rev, ok, cerr := t.confirm()
+			if cerr != nil {
+				return 0, cerr
+			}
+			if !ok {
+				continue
+			}
+			if err != nil {
+				return 0, err
+			}
+			return rev, nil
+		}
+		if err != nil {
 			return 0, err
 		}
 		if len(t.ops) == 0 {
@@ -133,10 +156,82 @@ func (b *Backend) attempt(ctx context.Context, k lock.Key, fn func(t *tx) error,
 		}
 		if resp.Succeeded {
 			b.committed(resp.Header.Revision)
+			b.rc.writeThrough(t.ops, resp.Header.Revision)
 			return resp.Header.Revision, nil
 		}
 		b.conflicts.Add(1)
+		if t.cached {
+			b.cacheStale.Add(1)
+		}
 	}
+}
+
+// confirm checks, in one transaction of the guards alone, that every
+// record t read from the cache is still as it read it, and returns the
+// revision it checked at: an answer that writes nothing is then as
+// linearizable as one read from etcd (etcd serves such a transaction with
+// a quorum read). ok false: something changed, read again.
+func (t *tx) confirm() (int64, bool, error) {
+	resp, err := t.b.cli.Txn(t.ctx).If(t.cmps...).Commit()
+	if err != nil {
+		return 0, false, t.b.etcdErr("transaction", err)
+	}
+	if !resp.Succeeded {
+		t.b.conflicts.Add(1)
+		t.b.cacheStale.Add(1)
+		return 0, false, nil
+	}
+	return resp.Header.Revision, true, nil
+}
+
+// loadCached reads what load would from the watch's cache, if every key of
+// also is of a kind it keeps. A record it has absent is guarded as load
+// guards one etcd has absent, P/dropped included: whatever the cache missed,
+// a record of the key that existed at the commit fails the first guard, one
+// dropped after the read revision the second, and one dropped before it had
+// a token below it (docs/DESIGN.md, "An etcd backend", "Tokens").
+func (t *tx) loadCached(also ...string) bool {
+	c := t.b.rc
+	v := c.begin()
+	if !v.ok {
+		return false
+	}
+	for _, k := range also {
+		if !c.holds(k) {
+			c.count(false)
+			return false
+		}
+	}
+	kk := t.b.n.key(t.k)
+	e, ok := c.get(kk)
+	var rec keyRec
+	if ok {
+		var err error
+		if rec, err = decodeKey(e.val); err != nil {
+			c.count(false)
+			return false
+		}
+	}
+	c.count(true)
+	t.cached = true
+	t.guarded[kk] = true
+	if ok {
+		t.rec, t.recRev = rec, e.mod
+		// The queue is read at this revision (atRead): the record, hence
+		// its queue, is unchanged from its mod revision up to it if the
+		// record is still so at the commit, which the guard checks.
+		t.readRev = max(v.rev, e.mod)
+		t.cmps = append(t.cmps, clientv3.Compare(clientv3.ModRevision(kk), "=", e.mod))
+	} else {
+		t.readRev = v.rev
+		t.cmps = append(t.cmps, clientv3.Compare(clientv3.CreateRevision(kk), "=", 0),
+			clientv3.Compare(clientv3.ModRevision(t.b.n.dropped()), "<", t.readRev+1))
+	}
+	t.cache = make(map[string]*mvccpb.KeyValue, len(also))
+	for _, k := range also {
+		t.cache[k] = c.kv(k)
+	}
+	return true
 }
 
 // load reads the key's record, and with it, at the same revision, the
@@ -165,7 +260,11 @@ func (t *tx) load(also ...string) error {
 	t.guarded[kk] = true
 	kvs := resp.Responses[0].GetResponseRange().GetKvs()
 	if len(kvs) == 0 {
-		t.cmps = append(t.cmps, clientv3.Compare(clientv3.CreateRevision(kk), "=", 0))
+		// Absent, and no record dropped since the read: a record made
+		// and dropped in between could have had a token above the
+		// read's revision, which a grant here must be above (grant).
+		t.cmps = append(t.cmps, clientv3.Compare(clientv3.CreateRevision(kk), "=", 0),
+			clientv3.Compare(clientv3.ModRevision(t.b.n.dropped()), "<", t.readRev+1))
 		return nil
 	}
 	kv := kvs[0]
@@ -178,6 +277,9 @@ func (t *tx) load(also ...string) error {
 // get reads another record and guards the transaction with it.
 func (t *tx) get(key string) ([]byte, int64, error) {
 	kv, cached := t.cache[key]
+	if !cached && t.cached && t.b.rc.holds(key) {
+		kv, cached = t.b.rc.kv(key), true
+	}
 	if !cached {
 		resp, err := t.b.cli.Get(t.ctx, key, clientv3.WithRev(t.readRev))
 		if err != nil {

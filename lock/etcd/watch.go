@@ -168,7 +168,12 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 	keys := map[lock.Key]keyInfo{}
 	var nKeys, nHeld, nQd, nDone int
 	var dl, dones deadlineHeap
+	cached := map[string]cEntry{}
+	keep := func(kv *mvccpb.KeyValue) {
+		cached[string(kv.Key)] = cEntry{val: kv.Value, mod: kv.ModRevision}
+	}
 	err = w.page(ctx, b.n.keys(), rev, func(kv *mvccpb.KeyValue) {
+		keep(kv)
 		k, ok := b.n.parseKey(string(kv.Key))
 		if !ok {
 			return
@@ -193,6 +198,7 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 	}
 	sessions := map[string]*sessInfo{}
 	err = w.page(ctx, b.n.sessions(), rev, func(kv *mvccpb.KeyValue) {
+		keep(kv)
 		node, ok := b.n.parseNode(string(kv.Key))
 		var s sessRec
 		if !ok || jsonUnmarshal(kv.Value, &s) != nil {
@@ -207,6 +213,12 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 	if err != nil {
 		return 0, err
 	}
+	for _, prefix := range []string{b.n.p + "qn/", b.n.refs()} {
+		if err := w.page(ctx, prefix, rev, keep); err != nil {
+			return 0, err
+		}
+	}
+	b.rc.reset(rev, cached)
 	heap.Init(&dl)
 	heap.Init(&dones)
 	w.mu.Lock()
@@ -395,6 +407,7 @@ func (w *watcher) consume(ch clientv3.WatchChan, rev int64) (int64, bool) {
 			}
 			if resp.Header.Revision > rev {
 				rev = resp.Header.Revision
+				w.b.rc.advance(rev)
 				w.mu.Lock()
 				w.setProcessed(rev)
 				w.mu.Unlock()
@@ -473,6 +486,7 @@ func (w *watcher) apply(evs []*clientv3.Event, rev int64) {
 		return
 	}
 	w.setWarm(rev)
+	b.rc.apply(evs, rev)
 	var (
 		changes []change
 		skipped map[lock.Key][]string

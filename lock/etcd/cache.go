@@ -1,0 +1,247 @@
+package etcd
+
+import (
+	"strings"
+	"sync"
+
+	"go.etcd.io/etcd/api/v3/mvccpb"
+	clientv3 "go.etcd.io/etcd/client/v3"
+)
+
+// recCache is what the watch saw last of the records a call reads by key:
+// the keys' records (P/k/), the sessions (P/s/), the queue indexes (P/qn/)
+// and the references (P/r/), each with its mod revision. A call's first
+// attempt reads them here instead of in etcd, and guards its transaction
+// with the revisions it read, as it does a read from etcd: a record that
+// changed since makes the transaction fail and the call read etcd again.
+// So a warm call is one round trip, its write (docs/DESIGN.md, "An etcd
+// backend", "One round trip for a warm call"). The cache never decides
+// anything on its own: a stale entry costs a retry, never a wrong answer.
+//
+// It is filled by the watch's list, kept by every change the watch applies,
+// and written through by this server's own commits, so that a call right
+// after one of this server finds what that one wrote before the watch
+// brings it back.
+type recCache struct {
+	n names
+
+	mu sync.RWMutex
+	m  map[string]cEntry
+	// queues groups the queue indexes' entries by their key's P/qn/
+	// prefix, which a success clears with one prefix delete.
+	queues map[string]map[string]struct{}
+	rev    int64 // every entry is as of a revision etcd reached, at most this
+	live   bool  // a list filled it: entries may be used
+	// watched is the revision the watch has applied every change up to:
+	// a commit at or below it is the watch's to apply.
+	watched int64
+
+	hits, misses uint64 // first attempts served here, or not (guarded by mu)
+}
+
+// cEntry is one record as of its mod revision.
+type cEntry struct {
+	val []byte
+	mod int64
+}
+
+func newRecCache(n names) *recCache {
+	return &recCache{n: n, m: map[string]cEntry{}, queues: map[string]map[string]struct{}{}}
+}
+
+// holds reports whether key is of a kind the cache keeps.
+func (c *recCache) holds(key string) bool {
+	if !strings.HasPrefix(key, c.n.p) {
+		return false
+	}
+	rest := key[len(c.n.p):]
+	return strings.HasPrefix(rest, "k/") || strings.HasPrefix(rest, "s/") ||
+		strings.HasPrefix(rest, "qn/") || strings.HasPrefix(rest, "r/")
+}
+
+// view is a read of the cache: the entries asked for and the revision
+// they are at most as of. ok is false while the cache is not to be used.
+type view struct {
+	rev int64
+	ok  bool
+}
+
+// get returns key's entry: present, or absent (found false), as the cache
+// knows it.
+func (c *recCache) get(key string) (cEntry, bool) {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	e, ok := c.m[key]
+	return e, ok
+}
+
+// kv returns key's entry as etcd would (nil when absent), for tx.get.
+func (c *recCache) kv(key string) *mvccpb.KeyValue {
+	e, ok := c.get(key)
+	if !ok {
+		return nil
+	}
+	return &mvccpb.KeyValue{Key: []byte(key), Value: e.val, ModRevision: e.mod}
+}
+
+// advance notes that the cache has every change up to rev (a progress
+// notification of the watch).
+func (c *recCache) advance(rev int64) {
+	c.mu.Lock()
+	c.rev, c.watched = max(c.rev, rev), max(c.watched, rev)
+	c.mu.Unlock()
+}
+
+// begin reports whether a call may read the cache now, and the revision
+// its reads are at most as of.
+func (c *recCache) begin() view {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	return view{rev: c.rev, ok: c.live}
+}
+
+// count notes a first attempt served by the cache, or not.
+func (c *recCache) count(hit bool) {
+	c.mu.Lock()
+	if hit {
+		c.hits++
+	} else {
+		c.misses++
+	}
+	c.mu.Unlock()
+}
+
+// reset replaces the whole cache with a list made at rev. Used at once:
+// a snapshot of etcd at rev, behind by what changed since, which the
+// guards catch.
+func (c *recCache) reset(rev int64, m map[string]cEntry) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.m, c.rev, c.watched, c.live = m, rev, rev, true
+	c.queues = map[string]map[string]struct{}{}
+	for key := range m {
+		c.group(key, true)
+	}
+}
+
+// group adds key to, or takes it out of, its queue's group when it is a
+// queue index entry; c.mu is held.
+func (c *recCache) group(key string, add bool) {
+	if !strings.HasPrefix(key, c.n.p+"qn/") {
+		return
+	}
+	q := key[:strings.LastIndexByte(key, '/')+1]
+	g := c.queues[q]
+	switch {
+	case add && g == nil:
+		c.queues[q] = map[string]struct{}{key: {}}
+	case add:
+		g[key] = struct{}{}
+	case g != nil:
+		delete(g, key)
+		if len(g) == 0 {
+			delete(c.queues, q)
+		}
+	}
+}
+
+// apply applies one revision's changes, as the watch delivers them. An
+// entry newer than the change (written through already) stays.
+func (c *recCache) apply(evs []*clientv3.Event, rev int64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, ev := range evs {
+		key := string(ev.Kv.Key)
+		if !c.holds(key) {
+			continue
+		}
+		if ev.Type == mvccpb.DELETE {
+			c.del(key, rev)
+		} else {
+			c.put(key, ev.Kv.Value, rev)
+		}
+	}
+	c.rev, c.watched = max(c.rev, rev), max(c.watched, rev)
+}
+
+// writeThrough applies the operations of this server's transaction that
+// committed at rev. A change the watch has already passed is left to it:
+// the cache has that revision or a newer one, and an older write applied
+// now could bring back a record deleted since. (Two commits of this server
+// written through out of order can do that until the watch passes them; a
+// guard then fails once.)
+func (c *recCache) writeThrough(ops []clientv3.Op, rev int64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if rev <= c.watched {
+		return
+	}
+	for _, op := range ops {
+		key := string(op.KeyBytes())
+		switch {
+		case op.IsPut():
+			if c.holds(key) {
+				c.put(key, op.ValueBytes(), rev)
+			}
+		case op.IsDelete():
+			if end := op.RangeBytes(); len(end) > 0 {
+				c.delRange(key, string(end), rev)
+			} else if c.holds(key) {
+				c.del(key, rev)
+			}
+		}
+	}
+	c.rev = max(c.rev, rev)
+}
+
+// put, del and delRange change entries older than rev; c.mu is held.
+func (c *recCache) put(key string, val []byte, rev int64) {
+	e, ok := c.m[key]
+	if ok && e.mod >= rev {
+		return
+	}
+	c.m[key] = cEntry{val: val, mod: rev}
+	if !ok {
+		c.group(key, true)
+	}
+}
+
+func (c *recCache) del(key string, rev int64) {
+	if e, ok := c.m[key]; ok && e.mod <= rev {
+		delete(c.m, key)
+		c.group(key, false)
+	}
+}
+
+// delRange deletes the entries of a prefix delete, [from, end). The one
+// such delete of a cached kind is a success clearing a queue's index
+// (tx.end): its group is visited, not the whole cache.
+func (c *recCache) delRange(from, end string, rev int64) {
+	if !c.holds(from) {
+		return
+	}
+	if end != clientv3.GetPrefixRangeEnd(from) || !strings.HasSuffix(from, "/") {
+		// Not a whole queue: no transaction writes one; forget what the
+		// range may hold rather than keep it wrong.
+		for key, e := range c.m {
+			if key >= from && key < end && e.mod <= rev {
+				delete(c.m, key)
+				c.group(key, false)
+			}
+		}
+		return
+	}
+	for key := range c.queues[from] {
+		if e := c.m[key]; e.mod <= rev {
+			delete(c.m, key)
+			c.group(key, false)
+		}
+	}
+}
+
+// stats returns the hits and misses so far.
+func (c *recCache) stats() (hits, misses uint64) {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	return c.hits, c.misses
+}

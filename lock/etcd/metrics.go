@@ -1,0 +1,32 @@
+package etcd
+
+import "github.com/prometheus/client_golang/prometheus"
+
+// The etcd engine's own counters, which a server that serves it exports
+// beside the backend's Stats (server: a backend that is a
+// prometheus.Collector is registered). They say what the round trips of a
+// call were spent on (docs/DESIGN.md, "An etcd backend").
+var (
+	descConflicts = prometheus.NewDesc("dlock_etcd_transaction_conflicts_total",
+		"Transactions of this server whose guards failed (another server, or a stale cache, changed what they read), tried again.", nil, nil)
+	descCacheReads = prometheus.NewDesc("dlock_etcd_cache_reads_total",
+		"First attempts of a call: result=hit read the watch's cache, result=miss read etcd (a key of a kind the cache does not keep).", []string{"result"}, nil)
+	descCacheStale = prometheus.NewDesc("dlock_etcd_cache_stale_total",
+		"First attempts that read the cache and found, at their commit or confirmation, that a record had changed: a round trip more.", nil, nil)
+)
+
+// Describe implements prometheus.Collector.
+func (b *Backend) Describe(ch chan<- *prometheus.Desc) {
+	ch <- descConflicts
+	ch <- descCacheReads
+	ch <- descCacheStale
+}
+
+// Collect implements prometheus.Collector.
+func (b *Backend) Collect(ch chan<- prometheus.Metric) {
+	hits, misses := b.rc.stats()
+	ch <- prometheus.MustNewConstMetric(descConflicts, prometheus.CounterValue, float64(b.conflicts.Load()))
+	ch <- prometheus.MustNewConstMetric(descCacheReads, prometheus.CounterValue, float64(hits), "hit")
+	ch <- prometheus.MustNewConstMetric(descCacheReads, prometheus.CounterValue, float64(misses), "miss")
+	ch <- prometheus.MustNewConstMetric(descCacheStale, prometheus.CounterValue, float64(b.cacheStale.Load()))
+}
