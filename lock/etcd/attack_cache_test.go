@@ -114,3 +114,62 @@ func TestAttackConfirmIsLinearizable(t *testing.T) {
 		t.Fatalf("%d transactions etcd serves without a quorum read, the first: %v", len(s), s[0])
 	}
 }
+
+// TestAttackCacheReadsOnce: one transaction that reads a record twice from
+// the cache must decide on what it guards. The cache can go back in time:
+// a relist after a compacted watch (watch.go list → recCache.reset) puts
+// back the state of its list's revision, and a commit this server made
+// after that revision and wrote through before the reset is forgotten
+// until the watch brings it again. A transaction that read the record
+// before the reset guards the newer version; one that reads it again after
+// it, through the cache, decides on the older one and still commits. Here
+// a delete's promotion reads the references once per waiter it considers
+// (tx.promote → tx.refConflict): the first read says the resource is
+// referenced, the second, after the reset, says it is not, and the
+// transaction would grant the delete of a referenced resource under guards
+// that hold.
+func TestAttackCacheReadsOnce(t *testing.T) {
+	srv := etcdtest.Shared(t)
+	cfg := DefaultConfig()
+	cfg.Prefix = etcdtest.Prefix(t)
+	cfg.RefCounting = true
+	ctx := context.Background()
+	b, err := New(ctx, srv.Client(t), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	const res = "sha256:reads-once"
+	// The list a relist would read: the state before the reference.
+	kit.WaitFor(t, "the cache to be live", func() bool { return b.rc.begin().ok })
+	b.rc.mu.Lock()
+	listRev, listed := b.rc.rev, make(map[string]cEntry, len(b.rc.m))
+	for key, e := range b.rc.m {
+		listed[key] = e
+	}
+	b.rc.mu.Unlock()
+	if _, err := b.RefAdd(ctx, res, "user"); err != nil {
+		t.Fatal(err)
+	}
+	ref := b.n.ref(res)
+	if _, ok := b.rc.get(ref); !ok {
+		t.Fatal("the reference was not written through")
+	}
+
+	k := lock.Key{Type: lock.Delete, Resource: res}
+	tr := &tx{b: b, ctx: ctx, k: k, guarded: map[string]bool{}, recOp: -1}
+	if !tr.loadCached() {
+		t.Fatal("the cache did not serve the transaction")
+	}
+	if err := tr.refConflict(); !errors.Is(err, lock.ErrInUse) {
+		t.Fatalf("a delete of a referenced resource: %v, want in_use", err)
+	}
+	// The relist's reset lands between the two reads.
+	b.rc.reset(listRev, listed)
+	err = tr.refConflict()
+	if !errors.Is(err, lock.ErrInUse) {
+		resp, cerr := b.cli.Txn(ctx).If(tr.cmps...).Commit()
+		t.Fatalf("read again in the same transaction: %v, want in_use as read first; its guards hold in etcd: %v %v",
+			err, cerr == nil && resp.Succeeded, cerr)
+	}
+}

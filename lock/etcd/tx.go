@@ -286,7 +286,15 @@ func (t *tx) load(also ...string) error {
 func (t *tx) get(key string) ([]byte, int64, error) {
 	kv, cached := t.cache[key]
 	if !cached && t.cached && t.b.rc.holds(key) {
+		// Kept for the rest of the transaction: its guard is of this
+		// read, and the cache may go back in time before the next one (a
+		// relist's reset forgets what this server wrote through after
+		// the list's revision), so a second read of the cache could
+		// decide on an older record than the guard checks (docs/DESIGN.md,
+		// "One round trip for a warm call"; TestAttackCacheReadsOnce).
+		// A read from etcd is at t.readRev, the same each time.
 		kv, cached = t.b.rc.kv(key), true
+		t.cache[key] = kv
 	}
 	if !cached {
 		resp, err := t.b.cli.Get(t.ctx, key, clientv3.WithRev(t.readRev))
