@@ -47,6 +47,10 @@ type pool struct {
 	mu  sync.Mutex
 	bs  []*etcd.Backend
 	all []*etcd.Backend
+
+	// stale: pick makes the cache of the server it picks stale, one time
+	// in four (etcd.StaleCacheForTest).
+	stale bool
 }
 
 func newPool(t *testing.T, p string, cfg etcd.Config, n int) *pool {
@@ -79,8 +83,12 @@ func (pl *pool) open() *etcd.Backend {
 
 func (pl *pool) pick(r *rand.Rand) *etcd.Backend {
 	pl.mu.Lock()
-	defer pl.mu.Unlock()
-	return pl.bs[r.IntN(len(pl.bs))]
+	b := pl.bs[r.IntN(len(pl.bs))]
+	pl.mu.Unlock()
+	if pl.stale && r.IntN(4) == 0 {
+		etcd.StaleCacheForTest(b, r)
+	}
+	return b
 }
 
 // kill closes server i, as a SIGKILL would end it, and opens another in

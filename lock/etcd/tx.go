@@ -166,13 +166,21 @@ func (b *Backend) attempt(ctx context.Context, k lock.Key, fn func(t *tx) error,
 	}
 }
 
-// confirm checks, in one transaction of the guards alone, that every
-// record t read from the cache is still as it read it, and returns the
-// revision it checked at: an answer that writes nothing is then as
-// linearizable as one read from etcd (etcd serves such a transaction with
-// a quorum read). ok false: something changed, read again.
+// confirm checks, in one transaction of the guards, that every record t
+// read from the cache is still as it read it, and returns the revision it
+// checked at: an answer that writes nothing is then as linearizable as one
+// read from etcd (docs/DESIGN.md, "One round trip for a warm call").
+// ok false: something changed, read again.
+//
+// The transaction reads the key's record too, counting it only: etcd
+// serves a read-only transaction from the member the client reaches, with
+// no quorum read, unless one of its reads asks for one, and a transaction
+// of comparisons alone has no read (etcdserver's IsTxnSerializable). A
+// member behind its leader would then confirm a record changed since, and
+// give a refusal or a status that was no longer true when the call began
+// (TestAttackConfirmIsLinearizable).
 func (t *tx) confirm() (int64, bool, error) {
-	resp, err := t.b.cli.Txn(t.ctx).If(t.cmps...).Commit()
+	resp, err := t.b.cli.Txn(t.ctx).If(t.cmps...).Then(clientv3.OpGet(t.b.n.key(t.k), clientv3.WithCountOnly())).Commit()
 	if err != nil {
 		return 0, false, t.b.etcdErr("transaction", err)
 	}
@@ -278,7 +286,15 @@ func (t *tx) load(also ...string) error {
 func (t *tx) get(key string) ([]byte, int64, error) {
 	kv, cached := t.cache[key]
 	if !cached && t.cached && t.b.rc.holds(key) {
+		// Kept for the rest of the transaction: its guard is of this
+		// read, and the cache may go back in time before the next one (a
+		// relist's reset forgets what this server wrote through after
+		// the list's revision), so a second read of the cache could
+		// decide on an older record than the guard checks (docs/DESIGN.md,
+		// "One round trip for a warm call"; TestAttackCacheReadsOnce).
+		// A read from etcd is at t.readRev, the same each time.
 		kv, cached = t.b.rc.kv(key), true
+		t.cache[key] = kv
 	}
 	if !cached {
 		resp, err := t.b.cli.Get(t.ctx, key, clientv3.WithRev(t.readRev))

@@ -1,0 +1,76 @@
+package etcd
+
+import (
+	"math/rand/v2"
+	"sync"
+)
+
+// staleHist is what one backend's cache held at the injections so far:
+// each key's versions, and the cache's revisions.
+type staleHist struct {
+	mu   sync.Mutex
+	vers map[string][]cEntry
+	revs []int64
+}
+
+var staleHists sync.Map // *Backend → *staleHist
+
+// StaleCacheForTest makes b's cache what a watch that lags could have
+// left it (docs/DESIGN.md, "One round trip for a warm call"): an entry
+// set back to a version it had before (or to one of a record deleted
+// since), an entry forgotten (not yet seen), or the cache's revision set
+// back to one it had. Never a version a key never had: the cache is
+// stale, never wrong about a revision. The watch goes on applying changes
+// on top of it.
+func StaleCacheForTest(b *Backend, r *rand.Rand) {
+	h0, _ := staleHists.LoadOrStore(b, &staleHist{vers: map[string][]cEntry{}})
+	h := h0.(*staleHist)
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	c := b.rc
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.live {
+		return
+	}
+	for key, e := range c.m {
+		vs := h.vers[key]
+		if len(vs) == 0 || vs[len(vs)-1].mod != e.mod {
+			if len(vs) == 8 {
+				vs = vs[1:]
+			}
+			h.vers[key] = append(vs, e)
+		}
+	}
+	if len(h.revs) == 0 || h.revs[len(h.revs)-1] != c.rev {
+		if len(h.revs) == 8 {
+			h.revs = h.revs[1:]
+		}
+		h.revs = append(h.revs, c.rev)
+	}
+	switch r.IntN(3) {
+	case 0: // an older version, or a deleted record's last
+		var keys []string
+		for key := range h.vers {
+			keys = append(keys, key)
+		}
+		if len(keys) == 0 {
+			return
+		}
+		key := keys[r.IntN(len(keys))]
+		vs := h.vers[key]
+		e := vs[r.IntN(len(vs))]
+		if _, ok := c.m[key]; !ok {
+			c.group(key, true)
+		}
+		c.m[key] = e
+	case 1: // not yet seen
+		for key := range c.m {
+			delete(c.m, key)
+			c.group(key, false)
+			return
+		}
+	default: // a revision the cache had
+		c.rev = h.revs[r.IntN(len(h.revs))]
+	}
+}
