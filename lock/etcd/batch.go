@@ -249,7 +249,7 @@ func (b *Backend) applyBatch(k lock.Key, calls []*call) []*call {
 			rev = r
 		}
 		if len(t.ops) > 0 {
-			resp, err := b.cli.Txn(ctx).If(t.cmps...).Then(t.ops...).Commit()
+			resp, err := b.cli.Txn(ctx).If(t.commitCmps()...).Then(t.ops...).Commit()
 			if err != nil {
 				err = b.batchErr(ctx, b.etcdErr("transaction", err))
 				for _, o := range applied {

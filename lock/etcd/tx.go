@@ -38,9 +38,12 @@ type tx struct {
 	// cached: the reads were served by the watch's cache (recCache), so
 	// an answer that writes nothing is confirmed by a transaction of the
 	// reads' guards alone before it is given.
-	cached  bool
-	x       *trans          // the transition this transaction makes
-	removed map[uint64]bool // the waiters this transaction dequeues, by seq
+	cached bool
+	// writeCmps guard a write but not an answer that writes nothing
+	// (absent).
+	writeCmps []clientv3.Cmp
+	x         *trans          // the transition this transaction makes
+	removed   map[uint64]bool // the waiters this transaction dequeues, by seq
 }
 
 // errConflict is a read that cannot be made as of the transaction's first
@@ -150,7 +153,7 @@ func (b *Backend) attempt(ctx context.Context, k lock.Key, fn func(t *tx) error,
 		if len(t.ops) == 0 {
 			return t.readRev, nil
 		}
-		resp, err := b.cli.Txn(ctx).If(t.cmps...).Then(t.ops...).Commit()
+		resp, err := b.cli.Txn(ctx).If(t.commitCmps()...).Then(t.ops...).Commit()
 		if err != nil {
 			return 0, b.etcdErr("transaction", err)
 		}
@@ -232,8 +235,7 @@ func (t *tx) loadCached(also ...string) bool {
 		t.cmps = append(t.cmps, clientv3.Compare(clientv3.ModRevision(kk), "=", e.mod))
 	} else {
 		t.readRev = v.rev
-		t.cmps = append(t.cmps, clientv3.Compare(clientv3.CreateRevision(kk), "=", 0),
-			clientv3.Compare(clientv3.ModRevision(t.b.n.dropped()), "<", t.readRev+1))
+		t.absent(kk)
 	}
 	t.cache = make(map[string]*mvccpb.KeyValue, len(also))
 	for _, k := range also {
@@ -268,11 +270,7 @@ func (t *tx) load(also ...string) error {
 	t.guarded[kk] = true
 	kvs := resp.Responses[0].GetResponseRange().GetKvs()
 	if len(kvs) == 0 {
-		// Absent, and no record dropped since the read: a record made
-		// and dropped in between could have had a token above the
-		// read's revision, which a grant here must be above (grant).
-		t.cmps = append(t.cmps, clientv3.Compare(clientv3.CreateRevision(kk), "=", 0),
-			clientv3.Compare(clientv3.ModRevision(t.b.n.dropped()), "<", t.readRev+1))
+		t.absent(kk)
 		return nil
 	}
 	kv := kvs[0]
@@ -280,6 +278,22 @@ func (t *tx) load(also ...string) error {
 	t.cmps = append(t.cmps, clientv3.Compare(clientv3.ModRevision(kk), "=", kv.ModRevision))
 	t.rec, err = decodeKey(kv.Value)
 	return err
+}
+
+// absent guards the transaction with the key's record absent at t.readRev
+// and, for a write, with no record dropped since: a record made and
+// dropped in between could have had a token above the read's revision,
+// which a grant here must be above (grant; docs/DESIGN.md, "Tokens"). An
+// answer that writes nothing needs only the absence (confirm): P/dropped
+// is one key for the data set, and a drop of any other key would fail it.
+func (t *tx) absent(kk string) {
+	t.cmps = append(t.cmps, clientv3.Compare(clientv3.CreateRevision(kk), "=", 0))
+	t.writeCmps = append(t.writeCmps, clientv3.Compare(clientv3.ModRevision(t.b.n.dropped()), "<", t.readRev+1))
+}
+
+// commitCmps are the guards of the transaction's write.
+func (t *tx) commitCmps() []clientv3.Cmp {
+	return append(t.cmps[:len(t.cmps):len(t.cmps)], t.writeCmps...)
 }
 
 // get reads another record and guards the transaction with it.
