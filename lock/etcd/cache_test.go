@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"testing"
+	"time"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -109,7 +110,24 @@ func TestCacheStaleNeverAnswers(t *testing.T) {
 		e, ok := a.rc.get(kk)
 		return ok && e.mod >= held
 	})
+	// stale sets a's entry back, once a's watch has applied every change
+	// made so far: a change still on its way would overwrite the stale
+	// entry before the call reads it.
 	stale := func() {
+		t.Helper()
+		resp, err := srv.Client(t).Get(ctx, kk)
+		if err != nil {
+			t.Fatal(err)
+		}
+		now := resp.Header.Revision
+		kit.WaitFor(t, "a's watch to apply every change so far", func() bool {
+			// Changes elsewhere on the shared etcd reach the watch as
+			// progress notifications, which caughtUp asks for.
+			a.w.caughtUp(now, 100*time.Millisecond)
+			a.rc.mu.RLock()
+			defer a.rc.mu.RUnlock()
+			return a.rc.watched >= now
+		})
 		a.rc.mu.Lock()
 		a.rc.m[kk] = cEntry{val: []byte(encode(&keyRec{Token: 1})), mod: 1}
 		a.rc.mu.Unlock()
