@@ -32,33 +32,25 @@ import (
 // leave an answer alone, fail (when not nil) true to answer 503 instead.
 // The streams ping every minute: the tests run through a day of fake time.
 func rewriteGuarantee(t *testing.T, cfg func(*memory.Config), path string, set func(old int64) (int64, bool), fail func() bool) *dlocktest.Server {
-	return dlocktest.Start(t, dlocktest.Options{Config: cfg, InMemory: true, Server: func(o *server.Options) { o.PingInterval = time.Minute }, Wrap: func(next http.Handler) http.Handler {
-		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			if r.URL.Path != path {
-				next.ServeHTTP(w, r)
-				return
+	rewrite := dlocktest.RewriteAnswers(path, func(status int, body []byte) []byte {
+		var m map[string]json.RawMessage
+		if status == http.StatusOK && json.Unmarshal(body, &m) == nil && m["guaranteed_ms"] != nil {
+			old, _ := strconv.ParseInt(string(m["guaranteed_ms"]), 10, 64)
+			if v, ok := set(old); ok {
+				m["guaranteed_ms"] = json.RawMessage(strconv.FormatInt(v, 10))
+				body, _ = json.Marshal(m)
 			}
-			if fail != nil && fail() {
+		}
+		return body
+	})
+	return dlocktest.Start(t, dlocktest.Options{Config: cfg, InMemory: true, Server: func(o *server.Options) { o.PingInterval = time.Minute }, Wrap: func(next http.Handler) http.Handler {
+		answers := rewrite(next)
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path == path && fail != nil && fail() {
 				http.Error(w, "unavailable", http.StatusServiceUnavailable)
 				return
 			}
-			rec := httptest.NewRecorder()
-			next.ServeHTTP(rec, r)
-			body := rec.Body.Bytes()
-			var m map[string]json.RawMessage
-			if rec.Code == http.StatusOK && json.Unmarshal(body, &m) == nil && m["guaranteed_ms"] != nil {
-				old, _ := strconv.ParseInt(string(m["guaranteed_ms"]), 10, 64)
-				if v, ok := set(old); ok {
-					m["guaranteed_ms"] = json.RawMessage(strconv.FormatInt(v, 10))
-					body, _ = json.Marshal(m)
-				}
-			}
-			for k, v := range rec.Header() {
-				w.Header()[k] = v
-			}
-			w.Header().Del("Content-Length")
-			w.WriteHeader(rec.Code)
-			w.Write(body)
+			answers.ServeHTTP(w, r)
 		})
 	}})
 }

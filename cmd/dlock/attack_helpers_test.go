@@ -56,3 +56,24 @@ func awaitQueued(t *testing.T, holder string, status func() (api.StatusResponse,
 		return nil
 	})
 }
+
+// stoppedFirst checks, once the waiter was granted (g), that the holder
+// whose Lost is watched by lost had already taken its hold as lost, at least
+// half its margin before (docs/DESIGN.md, "The holder stops first": dlock
+// run's SIGKILL comes half the margin after Lost), and returns when Lost
+// closed. fault names what happened at since.
+func stoppedFirst(t *testing.T, fault string, since time.Time, g grant, lost <-chan time.Time, margin time.Duration) time.Time {
+	t.Helper()
+	var lostT time.Time
+	select {
+	case lostT = <-lost:
+	default:
+		t.Fatalf("the waiter was granted %v after the %s, and the holder's Lost is still open: two holders", g.at.Sub(since), fault)
+	}
+	gap := g.at.Sub(lostT)
+	t.Logf("%s → holder lost %v; → waiter granted %v; gap %v (margin %v)", fault, lostT.Sub(since), g.at.Sub(since), gap, margin)
+	if gap < margin/2 {
+		t.Errorf("the holder's Lost closed only %v before the waiter was granted: less than half the margin (%v)", gap, margin/2)
+	}
+	return lostT
+}

@@ -2,8 +2,6 @@ package main
 
 import (
 	"encoding/json"
-	"net/http"
-	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"testing"
@@ -19,28 +17,14 @@ import (
 // being 0, fall back to --kill-after, 5 s, for SIGKILL: the command ran on
 // a hold nobody vouched for.)
 func TestAttackRunUnvouchedGrant(t *testing.T) {
-	srv := dlocktest.Start(t, dlocktest.Options{Wrap: func(next http.Handler) http.Handler {
-		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			if r.URL.Path != "/lock" {
-				next.ServeHTTP(w, r)
-				return
-			}
-			rec := httptest.NewRecorder()
-			next.ServeHTTP(rec, r)
-			var m map[string]any
-			body := rec.Body.Bytes()
-			if json.Unmarshal(body, &m) == nil && m["acquired"] == true {
-				m["guaranteed_ms"] = 0
-				body, _ = json.Marshal(m)
-			}
-			for k, v := range rec.Header() {
-				w.Header()[k] = v
-			}
-			w.Header().Del("Content-Length")
-			w.WriteHeader(rec.Code)
-			w.Write(body)
-		})
-	}})
+	srv := dlocktest.Start(t, dlocktest.Options{Wrap: dlocktest.RewriteAnswers("/lock", func(_ int, body []byte) []byte {
+		var m map[string]any
+		if json.Unmarshal(body, &m) == nil && m["acquired"] == true {
+			m["guaranteed_ms"] = 0
+			body, _ = json.Marshal(m)
+		}
+		return body
+	})})
 	ran := filepath.Join(t.TempDir(), "ran")
 	_, errOut, st := dlock(t, srv.URL(), "run", "--resource", "r", "--", "touch", ran)
 	if _, err := os.Stat(ran); err == nil {

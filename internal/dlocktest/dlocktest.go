@@ -16,6 +16,7 @@ import (
 	"maps"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"slices"
@@ -470,4 +471,28 @@ func (s *Server) Connections() int {
 	probes := s.probes
 	s.mu.Unlock()
 	return s.Accepted() - probes
+}
+
+// RewriteAnswers is a Wrap (Options.Wrap) that lets the real server answer
+// the requests to path and hands each answer's status and body to edit,
+// which returns the body to send instead: a server that says what a sane
+// one never would, for the tests that play against one.
+func RewriteAnswers(path string, edit func(status int, body []byte) []byte) func(http.Handler) http.Handler {
+	return func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path != path {
+				next.ServeHTTP(w, r)
+				return
+			}
+			rec := httptest.NewRecorder()
+			next.ServeHTTP(rec, r)
+			body := edit(rec.Code, rec.Body.Bytes())
+			for k, v := range rec.Header() {
+				w.Header()[k] = v
+			}
+			w.Header().Del("Content-Length")
+			w.WriteHeader(rec.Code)
+			w.Write(body)
+		})
+	}
 }
