@@ -121,6 +121,10 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server, ho
 	// idle connection; once a request has begun and is not all there, it
 	// is cut to the read timeout.
 	var rdeadline, wdeadline time.Time
+	// now is read once a request, when its answer is ready: the write
+	// deadline runs from then, and the loop waits for the next request
+	// right after, so the read deadline takes the same reading.
+	now := time.Now()
 	waiting := func() bool {
 		// The answers bw holds for the requests before this one go out
 		// before the loop waits for the rest of it: held, they waited on
@@ -146,7 +150,6 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server, ho
 			if s.closing.Load() {
 				return // bw is empty: it is flushed whenever br is
 			}
-			now := time.Now()
 			if stale(rdeadline, now, idle) {
 				rdeadline = now.Add(idle)
 				_ = lc.SetReadDeadline(rdeadline)
@@ -193,7 +196,7 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server, ho
 		// answers to pipelined requests fill bw, which then flushes by
 		// itself, and a client that never reads must not block that write
 		// for ever.
-		if now := time.Now(); stale(wdeadline, now, s.writeTimeout) {
+		if now = time.Now(); stale(wdeadline, now, s.writeTimeout) {
 			wdeadline = now.Add(s.writeTimeout)
 			_ = lc.SetWriteDeadline(wdeadline)
 		}

@@ -3,6 +3,7 @@ package etcd
 import (
 	"strings"
 	"sync"
+	"sync/atomic"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -36,7 +37,9 @@ type recCache struct {
 	// a commit at or below it is the watch's to apply.
 	watched int64
 
-	hits, misses uint64 // first attempts served here, or not (guarded by mu)
+	// hits and misses count first attempts served here, or not: atomics,
+	// so that counting takes no lock every call would contend on.
+	hits, misses atomic.Uint64
 }
 
 // cEntry is one record as of its mod revision.
@@ -66,22 +69,36 @@ type view struct {
 	ok  bool
 }
 
-// get returns key's entry: present, or absent (found false), as the cache
-// knows it.
-func (c *recCache) get(key string) (cEntry, bool) {
-	c.mu.RLock()
-	defer c.mu.RUnlock()
-	e, ok := c.m[key]
-	return e, ok
-}
-
 // kv returns key's entry as etcd would (nil when absent), for tx.get.
 func (c *recCache) kv(key string) *mvccpb.KeyValue {
-	e, ok := c.get(key)
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	return c.kvLocked(key)
+}
+
+// kvLocked is kv with c.mu held. The value's Key is left out: a
+// transaction reads only the value and its revision.
+func (c *recCache) kvLocked(key string) *mvccpb.KeyValue {
+	e, ok := c.m[key]
 	if !ok {
 		return nil
 	}
-	return &mvccpb.KeyValue{Key: []byte(key), Value: e.val, ModRevision: e.mod}
+	return &mvccpb.KeyValue{Value: e.val, ModRevision: e.mod}
+}
+
+// first is a call's first read (tx.loadCached), under one read lock: the
+// cache's view, the key's record (found false: absent) and the records of
+// also, each as kv returns it.
+func (c *recCache) first(key string, also []string) (v view, rec cEntry, found bool, kvs map[string]*mvccpb.KeyValue) {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	v = view{rev: c.rev, ok: c.live}
+	rec, found = c.m[key]
+	kvs = make(map[string]*mvccpb.KeyValue, len(also))
+	for _, k := range also {
+		kvs[k] = c.kvLocked(k)
+	}
+	return v, rec, found, kvs
 }
 
 // advance notes that the cache has every change up to rev (a progress
@@ -92,23 +109,13 @@ func (c *recCache) advance(rev int64) {
 	c.mu.Unlock()
 }
 
-// begin reports whether a call may read the cache now, and the revision
-// its reads are at most as of.
-func (c *recCache) begin() view {
-	c.mu.RLock()
-	defer c.mu.RUnlock()
-	return view{rev: c.rev, ok: c.live}
-}
-
 // count notes a first attempt served by the cache, or not.
 func (c *recCache) count(hit bool) {
-	c.mu.Lock()
 	if hit {
-		c.hits++
+		c.hits.Add(1)
 	} else {
-		c.misses++
+		c.misses.Add(1)
 	}
-	c.mu.Unlock()
 }
 
 // reset replaces the whole cache with a list made at rev. Used at once:
@@ -171,24 +178,33 @@ func (c *recCache) apply(evs []*clientv3.Event, rev int64) {
 // written through out of order can do that until the watch passes them; a
 // guard then fails once.)
 func (c *recCache) writeThrough(ops []clientv3.Op, rev int64) {
+	// The keys are made strings before the lock, which every call's
+	// first read takes too.
+	type change struct {
+		key, end string
+		val      []byte
+		put      bool
+	}
+	changes := make([]change, 0, len(ops))
+	for _, op := range ops {
+		ch := change{key: string(op.KeyBytes()), end: string(op.RangeBytes()), val: op.ValueBytes(), put: op.IsPut()}
+		if (ch.put || op.IsDelete()) && c.holds(ch.key) {
+			changes = append(changes, ch)
+		}
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if rev <= c.watched {
 		return
 	}
-	for _, op := range ops {
-		key := string(op.KeyBytes())
+	for _, ch := range changes {
 		switch {
-		case op.IsPut():
-			if c.holds(key) {
-				c.put(key, op.ValueBytes(), rev)
-			}
-		case op.IsDelete():
-			if end := op.RangeBytes(); len(end) > 0 {
-				c.delRange(key, string(end), rev)
-			} else if c.holds(key) {
-				c.del(key, rev)
-			}
+		case ch.put:
+			c.put(ch.key, ch.val, rev)
+		case ch.end != "":
+			c.delRange(ch.key, ch.end, rev)
+		default:
+			c.del(ch.key, rev)
 		}
 	}
 	c.rev = max(c.rev, rev)
@@ -240,8 +256,4 @@ func (c *recCache) delRange(from, end string, rev int64) {
 }
 
 // stats returns the hits and misses so far.
-func (c *recCache) stats() (hits, misses uint64) {
-	c.mu.RLock()
-	defer c.mu.RUnlock()
-	return c.hits, c.misses
-}
+func (c *recCache) stats() (hits, misses uint64) { return c.hits.Load(), c.misses.Load() }

@@ -157,3 +157,23 @@ func TestCacheStaleNeverAnswers(t *testing.T) {
 		t.Fatalf("%d first attempts found the cache stale, want 4", n)
 	}
 }
+
+// The tests read the cache through these; the backend reads it through
+// first and kv.
+
+// get returns key's entry: present, or absent (found false), as the cache
+// knows it.
+func (c *recCache) get(key string) (cEntry, bool) {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	e, ok := c.m[key]
+	return e, ok
+}
+
+// begin reports whether a call may read the cache now, and the revision
+// its reads are at most as of.
+func (c *recCache) begin() view {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	return view{rev: c.rev, ok: c.live}
+}

@@ -203,10 +203,6 @@ func (t *tx) confirm() (int64, bool, error) {
 // a token below it (docs/DESIGN.md, "An etcd backend", "Tokens").
 func (t *tx) loadCached(also ...string) bool {
 	c := t.b.rc
-	v := c.begin()
-	if !v.ok {
-		return false
-	}
 	for _, k := range also {
 		if !c.holds(k) {
 			c.count(false)
@@ -214,7 +210,10 @@ func (t *tx) loadCached(also ...string) bool {
 		}
 	}
 	kk := t.b.n.key(t.k)
-	e, ok := c.get(kk)
+	v, e, ok, kvs := c.first(kk, also)
+	if !v.ok {
+		return false
+	}
 	var rec keyRec
 	if ok {
 		var err error
@@ -237,10 +236,7 @@ func (t *tx) loadCached(also ...string) bool {
 		t.readRev = v.rev
 		t.absent(kk)
 	}
-	t.cache = make(map[string]*mvccpb.KeyValue, len(also))
-	for _, k := range also {
-		t.cache[k] = c.kv(k)
-	}
+	t.cache = kvs
 	return true
 }
 
