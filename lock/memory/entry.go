@@ -62,7 +62,6 @@ func (e *entry) deadline(cfg *Config, now mono) mono {
 	return at
 }
 
-// earliest is the earlier of two deadlines, where zero means none.
 // guaranteed is how long from now holder h's hold is sure to stand
 // (docs/DESIGN.md, "Leases"): a session lease stands while its session
 // streams and through the grace after, a ttl lease for the ttl after its
@@ -80,6 +79,7 @@ func (s *shard) guaranteed(h *entry, now mono) time.Duration {
 	return max(left, 0)
 }
 
+// earliest is the earlier of two deadlines, where zero means none.
 func earliest(a, b mono) mono {
 	if a == 0 || b < a {
 		return b

@@ -84,7 +84,6 @@ func (m *Backend) sessionRoom() error {
 	return nil
 }
 
-// startGrace arms the session's end. Called with s.mu held or s unpublished.
 // guaranteed is how long from now the session is sure to stand: the whole
 // grace while a stream is open (it starts only when the last one closes),
 // what is left of it in grace, nothing once ended. Takes s.mu, after the
@@ -106,6 +105,7 @@ func (s *session) guaranteed(m *Backend, now mono) time.Duration {
 	return max(time.Duration(at-now), 0)
 }
 
+// startGrace arms the session's end. Called with s.mu held or s unpublished.
 func (s *session) startGrace(m *Backend) {
 	m.grace.set(m, s, m.now().add(m.cfg.SessionGrace))
 }
