@@ -9,6 +9,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/http"
+	"regexp"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -333,6 +334,19 @@ func TestClusterHandOff(t *testing.T) {
 	// grant, on A.
 	a.must(t, "POST", "/lock", lockBody("pull", "r2", "w1"), map[string]any{"acquired": true})
 	expect(t, w1, "lock_assigned", map[string]any{"resource_id": "r2"})
+
+	// The etcd engine's own counters are exported beside the backend's:
+	// A's calls read its cache first (docs/DESIGN.md, "One round trip for
+	// a warm call").
+	resp, err := http.Get(a.url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	metrics, _ := io.ReadAll(resp.Body)
+	if !regexp.MustCompile(`(?m)^dlock_etcd_cache_reads_total\{result="hit"\} [1-9]`).Match(metrics) {
+		t.Fatalf("/metrics has no cache hits of the etcd engine:\n%s", metrics)
+	}
 }
 
 func idOf(t testing.TB, f kit.Frame) uint64 {
