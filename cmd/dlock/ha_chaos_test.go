@@ -53,14 +53,6 @@ func TestHAChaosKills(t *testing.T) {
 	}
 }
 
-// chaosServer tracks one server's lives: gen is even while it is up and
-// odd from just before its SIGKILL until it answers again, so a request
-// that saw the same even gen before and after it was sent went to a server
-// that lived through it.
-type chaosServer struct {
-	gen atomic.Int64
-}
-
 func chaosRun(t *testing.T, seed uint64) {
 	const (
 		nodes  = 16
@@ -69,7 +61,10 @@ func chaosRun(t *testing.T, seed uint64) {
 		grace  = 2 * time.Second
 	)
 	h := startHA(t, 3, "--session-grace", grace.String())
-	lives := make([]chaosServer, len(h.servers))
+	// lives[i] is even while server i is up and odd from just before its
+	// SIGKILL until it answers again: a request that saw the same even
+	// value before and after it went to a server that lived through it.
+	lives := make([]atomic.Int64, len(h.servers))
 	c := &chaos{t: t, h: h, lives: lives, grants: map[string]string{}}
 
 	stop := make(chan struct{})
@@ -83,14 +78,14 @@ func chaosRun(t *testing.T, seed uint64) {
 			case <-time.After(time.Duration(2000+rng.IntN(1000)) * time.Millisecond):
 			}
 			i := rng.IntN(len(h.servers))
-			lives[i].gen.Add(1)
+			lives[i].Add(1)
 			h.servers[i].Kill()
 			select {
 			case <-stop:
 			case <-time.After(time.Second):
 			}
 			h.servers[i].Restart(h.hc)
-			lives[i].gen.Add(1)
+			lives[i].Add(1)
 		}
 	})
 
@@ -129,7 +124,7 @@ func chaosRun(t *testing.T, seed uint64) {
 type chaos struct {
 	t     *testing.T
 	h     *haCluster
-	lives []chaosServer
+	lives []atomic.Int64 // each server's lives (chaosRun)
 
 	mu     sync.Mutex
 	grants map[string]string // "key/token" → the node it was granted to
@@ -271,18 +266,18 @@ func (n *chaosNode) post(path string, body, out any) bool {
 	srv := n.srv
 	n.mu.Unlock()
 	life := &n.c.lives[srv]
-	before := life.gen.Load()
+	before := life.Load()
 	// Longer than any bound of the etcd backend's own (lock/etcd: 10 s a
 	// call): a live server answers within it, 503 at worst.
 	ctx, cancel := context.WithTimeout(context.Background(), 40*time.Second)
 	defer cancel()
 	sent := time.Now()
 	code, data, err := n.c.h.post(ctx, n.c.h.servers[srv].URL(), path, body)
-	after := life.gen.Load()
+	after := life.Load()
 	n.slowest = max(n.slowest, time.Since(sent))
 	if err != nil {
 		if before == after && before%2 == 0 && !errors.Is(err, syscall.ECONNREFUSED) {
-			n.c.fault("%s %s on %s (up throughout, gen %d): no answer after %v: %v", n.name, path, n.c.h.servers[srv].name, before, time.Since(sent).Round(time.Millisecond), err)
+			n.c.fault("%s %s on %s (up throughout, life %d): no answer after %v: %v", n.name, path, n.c.h.servers[srv].name, before, time.Since(sent).Round(time.Millisecond), err)
 		}
 		return false
 	}
