@@ -631,6 +631,11 @@ func (w *watcher) track(c change) {
 		return
 	}
 	w.keys[c.k] = ki
+	// A key that completes again and again leaves one stale entry a time,
+	// which oldestPastCap drops only past the cap.
+	if len(w.dones) > 2*w.nDone+1024 {
+		w.compactDones()
+	}
 	if ki.deadline != 0 && ki.deadline != old.deadline {
 		heap.Push(&w.deadlines, deadline{at: ki.deadline, k: c.k})
 		if len(w.deadlines) > 2*len(w.keys)+1024 {
@@ -849,6 +854,20 @@ func (w *watcher) compactDeadlines() {
 	clear(w.deadlines[len(h):])
 	w.deadlines = h
 	heap.Init(&w.deadlines)
+}
+
+// compactDones drops the stale entries of the completion records' heap;
+// w.mu held.
+func (w *watcher) compactDones() {
+	h := w.dones[:0]
+	for _, d := range w.dones {
+		if ki, ok := w.keys[d.k]; ok && ki.doneAt == d.at {
+			h = append(h, d)
+		}
+	}
+	clear(w.dones[len(h):])
+	w.dones = h
+	heap.Init(&w.dones)
 }
 
 type deadline struct {
