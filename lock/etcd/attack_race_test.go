@@ -35,7 +35,7 @@ type grant struct {
 // etcd.
 func TestAttackRace(t *testing.T) {
 	for _, refs := range []bool{false, true} {
-		t.Run(fmt.Sprintf("refs=%v", refs), func(t *testing.T) { attackRace(t, refs, false) })
+		t.Run(fmt.Sprintf("refs=%v", refs), func(t *testing.T) { attackRace(t, refs, raceMode{}) })
 	}
 }
 
@@ -47,11 +47,28 @@ func TestAttackRace(t *testing.T) {
 // check of TestAttackRace holds.
 func TestAttackRaceStaleCache(t *testing.T) {
 	for _, refs := range []bool{false, true} {
-		t.Run(fmt.Sprintf("refs=%v", refs), func(t *testing.T) { attackRace(t, refs, true) })
+		t.Run(fmt.Sprintf("refs=%v", refs), func(t *testing.T) { attackRace(t, refs, raceMode{stale: true}) })
 	}
 }
 
-func attackRace(t *testing.T, refs, stale bool) {
+// TestAttackRaceGrouped is TestAttackRace with every etcd request of the
+// servers held back a random moment (up to 2 ms) before it is sent, so that
+// many transactions of different keys wait together and share requests
+// (docs/DESIGN.md, "Fewer, larger transactions"): every check holds, and
+// the run fails if no request carried more than one transaction.
+func TestAttackRaceGrouped(t *testing.T) {
+	for _, refs := range []bool{false, true} {
+		t.Run(fmt.Sprintf("refs=%v", refs), func(t *testing.T) { attackRace(t, refs, raceMode{grouped: true}) })
+	}
+}
+
+// raceMode is what attackRace does besides racing.
+type raceMode struct {
+	stale   bool // caches made stale at random (pool.stale)
+	grouped bool // requests held back (pool.grouped)
+}
+
+func attackRace(t *testing.T, refs bool, mode raceMode) {
 	cfg := etcd.DefaultConfig()
 	cfg.LockTTL = 2 * time.Second
 	cfg.SessionGrace = time.Second
@@ -61,8 +78,8 @@ func attackRace(t *testing.T, refs, stale bool) {
 		cfg.RefCounting = true
 	}
 	p := etcdtest.Prefix(t)
-	pl := newPool(t, p, cfg, 3)
-	pl.stale = stale
+	pl := newPoolWith(t, p, cfg, 3, mode.grouped)
+	pl.stale = mode.stale
 	monitor := newBackend(t, etcdtest.Shared(t).Client(t), p, cfg)
 	var keys []lock.Key
 	for _, res := range []string{"a", "b/c%2F"} {
@@ -284,6 +301,18 @@ func attackRace(t *testing.T, refs, stale bool) {
 		mu.Unlock()
 	}
 	t.Logf("%d grants answered", len(answers))
+	if mode.grouped {
+		var grouped uint64
+		pl.mu.Lock()
+		for _, b := range pl.all {
+			grouped += etcd.GroupedRequestsForTest(b)
+		}
+		pl.mu.Unlock()
+		if grouped == 0 {
+			t.Fatal("no request carried more than one transaction")
+		}
+		t.Logf("%d requests carried more than one transaction", grouped)
+	}
 }
 
 func dumpHistory(t *testing.T, cli *clientv3.Client, p string) {

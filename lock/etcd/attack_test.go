@@ -12,6 +12,7 @@ import (
 	"slices"
 	"sync"
 	"testing"
+	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
@@ -51,10 +52,19 @@ type pool struct {
 	// stale: pick makes the cache of the server it picks stale, one time
 	// in four (etcd.StaleCacheForTest).
 	stale bool
+	// grouped: every server opened holds its requests back
+	// (etcd.HoldRequestsForTest).
+	grouped bool
 }
 
 func newPool(t *testing.T, p string, cfg etcd.Config, n int) *pool {
-	pl := &pool{t: t, p: p, cfg: cfg}
+	return newPoolWith(t, p, cfg, n, false)
+}
+
+// newPoolWith is newPool; grouped holds every etcd request of the servers
+// back a random moment before it is sent (etcd.HoldRequestsForTest).
+func newPoolWith(t *testing.T, p string, cfg etcd.Config, n int, grouped bool) *pool {
+	pl := &pool{t: t, p: p, cfg: cfg, grouped: grouped}
 	for range n {
 		b := pl.open()
 		pl.bs = append(pl.bs, b)
@@ -74,6 +84,9 @@ func (pl *pool) open() *etcd.Backend {
 	if err != nil {
 		pl.t.Errorf("opening a server: %v", err)
 		return nil
+	}
+	if pl.grouped {
+		etcd.HoldRequestsForTest(b, 2*time.Millisecond)
 	}
 	pl.mu.Lock()
 	pl.all = append(pl.all, b)

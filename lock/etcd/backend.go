@@ -67,6 +67,7 @@ type Backend struct {
 	seed        maphash.Seed
 	stripes     [256]chan struct{} // a mutex per stripe of resources that a context can give up on
 	comb        combiner
+	g           *grouper // sends the transactions of a moment together (group.go)
 
 	ctx    context.Context // ends at Close
 	cancel context.CancelFunc
@@ -155,7 +156,11 @@ func New(ctx context.Context, cli *clientv3.Client, cfg Config) (*Backend, error
 		b.wg.Wait()
 		return nil, err
 	}
-	b.wg.Add(4)
+	b.g = newGrouper(b)
+	b.wg.Add(4 + groupFlight)
+	for range groupFlight {
+		go b.g.run()
+	}
 	go b.keeper.run()
 	go b.timers()
 	go b.sweepOrphans()

@@ -249,22 +249,22 @@ func (b *Backend) applyBatch(k lock.Key, calls []*call) []*call {
 			rev = r
 		}
 		if len(t.ops) > 0 {
-			resp, err := b.cli.Txn(ctx).If(t.commitCmps()...).Then(t.ops...).Commit()
+			r, ok, err := b.g.commit(ctx, t.commitCmps(), t.ops, t.leased)
 			if err != nil {
-				err = b.batchErr(ctx, b.etcdErr("transaction", err))
+				err = b.batchErr(ctx, err)
 				for _, o := range applied {
 					finish(o.c, 0, err)
 				}
 				return deferred
 			}
-			if !resp.Succeeded {
+			if !ok {
 				b.conflicts.Add(1)
 				if t.cached {
 					b.cacheStale.Add(1)
 				}
 				continue
 			}
-			rev = resp.Header.Revision
+			rev = r
 			b.committed(rev)
 			b.rc.writeThrough(t.ops, rev)
 		}

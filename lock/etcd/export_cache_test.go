@@ -3,6 +3,7 @@ package etcd
 import (
 	"math/rand/v2"
 	"sync"
+	"time"
 )
 
 // staleHist is what one backend's cache held at the injections so far:
@@ -74,3 +75,16 @@ func StaleCacheForTest(b *Backend, r *rand.Rand) {
 		c.rev = h.revs[r.IntN(len(h.revs))]
 	}
 }
+
+// HoldRequestsForTest holds each etcd request of b's grouper (group.go)
+// back a random moment of up to d before it is sent: a slow etcd, as seen
+// from b, so that what arrives meanwhile waits and leaves together. Call it
+// before b's first call.
+func HoldRequestsForTest(b *Backend, d time.Duration) {
+	hold := func() { time.Sleep(rand.N(d)) }
+	b.g.hold.Store(&hold)
+}
+
+// GroupedRequestsForTest is the number of b's requests that carried more
+// than one transaction.
+func GroupedRequestsForTest(b *Backend) uint64 { return b.g.grouped.Load() }

@@ -13,6 +13,10 @@ var (
 		"First attempts of a call: result=hit read the watch's cache, result=miss read etcd (a key of a kind the cache does not keep).", []string{"result"}, nil)
 	descCacheStale = prometheus.NewDesc("dlock_etcd_cache_stale_total",
 		"First attempts that read the cache and found, at their commit or confirmation, that a record had changed: a round trip more.", nil, nil)
+	descRequests = prometheus.NewDesc("dlock_etcd_write_requests_total",
+		"etcd requests that carried this server's transactions (writes, and confirmations of answers read from the cache); grouped=true those that carried more than one.", []string{"grouped"}, nil)
+	descGroupedTxns = prometheus.NewDesc("dlock_etcd_write_transactions_total",
+		"Transactions those requests carried: divided by the requests, the transactions per etcd request.", nil, nil)
 )
 
 // Describe implements prometheus.Collector.
@@ -20,6 +24,8 @@ func (b *Backend) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descConflicts
 	ch <- descCacheReads
 	ch <- descCacheStale
+	ch <- descRequests
+	ch <- descGroupedTxns
 }
 
 // Collect implements prometheus.Collector.
@@ -29,4 +35,8 @@ func (b *Backend) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descCacheReads, prometheus.CounterValue, float64(hits), "hit")
 	ch <- prometheus.MustNewConstMetric(descCacheReads, prometheus.CounterValue, float64(misses), "miss")
 	ch <- prometheus.MustNewConstMetric(descCacheStale, prometheus.CounterValue, float64(b.cacheStale.Load()))
+	requests, grouped := b.g.requests.Load(), b.g.grouped.Load()
+	ch <- prometheus.MustNewConstMetric(descRequests, prometheus.CounterValue, float64(requests-grouped), "false")
+	ch <- prometheus.MustNewConstMetric(descRequests, prometheus.CounterValue, float64(grouped), "true")
+	ch <- prometheus.MustNewConstMetric(descGroupedTxns, prometheus.CounterValue, float64(b.g.txns.Load()))
 }

@@ -50,7 +50,7 @@ func (b *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 			}
 			newLease = int64(l.ID)
 		}
-		t.op(clientv3.OpPut(b.n.session(req.Node), encode(sessRec{Lease: newLease}), clientv3.WithLease(clientv3.LeaseID(newLease))))
+		t.leasedOp(clientv3.OpPut(b.n.session(req.Node), encode(sessRec{Lease: newLease}), clientv3.WithLease(clientv3.LeaseID(newLease))))
 		usedNew = true
 		return newLease, nil
 	}

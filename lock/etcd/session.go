@@ -113,8 +113,9 @@ func (b *Backend) Subscribe(ctx context.Context, req lock.SubscribeRequest) (loc
 	}
 	// A last event id from another server that is ahead of this one: wait
 	// until this server has seen it too.
+	last := normID(req.LastID)
 	if req.HasLast {
-		if rev := int64(req.LastID / idsPerRev); rev > 0 {
+		if rev := idRev(last); rev > 0 {
 			if cur, err := b.currentRev(ctx); err == nil && rev <= cur {
 				w.caughtUp(rev, 5*time.Second)
 			}
@@ -137,7 +138,7 @@ func (b *Backend) Subscribe(ctx context.Context, req lock.SubscribeRequest) (loc
 		b.refusedWatchers.Add(1)
 		return nil, lock.Subscription{}, fmt.Errorf("%w: %d observers, at most %d are allowed", lock.ErrTooManyWatchers, w.nWatchers, b.cfg.MaxWatchers)
 	}
-	counter := uint64(w.processed)*idsPerRev + idsPerRev - 1
+	counter := revID(w.processed+1) - 1
 	sub := lock.Subscription{ID: counter}
 	if req.Node != "" {
 		s := w.sessions[req.Node]
@@ -145,11 +146,11 @@ func (b *Backend) Subscribe(ctx context.Context, req lock.SubscribeRequest) (loc
 			b.s.releaseNode(req.Node, lease)
 			return nil, lock.Subscription{}, fmt.Errorf("%w: the session of %s ended while its stream opened", lock.ErrUnavailable, req.Node)
 		}
-		if req.HasLast && req.LastID <= counter {
-			if req.LastID >= s.dropped {
-				sub.ID = req.LastID
+		if req.HasLast && last <= counter {
+			if last >= s.dropped {
+				sub.ID = last
 				for _, d := range s.log {
-					if d.ID > req.LastID {
+					if d.ID > last {
 						sub.Replay = append(sub.Replay, d)
 					}
 				}

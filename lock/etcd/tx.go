@@ -44,6 +44,9 @@ type tx struct {
 	writeCmps []clientv3.Cmp
 	x         *trans          // the transition this transaction makes
 	removed   map[uint64]bool // the waiters this transaction dequeues, by seq
+	// leased: an operation attaches a key to a lease (leasedOp), so the
+	// transaction is sent alone (group.go).
+	leased bool
 }
 
 // errConflict is a read that cannot be made as of the transaction's first
@@ -153,14 +156,14 @@ func (b *Backend) attempt(ctx context.Context, k lock.Key, fn func(t *tx) error,
 		if len(t.ops) == 0 {
 			return t.readRev, nil
 		}
-		resp, err := b.cli.Txn(ctx).If(t.commitCmps()...).Then(t.ops...).Commit()
+		rev, ok, err := b.g.commit(ctx, t.commitCmps(), t.ops, t.leased)
 		if err != nil {
-			return 0, b.etcdErr("transaction", err)
+			return 0, err
 		}
-		if resp.Succeeded {
-			b.committed(resp.Header.Revision)
-			b.rc.writeThrough(t.ops, resp.Header.Revision)
-			return resp.Header.Revision, nil
+		if ok {
+			b.committed(rev)
+			b.rc.writeThrough(t.ops, rev)
+			return rev, nil
 		}
 		b.conflicts.Add(1)
 		if t.cached {
@@ -175,6 +178,9 @@ func (b *Backend) attempt(ctx context.Context, k lock.Key, fn func(t *tx) error,
 // read from etcd (docs/DESIGN.md, "One round trip for a warm call").
 // ok false: something changed, read again.
 //
+// It may share its request with other transactions (group.go), and then
+// checks the state before the request's writes: still after the call began.
+//
 // The transaction reads the key's record too, counting it only: etcd
 // serves a read-only transaction from the member the client reaches, with
 // no quorum read, unless one of its reads asks for one, and a transaction
@@ -183,16 +189,16 @@ func (b *Backend) attempt(ctx context.Context, k lock.Key, fn func(t *tx) error,
 // give a refusal or a status that was no longer true when the call began
 // (TestAttackConfirmIsLinearizable).
 func (t *tx) confirm() (int64, bool, error) {
-	resp, err := t.b.cli.Txn(t.ctx).If(t.cmps...).Then(clientv3.OpGet(t.b.n.key(t.k), clientv3.WithCountOnly())).Commit()
+	rev, ok, err := t.b.g.commit(t.ctx, t.cmps, []clientv3.Op{clientv3.OpGet(t.b.n.key(t.k), clientv3.WithCountOnly())}, false)
 	if err != nil {
-		return 0, false, t.b.etcdErr("transaction", err)
+		return 0, false, err
 	}
-	if !resp.Succeeded {
+	if !ok {
 		t.b.conflicts.Add(1)
 		t.b.cacheStale.Add(1)
 		return 0, false, nil
 	}
-	return resp.Header.Revision, true, nil
+	return rev, true, nil
 }
 
 // loadCached reads what load would from the watch's cache, if every key of
@@ -487,6 +493,12 @@ func (t *tx) put(x *trans) {
 }
 
 func (t *tx) op(op clientv3.Op) { t.ops = append(t.ops, op) }
+
+// leasedOp is op for an operation made WithLease.
+func (t *tx) leasedOp(op clientv3.Op) {
+	t.leased = true
+	t.op(op)
+}
 
 // dequeue removes the waiter at seq (the record's count is the caller's).
 func (t *tx) dequeue(seq uint64, node string) {

@@ -14,13 +14,45 @@ import (
 	"github.com/dlock/dlock/lock"
 )
 
-// idsPerRev is how many event ids one revision has: an event's id is its
-// revision × idsPerRev + its index among the events the revision's change
-// made (0 lock_assigned, 1 operation_completed, 2 on refusals). Every server
-// derives the same events from the same change, so an id means the same
-// event on every server and a stream resumes anywhere (docs/DESIGN.md, "An
-// etcd backend").
-const idsPerRev = 8
+// An event's id is its revision × idsPerRev, plus idsPerChange × the place
+// of its change among the revision's changes that make events (in the order
+// etcd reports them, the same on every server), plus its index among the
+// events of that change (0 lock_assigned, 1 operation_completed, 2 on
+// refusals). Every server derives the same events from the same revision,
+// so an id means the same event on every server and a stream resumes
+// anywhere (docs/DESIGN.md, "An etcd backend"). A revision has more than one
+// such change when transactions of several keys share a request (group.go).
+//
+// The ids begin at idBase, above every id of the numbering before grouped
+// requests (revision × 8 + index, one transition a revision): ids increase
+// on a stream across an upgrade, and an old id is translated (normID) to
+// the id its event has now.
+const (
+	idsPerChange = 8
+	idsPerRev    = 32 * idsPerChange
+	idBase       = 1 << 62
+	oldPerRev    = 8
+)
+
+// revID is the first id of rev's events.
+func revID(rev int64) uint64 { return idBase + uint64(rev)*idsPerRev }
+
+// normID is id in this numbering: an id of the one before is its revision's
+// first transition's (the only one it had), at the same index.
+func normID(id uint64) uint64 {
+	if id >= idBase {
+		return id
+	}
+	return revID(int64(id/oldPerRev)) + id%oldPerRev
+}
+
+// idRev is the revision of an id of this numbering.
+func idRev(id uint64) int64 {
+	if id < idBase {
+		return 0
+	}
+	return int64((id - idBase) / idsPerRev)
+}
 
 // watcher follows every change of the data set with one watch: it keeps
 // the counts and deadlines of the keys, the sessions and their replay logs,
@@ -149,7 +181,7 @@ func (w *watcher) setWarm(rev int64) {
 		// Not read up to the list: no session can replay from before it.
 		for _, s := range w.sessions {
 			s.log, s.bytes = nil, 0
-			s.dropped = max(s.dropped, uint64(w.warmTo)*idsPerRev+idsPerRev-1)
+			s.dropped = max(s.dropped, revID(w.warmTo+1)-1)
 		}
 	}
 }
@@ -204,10 +236,10 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 		if !ok || jsonUnmarshal(kv.Value, &s) != nil {
 			return
 		}
-		sessions[node] = &sessInfo{lease: s.Lease, created: kv.CreateRevision, dropped: uint64(rev)*idsPerRev + idsPerRev - 1}
+		sessions[node] = &sessInfo{lease: s.Lease, created: kv.CreateRevision, dropped: revID(rev+1) - 1}
 		if first {
 			// The warm-up reads the history from warmFrom (start).
-			sessions[node].dropped = uint64(max(kv.CreateRevision, rev-warmRevisions+1))*idsPerRev - 1
+			sessions[node].dropped = revID(max(kv.CreateRevision, rev-warmRevisions+1)) - 1
 		}
 	})
 	if err != nil {
@@ -334,7 +366,7 @@ func (w *watcher) wctx() context.Context {
 // after changes went by unseen.
 func (w *watcher) lost() {
 	w.mu.Lock()
-	floor := uint64(w.processed)*idsPerRev + idsPerRev - 1
+	floor := revID(w.processed+1) - 1
 	for _, s := range w.sessions {
 		s.log, s.bytes, s.dropped = nil, 0, max(s.dropped, floor)
 	}
@@ -378,7 +410,7 @@ func (w *watcher) consume(ch clientv3.WatchChan, rev int64) (int64, bool) {
 				from := resp.CompactRevision
 				w.mu.Lock()
 				for _, s := range w.sessions {
-					s.dropped = max(s.dropped, uint64(from)*idsPerRev-1)
+					s.dropped = max(s.dropped, revID(from)-1)
 				}
 				w.mu.Unlock()
 				return from - 1, false
@@ -543,14 +575,16 @@ func (w *watcher) apply(evs []*clientv3.Event, rev int64) {
 			}
 			// A session begins: its log starts before this revision's
 			// events, which it receives.
-			w.sessions[node] = &sessInfo{lease: sr.Lease, created: rev, dropped: uint64(rev)*idsPerRev - 1}
+			w.sessions[node] = &sessInfo{lease: sr.Lease, created: rev, dropped: revID(rev) - 1}
 		}
 	}
 	var released []*feed
+	base := revID(rev)
 	for _, c := range changes {
 		w.track(c)
 		if !c.deleted && c.rec.X != nil {
-			released = append(released, w.deliver(c, rev, skipped[c.k])...)
+			released = append(released, w.deliver(c, base, rev, skipped[c.k])...)
+			base += idsPerChange
 		}
 	}
 	// A session that ended closes its streams here: the node reconnects
@@ -601,8 +635,8 @@ func (w *watcher) applyLog(evs []*clientv3.Event, rev int64) {
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	for _, c := range changes {
-		w.deliverTo(c, rev, skipped[c.k], true)
+	for i, c := range changes {
+		w.deliverTo(c, revID(rev)+uint64(i)*idsPerChange, rev, skipped[c.k], true)
 	}
 }
 
@@ -644,18 +678,18 @@ func (w *watcher) track(c change) {
 	}
 }
 
-// deliver hands the events of one key's change to this server's streams
-// and to the replay logs of the sessions they are for; w.mu held. It returns
-// the streams it closed for not keeping up.
-func (w *watcher) deliver(c change, rev int64, skipped []string) []*feed {
-	return w.deliverTo(c, rev, skipped, false)
+// deliver hands the events of one key's change, made at rev, to this
+// server's streams and to the replay logs of the sessions they are for; its
+// events' ids begin at base; w.mu held. It returns the streams it closed
+// for not keeping up.
+func (w *watcher) deliver(c change, base uint64, rev int64, skipped []string) []*feed {
+	return w.deliverTo(c, base, rev, skipped, false)
 }
 
 // deliverTo is deliver; with history, it only adds to the logs of the
 // sessions that existed at rev (the warm-up).
-func (w *watcher) deliverTo(c change, rev int64, skipped []string, history bool) []*feed {
+func (w *watcher) deliverTo(c change, base uint64, rev int64, skipped []string, history bool) []*feed {
 	x := c.rec.X
-	base := uint64(rev) * idsPerRev
 	var released []*feed
 	send := func(id uint64, ev *lock.Event, to []string, observers bool) {
 		d := lock.Delivery{ID: id, Event: ev}
