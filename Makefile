@@ -1,7 +1,7 @@
 GO ?= go
 STATICCHECK ?= honnef.co/go/tools/cmd/staticcheck@v0.8.2
 
-.PHONY: packagemap test deps vet lint bench bench-etcd fuzz build containerd2
+.PHONY: packagemap test deps vet lint bench bench-etcd fuzz build containerd2 image
 
 # test is what CI runs (.ci/run): the test dependencies, formatting, vet,
 # staticcheck, then every test with the race detector.
@@ -114,6 +114,17 @@ build:
 	@mkdir -p bin
 	$(GO) build -o bin/dlock ./cmd/dlock
 	$(GO) build -o bin/dlock-content ./cmd/dlock-content
+
+# image builds the dlock image without a container engine or a base image
+# (deploy/cmd/dlock-image): static dlock and dlock-content for each of
+# IMAGE_PLATFORMS, as an OCI layout in IMAGE_OUT (replaced), and pushed to
+# PUSH=REGISTRY/REPOSITORY:TAG when given. The same commit gives the same
+# digest (deploy/README.md, "The image").
+IMAGE_OUT ?= bin/image
+IMAGE_PLATFORMS ?= linux/amd64,linux/arm64
+image:
+	cd deploy && $(GO) run ./cmd/dlock-image --repo .. --platform $(IMAGE_PLATFORMS) \
+		--oci-layout $(abspath $(IMAGE_OUT))$(if $(PUSH), --push $(PUSH))
 
 # deploy/ is a module of its own (its tests need the Kubernetes libraries,
 # which dlock itself does not): its manifests and systemd units are checked
