@@ -19,8 +19,9 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzAuthorization$$' -fuzztime $(FUZZTIME) ./internal/auth
 	$(GO) test -run '^$$' -fuzz '^FuzzBasicMatchesNetHTTP$$' -fuzztime $(FUZZTIME) ./internal/auth
 
-# deps installs, as root, what some tests run for real: Debian's containerd
-# and docker-registry (three containerd daemons sharing one store),
+# deps installs, as root, what some tests run for real: Debian's containerd,
+# runc and docker-registry (three containerd daemons sharing one store; the
+# dlock image pushed, pulled and run by deploy's TestImageContainerd),
 # redis-server and etcd-server (dlock bench --compare), chromium (the live
 # view's browser test) and systemd for systemd-analyze (deploy/systemd's
 # units), openssl and curl (docs/mkcerts.sh, served and called with mTLS),
@@ -28,16 +29,16 @@ fuzz:
 # rules a killed run left are removed by the next: by netfault's TestMain,
 # and before the first rule of every test binary). Without root those
 # tests skip, saying so.
-DEB_PACKAGES = containerd docker-registry redis-server etcd-server chromium systemd openssl curl iptables
+DEB_PACKAGES = containerd runc docker-registry redis-server etcd-server chromium systemd openssl curl iptables
 deps:
 	@if [ "$$(id -u)" = 0 ]; then \
-		missing=; for b in containerd ctr docker-registry redis-server etcd chromium systemd-analyze openssl curl iptables; do command -v $$b >/dev/null || missing=yes; done; \
+		missing=; for b in containerd ctr runc docker-registry redis-server etcd chromium systemd-analyze openssl curl iptables; do command -v $$b >/dev/null || missing=yes; done; \
 		if [ -n "$$missing" ]; then \
 			echo "installing $(DEB_PACKAGES) for the tests that run them"; \
 			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(DEB_PACKAGES) >/dev/null; \
 		fi; \
 	else \
-		echo "NOTE: not root: the tests with real containerd, redis and etcd servers and chromium will be skipped"; \
+		echo "NOTE: not root: the tests with real containerd (deploy: the dlock image is built but NOT run), redis and etcd servers and chromium will be skipped"; \
 	fi
 
 # containerd2 builds the containerd 2.x daemon and ctr that the real-daemon
@@ -133,6 +134,6 @@ image:
 test: deploy-test
 lint: deploy-lint
 deploy-test: deps deploy-lint
-	cd deploy && $(GO) test -race -count=1 ./...
+	cd deploy && $(GO) test -race -count=1 -timeout 30m ./...
 deploy-lint:
 	cd deploy && $(GO) vet ./... && $(GO) run $(STATICCHECK) ./...
