@@ -3,6 +3,7 @@ package main
 import (
 	"archive/tar"
 	"bytes"
+	"compress/gzip"
 	"context"
 	"errors"
 	"fmt"
@@ -174,8 +175,12 @@ func tarLayer(entries []entry, src source) (v1.Layer, error) {
 		return nil, err
 	}
 	b := buf.Bytes()
+	// gzip's default level rather than go-containerregistry's fastest: a
+	// tenth less to pull (12.2 MB instead of 13.6 for linux/amd64), for
+	// about a second more per platform (the layer is compressed once).
 	return tarball.LayerFromOpener(func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(b)), nil },
-		tarball.WithMediaType(types.OCILayer), tarball.WithCompressedCaching)
+		tarball.WithMediaType(types.OCILayer), tarball.WithCompressionLevel(gzip.DefaultCompression),
+		tarball.WithCompressedCaching)
 }
 
 // writeLayout writes the index into an OCI layout at dir, tagged tag (the
