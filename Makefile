@@ -1,7 +1,7 @@
 GO ?= go
 STATICCHECK ?= honnef.co/go/tools/cmd/staticcheck@v0.8.2
 
-.PHONY: packagemap test deps vet lint bench bench-etcd fuzz build containerd2
+.PHONY: packagemap test deps vet lint bench bench-etcd fuzz build containerd2 image
 
 # test is what CI runs (.ci/run): the test dependencies, formatting, vet,
 # staticcheck, then every test with the race detector.
@@ -19,8 +19,9 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzAuthorization$$' -fuzztime $(FUZZTIME) ./internal/auth
 	$(GO) test -run '^$$' -fuzz '^FuzzBasicMatchesNetHTTP$$' -fuzztime $(FUZZTIME) ./internal/auth
 
-# deps installs, as root, what some tests run for real: Debian's containerd
-# and docker-registry (three containerd daemons sharing one store),
+# deps installs, as root, what some tests run for real: Debian's containerd,
+# runc and docker-registry (three containerd daemons sharing one store; the
+# dlock image pushed, pulled and run by deploy's TestImageContainerd),
 # redis-server and etcd-server (dlock bench --compare), chromium (the live
 # view's browser test) and systemd for systemd-analyze (deploy/systemd's
 # units), openssl and curl (docs/mkcerts.sh, served and called with mTLS),
@@ -28,16 +29,16 @@ fuzz:
 # rules a killed run left are removed by the next: by netfault's TestMain,
 # and before the first rule of every test binary). Without root those
 # tests skip, saying so.
-DEB_PACKAGES = containerd docker-registry redis-server etcd-server chromium systemd openssl curl iptables
+DEB_PACKAGES = containerd runc docker-registry redis-server etcd-server chromium systemd openssl curl iptables
 deps:
 	@if [ "$$(id -u)" = 0 ]; then \
-		missing=; for b in containerd ctr docker-registry redis-server etcd chromium systemd-analyze openssl curl iptables; do command -v $$b >/dev/null || missing=yes; done; \
+		missing=; for b in containerd ctr runc docker-registry redis-server etcd chromium systemd-analyze openssl curl iptables; do command -v $$b >/dev/null || missing=yes; done; \
 		if [ -n "$$missing" ]; then \
 			echo "installing $(DEB_PACKAGES) for the tests that run them"; \
 			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(DEB_PACKAGES) >/dev/null; \
 		fi; \
 	else \
-		echo "NOTE: not root: the tests with real containerd, redis and etcd servers and chromium will be skipped"; \
+		echo "NOTE: not root: the tests with real containerd (deploy: the dlock image is built but NOT run), redis and etcd servers and chromium will be skipped"; \
 	fi
 
 # containerd2 builds the containerd 2.x daemon and ctr that the real-daemon
@@ -115,6 +116,17 @@ build:
 	$(GO) build -o bin/dlock ./cmd/dlock
 	$(GO) build -o bin/dlock-content ./cmd/dlock-content
 
+# image builds the dlock image without a container engine or a base image
+# (deploy/cmd/dlock-image): static dlock and dlock-content for each of
+# IMAGE_PLATFORMS, as an OCI layout in IMAGE_OUT (replaced), and pushed to
+# PUSH=REGISTRY/REPOSITORY:TAG when given. The same commit gives the same
+# digest (deploy/README.md, "The image").
+IMAGE_OUT ?= bin/image
+IMAGE_PLATFORMS ?= linux/amd64,linux/arm64
+image:
+	cd deploy && $(GO) run ./cmd/dlock-image --repo .. --platform $(IMAGE_PLATFORMS) \
+		--oci-layout $(abspath $(IMAGE_OUT))$(if $(PUSH), --push $(PUSH))
+
 # deploy/ is a module of its own (its tests need the Kubernetes libraries,
 # which dlock itself does not): its manifests and systemd units are checked
 # by its tests, and its code linted, as part of test and lint.
@@ -122,6 +134,6 @@ build:
 test: deploy-test
 lint: deploy-lint
 deploy-test: deps deploy-lint
-	cd deploy && $(GO) test -race -count=1 ./...
+	cd deploy && $(GO) test -race -count=1 -timeout 30m ./...
 deploy-lint:
 	cd deploy && $(GO) vet ./... && $(GO) run $(STATICCHECK) ./...
