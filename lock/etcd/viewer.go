@@ -40,8 +40,9 @@ type viewer struct {
 
 // viewIdle is how long the view's state outlives the last inspection when
 // no operator feed is open. A page of the live view keeps a feed open, and
-// reads pages only when the feed tells it something changed.
-const viewIdle = time.Minute
+// reads pages only when the feed tells it something changed. A variable
+// for tests.
+var viewIdle = time.Minute
 
 func newViewer(b *Backend) *viewer { return &viewer{b: b} }
 
@@ -69,7 +70,7 @@ func (v *viewer) idle() {
 		return
 	}
 	if wait := viewIdle - time.Since(v.last); v.feeds.Load() > 0 || wait > 0 {
-		v.timer = time.AfterFunc(max(wait, time.Second), v.idle)
+		v.timer = time.AfterFunc(max(wait, viewIdle/8), v.idle)
 		return
 	}
 	v.on.Store(false)

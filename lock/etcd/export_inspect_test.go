@@ -1,0 +1,29 @@
+package etcd
+
+import "time"
+
+// SetScanBudgetForTest sets how many keys one InspectKeys call examines,
+// until the returned func sets it back.
+func SetScanBudgetForTest(n int) func() {
+	old := scanBudget
+	scanBudget = n
+	return func() { scanBudget = old }
+}
+
+// SetViewIdleForTest sets how long the view's state outlives the last
+// inspection, until the returned func sets it back.
+func SetViewIdleForTest(d time.Duration) func() {
+	old := viewIdle
+	viewIdle = d
+	return func() { viewIdle = old }
+}
+
+// ViewForTest reports what b keeps for the operators' view: whether
+// someone looks, whether it has an index of the keys, and how many
+// indexes and operator events it built so far.
+func ViewForTest(b *Backend) (looking, indexed bool, built uint64) {
+	b.vw.idxMu.Lock()
+	indexed = b.vw.idx != nil
+	b.vw.idxMu.Unlock()
+	return b.vw.on.Load(), indexed, b.vw.built.Load()
+}
