@@ -27,3 +27,11 @@ func ViewForTest(b *Backend) (looking, indexed bool, built uint64) {
 	b.vw.idxMu.Unlock()
 	return b.vw.on.Load(), indexed, b.vw.built.Load()
 }
+
+// DropViewForTest drops b's index of the keys, as the end of a look does:
+// the next inspection builds it again.
+func DropViewForTest(b *Backend) {
+	b.w.mu.Lock()
+	b.vw.drop()
+	b.w.mu.Unlock()
+}

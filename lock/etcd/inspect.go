@@ -101,24 +101,6 @@ func (c *recCache) has(key string) bool {
 	return ok
 }
 
-// hasNode reports whether node holds k, waits for it, or completed it
-// last, as the memory engine's filter does; raw is k's cached record.
-func (b *Backend) hasNode(k lock.Key, raw []byte, node string) (keyRec, bool) {
-	quoted, _ := json.Marshal(node)
-	var rec keyRec
-	if bytes.Contains(raw, quoted) {
-		r, err := decodeKey(raw)
-		if err == nil && (r.Holder == node || (r.Done != nil && r.Done.Node == node)) {
-			return r, true
-		}
-	}
-	if b.rc.has(b.n.queueNode(k, node)) {
-		r, err := decodeKey(raw)
-		return r, err == nil
-	}
-	return rec, false
-}
-
 // InspectKeys returns a page of the keys that have a holder or waiters.
 func (b *Backend) InspectKeys(ctx context.Context, q lock.KeyQuery) (lock.KeyPage, error) {
 	from, err := parseKeyCursor(q.Cursor)
@@ -135,13 +117,17 @@ func (b *Backend) InspectKeys(ctx context.Context, q lock.KeyQuery) (lock.KeyPag
 		rec keyRec
 	}
 	var (
-		page    lock.KeyPage
-		found   []match
-		batch   []lock.Key
-		names   []string
-		more    bool
-		visited *lock.Key // the last key examined
+		page         lock.KeyPage
+		found        []match
+		batch        []lock.Key
+		names, waits []string
+		more         bool
+		visited      *lock.Key // the last key examined
 	)
+	// The node filter keeps keys the node holds, waits for, or completed
+	// last, as the memory engine's: a record that does not name it at all
+	// is not decoded, and its waiting is its queue index in the cache.
+	quoted, _ := json.Marshal(q.Node)
 	const step = 256
 	for len(found) <= limit && page.Scanned < scanBudget {
 		batch = batch[:0]
@@ -149,23 +135,28 @@ func (b *Backend) InspectKeys(ctx context.Context, q lock.KeyQuery) (lock.KeyPag
 		batch, more = x.after(from, min(step, scanBudget-page.Scanned), batch)
 		b.vw.idxMu.Unlock()
 		page.Scanned += len(batch)
-		names = names[:0]
+		names, waits = names[:0], waits[:0]
 		for _, k := range batch {
 			names = append(names, b.n.key(k))
+			if q.Node != "" {
+				waits = append(waits, b.n.queueNode(k, q.Node))
+			}
 		}
 		raws := b.rc.raws(names)
+		waiting := b.rc.raws(waits)
 		for i, k := range batch {
 			visited = &batch[i]
 			if q.Resource != "" && !strings.Contains(k.Resource, q.Resource) || raws[i] == nil {
 				continue
 			}
-			var rec keyRec
-			if q.Node != "" {
-				var ok bool
-				if rec, ok = b.hasNode(k, raws[i], q.Node); !ok {
-					continue
-				}
-			} else if rec, err = decodeKey(raws[i]); err != nil {
+			if q.Node != "" && waiting[i] == nil && !bytes.Contains(raws[i], quoted) {
+				continue
+			}
+			rec, err := decodeKey(raws[i])
+			if err != nil {
+				continue
+			}
+			if q.Node != "" && waiting[i] == nil && rec.Holder != q.Node && (rec.Done == nil || rec.Done.Node != q.Node) {
 				continue
 			}
 			if !rec.held() && rec.Queue == 0 {

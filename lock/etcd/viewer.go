@@ -32,6 +32,14 @@ type viewer struct {
 	// under the watcher's mutex, and read under idxMu alone.
 	idxMu sync.Mutex
 	idx   *keyIndex
+	// While an index is built (index), its keys are sorted without the
+	// watcher's mutex; the keys the watch changes meanwhile wait in
+	// pending, and gen tells the builder that a relist or the end of the
+	// look made what it built stale. All three under the watcher's mutex.
+	build   sync.Mutex // one builder at a time
+	pending []lock.Key
+	gen     uint64
+	growing bool
 
 	// built counts what the hooks built: indexes and operator events. It
 	// stays zero while nobody looks (a test checks).
@@ -78,9 +86,7 @@ func (v *viewer) idle() {
 	// Under the watcher's mutex, so that no hook is changing the index
 	// being dropped.
 	v.b.w.mu.Lock()
-	v.idxMu.Lock()
-	v.idx = nil
-	v.idxMu.Unlock()
+	v.drop()
 	v.b.w.mu.Unlock()
 }
 
@@ -95,7 +101,10 @@ func (v *viewer) stop() {
 }
 
 // index returns the index of the listed keys, built from the watch's table
-// if there is none: once per look, and again after a relist.
+// if there is none: once per look, and again after a relist. The keys are
+// copied under the watcher's mutex and sorted without it, so that the
+// watch does not wait for the sort (tens of milliseconds for 100,000
+// keys); what it changed meanwhile is applied before the index is used.
 func (v *viewer) index() *keyIndex {
 	v.idxMu.Lock()
 	x := v.idx
@@ -103,22 +112,40 @@ func (v *viewer) index() *keyIndex {
 	if x != nil {
 		return x
 	}
+	v.build.Lock()
+	defer v.build.Unlock()
+	v.idxMu.Lock()
+	x = v.idx
+	v.idxMu.Unlock()
+	if x != nil {
+		return x
+	}
 	w := v.b.w
 	w.mu.Lock()
-	defer w.mu.Unlock()
-	v.idxMu.Lock()
-	defer v.idxMu.Unlock()
-	if v.idx == nil {
-		keys := make([]lock.Key, 0, w.nHeld)
-		for k, ki := range w.keys {
-			if ki.held || ki.queue > 0 {
-				keys = append(keys, k)
-			}
+	keys := make([]lock.Key, 0, w.nHeld)
+	for k, ki := range w.keys {
+		if ki.held || ki.queue > 0 {
+			keys = append(keys, k)
 		}
-		v.idx = newKeyIndex(keys)
-		v.built.Add(1)
 	}
-	return v.idx
+	gen := v.gen
+	v.growing, v.pending = true, nil
+	w.mu.Unlock()
+	x = newKeyIndex(keys)
+	v.built.Add(1)
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for _, k := range v.pending {
+		ki := w.keys[k]
+		x.set(k, ki.held || ki.queue > 0)
+	}
+	v.growing, v.pending = false, nil
+	if gen == v.gen {
+		v.idxMu.Lock()
+		v.idx = x
+		v.idxMu.Unlock()
+	}
+	return x
 }
 
 // relisted drops what a relist made stale: the index (built again on the
@@ -129,10 +156,16 @@ func (v *viewer) relisted() {
 	w := v.b.w
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	v.drop()
+	v.b.ops.endAll()
+}
+
+// drop forgets the index, and makes one being built stale; w.mu held.
+func (v *viewer) drop() {
 	v.idxMu.Lock()
 	v.idx = nil
 	v.idxMu.Unlock()
-	v.b.ops.endAll()
+	v.gen++
 }
 
 // revision is the watch's hook: it keeps the index and feeds the operator
@@ -158,11 +191,14 @@ func (v *viewer) revision(evs []*clientv3.Event, rev int64) {
 			if !ok {
 				continue
 			}
-			if x != nil {
+			switch {
+			case x != nil:
 				ki := w.keys[k]
 				v.idxMu.Lock()
 				x.set(k, ki.held || ki.queue > 0)
 				v.idxMu.Unlock()
+			case v.growing:
+				v.pending = append(v.pending, k)
 			}
 			if !feeding || ev.Type == mvccpb.DELETE {
 				continue
