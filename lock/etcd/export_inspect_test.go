@@ -35,3 +35,20 @@ func DropViewForTest(b *Backend) {
 	b.vw.drop()
 	b.w.mu.Unlock()
 }
+
+// ViewBytesForTest is what b's index of the keys holds: its blocks' keys
+// (cap, as allocated) and the list of blocks, 0 when it has none. The
+// resource strings are the watch's own, shared.
+func ViewBytesForTest(b *Backend) int {
+	b.vw.idxMu.Lock()
+	defer b.vw.idxMu.Unlock()
+	x := b.vw.idx
+	if x == nil {
+		return 0
+	}
+	n := cap(x.blocks) * 24
+	for _, bl := range x.blocks {
+		n += cap(bl) * 24
+	}
+	return n
+}
