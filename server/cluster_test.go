@@ -35,6 +35,8 @@ type cluster struct {
 	epoch string // the data set's, answered by every server
 	// members are in start order; a restarted server is a new member.
 	members []*member
+	// prep, when set, is called with each member's Server before it serves.
+	prep func(*Server)
 }
 
 // member is one dlock server of a cluster.
@@ -67,12 +69,19 @@ const (
 // server (etcd.New).
 func newCluster(t testing.TB, n int, mod func(*etcd.Config)) *cluster {
 	t.Helper()
+	return newClusterPrep(t, n, mod, nil)
+}
+
+// newClusterPrep is newCluster, with prep called on each member's Server
+// before it serves.
+func newClusterPrep(t testing.TB, n int, mod func(*etcd.Config), prep func(*Server)) *cluster {
+	t.Helper()
 	cfg := etcd.DefaultConfig()
 	if mod != nil {
 		mod(&cfg)
 	}
 	cfg.Prefix = etcdtest.Prefix(t)
-	c := &cluster{t: t, etcd: etcdtest.Shared(t), cfg: cfg}
+	c := &cluster{t: t, etcd: etcdtest.Shared(t), cfg: cfg, prep: prep}
 	for range n {
 		c.start()
 	}
@@ -98,6 +107,9 @@ func (c *cluster) start() *member {
 	// No event loop: the etcd backend's calls wait on etcd
 	// (Options.EventLoop).
 	m.srv = New(b, Options{PingInterval: 50 * time.Millisecond})
+	if c.prep != nil {
+		c.prep(m.srv)
+	}
 	m.raw, err = net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		b.Close()

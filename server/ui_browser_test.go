@@ -20,6 +20,7 @@ import (
 	"github.com/chromedp/cdproto/emulation"
 	"github.com/chromedp/chromedp"
 	"github.com/chromedp/chromedp/kb"
+	"github.com/dlock/dlock/lock/etcd"
 	"github.com/dlock/dlock/lock/memory"
 )
 
@@ -116,8 +117,35 @@ type uiRow struct {
 
 // TestUIBrowser drives the live view in a real headless chromium: a holder
 // and two waiters show in order, a failed holder's hand-off arrives without
-// a reload, and the filter narrows what is shown.
+// a reload, and the filter narrows what is shown. On memory, one server; on
+// etcd, the page reads one of two servers of one data set, and the calls
+// and streams that change what it shows alternate between them.
 func TestUIBrowser(t *testing.T) {
+	t.Run("memory", func(t *testing.T) {
+		testUIBrowser(t, func(prep func(*Server)) (*env, string) {
+			e := newEnvWith(t, envConfig{
+				// What the test shows must hold still however long a
+				// loaded machine takes to start chromium: no lease or
+				// claim runs out.
+				mod:  func(c *memory.Config) { c.LockTTL = time.Hour; c.ClaimTimeout = 0 },
+				prep: prep,
+			})
+			return e, e.ts.URL
+		}, os.Getenv(screenshotEnv))
+	})
+	t.Run("etcd, two servers", func(t *testing.T) {
+		testUIBrowser(t, func(prep func(*Server)) (*env, string) {
+			c := newClusterPrep(t, 2, func(c *etcd.Config) { c.LockTTL = time.Hour; c.ClaimTimeout = 0 }, prep)
+			e := &env{t: t, srv: c.members[0].srv, c: c, subs: 1}
+			return e, c.members[0].url
+		}, "")
+	})
+}
+
+// testUIBrowser runs the browser test on the env newEnv starts, whose
+// /ui is at the URL it returns; prep is called on its servers before they
+// serve. screenshot, when not empty, is where the page's picture goes.
+func testUIBrowser(t *testing.T, newEnv func(prep func(*Server)) (*env, string), screenshot string) {
 	ctx, closeBrowser := browser(t)
 	// The page's first reads of the completions are answered only once
 	// node-a's failure has arrived on the live feed, each with the state of
@@ -126,31 +154,26 @@ func TestUIBrowser(t *testing.T) {
 	// when a loaded machine answered late).
 	snapshotsHeld := make(chan struct{})
 	release := sync.OnceFunc(func() { close(snapshotsHeld) })
-	e := newEnvWith(t, envConfig{
-		// What the test shows must hold still however long a loaded
-		// machine takes to start chromium: no lease or claim runs out.
-		mod: func(c *memory.Config) { c.LockTTL = time.Hour; c.ClaimTimeout = 0 },
-		prep: func(s *Server) {
-			rt := s.routes["/ui/api/completions"]
-			h := rt.h
-			rt.h = func(w http.ResponseWriter, r *http.Request) error {
-				select {
-				case <-snapshotsHeld:
-					return h(w, r)
-				default:
-				}
-				snap := httptest.NewRecorder()
-				err := h(snap, r)
-				select {
-				case <-snapshotsHeld:
-				case <-r.Context().Done():
-				}
-				maps.Copy(w.Header(), snap.Header())
-				w.WriteHeader(snap.Code)
-				w.Write(snap.Body.Bytes())
-				return err
+	e, uiURL := newEnv(func(s *Server) {
+		rt := s.routes["/ui/api/completions"]
+		h := rt.h
+		rt.h = func(w http.ResponseWriter, r *http.Request) error {
+			select {
+			case <-snapshotsHeld:
+				return h(w, r)
+			default:
 			}
-		},
+			snap := httptest.NewRecorder()
+			err := h(snap, r)
+			select {
+			case <-snapshotsHeld:
+			case <-r.Context().Done():
+			}
+			maps.Copy(w.Header(), snap.Header())
+			w.WriteHeader(snap.Code)
+			w.Write(snap.Body.Bytes())
+			return err
+		}
 	})
 	defer release()
 	defer closeBrowser() // before the server's cleanup, and before goleak looks
@@ -207,7 +230,7 @@ func TestUIBrowser(t *testing.T) {
 			})
 			return err
 		}),
-		chromedp.Navigate(e.ts.URL+"/ui"),
+		chromedp.Navigate(uiURL+"/ui"),
 	); err != nil {
 		t.Fatal(err)
 	}
@@ -219,6 +242,13 @@ func TestUIBrowser(t *testing.T) {
 	if row.Holder != "node-a" || !slices.Equal(row.Queue, []string{"node-b", "node-c"}) || row.Token == "" || row.Held == "" {
 		t.Fatalf("row %+v, want node-a holding and node-b, node-c waiting in that order", row)
 	}
+
+	// The three sessions' streams are open (on etcd, two of them on the
+	// other server, which tells this one while the page looks).
+	pollUI[bool](t, ctx, "three sessions, each connected", `(() => {
+		const rows = [...document.querySelectorAll('#sessions tbody tr')];
+		return rows.length === 3 && rows.every((r) => r.innerText.includes("connected") && !r.innerText.includes("in grace"));
+	})()`)
 
 	unlockAs("pull", layer, "node-a", "disk full")
 	row = pollUI[uiRow](t, ctx, "the hand-off to node-b", fmt.Sprintf(`(() => { const r = %s; return r && r.holder === "node-b" ? r : null; })()`,
@@ -269,7 +299,7 @@ func TestUIBrowser(t *testing.T) {
 		t.Fatal("the page was reloaded while filtering")
 	}
 
-	if out := os.Getenv(screenshotEnv); out != "" {
+	if out := screenshot; out != "" {
 		if !filepath.IsAbs(out) {
 			_, file, _, _ := runtime.Caller(0)
 			out = filepath.Join(filepath.Dir(file), "..", out)

@@ -12,6 +12,7 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/lock"
@@ -180,25 +181,56 @@ func TestUIKeysPaging(t *testing.T) {
 	}
 }
 
-func TestUIKeysAndCompletions(t *testing.T) {
-	e := newEnv(t, nil)
+// uiURL is the server whose /ui a test reads: with two servers, the
+// first, while calls and streams alternate between them.
+func (e *env) uiURL() string {
+	if e.c != nil {
+		return e.c.members[0].url
+	}
+	return e.ts.URL
+}
+
+// settled runs check until it reports no difference, at most kit.Patience:
+// on memory it holds at once; on etcd, once the server the view reads has
+// seen what the other server did.
+func settled(t *testing.T, check func() string) {
+	t.Helper()
+	deadline := time.Now().Add(kit.Patience)
+	for {
+		diff := check()
+		if diff == "" {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal(diff)
+		}
+		time.Sleep(20 * time.Millisecond) // a poll, not an ordering
+	}
+}
+
+func TestUIKeysAndCompletions(t *testing.T) { onBackends(t, nil, testUIKeysAndCompletions) }
+
+func testUIKeysAndCompletions(t *testing.T, e *env) {
 	for _, n := range []string{"a", "b", "c"} {
 		e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"`+n+`"}`)
 	}
 	e.call("POST", "/unlock", `{"type":"pull","resource_id":"r","node_id":"a","error":"disk full"}`)
 	e.call("POST", "/lock", `{"type":"delete","resource_id":"old","node_id":"gc"}`)
 	e.call("POST", "/unlock", `{"type":"delete","resource_id":"old","node_id":"gc"}`)
-	var p uiKeysPage
-	getJSON(t, e.ts.URL+"/ui/api/keys", &p)
-	if len(p.Keys) != 1 {
-		t.Fatalf("keys %+v", p.Keys)
-	}
-	k := p.Keys[0]
-	if k.Type != "pull" || k.ResourceID != "r" || k.Holder != "b" || k.Token == 0 || len(k.Queue) != 1 || k.Queue[0].NodeID != "c" ||
-		k.QueueLength != 1 || k.LastCompleted == nil || k.LastCompleted.NodeID != "a" || k.LastCompleted.Error != "disk full" {
-		t.Fatalf("key %+v", k)
-	}
-	var c struct {
+	settled(t, func() string {
+		var p uiKeysPage
+		getJSON(t, e.uiURL()+"/ui/api/keys", &p)
+		if len(p.Keys) != 1 {
+			return fmt.Sprintf("keys %+v", p.Keys)
+		}
+		k := p.Keys[0]
+		if k.Type != "pull" || k.ResourceID != "r" || k.Holder != "b" || k.Token == 0 || len(k.Queue) != 1 || k.Queue[0].NodeID != "c" ||
+			k.QueueLength != 1 || k.LastCompleted == nil || k.LastCompleted.NodeID != "a" || k.LastCompleted.Error != "disk full" {
+			return fmt.Sprintf("key %+v", k)
+		}
+		return ""
+	})
+	type completions struct {
 		Completions []struct {
 			Type       string `json:"type"`
 			ResourceID string `json:"resource_id"`
@@ -208,19 +240,27 @@ func TestUIKeysAndCompletions(t *testing.T) {
 			NextHolder string `json:"next_holder"`
 		} `json:"completions"`
 	}
-	getJSON(t, e.ts.URL+"/ui/api/completions", &c)
-	if len(c.Completions) != 2 || c.Completions[0].NodeID != "gc" || !c.Completions[0].Success ||
-		c.Completions[1].NodeID != "a" || c.Completions[1].Error != "disk full" || c.Completions[1].NextHolder != "b" {
-		t.Fatalf("completions %+v", c.Completions)
-	}
-	getJSON(t, e.ts.URL+"/ui/api/completions?node=a", &c)
+	settled(t, func() string {
+		var c completions
+		getJSON(t, e.uiURL()+"/ui/api/completions", &c)
+		if len(c.Completions) != 2 || c.Completions[0].NodeID != "gc" || !c.Completions[0].Success ||
+			c.Completions[1].NodeID != "a" || c.Completions[1].Error != "disk full" || c.Completions[1].NextHolder != "b" {
+			return fmt.Sprintf("completions %+v", c.Completions)
+		}
+		return ""
+	})
+	var c completions
+	getJSON(t, e.uiURL()+"/ui/api/completions?node=a", &c)
 	if len(c.Completions) != 1 || c.Completions[0].ResourceID != "r" {
 		t.Fatalf("completions of a %+v", c.Completions)
 	}
 }
 
-func TestUISessions(t *testing.T) {
-	e := newEnv(t, nil)
+// TestUISessions: on etcd, n1 and n3 stream to the other server than the
+// one whose view is read, which tells it their streams while it looks.
+func TestUISessions(t *testing.T) { onBackends(t, nil, testUISessions) }
+
+func testUISessions(t *testing.T, e *env) {
 	for _, n := range []string{"n1", "n2", "n3"} {
 		e.subscribe("node_id="+n, "").Next(t)
 	}
@@ -236,49 +276,60 @@ func TestUISessions(t *testing.T) {
 		Total int    `json:"total"`
 	}
 	var p sessions
-	getJSON(t, e.ts.URL+"/ui/api/sessions?limit=2", &p)
-	if len(p.Sessions) != 2 || p.Total != 3 || p.Next == "" || p.Sessions[0].NodeID != "n1" || p.Sessions[1].NodeID != "n2" ||
-		p.Sessions[1].Keys != 1 || p.Sessions[1].Streams != 1 || p.Sessions[1].InGrace {
-		t.Fatalf("sessions %+v", p)
-	}
-	getJSON(t, e.ts.URL+"/ui/api/sessions?limit=2&cursor="+url.QueryEscape(p.Next), &p)
-	if len(p.Sessions) != 1 || p.Sessions[0].NodeID != "n3" || p.Next != "" {
-		t.Fatalf("second page %+v", p)
-	}
+	settled(t, func() string {
+		getJSON(t, e.uiURL()+"/ui/api/sessions?limit=2", &p)
+		if len(p.Sessions) != 2 || p.Total != 3 || p.Next == "" || p.Sessions[0].NodeID != "n1" || p.Sessions[1].NodeID != "n2" ||
+			p.Sessions[0].Streams != 1 || p.Sessions[0].InGrace || p.Sessions[1].Keys != 1 || p.Sessions[1].Streams != 1 || p.Sessions[1].InGrace {
+			return fmt.Sprintf("sessions %+v", p)
+		}
+		return ""
+	})
+	settled(t, func() string {
+		var p2 sessions
+		getJSON(t, e.uiURL()+"/ui/api/sessions?limit=2&cursor="+url.QueryEscape(p.Next), &p2)
+		if len(p2.Sessions) != 1 || p2.Sessions[0].NodeID != "n3" || p2.Sessions[0].Streams != 1 || p2.Next != "" {
+			return fmt.Sprintf("second page %+v", p2)
+		}
+		return ""
+	})
 }
 
 // TestUIEvents: one operator stream carries every key's transitions in
 // order, queue joins and leaves and session changes included.
 func TestUIEvents(t *testing.T) {
 	for _, lean := range []bool{true, false} {
-		t.Run(fmt.Sprint("lean=", lean), func(t *testing.T) {
-			e := newEnvMode(t, nil, lean)
-			ops := kit.OpenStream(t, e.ts.URL+"/ui/events", "")
-			if f := ops.Next(t); f.Event != "subscribed" || f.JSON(t)["epoch"] != e.m.Info().Epoch {
-				t.Fatalf("first frame %v", f)
-			}
-			e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"a"}`)
-			e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"b"}`)
-			e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"c"}`)
-			e.call("POST", "/cancel", `{"type":"pull","resource_id":"r","node_id":"c"}`)
-			e.call("POST", "/lock", `{"type":"update","resource_id":"s","node_id":"x"}`)
-			e.call("POST", "/unlock", `{"type":"pull","resource_id":"r","node_id":"a","error":"boom"}`)
-			e.subscribe("node_id=n", "").Next(t)
-			var got []string
-			for range 8 {
-				f := ops.Next(t)
-				d := f.JSON(t) // fails unless the data names the frame's event
-				s := f.Event + ":" + d["node_id"].(string)
-				if f.Event != "session" {
-					s += "@" + d["type"].(string) + ":" + d["resource_id"].(string)
-				}
-				got = append(got, s)
-			}
-			want := "lock_assigned:a@pull:r queue_joined:b@pull:r queue_joined:c@pull:r queue_left:c@pull:r " +
-				"lock_assigned:x@update:s lock_assigned:b@pull:r operation_completed:a@pull:r session:n"
-			if strings.Join(got, " ") != want {
-				t.Fatalf("operator stream\n got %s\nwant %s", strings.Join(got, " "), want)
-			}
-		})
+		t.Run(fmt.Sprint("lean=", lean), func(t *testing.T) { testUIEvents(t, newEnvMode(t, nil, lean)) })
+	}
+	// On etcd, the stream on one server carries what calls on both did,
+	// and n's session stream opens on the other server.
+	t.Run("etcd, two servers", func(t *testing.T) { testUIEvents(t, newPairEnv(t, nil)) })
+}
+
+func testUIEvents(t *testing.T, e *env) {
+	ops := kit.OpenStream(t, e.uiURL()+"/ui/events", "")
+	if f := ops.Next(t); f.Event != "subscribed" || f.JSON(t)["epoch"] != e.backend().Info().Epoch {
+		t.Fatalf("first frame %v", f)
+	}
+	e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"a"}`)
+	e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"b"}`)
+	e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"c"}`)
+	e.call("POST", "/cancel", `{"type":"pull","resource_id":"r","node_id":"c"}`)
+	e.call("POST", "/lock", `{"type":"update","resource_id":"s","node_id":"x"}`)
+	e.call("POST", "/unlock", `{"type":"pull","resource_id":"r","node_id":"a","error":"boom"}`)
+	e.subscribe("node_id=n", "").Next(t)
+	var got []string
+	for range 8 {
+		f := ops.Next(t)
+		d := f.JSON(t) // fails unless the data names the frame's event
+		s := f.Event + ":" + d["node_id"].(string)
+		if f.Event != "session" {
+			s += "@" + d["type"].(string) + ":" + d["resource_id"].(string)
+		}
+		got = append(got, s)
+	}
+	want := "lock_assigned:a@pull:r queue_joined:b@pull:r queue_joined:c@pull:r queue_left:c@pull:r " +
+		"lock_assigned:x@update:s lock_assigned:b@pull:r operation_completed:a@pull:r session:n"
+	if strings.Join(got, " ") != want {
+		t.Fatalf("operator stream\n got %s\nwant %s", strings.Join(got, " "), want)
 	}
 }

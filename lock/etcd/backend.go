@@ -81,6 +81,11 @@ type Backend struct {
 	s      *sessions
 	keeper *keeper
 
+	// The operators' view (inspect.go): nothing while nobody looks.
+	vw   *viewer
+	ops  opTable
+	pres *presence
+
 	grants, handoffs, expiries, sessionsLost, slowStreams  atomic.Uint64
 	sessionsClosed                                         atomic.Uint64
 	refusedSessions, refusedNodeStreams, refusedQueue      atomic.Uint64
@@ -150,6 +155,7 @@ func New(ctx context.Context, cli *clientv3.Client, cfg Config) (*Backend, error
 	b.ctx, b.cancel = context.WithCancel(context.Background())
 	b.s = newSessions(b)
 	b.keeper = newKeeper(b)
+	b.vw, b.ops.b, b.pres = newViewer(b), b, newPresence(b)
 	b.w = newWatcher(b)
 	if err := b.w.start(ctx); err != nil {
 		b.cancel()
@@ -165,6 +171,8 @@ func New(ctx context.Context, cli *clientv3.Client, cfg Config) (*Backend, error
 	go b.timers()
 	go b.sweepOrphans()
 	go b.health()
+	b.wg.Add(1)
+	go b.pres.run()
 	return b, nil
 }
 
@@ -227,6 +235,10 @@ func (b *Backend) Close() error {
 	}
 	b.cancel()
 	b.s.closeAll()
+	b.vw.stop()
+	b.w.mu.Lock()
+	b.ops.endAll()
+	b.w.mu.Unlock()
 	b.w.closeAll()
 	b.wg.Wait()
 	return nil

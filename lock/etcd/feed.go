@@ -68,6 +68,7 @@ func (w *watcher) dropLocked(f *feed) {
 			} else {
 				w.streams[f.node] = l
 			}
+			w.b.ops.streamsChanged(f.node, len(l))
 		}
 	}
 }

@@ -161,6 +161,7 @@ func (b *Backend) Subscribe(ctx context.Context, req lock.SubscribeRequest) (loc
 			}
 		}
 		w.streams[req.Node] = append(w.streams[req.Node][:len(w.streams[req.Node]):len(w.streams[req.Node])], f)
+		b.ops.streamsChanged(req.Node, len(w.streams[req.Node]))
 	}
 	if o := req.Observe; o != nil {
 		l := w.observers[*o]

@@ -372,6 +372,7 @@ func (w *watcher) lost() {
 	}
 	w.mu.Unlock()
 	w.endStreams()
+	w.b.vw.relisted()
 }
 
 // endStreams ends every stream of this server and returns how many.
@@ -596,6 +597,7 @@ func (w *watcher) apply(evs []*clientv3.Event, rev int64) {
 			released = append(released, f)
 		}
 	}
+	b.vw.revision(evs, rev)
 	w.setProcessed(rev)
 	w.mu.Unlock()
 	for _, f := range released {
