@@ -189,6 +189,31 @@ func (s *haServer) Kill() {
 	}
 }
 
+// Stop sends SIGTERM, as a service manager stopping the server for an
+// upgrade does, and waits for it to exit.
+func (s *haServer) Stop() {
+	s.mu.Lock()
+	cmd, exited := s.cmd, s.exited
+	s.mu.Unlock()
+	if cmd == nil {
+		return
+	}
+	select {
+	case <-exited:
+	default:
+		syscall.Kill(cmd.Process.Pid, syscall.SIGTERM)
+		<-exited
+	}
+}
+
+// Start starts the stopped server again on its address and waits until it
+// answers.
+func (s *haServer) Start(hc *http.Client) {
+	s.t.Helper()
+	s.start()
+	s.waitUp(hc)
+}
+
 // Restart starts the killed server again on its address and waits until it
 // answers.
 func (s *haServer) Restart(hc *http.Client) {
