@@ -22,6 +22,14 @@ import (
 var tmpRoot string
 
 func TestMain(m *testing.M) {
+	// The same binary is the test hosts' init and their systemctl,
+	// journalctl and ssh (hosts_test.go, sysemu_test.go).
+	if code, ok := emulated(os.Args); ok {
+		os.Exit(code)
+	}
+	if os.Getenv(hostNameEnv) != "" {
+		os.Exit(hostInit())
+	}
 	var err error
 	tmpRoot, err = os.MkdirTemp("", "dlock-deploy-test-")
 	if err != nil {
