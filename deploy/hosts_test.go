@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -189,35 +190,47 @@ func hostInit() int {
 // login, and the Go toolchain of this test.
 func shellEnv(t *testing.T) []string {
 	t.Helper()
+	env, err := shellEnvOnce()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return slices.Clone(env)
+}
+
+var shellEnvOnce = sync.OnceValues(func() ([]string, error) {
 	emu, err := emulatorOnce()
 	if err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
-	goroot, err := exec.Command("go", "env", "GOROOT").Output()
+	goEnv := func(v string) (string, error) {
+		out, err := exec.Command("go", "env", v).Output()
+		return strings.TrimSpace(string(out)), err
+	}
+	goroot, err := goEnv("GOROOT")
 	if err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	env := []string{
-		"PATH=" + emu + ":/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:" + filepath.Join(strings.TrimSpace(string(goroot)), "bin"),
+		"PATH=" + emu + ":/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:" + filepath.Join(goroot, "bin"),
 		"HOME=/root", "USER=root", "LOGNAME=root", "LANG=C.UTF-8", "DEBIAN_FRONTEND=noninteractive",
-		"DLOCK_DEPLOY_HOSTS=" + hostsDir(t),
+		"DLOCK_DEPLOY_HOSTS=" + filepath.Join(tmpRoot, "hosts"),
 	}
 	for _, kv := range os.Environ() {
 		if strings.HasPrefix(kv, "GO") {
 			env = append(env, kv)
 		}
 	}
-	// The toolchain's caches as this test's go sees them: the overlaid
-	// /root would hide what it wrote there.
+	// The toolchain's caches where this test's go has them: what go
+	// wrote under the overlaid /root would be the host's alone, and lost.
 	for _, v := range []string{"GOCACHE", "GOMODCACHE", "GOPATH"} {
-		out, err := exec.Command("go", "env", v).Output()
+		val, err := goEnv(v)
 		if err != nil {
-			t.Fatal(err)
+			return nil, err
 		}
-		env = append(env, v+"="+strings.TrimSpace(string(out)))
+		env = append(env, v+"="+val)
 	}
-	return env
-}
+	return env, nil
+})
 
 // sh runs script with sh -e on the host, from the repository's root, and
 // returns what it printed. Its output goes to a file, not a pipe: what it
