@@ -34,6 +34,7 @@ var readmeWalks = []struct {
 			`"status":"ok"`,
 			"tls=true", "token_file=/run/credentials/dlock.service/tokens",
 			`address = "/run/dlock-content/content.sock"`,
+			`disabled_plugins = ["io.containerd.content.v1.content"]`,
 			"socket=/run/dlock-content/content.sock",
 			"1 node(s) node-1",
 		},
