@@ -24,7 +24,8 @@ fuzz:
 # dlock image pushed, pulled and run by deploy's TestImageContainerd),
 # redis-server and etcd-server (dlock bench --compare), chromium (the live
 # view's browser test) and systemd for systemd-analyze (deploy/systemd's
-# units), openssl and curl (docs/mkcerts.sh, served and called with mTLS),
+# units), openssl and curl (docs/mkcerts.sh, served and called with mTLS;
+# deploy/README.md's walks also run etcd-server, containerd and ctr),
 # and iptables (internal/netfault's partitions on loopback addresses; the
 # rules a killed run left are removed by the next: by netfault's TestMain,
 # and before the first rule of every test binary). Without root those

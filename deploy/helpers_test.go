@@ -22,6 +22,14 @@ import (
 var tmpRoot string
 
 func TestMain(m *testing.M) {
+	// The same binary is the test hosts' init and their systemctl,
+	// journalctl and ssh (hosts_test.go, sysemu_test.go).
+	if code, ok := emulated(os.Args); ok {
+		os.Exit(code)
+	}
+	if os.Getenv(hostNameEnv) != "" {
+		os.Exit(hostInit())
+	}
 	var err error
 	tmpRoot, err = os.MkdirTemp("", "dlock-deploy-test-")
 	if err != nil {
@@ -77,8 +85,27 @@ func helpOf(t *testing.T) knownEnv {
 			t.Fatalf("%s %s: found only %d flags in:\n%s", b.name, strings.Join(b.args, " "), len(env[b.name]), out)
 		}
 	}
+	// etcd's own variables, from Debian's etcd (make deps installs it):
+	// the StatefulSet of kubernetes/ha is checked against them.
+	if _, err := exec.LookPath("etcd"); err != nil {
+		if os.Geteuid() == 0 {
+			t.Fatal("etcd is not installed: `make deps` installs Debian's etcd-server")
+		}
+		t.Log("NOTE: etcd is not installed: the etcd StatefulSet's ETCD_ variables are NOT checked; run `make deps` as root")
+		return env
+	}
+	out, _ := exec.Command("etcd", "--help").CombinedOutput()
+	env["etcd"] = map[string]bool{}
+	for _, m := range etcdFlagLine.FindAllStringSubmatch(string(out), -1) {
+		env["etcd"][envName("ETCD", m[1])] = true
+	}
+	if len(env["etcd"]) < 20 {
+		t.Fatalf("etcd --help: found only %d flags in:\n%s", len(env["etcd"]), out)
+	}
 	return env
 }
+
+var etcdFlagLine = regexp.MustCompile(`(?m)^\s+--([a-z0-9-]+)`)
 
 func envName(prefix, flag string) string {
 	return prefix + "_" + strings.ToUpper(strings.ReplaceAll(flag, "-", "_"))

@@ -1,12 +1,9 @@
 package deploy
 
 import (
-	"bufio"
-	"bytes"
 	"errors"
 	"fmt"
-	"io"
-	"net/http"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path"
@@ -14,16 +11,18 @@ import (
 	"regexp"
 	"slices"
 	"strings"
-	"syscall"
 	"testing"
-	"time"
 
 	srvconfig "github.com/containerd/containerd/v2/cmd/containerd/server/config"
 	"github.com/pelletier/go-toml/v2"
 )
 
-// The files of deploy/systemd, as deploy/README.md installs them.
-var systemdFiles = []string{"dlock.service", "dlock-content.service", "dlock.env", "dlock-content.env"}
+// The files of deploy/systemd, as deploy/README.md installs them: units,
+// their drop-ins, env files.
+var systemdFiles = []string{
+	"dlock.service", "dlock.service.d/etcd.conf", "dlock.service.d/mtls.conf", "dlock.env", "dlock-ha.env",
+	"dlock-content.service", "dlock-content.service.d/mtls.conf", "dlock-content.env",
+}
 
 const installedBin = "/usr/local/bin/"
 
@@ -37,12 +36,35 @@ func readSystemd(t *testing.T) map[string]string {
 		}
 		files[f] = string(b)
 	}
+	err := filepath.WalkDir("systemd", func(p string, d fs.DirEntry, err error) error {
+		if err == nil && !d.IsDir() && !slices.Contains(systemdFiles, strings.TrimPrefix(p, "systemd/")) {
+			t.Errorf("%s is not checked: add it to systemdFiles", p)
+		}
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 	return files
 }
 
-// systemdAnalyze finds systemd-analyze (Debian's systemd package). Without
-// it the unit tests can only skip, and only when `make deps` could not have
-// installed it.
+// withDropIns is a unit as systemd reads it: the file, then its drop-ins
+// among files in the order of their names.
+func withDropIns(files map[string]string, name string) unit {
+	u := parseUnit(files[name])
+	var dropIns []string
+	for f := range files {
+		if strings.HasPrefix(f, name+".d/") {
+			dropIns = append(dropIns, f)
+		}
+	}
+	slices.Sort(dropIns)
+	for _, f := range dropIns {
+		parseUnitInto(u, files[f])
+	}
+	return u
+}
+
 func systemdAnalyze(t *testing.T) string {
 	t.Helper()
 	p, err := exec.LookPath("systemd-analyze")
@@ -60,22 +82,44 @@ type unit map[string]map[string][]string
 
 func parseUnit(s string) unit {
 	u := unit{}
+	parseUnitInto(u, s)
+	return u
+}
+
+// parseUnitInto adds a unit file's or a drop-in's settings to u as systemd
+// does: a line that ends in a backslash goes on, and an empty assignment
+// (ExecStart=) drops the values before it.
+func parseUnitInto(u unit, s string) {
 	sec := ""
+	cont := ""
 	for line := range strings.Lines(s) {
 		line = strings.TrimSpace(line)
+		if cont != "" {
+			line, cont = cont+" "+line, ""
+		}
+		if strings.HasSuffix(line, "\\") && line[0] != '#' && line[0] != ';' {
+			cont = strings.TrimSuffix(line, "\\")
+			continue
+		}
 		switch {
 		case line == "" || line[0] == '#' || line[0] == ';':
 		case line[0] == '[':
 			sec = strings.Trim(line, "[]")
-			u[sec] = map[string][]string{}
+			if u[sec] == nil {
+				u[sec] = map[string][]string{}
+			}
 		default:
 			k, v, _ := strings.Cut(line, "=")
-			if u[sec] != nil {
+			k, v = strings.TrimSpace(k), strings.TrimSpace(v)
+			switch {
+			case u[sec] == nil:
+			case v == "":
+				delete(u[sec], k)
+			default:
 				u[sec][k] = append(u[sec][k], v)
 			}
 		}
 	}
-	return u
 }
 
 func (u unit) get(sec, key string) string {
@@ -115,9 +159,10 @@ func parseEnv(s string) (set map[string]string, named []string) {
 	return set, named
 }
 
-// checkSystemd runs systemd-analyze verify on the units, installed as
-// deploy/README.md says but with ExecStart pointing at freshly built
-// binaries, and checks what the units and env files must agree on.
+// checkSystemd runs systemd-analyze verify on the units and their
+// drop-ins, installed as deploy/README.md says but with ExecStart pointing
+// at freshly built binaries, and checks what the units, drop-ins and env
+// files must agree on.
 func checkSystemd(analyze, bin string, files map[string]string, env knownEnv) error {
 	var errs []error
 	fail := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
@@ -128,13 +173,22 @@ func checkSystemd(analyze, bin string, files map[string]string, env knownEnv) er
 	}
 	defer os.RemoveAll(dir)
 	var paths []string
-	for _, f := range []string{"dlock.service", "dlock-content.service"} {
+	for _, f := range systemdFiles {
+		if strings.HasSuffix(f, ".env") {
+			continue
+		}
 		p := filepath.Join(dir, f)
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			return err
+		}
 		if err := os.WriteFile(p, []byte(strings.ReplaceAll(files[f], installedBin, bin+"/")), 0o644); err != nil {
 			return err
 		}
-		paths = append(paths, p)
+		if !strings.Contains(f, "/") {
+			paths = append(paths, p)
+		}
 	}
+	// verify reads the drop-ins beside each unit (NAME.d/*.conf).
 	cmd := exec.Command(analyze, append([]string{"verify", "--man=no"}, paths...)...)
 	out, err := cmd.CombinedOutput()
 	// verify exits 0 on unknown keys and bad values ("…, ignoring"), so
@@ -150,7 +204,7 @@ func checkSystemd(analyze, bin string, files map[string]string, env knownEnv) er
 		fail("systemd-analyze verify: %v\n%s", err, out)
 	}
 
-	for _, f := range []struct{ file, binary string }{{"dlock.env", "dlock"}, {"dlock-content.env", "dlock-content"}} {
+	for _, f := range []struct{ file, binary string }{{"dlock.env", "dlock"}, {"dlock-ha.env", "dlock"}, {"dlock-content.env", "dlock-content"}} {
 		_, named := parseEnv(files[f.file])
 		for _, n := range named {
 			if !env[f.binary][n] {
@@ -159,9 +213,10 @@ func checkSystemd(analyze, bin string, files map[string]string, env knownEnv) er
 		}
 	}
 
-	d := parseUnit(files["dlock.service"])
-	c := parseUnit(files["dlock-content.service"])
+	d := withDropIns(files, "dlock.service")
+	c := withDropIns(files, "dlock-content.service")
 	for name, u := range map[string]unit{"dlock.service": d, "dlock-content.service": c} {
+		binary := strings.TrimSuffix(name, ".service")
 		for key, want := range map[string]string{"ProtectSystem": "strict", "NoNewPrivileges": "yes", "Type": "exec"} {
 			if got := u.get("Service", key); got != want {
 				fail("%s: %s=%s, want %s", name, key, got, want)
@@ -173,6 +228,21 @@ func checkSystemd(analyze, bin string, files map[string]string, env knownEnv) er
 		if u.get("Service", "User") == "" && u.get("Service", "DynamicUser") != "yes" {
 			fail("%s: runs as root: set DynamicUser=yes or User=", name)
 		}
+		vars := map[string]string{}
+		for _, line := range u["Service"]["Environment"] {
+			words, err := splitWords(line)
+			if err != nil {
+				fail("%s: Environment=%s: %v", name, line, err)
+			}
+			for _, w := range words {
+				k, v, _ := strings.Cut(w, "=")
+				vars[k] = v
+				if !env[binary][k] {
+					fail("%s: Environment=: %s reads no variable %s", name, binary, k)
+				}
+			}
+		}
+		checkCredentials(fail, name, u, vars)
 	}
 	if ef := d.get("Service", "EnvironmentFile"); ef != "/etc/dlock/dlock.env" {
 		fail("dlock.service: EnvironmentFile=%s, want /etc/dlock/dlock.env", ef)
@@ -181,13 +251,66 @@ func checkSystemd(analyze, bin string, files map[string]string, env knownEnv) er
 		fail("dlock-content.service: EnvironmentFile=%s, want /etc/dlock/dlock-content.env", ef)
 	}
 	// dlock's durable state in the unit's StateDirectory, whatever the
-	// env file says.
-	if d.get("Service", "StateDirectory") != "dlock" || !strings.Contains(d.get("Service", "ExecStart"), "--data-dir=${STATE_DIRECTORY}") {
+	// env file says; identities on, from the credentials.
+	start := d.get("Service", "ExecStart")
+	if d.get("Service", "StateDirectory") != "dlock" || !strings.Contains(start, "--data-dir=${STATE_DIRECTORY}") {
 		fail("dlock.service: --data-dir must be ${STATE_DIRECTORY} of StateDirectory=dlock")
 	}
+	for _, f := range []string{"--token-file=%d/", "--tls-cert=%d/", "--tls-key=%d/"} {
+		if !strings.Contains(start, f) {
+			fail("dlock.service: ExecStart has no %s…: the server must take its token file and TLS files from its credentials", f)
+		}
+	}
+	cstart := c.get("Service", "ExecStart")
+	for _, f := range []string{"--ca=%d/", "--token-file=%d/"} {
+		if !strings.Contains(cstart, f) {
+			fail("dlock-content.service: ExecStart has no %s…", f)
+		}
+	}
 	dEnv, _ := parseEnv(files["dlock.env"])
-	if dEnv["DLOCK_REFCOUNT"] != "server" {
-		fail("dlock.env: DLOCK_REFCOUNT=%q: dlock-content refuses to start without server", dEnv["DLOCK_REFCOUNT"])
+	haEnv, _ := parseEnv(files["dlock-ha.env"])
+	cEnv, _ := parseEnv(files["dlock-content.env"])
+	for f, e := range map[string]map[string]string{"dlock.env": dEnv, "dlock-ha.env": haEnv} {
+		if e["DLOCK_REFCOUNT"] != "server" {
+			fail("%s: DLOCK_REFCOUNT=%q: dlock-content refuses to start without server", f, e["DLOCK_REFCOUNT"])
+		}
+	}
+	if b := dEnv["DLOCK_BACKEND"]; b != "" && b != "memory" {
+		fail("dlock.env: DLOCK_BACKEND=%s: this file is the memory backend's", b)
+	}
+	// The etcd variant: dlock-ha.env names an etcd over TLS, whose CA
+	// and client certificate the drop-in gives.
+	if haEnv["DLOCK_BACKEND"] != "etcd" {
+		fail("dlock-ha.env: DLOCK_BACKEND=%q, want etcd", haEnv["DLOCK_BACKEND"])
+	}
+	eps := strings.Split(haEnv["DLOCK_ETCD_ENDPOINTS"], ",")
+	for _, ep := range eps {
+		if !strings.HasPrefix(ep, "https://") {
+			fail("dlock-ha.env: DLOCK_ETCD_ENDPOINTS: %q is not https://", ep)
+		}
+	}
+	if len(eps) < 3 {
+		fail("dlock-ha.env: DLOCK_ETCD_ENDPOINTS names %d members, want the 3 of deploy/README.md", len(eps))
+	}
+	etcdConf := parseUnit(files["dlock.service.d/etcd.conf"])
+	etcdVars := map[string]bool{}
+	for _, line := range etcdConf["Service"]["Environment"] {
+		words, _ := splitWords(line)
+		for _, w := range words {
+			k, _, _ := strings.Cut(w, "=")
+			etcdVars[k] = true
+		}
+	}
+	for _, v := range []string{"DLOCK_ETCD_CA", "DLOCK_ETCD_CERT", "DLOCK_ETCD_KEY"} {
+		if !etcdVars[v] {
+			fail("dlock.service.d/etcd.conf: does not set %s", v)
+		}
+	}
+	if !slices.Contains(etcdConf.all("Unit", "After"), "etcd.service") {
+		fail("dlock.service.d/etcd.conf: not After=etcd.service")
+	}
+	if !strings.HasPrefix(cEnv["DLOCK_CONTENT_SERVER"], "https://") {
+		fail("dlock-content.env: DLOCK_CONTENT_SERVER=%s: the server speaks https", cEnv["DLOCK_CONTENT_SERVER"])
 	}
 
 	// dlock-content: before containerd, started with it, writing only to
@@ -203,7 +326,6 @@ func checkSystemd(analyze, bin string, files map[string]string, env knownEnv) er
 	if u := c.get("Service", "User"); u == "" || u == "dlock" {
 		fail("dlock-content.service: User=%q: want a user of its own (the shared root's files are its)", u)
 	}
-	cEnv, _ := parseEnv(files["dlock-content.env"])
 	sock := cEnv["DLOCK_CONTENT_SOCKET"]
 	if rd := c.get("Service", "RuntimeDirectory"); rd == "" || path.Dir(sock) != path.Join("/run", rd) {
 		fail("dlock-content.env: DLOCK_CONTENT_SOCKET=%s is not in the unit's RuntimeDirectory=%s", sock, rd)
@@ -225,6 +347,40 @@ func checkSystemd(analyze, bin string, files map[string]string, env knownEnv) er
 	return errors.Join(errs...)
 }
 
+var credentialRef = regexp.MustCompile(`%d/([^ "']+)`)
+
+// checkCredentials: every credential a unit loads is used (%d/ID on its
+// command line or in Environment=), every one used is loaded, and each
+// comes from a root-only file under /etc/dlock.
+func checkCredentials(fail func(string, ...any), name string, u unit, vars map[string]string) {
+	loaded := map[string]bool{}
+	for _, c := range u.all("Service", "LoadCredential") {
+		id, src, _ := strings.Cut(c, ":")
+		loaded[id] = true
+		if !strings.HasPrefix(src, "/etc/dlock/") {
+			fail("%s: LoadCredential=%s: want a file under /etc/dlock/ (deploy/README.md installs them there)", name, c)
+		}
+	}
+	used := map[string]bool{}
+	refs := []string{u.get("Service", "ExecStart")}
+	for _, v := range vars {
+		refs = append(refs, v)
+	}
+	for _, r := range refs {
+		for _, m := range credentialRef.FindAllStringSubmatch(r, -1) {
+			used[m[1]] = true
+			if !loaded[m[1]] {
+				fail("%s: %%d/%s names no LoadCredential= of the unit", name, m[1])
+			}
+		}
+	}
+	for id := range loaded {
+		if !used[id] {
+			fail("%s: the credential %s is loaded and never used", name, id)
+		}
+	}
+}
+
 func TestSystemdUnits(t *testing.T) {
 	analyze := systemdAnalyze(t)
 	if err := checkSystemd(analyze, binDir(t), readSystemd(t), helpOf(t)); err != nil {
@@ -243,12 +399,25 @@ func TestSystemdTypos(t *testing.T) {
 		{"dlock.service", "ExecStart=/usr/local/bin/dlock ", "ExecStart=/usr/local/bin/dlok ", "dlok"},
 		{"dlock.service", "RestrictAddressFamilies=AF_INET ", "RestrictAddressFamilies=AF_INTE ", "AF_INTE"},
 		{"dlock.service", "[Service]", "[Servcie]", "Servcie"},
+		{"dlock.service", "LoadCredential=tokens:", "LoadCredential=token:", "%d/tokens names no LoadCredential"},
+		{"dlock.service", "--tls-key=%d/tls.key", "--tls-key=%d/tls.crt", "tls.key is loaded and never used"},
+		{"dlock.service", "LoadCredential=tls.crt:/etc/dlock/pki/server.crt", "LoadCredentials=tls.crt:/etc/dlock/pki/server.crt", "Unknown key"},
+		{"dlock.service.d/etcd.conf", "DLOCK_ETCD_CA=%d/etcd-ca.crt", "DLOCK_ETCD_CAS=%d/etcd-ca.crt", "DLOCK_ETCD_CAS"},
+		{"dlock.service.d/etcd.conf", "LoadCredential=etcd.key:", "LoadCredential=etcd-key:", "%d/etcd.key names no LoadCredential"},
+		{"dlock.service.d/etcd.conf", "[Service]", "[Servise]", "Servise"},
+		{"dlock.service.d/mtls.conf", "DLOCK_CLIENT_CA=", "DLOCK_CLIENTCA=", "DLOCK_CLIENTCA"},
 		{"dlock-content.service", "Before=containerd.service", "Before=containerd.socket", "Before=containerd.service"},
 		{"dlock-content.service", "ReadWritePaths=/srv/dlock-content", "ReadWritePaths=/srv/dlock-contents", "ReadWritePaths"},
 		{"dlock-content.service", "ExecStart=/usr/local/bin/dlock-content", "ExecStart=/usr/local/bin/dlock-contnet", "dlock-contnet"},
+		{"dlock-content.service", "--ca=%d/ca.crt", "--ca=%d/ca.cert", "%d/ca.cert names no LoadCredential"},
+		{"dlock-content.service.d/mtls.conf", "DLOCK_CONTENT_KEY=", "DLOCK_CONTENT_KYE=", "DLOCK_CONTENT_KYE"},
 		{"dlock.env", "DLOCK_REFCOUNT=server", "DLOCK_REFCOUNTS=server", "DLOCK_REFCOUNTS"},
 		{"dlock.env", "#DLOCK_SESSION_GRACE=5s", "#DLOCK_SESION_GRACE=5s", "DLOCK_SESION_GRACE"},
+		{"dlock-ha.env", "DLOCK_BACKEND=etcd", "DLOCK_BACKEND=etc", "want etcd"},
+		{"dlock-ha.env", "DLOCK_ETCD_ENDPOINTS=https://10.0.0.1:2379", "DLOCK_ETCD_ENDPOINTS=http://10.0.0.1:2379", "not https"},
+		{"dlock-ha.env", "DLOCK_REFCOUNT=server", "DLOCK_REFCOUNT=off", "DLOCK_REFCOUNT"},
 		{"dlock-content.env", "DLOCK_CONTENT_SOCKET=/run/dlock-content/content.sock", "DLOCK_CONTENT_SOCKET=/run/dlock/content.sock", "RuntimeDirectory"},
+		{"dlock-content.env", "DLOCK_CONTENT_SERVER=https://", "DLOCK_CONTENT_SERVER=http://", "speaks https"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.file+":"+tc.new, func(t *testing.T) {
@@ -269,130 +438,79 @@ func TestSystemdTypos(t *testing.T) {
 	}
 }
 
-// TestSystemdExecStart runs both units' ExecStart by hand, with their env
-// files, as systemd would (this machine has no systemd as PID 1): the
-// server must answer /healthz, and dlock-content, which refuses to start
-// unless the server counts references, must open its socket. Only where
-// this machine differs from an installed one is a flag added (flags win
-// over the env files): the server listens on a free local port, and the
-// plugin's root and socket are in a temporary directory.
-func TestSystemdExecStart(t *testing.T) {
+// TestSystemdCredentials starts both units with their mTLS drop-ins on a
+// test host (hosts_test.go), installed as deploy/README.md installs them,
+// with credentials from docs/mkcerts.sh and `dlock token new`: the server
+// runs as its dynamic user, not root, reads the copies systemd made for it
+// (mode 0400 in a directory of mode 0500, both its own), and refuses a
+// client without a certificate; dlock-content, as its user, serves with
+// its own certificate and token.
+func TestSystemdCredentials(t *testing.T) {
+	h := newHost(t, "dlock1")
 	bin := binDir(t)
-	files := readSystemd(t)
-	dir := t.TempDir()
-	state := filepath.Join(dir, "state")
-	if err := os.Mkdir(state, 0o700); err != nil {
-		t.Fatal(err)
+	out := h.mustSh(t, `
+install -m 0755 `+bin+`/dlock `+bin+`/dlock-content /usr/local/bin/
+install -m 0644 deploy/systemd/dlock.service deploy/systemd/dlock-content.service /etc/systemd/system/
+install -D -m 0644 deploy/systemd/dlock.service.d/mtls.conf /etc/systemd/system/dlock.service.d/mtls.conf
+install -D -m 0644 deploy/systemd/dlock-content.service.d/mtls.conf /etc/systemd/system/dlock-content.service.d/mtls.conf
+install -d /etc/dlock/pki
+install -m 0644 deploy/systemd/dlock.env deploy/systemd/dlock-content.env /etc/dlock/
+sed -i 's/^DLOCK_LISTEN=.*/DLOCK_LISTEN=127.0.0.9:7380/' /etc/dlock/dlock.env
+sed -i 's|^DLOCK_CONTENT_SERVER=.*|DLOCK_CONTENT_SERVER=https://127.0.0.9:7380|' /etc/dlock/dlock-content.env
+echo DLOCK_CONTENT_NODE=node-1 >> /etc/dlock/dlock-content.env
+DLOCK_SERVER_SANS=IP:127.0.0.9 sh docs/mkcerts.sh /root/pki node-1
+(umask 077 && dlock token new '*' > /etc/dlock/tokens && dlock token new node-1 >> /etc/dlock/tokens)
+install -m 0600 /root/pki/server.crt /root/pki/server.key /root/pki/ca.crt /etc/dlock/pki/
+(umask 077 && grep ' node-1$' /etc/dlock/tokens > /etc/dlock/dlock-content.token)
+install -m 0600 /root/pki/node-1.crt /etc/dlock/dlock-content.crt
+install -m 0600 /root/pki/node-1.key /etc/dlock/dlock-content.key
+useradd --system --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin dlock-content
+install -d -o dlock-content -g dlock-content /srv/dlock-content
+systemctl start dlock.service
+curl -fsS --retry 20 --retry-delay 1 --retry-all-errors --cacert /root/pki/ca.crt https://127.0.0.9:7380/healthz
+echo
+systemctl start dlock-content.service
+i=0; until journalctl -u dlock-content.service | grep 'dlock-content serving'; do
+	i=$((i + 1)); [ $i -lt 300 ]; sleep 0.2
+done
+pid=$(cut -d' ' -f1 /run/dlock-deploy-units/dlock.service.pid)
+echo "server uid $(awk '/^Uid:/ { print $2 }' /proc/$pid/status)"
+stat -c 'cred %n %u %a' /run/credentials/dlock.service /run/credentials/dlock.service/*
+journalctl -u dlock.service | grep 'dlock serving'
+if dlock status --server https://127.0.0.9:7380 --ca /root/pki/ca.crt --token-file /etc/dlock/dlock-content.token \
+	--node node-1 --resource r >/dev/null 2>&1; then echo "answered without a certificate"; fi
+dlock status --server https://127.0.0.9:7380 --ca /root/pki/ca.crt --token-file /etc/dlock/dlock-content.token \
+	--cert /root/pki/node-1.crt --key /root/pki/node-1.key --node node-1 --resource r --human
+systemctl stop dlock-content.service dlock.service
+echo "left: $(ls /run/credentials)"
+`)
+	t.Log(out)
+	uid := regexp.MustCompile(`server uid (\d+)`).FindStringSubmatch(out)
+	if uid == nil || uid[1] == "0" {
+		t.Fatalf("the server runs as root, or its uid is unknown")
 	}
-
-	server := start(t, bin, files, "dlock.service", "dlock.env", map[string]string{"STATE_DIRECTORY": state}, "--listen=127.0.0.1:0")
-	addr := server.waitLog(t, regexp.MustCompile(`msg="dlock serving" addr=(\S+)`))
-	resp, err := http.Get("http://" + addr + "/healthz")
-	if err != nil {
-		t.Fatal(err)
+	creds := regexp.MustCompile(`cred (\S+) (\d+) (\d+)`).FindAllStringSubmatch(out, -1)
+	if len(creds) != 5 { // the directory, client-ca.crt, tls.crt, tls.key, tokens
+		t.Fatalf("credentials: %q", creds)
 	}
-	resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		t.Fatalf("/healthz: %s", resp.Status)
-	}
-	if _, err := os.Stat(filepath.Join(state, "refcount.db")); err != nil {
-		t.Fatalf("the server keeps no references in its StateDirectory: %v", err)
-	}
-
-	sock := filepath.Join(dir, "content.sock")
-	content := start(t, bin, files, "dlock-content.service", "dlock-content.env", nil,
-		"--server=http://"+addr, "--root="+filepath.Join(dir, "shared"), "--socket="+sock)
-	content.waitLog(t, regexp.MustCompile(`msg="dlock-content (serving)"`))
-	if fi, err := os.Stat(sock); err != nil || fi.Mode().Type() != os.ModeSocket {
-		t.Fatalf("dlock-content serves but %s is no socket: %v", sock, err)
-	}
-	content.stop(t)
-	server.stop(t)
-}
-
-type process struct {
-	cmd   *exec.Cmd
-	lines chan string
-	log   *bytes.Buffer
-	done  chan struct{}
-}
-
-// start runs a unit's ExecStart with its env file (and extra variables
-// systemd sets, and extra flags), as the README's "by hand" step does.
-func start(t *testing.T, bin string, files map[string]string, unitFile, envFile string, extra map[string]string, flags ...string) *process {
-	t.Helper()
-	env, _ := parseEnv(files[envFile])
-	for k, v := range extra {
-		env[k] = v
-	}
-	args := strings.Fields(parseUnit(files[unitFile]).get("Service", "ExecStart"))
-	for i, a := range args {
-		args[i] = os.Expand(a, func(k string) string { return env[k] })
-	}
-	args[0] = strings.Replace(args[0], installedBin, bin+"/", 1)
-	cmd := exec.Command(args[0], append(args[1:], flags...)...)
-	cmd.Env = []string{"PATH=/usr/bin:/bin", "HOME=" + t.TempDir()}
-	for k, v := range env {
-		cmd.Env = append(cmd.Env, k+"="+v)
-	}
-	stderr, err := cmd.StderrPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	p := &process{cmd: cmd, lines: make(chan string, 100), log: &bytes.Buffer{}, done: make(chan struct{})}
-	go func() {
-		defer close(p.done)
-		sc := bufio.NewScanner(stderr)
-		for sc.Scan() {
-			select {
-			case p.lines <- sc.Text():
-			default:
-			}
+	for _, c := range creds {
+		want := "400"
+		if c[1] == "/run/credentials/dlock.service" {
+			want = "500"
 		}
-		io.Copy(io.Discard, stderr)
-	}()
-	t.Cleanup(func() {
-		if p.cmd.ProcessState == nil {
-			p.cmd.Process.Kill()
-			<-p.done
-			p.cmd.Wait()
-		}
-	})
-	return p
-}
-
-// waitLog waits for a log line matching re and returns its first group. The
-// deadline only keeps a broken start from hanging the test.
-func (p *process) waitLog(t *testing.T, re *regexp.Regexp) string {
-	t.Helper()
-	deadline := time.After(60 * time.Second)
-	for {
-		select {
-		case line := <-p.lines:
-			p.log.WriteString(line + "\n")
-			if m := re.FindStringSubmatch(line); m != nil {
-				return m[1]
-			}
-		case <-p.done:
-			p.cmd.Wait()
-			t.Fatalf("%s exited (%v) before logging %s:\n%s", p.cmd.Path, p.cmd.ProcessState, re, p.log)
-		case <-deadline:
-			t.Fatalf("%s did not log %s:\n%s", p.cmd.Path, re, p.log)
+		if c[2] != uid[1] || c[3] != want {
+			t.Errorf("%s: owner %s mode %s, want the server's uid %s and mode %s", c[1], c[2], c[3], uid[1], want)
 		}
 	}
-}
-
-// stop sends SIGTERM, as systemctl stop does, and expects a clean exit.
-func (p *process) stop(t *testing.T) {
-	t.Helper()
-	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
-		t.Fatal(err)
+	for _, s := range []string{`"status":"ok"`, "tls=true client_ca=true token_file=/run/credentials/dlock.service/tokens", "dlock-content serving", "pull:r free"} {
+		if !strings.Contains(out, s) {
+			t.Errorf("the output does not show %q", s)
+		}
 	}
-	<-p.done // the reader never blocks: it drops lines nobody waits for
-	if err := p.cmd.Wait(); err != nil {
-		t.Fatalf("%s after SIGTERM: %v", p.cmd.Path, err)
+	if strings.Contains(out, "answered without a certificate") {
+		t.Error("the server answered a client without a client certificate")
+	}
+	if left := regexp.MustCompile(`left: (.*)`).FindStringSubmatch(out); left == nil || strings.TrimSpace(left[1]) != "" {
+		t.Errorf("stopping the units left their credentials behind: %q", left)
 	}
 }

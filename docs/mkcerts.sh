@@ -5,10 +5,13 @@
 #
 #   DIR/ca.crt, DIR/ca.key          a CA for dlock alone (made once; an
 #                                   existing one is reused, so running the
-#                                   script again rotates the other files)
+#                                   script again rotates the other files),
+#                                   named $DLOCK_CA_NAME (default "dlock CA")
 #   DIR/server.crt, DIR/server.key  the server's certificate, for the names
 #                                   in $DLOCK_SERVER_SANS (default
-#                                   DNS:localhost,IP:127.0.0.1,IP:::1)
+#                                   DNS:localhost,IP:127.0.0.1,IP:::1) and
+#                                   the extended key usages in
+#                                   $DLOCK_SERVER_USAGE (default serverAuth)
 #   DIR/NODE.crt, DIR/NODE.key      one client certificate per node: its
 #                                   Subject CN and its DNS SAN are the node
 #                                   id; the node id "*" makes an operator's
@@ -17,12 +20,26 @@
 # Serve:   dlock serve --tls-cert DIR/server.crt --tls-key DIR/server.key \
 #                      --client-ca DIR/ca.crt
 # Rotate:  run the script again, then kill -HUP the server.
+#
+# The same script makes the certificates of an etcd cluster that dlock
+# servers use (deploy/README.md), with a CA of its own, which must not be
+# dlock's: etcd lets in any client certificate its CA signed. Its members
+# connect to each other too, so their certificate is also a client's:
+#
+#   DLOCK_CA_NAME='dlock etcd CA' DLOCK_SERVER_USAGE=serverAuth,clientAuth \
+#   DLOCK_SERVER_SANS=IP:10.0.0.1,IP:10.0.0.2,IP:10.0.0.3 \
+#       sh docs/mkcerts.sh DIR dlock
+#
+# makes the members' certificate (server.crt) and the dlock servers'
+# client certificate for etcd (dlock.crt).
 set -eu
 
 dir=${1:?usage: mkcerts.sh DIR [NODE...]}
 shift
 days=${DLOCK_CERT_DAYS:-365}
 sans=${DLOCK_SERVER_SANS:-DNS:localhost,IP:127.0.0.1,IP:::1}
+usage=${DLOCK_SERVER_USAGE:-serverAuth}
+ca_name=${DLOCK_CA_NAME:-dlock CA}
 mkdir -p "$dir"
 umask 077 # keys readable by their owner only
 
@@ -30,7 +47,7 @@ umask 077 # keys readable by their owner only
 # a certificate for any node, or an operator's.
 if [ ! -f "$dir/ca.key" ]; then
 	openssl req -x509 -new -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -sha256 \
-		-days 3650 -subj "/CN=dlock CA" -keyout "$dir/ca.key" -out "$dir/ca.crt" \
+		-days 3650 -subj "/CN=$ca_name" -keyout "$dir/ca.key" -out "$dir/ca.crt" \
 		-addext "basicConstraints=critical,CA:TRUE" \
 		-addext "keyUsage=critical,keyCertSign,cRLSign" 2>/dev/null
 fi
@@ -53,7 +70,7 @@ issue() {
 
 issue server localhost "basicConstraints=critical,CA:FALSE
 keyUsage=critical,digitalSignature
-extendedKeyUsage=serverAuth
+extendedKeyUsage=$usage
 subjectAltName=$sans"
 
 for node in "$@"; do
