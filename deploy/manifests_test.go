@@ -396,9 +396,15 @@ func checkServer(fail func(string, ...any), d *appsv1.Deployment, pvcs map[strin
 	if apiPort == nil {
 		fail("%s: the listen port %q is not a containerPort", where, port)
 	} else {
-		for name, p := range map[string]*corev1.Probe{"readinessProbe": c.ReadinessProbe, "livenessProbe": c.LivenessProbe} {
-			if p == nil || p.HTTPGet == nil || p.HTTPGet.Path != "/healthz" || !portIs(p.HTTPGet.Port, apiPort) || schemeOf(p.HTTPGet) != scheme {
-				fail("%s: %s must be GET /healthz on port %d over %s", where, name, apiPort.ContainerPort, scheme)
+		// Readiness takes a server that cannot serve (draining, or on
+		// etcd without a quorum) out of the Service; liveness restarts
+		// only a process that does not answer (docs/API.md).
+		for name, pp := range map[string]struct {
+			p    *corev1.Probe
+			path string
+		}{"readinessProbe": {c.ReadinessProbe, "/readyz"}, "livenessProbe": {c.LivenessProbe, "/healthz"}} {
+			if p := pp.p; p == nil || p.HTTPGet == nil || p.HTTPGet.Path != pp.path || !portIs(p.HTTPGet.Port, apiPort) || schemeOf(p.HTTPGet) != scheme {
+				fail("%s: %s must be GET %s on port %d over %s", where, name, pp.path, apiPort.ContainerPort, scheme)
 			}
 		}
 		a := d.Spec.Template.Annotations
@@ -853,7 +859,8 @@ func TestTypos(t *testing.T) {
 		want           string // in the error
 	}{
 		{"kubernetes/server/deployment.yaml", "readOnlyRootFilesystem", "readOnlyRootFileSystem", "unknown field"},
-		{"kubernetes/server/deployment.yaml", "path: /healthz\n              port: http\n            periodSeconds: 5", "path: /health\n              port: http\n            periodSeconds: 5", "readinessProbe must be GET /healthz"},
+		{"kubernetes/server/deployment.yaml", "path: /readyz\n              port: http\n            periodSeconds: 5", "path: /healthz\n              port: http\n            periodSeconds: 5", "readinessProbe must be GET /readyz"},
+		{"kubernetes/server/deployment.yaml", "path: /healthz\n              port: http\n            initialDelaySeconds: 5", "path: /readyz\n              port: http\n            initialDelaySeconds: 5", "livenessProbe must be GET /healthz"},
 		{"kubernetes/server/deployment.yaml", "replicas: 1", "replicas: 3", "replicas must be 1"},
 		{"kubernetes/server/deployment.yaml", "type: Recreate", "type: RollingUpdate", "Recreate"},
 		{"kubernetes/server/deployment.yaml", "DLOCK_LISTEN", "DLOCK_LISTN", "DLOCK_LISTN"},
@@ -873,7 +880,7 @@ func TestTypos(t *testing.T) {
 		{"kubernetes/server/deployment.yaml", "            - name: tls\n              mountPath: /etc/dlock/tls\n              readOnly: true", "            - name: tls\n              mountPath: /etc/dlock/tls\n              readOnly: false", "read-write"},
 		{"kubernetes/server/deployment.yaml", "            defaultMode: 0440\n        - name: tls", "            defaultMode: 0444\n        - name: tls", "defaultMode"},
 		{"kubernetes/server/deployment.yaml", "            - name: DLOCK_TLS_CERT\n", "            - name: DLOCK_TLS_CRT\n", "DLOCK_TLS_CRT"},
-		{"kubernetes/server/deployment.yaml", "              scheme: HTTPS\n              path: /healthz\n              port: http\n            periodSeconds: 5", "              path: /healthz\n              port: http\n            periodSeconds: 5", "over HTTPS"},
+		{"kubernetes/server/deployment.yaml", "              scheme: HTTPS\n              path: /readyz\n              port: http\n            periodSeconds: 5", "              path: /readyz\n              port: http\n            periodSeconds: 5", "over HTTPS"},
 		{"kubernetes/ha/server.yaml", "  replicas: 3", "  replicas: 2", "3 replicas or more"},
 		{"kubernetes/ha/server.yaml", "      maxSurge: 0", "      maxSurge: 1", "maxSurge must be 0"},
 		{"kubernetes/ha/server.yaml", "            - topologyKey: kubernetes.io/hostname", "            - topologyKey: topology.kubernetes.io/zone", "anti-affinity"},

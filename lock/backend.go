@@ -58,6 +58,14 @@ type Backend interface {
 	Close() error
 }
 
+// Checker is a backend that can say whether it can serve calls now: one
+// whose state lives elsewhere, such as an etcd cluster out of reach, may
+// not (GET /readyz). Ready returns nil, or an error wrapping
+// ErrUnavailable that says why.
+type Checker interface {
+	Ready() error
+}
+
 // Inspector is what a backend offers the operators' live view (/ui): pages of
 // keys and sessions, and a feed of what changes. It is optional: the server
 // serves /ui only for a backend that implements it.

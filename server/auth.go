@@ -29,7 +29,7 @@ type access uint8
 
 const (
 	accessNode     access = iota // any credential; a named node must be its own
-	accessOpen                   // anyone: GET /healthz, for probes
+	accessOpen                   // anyone: GET /healthz and /readyz, for probes
 	accessOperator               // an operator credential ("*"): /metrics, /ui
 )
 
@@ -37,7 +37,7 @@ const (
 func (s *Server) setAccess() {
 	for p, rt := range s.routes {
 		switch {
-		case p == "/healthz":
+		case p == "/healthz", p == "/readyz":
 			rt.access = accessOpen
 		case p == "/metrics" || p == "/ui" || strings.HasPrefix(p, "/ui/"):
 			rt.access = accessOperator

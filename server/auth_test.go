@@ -539,6 +539,7 @@ func routeCases(node string) map[string]routeCase {
 		"/refcount/release":       {method: "POST", path: "/refcount/release", body: `{"resource_id":"r","node_id":"` + node + `"}`, names: true},
 		"/refcount/release (all)": {method: "POST", path: "/refcount/release", body: `{"node_id":"` + node + `"}`, names: true},
 		"/healthz":                {method: "GET", path: "/healthz", open: true},
+		"/readyz":                 {method: "GET", path: "/readyz", open: true},
 		"/metrics":                {method: "GET", path: "/metrics", operator: true},
 		"/ui":                     {method: "GET", path: "/ui", operator: true},
 		"/ui/api/keys":            {method: "GET", path: "/ui/api/keys", operator: true},

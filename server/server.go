@@ -50,12 +50,12 @@ type Options struct {
 	// may block: an answer, or an event on a stream. Zero means
 	// DefaultWriteTimeout.
 	WriteTimeout time.Duration
-	// Tokens, when set, is the token file: every request but GET /healthz
+	// Tokens, when set, is the token file: every request but GET /healthz and /readyz
 	// needs one of its bearer tokens, and may name only its token's node
 	// (docs/SECURITY.md).
 	Tokens *auth.Tokens
 	// TLS, when set, makes Serve speak HTTPS only, with its certificates;
-	// when it has a client CA, every request but GET /healthz needs a
+	// when it has a client CA, every request but GET /healthz and /readyz needs a
 	// client certificate, and may name only a node the certificate names.
 	TLS *auth.Certs
 	// EventLoop serves plain-TCP connections between requests from event
@@ -200,6 +200,7 @@ func New(b lock.Backend, opts Options) *Server {
 	s.route("/refcount/add", http.MethodPost, s.handleRefAdd)
 	s.route("/refcount/release", http.MethodPost, s.handleRefRelease)
 	s.route("/healthz", http.MethodGet, s.handleHealthz)
+	s.route("/readyz", http.MethodGet, s.handleReadyz)
 	s.routeUI()
 	metricsHandler := promhttp.HandlerFor(reg, promhttp.HandlerOpts{})
 	s.route("/metrics", http.MethodGet, func(w http.ResponseWriter, r *http.Request) error {
@@ -683,6 +684,22 @@ func (s *Server) handleRefRelease(w http.ResponseWriter, r *http.Request) error 
 		return err
 	}
 	writeJSON(w, http.StatusOK, refCountBody(rc))
+	return nil
+}
+
+// handleReadyz is /healthz and, for a backend that can tell (lock.Checker:
+// an etcd backend), whether it can serve calls now: a probe that sends
+// nodes only to servers that can answer them (docs/API.md).
+func (s *Server) handleReadyz(w http.ResponseWriter, r *http.Request) error {
+	if s.draining.Load() {
+		return api.ErrUnavailable
+	}
+	if c, ok := s.b.(lock.Checker); ok {
+		if err := c.Ready(); err != nil {
+			return err
+		}
+	}
+	writeJSON(w, http.StatusOK, map[string]string{"status": "ready", "epoch": s.info.Epoch})
 	return nil
 }
 

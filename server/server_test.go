@@ -253,6 +253,7 @@ func testHTTPRules(t *testing.T, e *env) {
 		{"GET", "/refcount?resource_id=r", "", 404, map[string]any{"code": "not_found"}},
 		{"POST", "/refcount/add", `{"resource_id":"r","node_id":"a"}`, 404, map[string]any{"code": "not_found"}},
 		{"GET", "/healthz", "", 200, map[string]any{"status": "ok"}},
+		{"GET", "/readyz", "", 200, map[string]any{"status": "ready"}},
 	}
 	for i, s := range steps {
 		status, got := e.call(s.method, s.path, s.body)
@@ -424,6 +425,9 @@ func TestDrain(t *testing.T) {
 	}
 	if status, got := e.call("GET", "/healthz", ""); status != 503 || got["code"] != "unavailable" {
 		t.Fatalf("healthz while draining: %d %v", status, got)
+	}
+	if status, got := e.call("GET", "/readyz", ""); status != 503 || got["code"] != "unavailable" {
+		t.Fatalf("readyz while draining: %d %v", status, got)
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"math/rand/v2"
 	"net/http"
 	"os"
@@ -17,6 +18,7 @@ import (
 	"time"
 
 	"github.com/dlock/dlock/api"
+	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/internal/rawhttp"
 )
 
@@ -400,17 +402,50 @@ func (n *chaosNode) read(s *rawhttp.Stream) {
 	}
 }
 
-// TestHAEtcdGoneAnswered: a dlock server whose etcd stops answering still
+// TestHAEtcdGoneAnswered: a dlock server whose etcd loses its quorum still
 // answers every request, 503 unavailable once its bound on etcd runs out
 // (lock/etcd: 10 s), on the lean loop (POST /lock) and on net/http
 // (GET /status): it never closes the connection without an answer, though
 // the wait is longer than its write timeout (docs/DESIGN.md, "When a
 // server closes a connection").
+//
+// Its /readyz turns 503 unavailable meanwhile, and 200 again once etcd is
+// back, while /healthz (the process lives) answers 200 throughout.
 func TestHAEtcdGoneAnswered(t *testing.T) {
 	h := startHA(t, 1)
 	h.hc.Timeout = time.Minute
-	for i := range 3 {
+	probe := func(path string) (int, string) {
+		resp, err := h.hc.Get(h.servers[0].URL() + path)
+		if err != nil {
+			t.Fatalf("%s: %v", path, err)
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(body)
+	}
+	if code, body := probe("/readyz"); code != http.StatusOK {
+		t.Fatalf("/readyz with etcd up: %d %s", code, body)
+	}
+	// Two of three members gone: the third answers nothing that needs
+	// a quorum.
+	for i := range 2 {
 		h.etcd.Kill(i)
+	}
+	defer func() {
+		for i := range 2 {
+			h.etcd.Restart(i)
+		}
+		kit.WaitFor(t, "/readyz to answer 200 with etcd back", func() bool {
+			code, _ := probe("/readyz")
+			return code == http.StatusOK
+		})
+	}()
+	kit.WaitFor(t, "/readyz to answer 503 with etcd gone", func() bool {
+		code, body := probe("/readyz")
+		return code == http.StatusServiceUnavailable && strings.Contains(body, `"code":"unavailable"`)
+	})
+	if code, body := probe("/healthz"); code != http.StatusOK {
+		t.Fatalf("/healthz with etcd gone: %d %s; the process lives", code, body)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()

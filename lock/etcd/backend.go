@@ -75,6 +75,7 @@ type Backend struct {
 	closed atomic.Bool
 
 	lastCommit atomic.Int64 // the newest revision this backend committed
+	lastQuorum atomic.Int64 // when etcd last answered the readiness probe, Unix ns
 
 	w      *watcher
 	rc     *recCache // the records calls read first (cache.go)
@@ -163,7 +164,9 @@ func New(ctx context.Context, cli *clientv3.Client, cfg Config) (*Backend, error
 		return nil, err
 	}
 	b.g = newGrouper(b)
-	b.wg.Add(4 + groupFlight)
+	b.lastQuorum.Store(time.Now().UnixNano()) // New read etcd just now
+	b.wg.Add(5 + groupFlight)
+	go b.probe()
 	for range groupFlight {
 		go b.g.run()
 	}
@@ -282,6 +285,12 @@ func (b *Backend) etcdErr(what string, err error) error {
 		code = ee.Code()
 	} else if s, ok := status.FromError(err); ok {
 		code = s.Code()
+		// A member without a quorum holds a request until the deadline
+		// the client sent with it, then answers that deadline's error,
+		// which gRPC carries as Unknown (TestHAEtcdGoneAnswered).
+		if code == codes.Unknown && s.Message() == context.DeadlineExceeded.Error() {
+			code = codes.DeadlineExceeded
+		}
 	}
 	switch code {
 	case codes.Unavailable, codes.DeadlineExceeded, codes.Canceled, codes.Aborted, codes.ResourceExhausted:
@@ -311,6 +320,48 @@ func jsonUnmarshal(v []byte, out any) error {
 // before etcd ends their sessions (docs/DESIGN.md, "An etcd backend"). A
 // slow answer is not a failure: only keepalives, which etcd answers every
 // third of the TTL, count.
+// Ready says whether etcd answered a quorum read of this server within
+// readyWithin (lock.Checker): a server cut off from its etcd cluster, or
+// from its quorum, answers its calls 503 and should get none
+// (docs/DESIGN.md, "An etcd backend").
+func (b *Backend) Ready() error {
+	if err := b.alive(); err != nil {
+		return err
+	}
+	last := time.Unix(0, b.lastQuorum.Load())
+	if d := time.Since(last); d > readyWithin {
+		return fmt.Errorf("%w: etcd has not answered a quorum read for %v", lock.ErrUnavailable, d.Round(100*time.Millisecond))
+	}
+	return nil
+}
+
+// readyWithin is how recent the last quorum read must be for Ready; the
+// probe reads every readyEvery.
+const (
+	readyWithin = 3 * time.Second
+	readyEvery  = time.Second
+)
+
+// probe reads the epoch with a quorum read every readyEvery, for Ready.
+func (b *Backend) probe() {
+	defer b.wg.Done()
+	t := time.NewTicker(readyEvery)
+	defer t.Stop()
+	for {
+		ctx, cancel := context.WithTimeout(b.ctx, readyWithin)
+		_, err := b.cli.Get(ctx, b.n.epoch(), clientv3.WithCountOnly())
+		cancel()
+		if err == nil {
+			b.lastQuorum.Store(time.Now().UnixNano())
+		}
+		select {
+		case <-b.ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
 func (b *Backend) health() {
 	defer b.wg.Done()
 	dropped := false
