@@ -305,7 +305,7 @@ func (b *Backend) health() {
 			return
 		case <-t.C:
 		}
-		silent, ttl, ok := b.s.silence()
+		silent, ttl, ok := b.keeper.silence(time.Now())
 		switch {
 		case !ok || silent < ttl*2/3:
 			dropped = false

@@ -20,32 +20,8 @@ import (
 // keepalive: the grace (docs/DESIGN.md, "An etcd backend").
 type sessions struct {
 	b     *Backend
-	mu    sync.Mutex
+	mu    sync.Mutex // never held across a call to etcd: the keeper's answers wait for nothing
 	local map[string]*localSession
-	alive time.Time     // the last keepalive answered, or the first kept since none were
-	ttl   time.Duration // the lease TTL etcd answered (it may raise the one asked for)
-}
-
-// silence reports how long no keepalive of this server was answered, and
-// the sessions' lease TTL; false when it keeps no session alive.
-func (s *sessions) silence() (time.Duration, time.Duration, bool) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if len(s.local) == 0 {
-		return 0, 0, false
-	}
-	ttl := s.ttl
-	if ttl == 0 {
-		ttl = time.Duration(s.b.graceTTL) * time.Second
-	}
-	return time.Since(s.alive), ttl, true
-}
-
-func (s *sessions) answered(ttl int64) {
-	s.mu.Lock()
-	s.alive = time.Now()
-	s.ttl = max(s.ttl, time.Duration(ttl)*time.Second)
-	s.mu.Unlock()
 }
 
 type localSession struct {
@@ -197,63 +173,60 @@ func (s *sessions) acquire(ctx context.Context, node string) (int64, int64, erro
 		if err != nil {
 			return 0, 0, b.etcdErr("reading a session", err)
 		}
-		var lease, rev int64
 		if len(resp.Kvs) > 0 {
 			var sr sessRec
 			if err := jsonUnmarshal(resp.Kvs[0].Value, &sr); err != nil {
 				return 0, 0, err
 			}
-			lease, rev = sr.Lease, resp.Header.Revision
-		} else {
-			if err := b.roomForSession(); err != nil {
+			ok, err := s.keep(node, sr.Lease)
+			if err != nil {
 				return 0, 0, err
 			}
-			g, err := b.cli.Grant(ctx, b.graceTTL)
-			if err != nil {
-				return 0, 0, b.etcdErr("granting a session lease", err)
+			if !ok {
+				continue // the lease ended between the read and the keepalive
 			}
-			key := b.n.session(node)
-			tr, err := b.cli.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(key), "=", 0)).
-				Then(clientv3.OpPut(key, encode(sessRec{Lease: int64(g.ID)}), clientv3.WithLease(g.ID))).Commit()
-			if err != nil || !tr.Succeeded {
-				b.revokeLater(int64(g.ID))
-				if err != nil {
-					return 0, 0, b.etcdErr("making a session", err)
-				}
-				continue // another server made it first
-			}
-			b.committed(tr.Header.Revision)
-			lease, rev = int64(g.ID), tr.Header.Revision
+			return sr.Lease, resp.Header.Revision, nil
 		}
-		ok, err := s.keep(node, lease)
-		if err != nil {
+		if err := b.roomForSession(); err != nil {
 			return 0, 0, err
 		}
-		if !ok {
-			continue // the lease ended between the read and the keepalive
+		sent := time.Now()
+		g, err := b.cli.Grant(ctx, b.graceTTL)
+		if err != nil {
+			return 0, 0, b.etcdErr("granting a session lease", err)
 		}
-		return lease, rev, nil
+		key := b.n.session(node)
+		tr, err := b.cli.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(key), "=", 0)).
+			Then(clientv3.OpPut(key, encode(sessRec{Lease: int64(g.ID)}), clientv3.WithLease(g.ID))).Commit()
+		if err != nil || !tr.Succeeded {
+			b.revokeLater(int64(g.ID))
+			if err != nil {
+				return 0, 0, b.etcdErr("making a session", err)
+			}
+			continue // another server made it first
+		}
+		b.committed(tr.Header.Revision)
+		// etcd set the new lease's expiry when it applied the grant, sent
+		// at sent: no keepalive is needed to know it stands until sent
+		// plus the TTL.
+		if err := s.count(node, int64(g.ID), sent, sent.Add(time.Duration(g.TTL)*time.Second), true); err != nil {
+			return 0, 0, err
+		}
+		return int64(g.ID), tr.Header.Revision, nil
 	}
 }
 
 // keep counts a stream of node with lease and keeps the lease alive from
-// this server; false when the lease no longer exists.
+// this server; false when the lease no longer exists. The lease's first
+// keepalive from here, when this server does not keep it yet, is sent
+// without s.mu held: the keeper's answers, and every other node's
+// streams, do not wait for it.
 func (s *sessions) keep(node string, lease int64) (bool, error) {
 	b := s.b
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if err := b.alive(); err != nil {
-		return false, err
-	}
-	if ls := s.local[node]; ls != nil && ls.lease == lease {
-		// Checked again here, where the count grows: streams that
-		// passed acquire's check together must not all open.
-		if b.cfg.MaxSessionsPerNode > 0 && ls.streams >= b.cfg.MaxSessionsPerNode {
-			b.refusedNodeStreams.Add(1)
-			return false, fmt.Errorf("%w: %s has %d streams, at most %d are allowed", lock.ErrTooManySessions, node, ls.streams, b.cfg.MaxSessionsPerNode)
-		}
-		ls.streams++
+	if err := s.count(node, lease, time.Time{}, time.Time{}, false); err == nil {
 		return true, nil
+	} else if !errors.Is(err, errNotKept) {
+		return false, err
 	}
 	ctx, cancel := context.WithTimeout(b.ctx, 10*time.Second)
 	sent := time.Now()
@@ -265,15 +238,45 @@ func (s *sessions) keep(node string, lease int64) (bool, error) {
 	if err != nil {
 		return false, b.etcdErr("keeping a session alive", err)
 	}
+	return true, s.count(node, lease, sent, sent.Add(time.Duration(ka.TTL)*time.Second), true)
+}
+
+// errNotKept: this server does not keep the lease alive yet.
+var errNotKept = errors.New("etcd backend: the lease is not kept here")
+
+// count counts a stream of node with lease. A lease this server keeps
+// already just counts one more; another is kept from now on, shown alive
+// by a keepalive or grant sent at sent that makes it stand until until,
+// when alive says so (errNotKept when not).
+func (s *sessions) count(node string, lease int64, sent, until time.Time, alive bool) error {
+	b := s.b
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := b.alive(); err != nil {
+		return err
+	}
+	if ls := s.local[node]; ls != nil && ls.lease == lease {
+		// Checked again here, where the count grows: streams that
+		// passed acquire's check together must not all open.
+		if b.cfg.MaxSessionsPerNode > 0 && ls.streams >= b.cfg.MaxSessionsPerNode {
+			b.refusedNodeStreams.Add(1)
+			return fmt.Errorf("%w: %s has %d streams, at most %d are allowed", lock.ErrTooManySessions, node, ls.streams, b.cfg.MaxSessionsPerNode)
+		}
+		ls.streams++
+		if alive {
+			b.keeper.add(lease, sent, until)
+		}
+		return nil
+	}
+	if !alive {
+		return errNotKept
+	}
 	if old := s.local[node]; old != nil {
 		b.keeper.remove(old.lease) // a session that ended and began anew
 	}
-	b.keeper.add(lease, sent, sent.Add(time.Duration(ka.TTL)*time.Second))
-	if len(s.local) == 0 {
-		s.alive = time.Now()
-	}
+	b.keeper.add(lease, sent, until)
 	s.local[node] = &localSession{lease: lease, streams: 1}
-	return true, nil
+	return nil
 }
 
 // release counts one stream of f's node less, once per stream.
