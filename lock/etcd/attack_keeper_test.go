@@ -22,21 +22,21 @@ import (
 // after the KeepAliveOnce, and its answer counts from its own send.
 func TestAttackKeeperPairsAcrossRemoveAdd(t *testing.T) {
 	b := &Backend{graceTTL: 3}
-	k := newKeeper(b)
+	k := newKeeper(b).lane(42)
 	const lease, ttl = 42, 3 * time.Second
 	answer := &pb.LeaseKeepAliveResponse{ID: lease, TTL: int64(ttl / time.Second)}
 	t0 := time.Now()
 
 	k.add(lease, t0, t0.Add(ttl)) // keep: a KeepAliveOnce sent at t0
-	s1 := t0.Add(k.every)
-	if ids := k.due(nil, s1); len(ids) != 1 {
+	s1 := t0.Add(k.k.every)
+	if ids, _ := k.due(nil, nil, s1); len(ids) != 1 {
 		t.Fatalf("due at %v: %v", s1.Sub(t0), ids)
 	}
 	k.remove(lease)                     // the node's last stream here closed
 	t2 := s1.Add(10 * time.Millisecond) // it is back: KeepAliveOnce sent at t2
 	k.add(lease, t2, t2.Add(ttl))
-	s3 := t2.Add(k.every)
-	if ids := k.due(nil, s3); len(ids) != 0 {
+	s3 := t2.Add(k.k.every)
+	if ids, _ := k.due(nil, nil, s3); len(ids) != 0 {
 		t.Fatalf("due at %v, with the keepalive sent at %v unanswered: %v", s3.Sub(t0), s1.Sub(t0), ids)
 	}
 	// The answer to the send at s1 arrives: etcd renewed the lease at
@@ -48,7 +48,7 @@ func TestAttackKeeperPairsAcrossRemoveAdd(t *testing.T) {
 		t.Fatalf("after the answer to the keepalive sent at +%v, the keeper vouches for the lease to +%v; etcd honours only +%v (the latest send known answered, plus the TTL)",
 			s1.Sub(t0), got.Sub(t0), sound.Sub(t0))
 	}
-	if ids := k.due(nil, s3); len(ids) != 1 {
+	if ids, _ := k.due(nil, nil, s3); len(ids) != 1 {
 		t.Fatalf("due at %v, the old keepalive answered: %v", s3.Sub(t0), ids)
 	}
 	// The answer to the send at s3 then counts from s3.

@@ -9,10 +9,12 @@ import (
 	"time"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
-// keeper keeps this server's session leases alive over one LeaseKeepAlive
-// stream of its own, and knows for each lease a moment before which etcd
+// keeper keeps this server's session leases alive over LeaseKeepAlive
+// streams of its own, and knows for each lease a moment before which etcd
 // cannot expire it: the send time of its newest answered keepalive plus the
 // TTL answered (docs/DESIGN.md, "Leases"). That moment is what lets the
 // server tell a client how long its session is sure to stand. clientv3's
@@ -27,17 +29,33 @@ import (
 // the order they fall due, a few at each of many ticks per period, so that
 // sessions opened together do not stay a burst. Sending a lease again
 // before its answer came would only queue behind that answer on the same
-// stream: etcd 3.4 makes each keepalive wait until it has applied every
-// write committed before it, so while sessions open (writes) it may answer
-// a few hundred a second, and a keeper that sent a keepalive per lease per
-// period whatever came back piled up thousands, answered so late that
-// etcd let their leases go (docs/BENCHMARKS.md, "Fleet scale on etcd").
+// stream. The leases are spread over lanes, a stream each: etcd 3.4 makes
+// every keepalive wait until it has applied the writes committed before
+// it, one keepalive of a stream at a time, so while sessions open (writes)
+// one stream was answered a few hundred times a second, too few for
+// thousands of leases; the lanes' keepalives wait together
+// (docs/BENCHMARKS.md, "Fleet scale on etcd").
 type keeper struct {
 	b     *Backend
 	every time.Duration // a lease's keepalives are this far apart at least: a third of the TTL
 	tick  time.Duration // how often the due leases are sent
+	lanes []*lane
 
-	sent, answers atomic.Uint64 // keepalives sent, and answered
+	sent, answers atomic.Uint64 // keepalives sent on the streams, and answered there
+	checked       atomic.Uint64 // keepalives sent as checks
+	stuck         atomic.Uint64 // streams ended because a keepalive held them up
+	checks        chan struct{} // a token per check running
+	kept          atomic.Int64  // leases kept, over the lanes
+	heard         atomic.Int64  // etcd's last answer (unix ns), or when the first lease was kept since none were
+	ttl           atomic.Int64  // the lease TTL etcd answered (ns; it may raise the one asked for)
+}
+
+// lanes is how many streams a keeper keeps its leases alive over.
+const lanes = 16
+
+// lane keeps the leases whose id falls to it alive over one stream.
+type lane struct {
+	k *keeper
 
 	mu     sync.Mutex
 	leases map[int64]*kept
@@ -49,8 +67,6 @@ type keeper struct {
 	// send, not a later one, and no second send.
 	wire   []wireSend
 	onWire map[int64]int
-	heard  time.Time     // etcd's last answer, or when the first lease was kept since none were
-	ttl    time.Duration // the lease TTL etcd answered (it may raise the one asked for)
 }
 
 type kept struct {
@@ -58,7 +74,9 @@ type kept struct {
 	last    time.Time // the last keepalive sent (or the grant or KeepAliveOnce that showed it alive)
 	until   time.Time // etcd does not expire the lease before this
 	next    time.Time // when its next keepalive is due, while in the queue
-	waiting bool      // not in the queue: its keepalive is on the wire
+	waiting bool      // not in the queue: its keepalive is on the wire, or it is checked
+	checked bool      // its keepalive is a KeepAliveOnce of its own (check)
+	suspect bool      // its keepalive held its stream up: the next is a check
 }
 
 type wireSend struct {
@@ -68,78 +86,158 @@ type wireSend struct {
 
 func newKeeper(b *Backend) *keeper {
 	every := max(100*time.Millisecond, time.Duration(b.graceTTL)*time.Second/3)
-	return &keeper{
+	k := &keeper{
 		b:      b,
 		every:  every,
 		tick:   max(10*time.Millisecond, every/32),
-		leases: map[int64]*kept{},
-		onWire: map[int64]int{},
+		checks: make(chan struct{}, maxChecks),
 	}
+	for range lanes {
+		k.lanes = append(k.lanes, &lane{k: k, leases: map[int64]*kept{}, onWire: map[int64]int{}})
+	}
+	return k
 }
+
+func (k *keeper) lane(lease int64) *lane { return k.lanes[uint64(lease)%uint64(len(k.lanes))] }
 
 // add keeps lease alive from now on; sent is when the keepalive (or the
 // grant) that showed it alive was sent, and until the moment it then
 // stands to.
-func (k *keeper) add(lease int64, sent, until time.Time) {
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	if l := k.leases[lease]; l != nil {
-		l.until = later(l.until, until)
-		return
-	}
-	if len(k.leases) == 0 {
-		// Nothing was asked of etcd while nothing was kept.
-		k.heard = later(k.heard, time.Now())
-	}
-	l := &kept{id: lease, last: sent, until: until, next: sent.Add(k.every)}
-	k.leases[lease] = l
-	if k.onWire[lease] > 0 {
-		// Kept again while its keepalive of before is on the wire: that
-		// one's answer puts it back in the queue.
-		l.waiting = true
-		return
-	}
-	heap.Push(&k.queue, l)
-}
+func (k *keeper) add(lease int64, sent, until time.Time) { k.lane(lease).add(lease, sent, until) }
 
 // remove stops keeping lease alive: it runs out one TTL after its last
 // keepalive unless another server keeps it.
-func (k *keeper) remove(lease int64) {
-	k.mu.Lock()
-	// Its queue entry, if any, is dropped when it comes up: the queue
-	// holds only leases that are kept.
-	delete(k.leases, lease)
-	k.mu.Unlock()
-}
-
-// removeAll stops every keepalive (Close).
-func (k *keeper) removeAll() {
-	k.mu.Lock()
-	clear(k.leases)
-	k.queue = nil
-	k.mu.Unlock()
-}
+func (k *keeper) remove(lease int64) { k.lane(lease).remove(lease) }
 
 // until is the moment before which etcd cannot expire lease, zero when
 // this server does not keep it alive.
-func (k *keeper) until(lease int64) time.Time {
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	if l := k.leases[lease]; l != nil {
-		return l.until
+func (k *keeper) until(lease int64) time.Time { return k.lane(lease).until(lease) }
+
+// removeAll stops every keepalive (Close).
+func (k *keeper) removeAll() {
+	for _, l := range k.lanes {
+		l.mu.Lock()
+		k.kept.Add(-int64(len(l.leases)))
+		clear(l.leases)
+		l.queue = nil
+		l.mu.Unlock()
+	}
+}
+
+// heardAt notes that etcd answered at now.
+func (k *keeper) heardAt(now time.Time) {
+	for {
+		old := k.heard.Load()
+		if now.UnixNano() <= old || k.heard.CompareAndSwap(old, now.UnixNano()) {
+			return
+		}
+	}
+}
+
+// answeredTTL notes the TTL etcd answered.
+func (k *keeper) answeredTTL(ttl int64) {
+	d := int64(time.Duration(ttl) * time.Second)
+	for {
+		old := k.ttl.Load()
+		if d <= old || k.ttl.CompareAndSwap(old, d) {
+			return
+		}
+	}
+}
+
+// silence reports how long etcd answered no keepalive of this server (nor
+// its watch: Backend.health), and the leases' TTL; false when it keeps no
+// lease alive. The keepalives of the kept leases go out at least every
+// period, so a healthy etcd answers one that often: silence is etcd out of
+// reach or stuck, not a slow lease (docs/DESIGN.md, "An etcd backend").
+func (k *keeper) silence(now time.Time) (time.Duration, time.Duration, bool) {
+	if k.kept.Load() <= 0 {
+		return 0, 0, false
+	}
+	ttl := time.Duration(k.ttl.Load())
+	if ttl == 0 {
+		ttl = time.Duration(k.b.graceTTL) * time.Second
+	}
+	return now.Sub(time.Unix(0, k.heard.Load())), ttl, true
+}
+
+// wait is how long the oldest keepalive on the streams has waited at now
+// for its answer.
+func (k *keeper) wait(now time.Time) time.Duration {
+	var d time.Duration
+	for _, l := range k.lanes {
+		l.mu.Lock()
+		if len(l.wire) > 0 {
+			d = max(d, now.Sub(l.wire[0].at))
+		}
+		l.mu.Unlock()
+	}
+	return d
+}
+
+// run keeps the leases alive until the backend closes, a lane a stream.
+func (k *keeper) run() {
+	defer k.b.wg.Done()
+	var wg sync.WaitGroup
+	for _, l := range k.lanes {
+		wg.Go(l.run)
+	}
+	wg.Wait()
+}
+
+func (l *lane) add(lease int64, sent, until time.Time) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if kl := l.leases[lease]; kl != nil {
+		kl.until = later(kl.until, until)
+		return
+	}
+	if l.k.kept.Add(1) == 1 {
+		// Nothing was asked of etcd while nothing was kept.
+		l.k.heardAt(time.Now())
+	}
+	kl := &kept{id: lease, last: sent, until: until, next: sent.Add(l.k.every)}
+	if until.IsZero() {
+		kl.next = time.Now() // not known alive: asked at once
+	}
+	l.leases[lease] = kl
+	if l.onWire[lease] > 0 {
+		// Kept again while its keepalive of before is on the wire: that
+		// one's answer puts it back in the queue.
+		kl.waiting = true
+		return
+	}
+	heap.Push(&l.queue, kl)
+}
+
+func (l *lane) remove(lease int64) {
+	l.mu.Lock()
+	// Its queue entry, if any, is dropped when it comes up: the queue
+	// holds only leases that are kept.
+	if _, ok := l.leases[lease]; ok {
+		delete(l.leases, lease)
+		l.k.kept.Add(-1)
+	}
+	l.mu.Unlock()
+}
+
+func (l *lane) until(lease int64) time.Time {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if kl := l.leases[lease]; kl != nil {
+		return kl.until
 	}
 	return time.Time{}
 }
 
-// run keeps the leases alive until the backend closes: it opens the
-// stream, sends each lease's keepalive as it falls due, and opens the
+// run keeps the lane's leases alive until the backend closes: it opens
+// the stream, sends each lease's keepalive as it falls due, and opens the
 // stream again when it breaks.
-func (k *keeper) run() {
-	defer k.b.wg.Done()
-	for k.b.ctx.Err() == nil {
-		k.stream()
+func (ln *lane) run() {
+	for ln.k.b.ctx.Err() == nil {
+		ln.stream()
 		select {
-		case <-k.b.ctx.Done():
+		case <-ln.k.b.ctx.Done():
 		case <-time.After(100 * time.Millisecond):
 		}
 	}
@@ -151,17 +249,17 @@ var errOutOfOrder = errors.New("etcd backend: a keepalive answered out of order"
 
 // stream keeps the leases alive over one LeaseKeepAlive stream until it
 // breaks or the backend closes.
-func (k *keeper) stream() {
-	ctx, cancel := context.WithCancel(k.b.ctx)
+func (ln *lane) stream() {
+	ctx, cancel := context.WithCancel(ln.k.b.ctx)
 	defer cancel()
-	st, err := pb.NewLeaseClient(k.b.cli.ActiveConnection()).LeaseKeepAlive(ctx)
+	st, err := pb.NewLeaseClient(ln.k.b.cli.ActiveConnection()).LeaseKeepAlive(ctx)
 	if err != nil {
 		return
 	}
 	// Sends lost with a broken stream are never answered: forget them,
 	// which only makes until earlier than it could be, and send again at
 	// once on the next stream.
-	defer k.broken()
+	defer ln.broken()
 	recvDone := make(chan struct{})
 	go func() {
 		defer close(recvDone)
@@ -169,25 +267,40 @@ func (k *keeper) stream() {
 		for {
 			resp, err := st.Recv()
 			if err != nil {
+				if errors.Is(rpctypes.Error(err), rpctypes.ErrTimeoutWaitAppliedIndex) {
+					// etcd answered: it is there, behind with its
+					// writes (etcd 3.4 holds a keepalive until it has
+					// applied what it committed before it).
+					ln.k.heardAt(time.Now())
+				}
+				if ctx.Err() == nil {
+					ln.k.b.log.Warn("etcd backend: the keepalive stream ended", "err", err)
+				}
 				return
 			}
-			if err := k.answered(resp, time.Now()); err != nil {
-				k.b.log.Warn("etcd backend: the keepalive stream ends", "err", err)
+			if err := ln.answered(resp, time.Now()); err != nil {
+				ln.k.b.log.Warn("etcd backend: the keepalive stream ends", "err", err)
 				return
 			}
 		}
 	}()
-	defer func() { <-recvDone }()
-	t := time.NewTicker(k.tick)
+	defer func() { cancel(); <-recvDone }()
+	t := time.NewTicker(ln.k.tick)
 	defer t.Stop()
-	var ids []int64
+	var ids, checks []int64
 	for {
-		ids = k.due(ids[:0], time.Now())
+		if ln.stuck(time.Now()) {
+			return // its sends are sent again on the next stream
+		}
+		ids, checks = ln.due(ids[:0], checks[:0], time.Now())
+		for _, id := range checks {
+			ln.check(ctx, id)
+		}
 		for _, id := range ids {
 			if err := st.Send(&pb.LeaseKeepAliveRequest{ID: id}); err != nil {
 				return
 			}
-			k.sent.Add(1)
+			ln.k.sent.Add(1)
 		}
 		select {
 		case <-ctx.Done():
@@ -197,93 +310,156 @@ func (k *keeper) stream() {
 	}
 }
 
+// stuck reports whether the oldest keepalive on the wire has waited a
+// period at now, for a lease that may have run out (past the moment it was
+// known to stand until, or never known: a session that moved here): etcd
+// answers a stream's keepalives one at a time, and holds one of a lease
+// that ran out (not yet revoked) until the revoke is applied, every
+// keepalive behind it with it. That lease is checked on its own from now
+// on, the stream ended, and its other sends sent again.
+func (ln *lane) stuck(now time.Time) bool {
+	ln.mu.Lock()
+	defer ln.mu.Unlock()
+	if len(ln.wire) == 0 || now.Sub(ln.wire[0].at) < ln.k.every {
+		return false
+	}
+	l := ln.leases[ln.wire[0].id]
+	if l != nil && l.until.After(now) {
+		return false // it stands: etcd is slow, not held up by it
+	}
+	if l != nil {
+		l.suspect = true
+	}
+	ln.k.stuck.Add(1)
+	return true
+}
+
 // broken forgets the sends of a stream that ended: every kept lease is due
 // at once on the next.
-func (k *keeper) broken() {
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	k.wire = nil
-	clear(k.onWire)
+func (ln *lane) broken() {
+	ln.mu.Lock()
+	defer ln.mu.Unlock()
+	ln.wire = nil
+	clear(ln.onWire)
 	now := time.Now()
-	for _, l := range k.leases {
-		if l.waiting {
+	for _, l := range ln.leases {
+		if l.waiting && !l.checked {
 			l.waiting, l.next = false, now
-			heap.Push(&k.queue, l)
+			heap.Push(&ln.queue, l)
 		}
 	}
 }
 
 // due appends to ids the leases whose keepalive is due at now, oldest due
-// first, and notes them as sent at now.
-func (k *keeper) due(ids []int64, now time.Time) []int64 {
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	for len(k.queue) > 0 && !k.queue[0].next.After(now) {
-		l := heap.Pop(&k.queue).(*kept)
-		if k.leases[l.id] != l {
+// first, and notes them as sent at now. A lease that may have run out (past
+// the moment it was known to stand until; not one whose end is not known
+// yet, a session that moved here) goes to checks instead, as does one that
+// held its stream up (stuck): etcd holds a keepalive of a lease that ran
+// out until it has revoked it, and every keepalive behind it on the stream
+// with it, while their leases run out too.
+func (ln *lane) due(ids, checks []int64, now time.Time) ([]int64, []int64) {
+	ln.mu.Lock()
+	defer ln.mu.Unlock()
+	for len(ln.queue) > 0 && !ln.queue[0].next.After(now) {
+		l := heap.Pop(&ln.queue).(*kept)
+		if ln.leases[l.id] != l {
 			continue // removed since
 		}
 		l.waiting = true
-		if k.onWire[l.id] > 0 {
+		if ln.onWire[l.id] > 0 {
 			continue // its answer puts it back
 		}
 		l.last = now
-		k.wire = append(k.wire, wireSend{l.id, now})
-		k.onWire[l.id]++
+		if l.suspect || !l.until.IsZero() && !l.until.After(now) {
+			l.checked = true
+			checks = append(checks, l.id)
+			continue
+		}
+		ln.wire = append(ln.wire, wireSend{l.id, now})
+		ln.onWire[l.id]++
 		ids = append(ids, l.id)
 	}
-	return ids
+	return ids, checks
 }
+
+// check keeps lease alive with a KeepAliveOnce of its own, at most
+// maxChecks at once, and queues its next keepalive on the stream: not
+// when etcd no longer has it (the watch ends its session).
+func (ln *lane) check(ctx context.Context, lease int64) {
+	ln.k.b.wg.Add(1)
+	go func() {
+		defer ln.k.b.wg.Done()
+		select {
+		case ln.k.checks <- struct{}{}:
+			defer func() { <-ln.k.checks }()
+		case <-ctx.Done():
+		}
+		cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		sent := time.Now()
+		ln.k.checked.Add(1)
+		ka, err := ln.k.b.cli.KeepAliveOnce(cctx, clientv3.LeaseID(lease))
+		cancel()
+		now := time.Now()
+		gone := errors.Is(err, rpctypes.ErrLeaseNotFound)
+		if err == nil || gone {
+			ln.k.heardAt(now)
+		}
+		ln.mu.Lock()
+		defer ln.mu.Unlock()
+		l := ln.leases[lease]
+		if l == nil || !l.checked {
+			return
+		}
+		l.checked, l.suspect = false, false
+		if gone {
+			return // stays out of the queue
+		}
+		if err == nil && ka.TTL > 0 {
+			l.until = later(l.until, sent.Add(time.Duration(ka.TTL)*time.Second))
+			ln.k.answeredTTL(ka.TTL)
+		}
+		l.waiting, l.next = false, now
+		if err == nil {
+			l.next = sent.Add(ln.k.every)
+		}
+		heap.Push(&ln.queue, l)
+	}()
+}
+
+// maxChecks bounds the KeepAliveOnce calls of check at once.
+const maxChecks = 8
 
 // answered pairs an answer, heard at now, with the oldest send on the
 // wire, and queues the lease's next keepalive.
-func (k *keeper) answered(resp *pb.LeaseKeepAliveResponse, now time.Time) error {
-	k.mu.Lock()
-	if len(k.wire) == 0 || k.wire[0].id != resp.ID {
-		k.mu.Unlock()
+func (ln *lane) answered(resp *pb.LeaseKeepAliveResponse, now time.Time) error {
+	ln.mu.Lock()
+	if len(ln.wire) == 0 || ln.wire[0].id != resp.ID {
+		ln.mu.Unlock()
 		return errOutOfOrder
 	}
-	sent := k.wire[0].at
-	k.wire[0] = wireSend{}
-	k.wire = k.wire[1:]
-	if k.onWire[resp.ID]--; k.onWire[resp.ID] <= 0 {
-		delete(k.onWire, resp.ID)
+	sent := ln.wire[0].at
+	ln.wire[0] = wireSend{}
+	ln.wire = ln.wire[1:]
+	if ln.onWire[resp.ID]--; ln.onWire[resp.ID] <= 0 {
+		delete(ln.onWire, resp.ID)
 	}
-	if l := k.leases[resp.ID]; l != nil {
+	if l := ln.leases[resp.ID]; l != nil {
 		if resp.TTL > 0 {
 			l.until = later(l.until, sent.Add(time.Duration(resp.TTL)*time.Second))
 		}
 		// A lease etcd no longer has (TTL 0) is not asked about again:
 		// the watch ends its session, and with it this keep.
 		if l.waiting && resp.TTL > 0 {
-			l.waiting, l.next = false, l.last.Add(k.every)
-			heap.Push(&k.queue, l)
+			l.waiting, l.next = false, l.last.Add(ln.k.every)
+			heap.Push(&ln.queue, l)
 		}
 	}
-	k.answers.Add(1)
+	ln.k.answers.Add(1)
 	// Any answer shows etcd alive, a lease's end too (health).
-	k.heard = later(k.heard, now)
-	k.ttl = max(k.ttl, time.Duration(resp.TTL)*time.Second)
-	k.mu.Unlock()
+	ln.k.heardAt(now)
+	ln.k.answeredTTL(resp.TTL)
+	ln.mu.Unlock()
 	return nil
-}
-
-// silence reports how long etcd answered no keepalive of this server, and
-// the leases' TTL; false when it keeps no lease alive. The keepalives of
-// the kept leases go out at least every period, so a healthy etcd answers
-// one that often: silence is etcd out of reach or stuck, not a slow lease
-// (docs/DESIGN.md, "An etcd backend").
-func (k *keeper) silence(now time.Time) (time.Duration, time.Duration, bool) {
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	if len(k.leases) == 0 {
-		return 0, 0, false
-	}
-	ttl := k.ttl
-	if ttl == 0 {
-		ttl = time.Duration(k.b.graceTTL) * time.Second
-	}
-	return now.Sub(k.heard), ttl, true
 }
 
 func later(a, b time.Time) time.Time {

@@ -2,6 +2,7 @@ package etcd_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -45,7 +46,16 @@ func TestKeeperSessionsOpeningTogether(t *testing.T) {
 				if i >= n {
 					return
 				}
-				s, _, err := b.Subscribe(context.Background(), lock.SubscribeRequest{Node: fmt.Sprintf("node-%d", i)})
+				// A node tries again when the server answers that
+				// etcd is busy (503), as a client does.
+				var s lock.Stream
+				var err error
+				for try := 0; try < 10; try++ {
+					s, _, err = b.Subscribe(context.Background(), lock.SubscribeRequest{Node: fmt.Sprintf("node-%d", i)})
+					if !errors.Is(err, lock.ErrUnavailable) {
+						break
+					}
+				}
 				if err != nil {
 					errs <- fmt.Errorf("stream %d: %w", i, err)
 					return
@@ -81,7 +91,7 @@ func TestKeeperSessionsOpeningTogether(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 	if c := ended(); c > 0 {
-		t.Fatalf("%d of %d streams ended while the sessions opened: the server stopped keeping their sessions alive", c, n)
+		t.Fatalf("%d of %d streams ended while the sessions opened: the server stopped keeping their sessions alive (%+v)", c, n, b.Stats())
 	}
 	if st := b.Stats(); st.SessionsLost != 0 || st.Sessions != n {
 		t.Fatalf("sessions %d (want %d), lost %d (want 0)", st.Sessions, n, st.SessionsLost)

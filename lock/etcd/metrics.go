@@ -1,6 +1,10 @@
 package etcd
 
-import "github.com/prometheus/client_golang/prometheus"
+import (
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
 
 // The etcd engine's own counters, which a server that serves it exports
 // beside the backend's Stats (server: a backend that is a
@@ -13,6 +17,12 @@ var (
 		"First attempts of a call: result=hit read the watch's cache, result=miss read etcd (a key of a kind the cache does not keep).", []string{"result"}, nil)
 	descCacheStale = prometheus.NewDesc("dlock_etcd_cache_stale_total",
 		"First attempts that read the cache and found, at their commit or confirmation, that a record had changed: a round trip more.", nil, nil)
+	descKeepalives = prometheus.NewDesc("dlock_etcd_keepalives_total",
+		"Keepalives of the session leases this server keeps: result=sent on its streams, answered there, checked (a KeepAliveOnce of its own, for a lease that might run out on the way).", []string{"result"}, nil)
+	descKeepaliveStuck = prometheus.NewDesc("dlock_etcd_keepalive_streams_stuck_total",
+		"Keepalive streams this server ended because etcd held one keepalive, of a lease that may have run out, for a third of the TTL; that lease is then asked about on its own.", nil, nil)
+	descKeepaliveWait = prometheus.NewDesc("dlock_etcd_keepalive_wait_seconds",
+		"How long the oldest keepalive on this server's streams has waited for etcd's answer (0: none waits).", nil, nil)
 )
 
 // Describe implements prometheus.Collector.
@@ -20,6 +30,9 @@ func (b *Backend) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descConflicts
 	ch <- descCacheReads
 	ch <- descCacheStale
+	ch <- descKeepalives
+	ch <- descKeepaliveWait
+	ch <- descKeepaliveStuck
 }
 
 // Collect implements prometheus.Collector.
@@ -29,4 +42,10 @@ func (b *Backend) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descCacheReads, prometheus.CounterValue, float64(hits), "hit")
 	ch <- prometheus.MustNewConstMetric(descCacheReads, prometheus.CounterValue, float64(misses), "miss")
 	ch <- prometheus.MustNewConstMetric(descCacheStale, prometheus.CounterValue, float64(b.cacheStale.Load()))
+	k := b.keeper
+	ch <- prometheus.MustNewConstMetric(descKeepalives, prometheus.CounterValue, float64(k.sent.Load()), "sent")
+	ch <- prometheus.MustNewConstMetric(descKeepalives, prometheus.CounterValue, float64(k.answers.Load()), "answered")
+	ch <- prometheus.MustNewConstMetric(descKeepalives, prometheus.CounterValue, float64(k.checked.Load()), "checked")
+	ch <- prometheus.MustNewConstMetric(descKeepaliveStuck, prometheus.CounterValue, float64(k.stuck.Load()))
+	ch <- prometheus.MustNewConstMetric(descKeepaliveWait, prometheus.GaugeValue, k.wait(time.Now()).Seconds())
 }
