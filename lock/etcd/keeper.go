@@ -351,12 +351,12 @@ func (ln *lane) broken() {
 }
 
 // due appends to ids the leases whose keepalive is due at now, oldest due
-// first, and notes them as sent at now. A lease that may have run out (past
-// the moment it was known to stand until; not one whose end is not known
-// yet, a session that moved here) goes to checks instead, as does one that
-// held its stream up (stuck): etcd holds a keepalive of a lease that ran
-// out until it has revoked it, and every keepalive behind it on the stream
-// with it, while their leases run out too.
+// first, and notes them as sent at now. A lease that held its stream up
+// (stuck) goes to checks instead: etcd holds a keepalive of a lease that
+// ran out until it has revoked it, and every keepalive behind it on the
+// stream with it. Only such a lease: a check is a stream of its own, and
+// sending every lease past the moment it was known to stand until that
+// way (after etcd was slow a while) asked etcd for thousands.
 func (ln *lane) due(ids, checks []int64, now time.Time) ([]int64, []int64) {
 	ln.mu.Lock()
 	defer ln.mu.Unlock()
@@ -370,7 +370,7 @@ func (ln *lane) due(ids, checks []int64, now time.Time) ([]int64, []int64) {
 			continue // its answer puts it back
 		}
 		l.last = now
-		if l.suspect || !l.until.IsZero() && !l.until.After(now) {
+		if l.suspect {
 			l.checked = true
 			checks = append(checks, l.id)
 			continue
