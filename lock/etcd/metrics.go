@@ -18,7 +18,7 @@ var (
 	descCacheStale = prometheus.NewDesc("dlock_etcd_cache_stale_total",
 		"First attempts that read the cache and found, at their commit or confirmation, that a record had changed: a round trip more.", nil, nil)
 	descKeepalives = prometheus.NewDesc("dlock_etcd_keepalives_total",
-		"Keepalives of the session leases this server keeps: result=sent on its streams, answered there, checked (a KeepAliveOnce of its own, for a lease that might run out on the way).", []string{"result"}, nil)
+		"Keepalives of the session leases this server keeps: result=sent on its streams, answered there, checked (a KeepAliveOnce of its own, for a lease whose keepalive held its stream up).", []string{"result"}, nil)
 	descKeepaliveStuck = prometheus.NewDesc("dlock_etcd_keepalive_streams_stuck_total",
 		"Keepalive streams this server ended because etcd held one keepalive, of a lease that may have run out, for a third of the TTL; that lease is then asked about on its own.", nil, nil)
 	descKeepaliveWait = prometheus.NewDesc("dlock_etcd_keepalive_wait_seconds",
