@@ -38,7 +38,7 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	fs := flag.NewFlagSet("dlock bench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	server := fs.String("server", "http://127.0.0.1:7380", "dlock server URL (one: bench measures a server)")
-	scenarios := fs.String("scenario", "pairs,handoff,fanout,sessions", "scenarios to run: pairs, handoff, fanout (and its floor), sessions, memory, pings, failover (--backend etcd), cutoff (as root; its etcd cases with --backend etcd)")
+	scenarios := fs.String("scenario", "pairs,handoff,fanout,sessions", "scenarios to run: pairs, handoff, fanout (and its floor), sessions, memory, pings, failover and fleet (--backend etcd), cutoff (as root; its etcd cases with --backend etcd)")
 	duration := fs.Duration("duration", 10*time.Second, "how long each scenario runs")
 	concurrency := fs.Int("concurrency", 32, "connections (pairs, sessions, memory) or nodes on the key (handoff)")
 	waiters := fs.Int("waiters", 1000, "fanout: waiters, each with its own session, queued on one key (and the floor's loopback sockets)")
@@ -50,7 +50,12 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	memoryServer := fs.String("memory-server", "", "memory: measure this server (with the same credentials) instead of a fresh `dlock serve` for each measurement")
 	compare := fs.String("compare", "", "also run pairs and handoff against: redis, etcd (comma-separated; started on 127.0.0.1)")
 	backend := fs.String("backend", "", "etcd: instead of measuring --server, start an etcd on 127.0.0.1 and `dlock serve --backend etcd` on it, and measure that (--compare etcd then measures the same etcd)")
-	servers := fs.Int("servers", 3, "failover: dlock servers on the one etcd, one SIGKILLed each round")
+	servers := fs.Int("servers", 3, "failover: dlock servers on the one etcd, one SIGKILLed each round; fleet: the servers the nodes are spread over, one SIGKILLed")
+	fleetNodes := fs.Int("nodes", 10000, "fleet: nodes, each with its session stream open, spread over --servers")
+	fleetHolders := fs.Int("holders", 1000, "fleet: nodes that hold a session-leased lock when a server is killed")
+	fleetHeld := fs.Int("fleet-held", 100000, "fleet: locks the nodes then hold with session leases, for the servers' RSS and etcd's database size (0: not measured)")
+	fleetIdle := fs.Duration("idle", 10*time.Second, "fleet: how long etcd's and the servers' CPU is read while the sessions idle (0: not read)")
+	fleetOpening := fs.Int("opening", 256, "fleet: session streams opening at once")
 	rounds := fs.Int("rounds", 5, "failover, cutoff: rounds (cutoff: of each case)")
 	cutoffCases := fs.String("cutoff", "", "cutoff: the cases to run, comma-separated (default: the memory engine's, and with --backend etcd the etcd engine's): "+strings.Join(bench.CutoffScenarios, ", "))
 	rawNode := fs.Bool("failover-raw", false, "failover: the node is raw HTTP that tries the other servers in turn, not client.Client with every server")
@@ -73,7 +78,7 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	}
 	runs := strings.Split(*scenarios, ",")
 	for _, s := range runs {
-		if !slices.Contains([]string{"pairs", "handoff", "fanout", "sessions", "memory", "pings", "failover", "cutoff"}, s) {
+		if !slices.Contains([]string{"pairs", "handoff", "fanout", "sessions", "memory", "pings", "failover", "fleet", "cutoff"}, s) {
 			return usageError{fmt.Errorf("unknown scenario %q", s)}
 		}
 	}
@@ -81,8 +86,10 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	fs.Visit(func(f *flag.Flag) { serverSet = serverSet || f.Name == "server" })
 	switch *backend {
 	case "":
-		if slices.Contains(runs, "failover") {
-			return usageError{errors.New("--scenario failover needs --backend etcd: servers that share their lock state, started by bench")}
+		for _, s := range []string{"failover", "fleet"} {
+			if slices.Contains(runs, s) {
+				return usageError{fmt.Errorf("--scenario %s needs --backend etcd: servers that share their lock state, started by bench", s)}
+			}
 		}
 	case "etcd":
 		if slices.Contains(runs, "pings") {
@@ -129,6 +136,9 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	if *concurrency < 1 || *waiters < 1 || *duration <= 0 || *heldN < 0 || *sessionsN < 0 || *heldNodes < 1 {
 		return usageError{errors.New("--concurrency, --waiters, --held-nodes and --duration must be positive, --held and --sessions not negative")}
 	}
+	if *fleetNodes < *servers || *fleetHolders < 0 || *fleetHolders > *fleetNodes || *fleetHeld < 0 || *fleetIdle < 0 || *fleetOpening < 1 {
+		return usageError{errors.New("--nodes must be at least --servers, --holders at most --nodes, --opening positive, --fleet-held and --idle not negative")}
+	}
 	var intervals []time.Duration
 	if slices.Contains(runs, "pings") {
 		var err error
@@ -143,7 +153,7 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	if err != nil {
 		return err
 	}
-	if err := ensureFileLimit(benchFiles(runs, *waiters, *sessionsN, *heldNodes, *concurrency)); err != nil {
+	if err := ensureFileLimit(benchFiles(runs, *waiters, *sessionsN, *heldNodes, *concurrency, *fleetNodes, *servers)); err != nil {
 		return err
 	}
 	dialer := rawhttp.Dialer{TLS: tlsConfig, Token: token}
@@ -170,7 +180,7 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 		defer etcdServer.Stop()
 		fmt.Fprintf(stderr, "%s\n", etcdServer)
 		setup = append(setup, "etcd: "+etcdServer.String())
-		if slices.ContainsFunc(runs, func(s string) bool { return s != "memory" && s != "failover" && s != "cutoff" }) {
+		if slices.ContainsFunc(runs, func(s string) bool { return s != "memory" && s != "failover" && s != "fleet" && s != "cutoff" }) {
 			prefix := fmt.Sprintf("/dlock-bench-%d/", time.Now().UnixNano())
 			base, stop, err := startOnEtcd(func() string { return prefix })(ctx)
 			if err != nil {
@@ -329,6 +339,27 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 			}
 			setup = append(setup, fmt.Sprintf("failover: %d `dlock serve --backend etcd --etcd-prefix %s` on that etcd, started by bench; the node: %s", *servers, prefix, nodeText))
 			results = append(results, r)
+			continue
+		}
+		if s == "fleet" {
+			prefix := fmt.Sprintf("/dlock-bench-fleet-%d/", time.Now().UnixNano())
+			bin, err := benchServerBinary()
+			if err != nil {
+				return fmt.Errorf("fleet: the dlock binary to serve: %w", err)
+			}
+			flags := append(append([]string{"--backend", "etcd", "--etcd-endpoints", etcdServer.Endpoint, "--etcd-prefix", prefix},
+				freshServerFlags(*fleetNodes, *fleetHeld+*fleetHolders+64)...), extraServe...)
+			fo := bench.FleetOptions{Servers: *servers, Nodes: *fleetNodes, Holders: *fleetHolders, Held: *fleetHeld,
+				Opening: *fleetOpening, Conns: *concurrency, Idle: *fleetIdle, Recheck: *recheck,
+				Start: freshServer(bin, flags, stderr), EtcdEndpoint: etcdServer.Endpoint, EtcdCPU: bench.ProcCPU(etcdServer.PID),
+				Log: func(l string) { fmt.Fprintln(stderr, l) }}
+			rs, err := bench.Fleet(ctx, fo)
+			if err != nil {
+				return fmt.Errorf("fleet: %w", err)
+			}
+			results = append(results, rs...)
+			setup = append(setup, fmt.Sprintf("fleet: %d `dlock serve %s` on that etcd, started by bench; %d nodes, node i's session stream on server i mod %d, read by a goroutine each; locks and waiters over %d connections to each server; etcd's CPU from /proc/%d/stat, the servers' from their /metrics",
+				*servers, strings.Join(flags, " "), *fleetNodes, *servers, *concurrency, etcdServer.PID))
 			continue
 		}
 		var f func(context.Context, string, bench.Options) (bench.Result, error)
@@ -685,8 +716,12 @@ func cpuText(v float64) string {
 // fan-out waiter or per floor reader, the memory scenario's idle-sessions
 // and the pings scenario's --sessions streams, plus a reserve for
 // everything else.
-func benchFiles(runs []string, waiters, sessions, heldNodes, conns int) uint64 {
+func benchFiles(runs []string, waiters, sessions, heldNodes, conns, nodes, servers int) uint64 {
 	need := conns + heldNodes
+	if slices.Contains(runs, "fleet") {
+		// The nodes' streams, and a connection per worker to each server.
+		need = max(need, nodes+conns*servers)
+	}
 	if slices.Contains(runs, "fanout") {
 		need = max(need, waiters+32)
 	}

@@ -282,6 +282,68 @@ func TestBenchBackendEtcd(t *testing.T) {
 	}
 }
 
+// dlock bench --backend etcd --scenario fleet, small (docs/BENCHMARKS.md,
+// "Fleet scale on etcd"): three servers on bench's etcd, nodes spread over
+// them, one server killed under its nodes, which move with their holds;
+// the fan-out to every node and the locks held after it.
+func TestBenchFleet(t *testing.T) {
+	if _, err := exec.LookPath("etcd"); err != nil {
+		if os.Geteuid() != 0 {
+			t.Skip("SKIPPED LOUDLY: etcd is not installed and installing it needs root; run `make test` as root")
+		}
+		t.Fatal("etcd is not installed: `make test` installs it")
+	}
+	useBinary(t)
+	out, errOut, st := inProcess(t, nil, "bench", "--backend", "etcd", "--scenario", "fleet", "--nodes", "30", "--holders", "6",
+		"--fleet-held", "90", "--idle", "1s", "--recheck", "6s", "--concurrency", "2", "--serve-flags", "--session-grace 10s", "--json")
+	var res struct {
+		Results []bench.Result
+		Setup   []string
+	}
+	if st != 0 || json.Unmarshal([]byte(out), &res) != nil || len(res.Results) != 4 {
+		t.Fatalf("bench fleet: %d %q %q", st, out, errOut)
+	}
+	want := map[string]func(bench.Result) bool{
+		"fleet-open": func(r bench.Result) bool {
+			return r.Ops == 30 && r.RSSMiB > 0 && strings.Contains(r.Note, "over 3 servers") && strings.Contains(r.Note, "CPU in % of one core: etcd ")
+		},
+		"fleet-failover": func(r bench.Result) bool {
+			return r.Ops == 10 && strings.Contains(r.Note, "holds kept 6/6") && strings.Contains(r.Note, "and 6/6 6s after the kill") && !strings.Contains(r.Note, "FAILED")
+		},
+		"fleet-fanout": func(r bench.Result) bool { return r.Ops == 30 && r.Max > 0 },
+		"fleet-held": func(r bench.Result) bool {
+			return r.Ops == 90 && r.RSSMiB > 0 && strings.Contains(r.Note, "etcd's database ")
+		},
+	}
+	for _, r := range res.Results {
+		if ok := want[r.Scenario]; ok == nil || !ok(r) {
+			t.Errorf("%s: %+v", r.Scenario, r)
+		}
+		delete(want, r.Scenario)
+	}
+	if len(want) > 0 || len(res.Setup) != 2 || !strings.Contains(res.Setup[1], "3 `dlock serve --backend etcd --etcd-endpoints ") ||
+		!strings.Contains(res.Setup[1], " --session-grace 10s`") {
+		t.Errorf("missing %v; setup %q", want, res.Setup)
+	}
+	// One server's idle sessions on etcd, as docs/BENCHMARKS.md measures
+	// them beside the fleet.
+	out, errOut, st = inProcess(t, nil, "bench", "--backend", "etcd", "--scenario", "memory", "--held", "0", "--sessions", "20",
+		"--serve-flags", "--session-grace 10s", "--json")
+	var mem struct{ Results []bench.Result }
+	if st != 0 || json.Unmarshal([]byte(out), &mem) != nil || len(mem.Results) != 1 || mem.Results[0].Scenario != "idle-sessions" || mem.Results[0].RSSMiB <= 0 {
+		t.Fatalf("bench memory on etcd: %d %q %q", st, out, errOut)
+	}
+	for _, args := range [][]string{
+		{"--scenario", "fleet"},
+		{"--backend", "etcd", "--scenario", "fleet", "--nodes", "2"},
+		{"--backend", "etcd", "--scenario", "fleet", "--nodes", "10", "--holders", "11"},
+	} {
+		if _, errOut, st := inProcess(t, nil, append([]string{"bench"}, args...)...); st != 2 {
+			t.Errorf("bench %q: exit %d, want 2 (usage): %s", args, st, errOut)
+		}
+	}
+}
+
 // dlock bench --scenario cutoff: its flags, and without root (faked here)
 // it says it cannot run and exits non-zero.
 func TestBenchCutoffFlags(t *testing.T) {

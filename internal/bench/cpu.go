@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -128,4 +129,42 @@ func parseRedisCPU(info string) (time.Duration, error) {
 		return 0, fmt.Errorf("redis INFO cpu has no used_cpu_user and used_cpu_sys: %q", info)
 	}
 	return time.Duration(total * 1e9), nil
+}
+
+// ProcCPU reads a process's CPU time (user + system, every thread) from
+// /proc/PID/stat: for a server that bench started and that has no
+// /metrics of its own to ask, or whose own count should not depend on
+// one. Linux counts it in clock ticks of 10 ms (USER_HZ is 100).
+func ProcCPU(pid int) CPUProbe {
+	return func() (time.Duration, error) {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			return 0, err
+		}
+		return parseProcStat(string(b))
+	}
+}
+
+// parseProcStat reads utime and stime, the 14th and 15th fields of
+// /proc/PID/stat, past the command name in parentheses (which may hold
+// spaces).
+func parseProcStat(stat string) (time.Duration, error) {
+	i := strings.LastIndexByte(stat, ')')
+	if i < 0 {
+		return 0, fmt.Errorf("/proc stat %q: no command", stat)
+	}
+	f := strings.Fields(stat[i+1:])
+	// f[0] is the state, the 3rd field: utime is f[11], stime f[12].
+	if len(f) < 13 {
+		return 0, fmt.Errorf("/proc stat %q: too few fields", stat)
+	}
+	var ticks int64
+	for _, s := range f[11:13] {
+		v, err := strconv.ParseInt(s, 10, 64)
+		if err != nil {
+			return 0, fmt.Errorf("/proc stat: %w", err)
+		}
+		ticks += v
+	}
+	return time.Duration(ticks) * 10 * time.Millisecond, nil
 }

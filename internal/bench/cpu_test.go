@@ -3,6 +3,7 @@ package bench
 import (
 	"context"
 	"errors"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -80,5 +81,23 @@ func TestServerCPU(t *testing.T) {
 		if err != nil || r.ServerCPUPerOp <= 0 {
 			t.Fatalf("%s with /metrics's CPU: %+v %v", name, r, err)
 		}
+	}
+}
+
+func TestParseProcStat(t *testing.T) {
+	// /proc/PID/stat of an etcd, its command name with a space and a
+	// parenthesis in it to show the fields are counted past the last one.
+	const stat = "4242 (etcd (x) y) S 1 4242 4242 0 -1 4194560 5188 0 0 0 1234 566 0 0 20 0 13 0 100 11800000000 16000 18446744073709551615"
+	d, err := parseProcStat(stat)
+	if err != nil || d != 18*time.Second {
+		t.Fatalf("parseProcStat = %v, %v; want 18s (1234 + 566 ticks of 10 ms)", d, err)
+	}
+	for _, bad := range []string{"4242 etcd S 1", "4242 (etcd) S 1 2 3", "4242 (etcd) S 1 4242 4242 0 -1 4194560 5188 0 0 0 x 566"} {
+		if _, err := parseProcStat(bad); err == nil {
+			t.Errorf("parseProcStat(%q) read a CPU time", bad)
+		}
+	}
+	if _, err := ProcCPU(os.Getpid())(); err != nil {
+		t.Fatalf("this process's CPU: %v", err)
 	}
 }

@@ -45,6 +45,7 @@ type Etcd struct {
 	// fsyncs its write-ahead log there on every commit (bench never
 	// passes --unsafe-no-fsync), so it bounds every write.
 	Disk string
+	PID  int // the etcd process: its CPU is read from /proc (ProcCPU)
 	stop func()
 }
 
@@ -84,7 +85,7 @@ func LaunchEtcd() (*Etcd, error) {
 		os.RemoveAll(dir)
 		return nil, err
 	}
-	e := &Etcd{Endpoint: "http://" + client, Binary: bin, DataDir: dir,
+	e := &Etcd{Endpoint: "http://" + client, Binary: bin, DataDir: dir, PID: cmd.Process.Pid,
 		stop: func() { cmd.Process.Kill(); cmd.Wait(); os.RemoveAll(dir) }}
 	if err := waitFor(func() bool {
 		v, err := etcdVersion(e.Endpoint)

@@ -313,13 +313,6 @@ func jsonUnmarshal(v []byte, out any) error {
 	return nil
 }
 
-// health watches this server's keepalives. A server cut off from etcd (or
-// from its quorum) cannot keep its nodes' sessions alive: when none of its
-// keepalives has been answered for two thirds of the session lease's TTL,
-// it ends its streams, so that their clients move to a server that can,
-// before etcd ends their sessions (docs/DESIGN.md, "An etcd backend"). A
-// slow answer is not a failure: only keepalives, which etcd answers every
-// third of the TTL, count.
 // Ready says whether etcd answered a quorum read of this server within
 // readyWithin (lock.Checker): a server cut off from its etcd cluster, or
 // from its quorum, answers its calls 503 and should get none
@@ -362,6 +355,15 @@ func (b *Backend) probe() {
 	}
 }
 
+// health watches what this server hears from etcd. A server cut off from
+// etcd (or from its quorum) cannot keep its nodes' sessions alive: when
+// etcd answered none of its keepalives, and its watch brought nothing, for
+// two thirds of the session lease's TTL, it ends its streams, so that
+// their clients move to a server that can, before etcd ends their sessions
+// (docs/DESIGN.md, "An etcd backend"). Any answer is progress: a slow
+// lease, or an etcd that is slow for every server alike, is no reason to
+// move (the keeper sends a keepalive every third of the TTL, and etcd
+// answers each).
 func (b *Backend) health() {
 	defer b.wg.Done()
 	dropped := false
@@ -373,7 +375,7 @@ func (b *Backend) health() {
 			return
 		case <-t.C:
 		}
-		silent, ttl, ok := b.s.silence()
+		silent, ttl, ok := b.keeper.silence(time.Now())
 		switch {
 		case !ok || silent < ttl*2/3:
 			dropped = false

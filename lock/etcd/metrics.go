@@ -1,6 +1,10 @@
 package etcd
 
-import "github.com/prometheus/client_golang/prometheus"
+import (
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
 
 // The etcd engine's own counters, which a server that serves it exports
 // beside the backend's Stats (server: a backend that is a
@@ -17,6 +21,12 @@ var (
 		"etcd requests that carried this server's transactions (writes, and confirmations of answers read from the cache); grouped=true those that carried more than one.", []string{"grouped"}, nil)
 	descGroupedTxns = prometheus.NewDesc("dlock_etcd_write_transactions_total",
 		"Transactions those requests carried: divided by the requests, the transactions per etcd request.", nil, nil)
+	descKeepalives = prometheus.NewDesc("dlock_etcd_keepalives_total",
+		"Keepalives of the session leases this server keeps: result=sent on its streams, answered there, checked (a KeepAliveOnce of its own, for a lease whose keepalive held its stream up).", []string{"result"}, nil)
+	descKeepaliveStuck = prometheus.NewDesc("dlock_etcd_keepalive_streams_stuck_total",
+		"Keepalive streams this server ended because etcd held one keepalive, of a lease that may have run out, for a third of the TTL; that lease is then asked about on its own.", nil, nil)
+	descKeepaliveWait = prometheus.NewDesc("dlock_etcd_keepalive_wait_seconds",
+		"How long the oldest keepalive on this server's streams has waited for etcd's answer (0: none waits).", nil, nil)
 )
 
 // Describe implements prometheus.Collector.
@@ -26,6 +36,9 @@ func (b *Backend) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descCacheStale
 	ch <- descRequests
 	ch <- descGroupedTxns
+	ch <- descKeepalives
+	ch <- descKeepaliveWait
+	ch <- descKeepaliveStuck
 }
 
 // Collect implements prometheus.Collector.
@@ -39,4 +52,10 @@ func (b *Backend) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descRequests, prometheus.CounterValue, float64(requests-grouped), "false")
 	ch <- prometheus.MustNewConstMetric(descRequests, prometheus.CounterValue, float64(grouped), "true")
 	ch <- prometheus.MustNewConstMetric(descGroupedTxns, prometheus.CounterValue, float64(b.g.txns.Load()))
+	k := b.keeper
+	ch <- prometheus.MustNewConstMetric(descKeepalives, prometheus.CounterValue, float64(k.sent.Load()), "sent")
+	ch <- prometheus.MustNewConstMetric(descKeepalives, prometheus.CounterValue, float64(k.answers.Load()), "answered")
+	ch <- prometheus.MustNewConstMetric(descKeepalives, prometheus.CounterValue, float64(k.checked.Load()), "checked")
+	ch <- prometheus.MustNewConstMetric(descKeepaliveStuck, prometheus.CounterValue, float64(k.stuck.Load()))
+	ch <- prometheus.MustNewConstMetric(descKeepaliveWait, prometheus.GaugeValue, k.wait(time.Now()).Seconds())
 }

@@ -2,13 +2,11 @@ package etcd
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strconv"
 	"sync"
 	"time"
 
-	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/dlock/dlock/lock"
@@ -19,33 +17,18 @@ import (
 // its lease alive; when none does, etcd ends it one TTL after the last
 // keepalive: the grace (docs/DESIGN.md, "An etcd backend").
 type sessions struct {
-	b     *Backend
-	mu    sync.Mutex
-	local map[string]*localSession
-	alive time.Time     // the last keepalive answered, or the first kept since none were
-	ttl   time.Duration // the lease TTL etcd answered (it may raise the one asked for)
-}
+	b      *Backend
+	making chan struct{} // a token per session being made (make)
+	mu     sync.Mutex    // never held across a call to etcd: the keeper's answers wait for nothing
+	local  map[string]*localSession
 
-// silence reports how long no keepalive of this server was answered, and
-// the sessions' lease TTL; false when it keeps no session alive.
-func (s *sessions) silence() (time.Duration, time.Duration, bool) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if len(s.local) == 0 {
-		return 0, 0, false
-	}
-	ttl := s.ttl
-	if ttl == 0 {
-		ttl = time.Duration(s.b.graceTTL) * time.Second
-	}
-	return time.Since(s.alive), ttl, true
-}
+	revMu      sync.Mutex
+	revNext    *revRead // the read the next calls of currentRev wait for
+	revReading bool     // readRevs runs
 
-func (s *sessions) answered(ttl int64) {
-	s.mu.Lock()
-	s.alive = time.Now()
-	s.ttl = max(s.ttl, time.Duration(ttl)*time.Second)
-	s.mu.Unlock()
+	claimMu sync.Mutex       // held across the grant of a claim lease: one at a time
+	claim   clientv3.LeaseID // the lease of this server's claims, granted at claimAt
+	claimAt time.Time
 }
 
 type localSession struct {
@@ -54,7 +37,7 @@ type localSession struct {
 }
 
 func newSessions(b *Backend) *sessions {
-	return &sessions{b: b, local: map[string]*localSession{}}
+	return &sessions{b: b, making: make(chan struct{}, maxMaking), local: map[string]*localSession{}}
 }
 
 // Subscribe opens a node's session stream and/or an observer of one key.
@@ -101,9 +84,17 @@ func (b *Backend) Subscribe(ctx context.Context, req lock.SubscribeRequest) (loc
 			return nil, lock.Subscription{}, b.boundErr(parent, ctx, err)
 		}
 		f.lease = lease
+		// The stream joins at etcd's revision when it opened, or later:
+		// every change before it is in the replay (the session's log),
+		// none is told as if it came after.
+		cur, err := b.s.currentRev(ctx)
+		if err != nil {
+			b.s.releaseNode(req.Node, lease)
+			return nil, lock.Subscription{}, b.boundErr(parent, ctx, err)
+		}
 		// The watch must have seen the session before the stream joins,
 		// so that the session's log is the one the stream replays.
-		if !w.caughtUp(rev, 10*time.Second) {
+		if !w.caughtUp(max(rev, cur), 10*time.Second) {
 			b.s.releaseNode(req.Node, lease)
 			if err := b.alive(); err != nil {
 				return nil, lock.Subscription{}, err
@@ -116,8 +107,13 @@ func (b *Backend) Subscribe(ctx context.Context, req lock.SubscribeRequest) (loc
 	last := normID(req.LastID)
 	if req.HasLast {
 		if rev := idRev(last); rev > 0 {
-			if cur, err := b.currentRev(ctx); err == nil && rev <= cur {
-				w.caughtUp(rev, 5*time.Second)
+			w.mu.Lock()
+			seen := w.processed >= rev
+			w.mu.Unlock()
+			if !seen {
+				if cur, err := b.s.currentRev(ctx); err == nil && rev <= cur {
+					w.caughtUp(rev, 5*time.Second)
+				}
 			}
 		}
 	}
@@ -171,12 +167,66 @@ func (b *Backend) Subscribe(ctx context.Context, req lock.SubscribeRequest) (loc
 	return f, sub, nil
 }
 
-func (b *Backend) currentRev(ctx context.Context) (int64, error) {
-	resp, err := b.cli.Get(ctx, b.n.epoch())
-	if err != nil {
-		return 0, b.etcdErr("reading the revision", err)
+// currentRev returns a revision of etcd's at least as new as its current
+// one when called. The calls that come while a read is on its way share
+// the next one: thousands of streams that open together (a fleet moving
+// from a server that died) read a handful of times, not once each.
+func (s *sessions) currentRev(ctx context.Context) (int64, error) {
+	s.revMu.Lock()
+	if s.revNext == nil {
+		s.revNext = &revRead{done: make(chan struct{})}
 	}
-	return resp.Header.Revision, nil
+	r := s.revNext
+	if !s.revReading {
+		if s.b.ctx.Err() != nil {
+			s.revMu.Unlock()
+			return 0, lock.ErrClosed
+		}
+		s.revReading = true
+		s.b.wg.Add(1)
+		go s.readRevs()
+	}
+	s.revMu.Unlock()
+	select {
+	case <-r.done:
+		return r.rev, r.err
+	case <-ctx.Done():
+		return 0, ctx.Err()
+	}
+}
+
+// revRead is one read of etcd's revision, for the calls that wait on it.
+type revRead struct {
+	done chan struct{}
+	rev  int64
+	err  error
+}
+
+// readRevs reads etcd's revision for the calls waiting, again while more
+// came meanwhile.
+func (s *sessions) readRevs() {
+	defer s.b.wg.Done()
+	b := s.b
+	for {
+		s.revMu.Lock()
+		r := s.revNext
+		s.revNext = nil
+		if r == nil {
+			s.revReading = false
+			s.revMu.Unlock()
+			return
+		}
+		s.revMu.Unlock()
+		ctx, cancel := context.WithTimeout(b.ctx, callTimeout)
+		resp, err := b.cli.Get(ctx, b.n.epoch())
+		cancel()
+		if err != nil {
+			r.err = b.etcdErr("reading the revision", err)
+		} else {
+			r.rev = resp.Header.Revision
+		}
+		close(r.done)
+	}
 }
 
 // acquire counts one more stream of node on this server, finding or making
@@ -191,91 +241,144 @@ func (s *sessions) acquire(ctx context.Context, node string) (int64, int64, erro
 		return 0, 0, fmt.Errorf("%w: %s has %d streams, at most %d are allowed", lock.ErrTooManySessions, node, ls.streams, b.cfg.MaxSessionsPerNode)
 	}
 	s.mu.Unlock()
-	for attempt := 0; ; attempt++ {
-		if err := ctx.Err(); err != nil {
-			return 0, 0, err
-		}
-		resp, err := b.cli.Get(ctx, b.n.session(node))
-		if err != nil {
-			return 0, 0, b.etcdErr("reading a session", err)
-		}
-		var lease, rev int64
-		if len(resp.Kvs) > 0 {
-			var sr sessRec
-			if err := jsonUnmarshal(resp.Kvs[0].Value, &sr); err != nil {
-				return 0, 0, err
-			}
-			lease, rev = sr.Lease, resp.Header.Revision
-		} else {
-			if err := b.roomForSession(); err != nil {
-				return 0, 0, err
-			}
-			g, err := b.cli.Grant(ctx, b.graceTTL)
-			if err != nil {
-				return 0, 0, b.etcdErr("granting a session lease", err)
-			}
-			key := b.n.session(node)
-			tr, err := b.cli.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(key), "=", 0)).
-				Then(clientv3.OpPut(key, encode(sessRec{Lease: int64(g.ID)}), clientv3.WithLease(g.ID))).Commit()
-			if err != nil || !tr.Succeeded {
-				b.revokeLater(int64(g.ID))
-				if err != nil {
-					return 0, 0, b.etcdErr("making a session", err)
-				}
-				continue // another server made it first
-			}
-			b.committed(tr.Header.Revision)
-			lease, rev = int64(g.ID), tr.Header.Revision
-		}
-		ok, err := s.keep(node, lease)
-		if err != nil {
-			return 0, 0, err
-		}
-		if !ok {
-			continue // the lease ended between the read and the keepalive
-		}
-		return lease, rev, nil
+	// The session as the watch saw it: no read of etcd (keep).
+	w := b.w
+	w.mu.Lock()
+	var seen int64
+	if si := w.sessions[node]; si != nil {
+		seen = si.lease
 	}
+	rev := w.processed
+	w.mu.Unlock()
+	if seen != 0 {
+		if err := s.keep(node, seen); err != nil {
+			return 0, 0, err
+		}
+		return seen, rev, nil
+	}
+	lease, rev, made, err := s.make(ctx, node)
+	if err != nil {
+		return 0, 0, err
+	}
+	if !made {
+		// Another server made it first, or the watch was behind.
+		if err := s.keep(node, lease); err != nil {
+			return 0, 0, err
+		}
+	}
+	return lease, rev, nil
 }
 
-// keep counts a stream of node with lease and keeps the lease alive from
-// this server; false when the lease no longer exists.
-func (s *sessions) keep(node string, lease int64) (bool, error) {
+// make makes node's session, or reads the one that exists, in one
+// transaction after its lease's grant; made says which. A session made
+// here counts a stream of node, its lease kept alive from here. At most
+// maxMaking sessions are made at once: each is two writes, and a fleet
+// opening together would queue thousands before etcd, whose apply then
+// lags its commits by seconds; etcd 3.4 holds every keepalive until the
+// writes committed before it are applied, and the sessions already open
+// would lose their leases to the ones opening (docs/BENCHMARKS.md, "Fleet
+// scale on etcd").
+func (s *sessions) make(ctx context.Context, node string) (lease, rev int64, made bool, err error) {
+	b := s.b
+	select {
+	case s.making <- struct{}{}:
+		defer func() { <-s.making }()
+	case <-ctx.Done():
+		return 0, 0, false, ctx.Err()
+	}
+	// The sessions that stand come first: while their keepalives wait on
+	// etcd, no session is made (a fleet opening together then opens as
+	// fast as etcd keeps up, and none loses its lease to the others).
+	for k := b.keeper; k.wait(time.Now()) > k.every/2; {
+		select {
+		case <-ctx.Done():
+			return 0, 0, false, ctx.Err()
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	if err := b.roomForSession(); err != nil {
+		return 0, 0, false, err
+	}
+	sent := time.Now()
+	g, err := b.cli.Grant(ctx, b.graceTTL)
+	if err != nil {
+		return 0, 0, false, b.etcdErr("granting a session lease", err)
+	}
+	key := b.n.session(node)
+	tr, err := b.cli.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(key), "=", 0)).
+		Then(clientv3.OpPut(key, encode(sessRec{Lease: int64(g.ID)}), clientv3.WithLease(g.ID))).
+		Else(clientv3.OpGet(key)).Commit()
+	if err != nil {
+		b.revokeLater(int64(g.ID))
+		return 0, 0, false, b.etcdErr("making a session", err)
+	}
+	if !tr.Succeeded {
+		b.revokeLater(int64(g.ID))
+		kvs := tr.Responses[0].GetResponseRange().GetKvs()
+		if len(kvs) == 0 {
+			return 0, 0, false, fmt.Errorf("etcd backend: the session of %s vanished while read", node)
+		}
+		var sr sessRec
+		if err := jsonUnmarshal(kvs[0].Value, &sr); err != nil {
+			return 0, 0, false, err
+		}
+		return sr.Lease, tr.Header.Revision, false, nil
+	}
+	b.committed(tr.Header.Revision)
+	// etcd set the new lease's expiry when it applied the grant, sent at
+	// sent: no keepalive is needed to know it stands until sent plus the
+	// TTL.
+	if err := s.count(node, int64(g.ID), sent, sent.Add(time.Duration(g.TTL)*time.Second)); err != nil {
+		return 0, 0, false, err
+	}
+	return int64(g.ID), tr.Header.Revision, true, nil
+}
+
+// maxMaking bounds the sessions a server makes at once (make).
+const maxMaking = 16
+
+// keep counts a stream of node with lease, a session that exists (the
+// watch saw it, or etcd answered it), and keeps the lease alive from this
+// server. Its first keepalive from here goes out on the keeper's streams
+// at once; whether etcd still has the lease is not waited for: a lease
+// that ran out ends its session, which the watch sees and ends the
+// stream with. A fleet moving from a server that died opens thousands of
+// streams at once: a KeepAliveOnce each, a stream of etcd's each, did not
+// get through within their grace.
+func (s *sessions) keep(node string, lease int64) error {
+	return s.count(node, lease, time.Time{}, time.Time{})
+}
+
+// count counts a stream of node with lease. A lease this server keeps
+// already just counts one more; another is kept from now on, shown alive
+// by a keepalive or grant sent at sent that makes it stand until until
+// (zero when not known: the keeper asks etcd at once).
+func (s *sessions) count(node string, lease int64, sent, until time.Time) error {
 	b := s.b
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if err := b.alive(); err != nil {
-		return false, err
+		return err
 	}
 	if ls := s.local[node]; ls != nil && ls.lease == lease {
 		// Checked again here, where the count grows: streams that
 		// passed acquire's check together must not all open.
 		if b.cfg.MaxSessionsPerNode > 0 && ls.streams >= b.cfg.MaxSessionsPerNode {
 			b.refusedNodeStreams.Add(1)
-			return false, fmt.Errorf("%w: %s has %d streams, at most %d are allowed", lock.ErrTooManySessions, node, ls.streams, b.cfg.MaxSessionsPerNode)
+			return fmt.Errorf("%w: %s has %d streams, at most %d are allowed", lock.ErrTooManySessions, node, ls.streams, b.cfg.MaxSessionsPerNode)
 		}
 		ls.streams++
-		return true, nil
-	}
-	ctx, cancel := context.WithTimeout(b.ctx, 10*time.Second)
-	sent := time.Now()
-	ka, err := b.cli.KeepAliveOnce(ctx, clientv3.LeaseID(lease))
-	cancel()
-	if errors.Is(err, rpctypes.ErrLeaseNotFound) {
-		return false, nil
-	}
-	if err != nil {
-		return false, b.etcdErr("keeping a session alive", err)
+		if !until.IsZero() {
+			b.keeper.add(lease, sent, until)
+		}
+		return nil
 	}
 	if old := s.local[node]; old != nil {
 		b.keeper.remove(old.lease) // a session that ended and began anew
 	}
-	b.keeper.add(lease, sent, sent.Add(time.Duration(ka.TTL)*time.Second))
-	if len(s.local) == 0 {
-		s.alive = time.Now()
-	}
+	b.keeper.add(lease, sent, until)
 	s.local[node] = &localSession{lease: lease, streams: 1}
-	return true, nil
+	return nil
 }
 
 // release counts one stream of f's node less, once per stream.
@@ -328,20 +431,22 @@ func (b *Backend) sessionEnded(node string, lease int64) {
 		ctx, cancel := context.WithTimeout(b.ctx, time.Minute)
 		defer cancel()
 		claim := b.n.lost(node, lease)
-		g, err := b.cli.Grant(ctx, 60)
+		g, err := b.s.claimLease(ctx)
 		if err != nil {
 			return
 		}
 		tr, err := b.cli.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(claim), "=", 0)).
-			Then(clientv3.OpPut(claim, "", clientv3.WithLease(g.ID))).Commit()
+			Then(clientv3.OpPut(claim, "", clientv3.WithLease(g))).Commit()
 		if err != nil || !tr.Succeeded {
-			b.revokeLater(int64(g.ID))
 			return
 		}
 		switch n, err := b.endSession(ctx, node, lease); {
 		case err != nil:
 			b.sessionsLost.Add(1)
 			b.log.Warn("etcd backend: ending a lost session", "node", node, "err", err)
+			// Let the orphan sweep take it up, not only when the
+			// claim's lease runs out.
+			_, _ = b.cli.Delete(ctx, claim)
 		case n == 0:
 			// A clean end: the node closed its streams holding nothing.
 			b.sessionsClosed.Add(1)
@@ -350,9 +455,35 @@ func (b *Backend) sessionEnded(node string, lease int64) {
 			b.sessionsLost.Add(1)
 			b.log.Info("session lost", "node", node, "keys", n)
 		}
-		_, _ = b.cli.Revoke(ctx, g.ID)
 	}()
 }
+
+// claimLease is the lease of this server's claims on ended sessions
+// (sessionEnded): granted once and shared by the claims of the next
+// claimReuse, so that the claims outlive their work (a minute at most,
+// usually one round trip per key) and go with this server if it dies. A
+// grant and a revoke per ended session, on every server that saw it end,
+// were three writes more each time a node of a fleet closed its streams.
+func (s *sessions) claimLease(ctx context.Context) (clientv3.LeaseID, error) {
+	s.claimMu.Lock()
+	defer s.claimMu.Unlock()
+	if s.claim != 0 && time.Since(s.claimAt) < claimReuse {
+		return s.claim, nil
+	}
+	g, err := s.b.cli.Grant(ctx, int64(claimTTL/time.Second))
+	if err != nil {
+		return 0, s.b.etcdErr("granting a claim lease", err)
+	}
+	s.claim, s.claimAt = g.ID, time.Now()
+	return g.ID, nil
+}
+
+// A claim lease lives claimTTL and takes new claims for claimReuse after
+// its grant: each claim stands claimTTL - claimReuse at least.
+const (
+	claimTTL   = time.Minute
+	claimReuse = 20 * time.Second
+)
 
 // endSession removes node's waits, then releases its holds, of the session
 // with lease, and drops their index entries. It returns how many keys the

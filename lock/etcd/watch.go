@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
@@ -83,6 +84,8 @@ type watcher struct {
 	streams   map[string][]*feed // a node's session streams on this server
 	observers map[lock.Key][]*feed
 	nWatchers int
+
+	asked atomic.Int64 // when caughtUp last asked for progress (unix ns)
 }
 
 type keyInfo struct {
@@ -401,6 +404,10 @@ func (w *watcher) endStreams() int {
 // was compacted past.
 func (w *watcher) consume(ch clientv3.WatchChan, rev int64) (int64, bool) {
 	for resp := range ch {
+		if resp.Err() == nil {
+			// etcd is there and applying (health).
+			w.b.keeper.heardAt(time.Now())
+		}
 		if resp.CompactRevision > 0 {
 			w.mu.Lock()
 			warming := !w.warm && rev < w.warmTo
@@ -491,7 +498,12 @@ func (w *watcher) caughtUp(rev int64, d time.Duration) bool {
 		select {
 		case <-ch:
 		case <-ask:
-			_ = w.b.cli.RequestProgress(w.wctx())
+			// One request serves every waiter: thousands of streams
+			// that open together do not each ask.
+			now, last := time.Now().UnixNano(), w.asked.Load()
+			if now-last >= int64(progressEvery) && w.asked.CompareAndSwap(last, now) {
+				_ = w.b.cli.RequestProgress(w.wctx())
+			}
 		case <-timeout:
 			return false
 		case <-w.b.ctx.Done():

@@ -1,0 +1,99 @@
+package etcd_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/dlock/dlock/lock"
+	"github.com/dlock/dlock/lock/etcd"
+)
+
+// TestKeeperSessionsOpeningTogether: many nodes open their session streams
+// on one server at once, as a fleet does when it starts or moves from a
+// server that died. Every lease must stay kept alive meanwhile, so no
+// stream ends and no session is lost. The server's one keepalive stream
+// must be read while the sessions open: a server that stopped reading its
+// answers (each open kept its first keepalive under the sessions' lock,
+// which every answer waited for) left etcd unable to send them, heard no
+// answer for two thirds of the TTL, and ended every stream as if cut off
+// from etcd (docs/BENCHMARKS.md, "Fleet scale on etcd").
+func TestKeeperSessionsOpeningTogether(t *testing.T) {
+	const n, workers = 3000, 64
+	b, _ := open(t, func(c *etcd.Config) {
+		c.SessionGrace = 2 * time.Second // TTL 2 s: silence ends streams after 1.33 s
+		c.MaxSessions = 2 * n
+	})
+	streams := make([]lock.Stream, n)
+	defer func() {
+		for _, s := range streams {
+			if s != nil {
+				s.Close()
+			}
+		}
+	}()
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	errs := make(chan error, workers)
+	for range workers {
+		wg.Go(func() {
+			for {
+				i := int(next.Add(1) - 1)
+				if i >= n {
+					return
+				}
+				// A node tries again when the server answers that
+				// etcd is busy (503), as a client does.
+				var s lock.Stream
+				var err error
+				for try := 0; try < 10; try++ {
+					s, _, err = b.Subscribe(context.Background(), lock.SubscribeRequest{Node: fmt.Sprintf("node-%d", i)})
+					if !errors.Is(err, lock.ErrUnavailable) {
+						break
+					}
+				}
+				if err != nil {
+					errs <- fmt.Errorf("stream %d: %w", i, err)
+					return
+				}
+				streams[i] = s
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	// Every lease kept alive twice more after the last open (a period
+	// and more), unless a stream ends first.
+	want := etcd.KeepalivesAnsweredForTest(b) + 2*n
+	ended := func() int {
+		c := 0
+		for _, s := range streams {
+			select {
+			case <-s.Done():
+				c++
+			default:
+			}
+		}
+		return c
+	}
+	deadline := time.Now().Add(2 * time.Minute)
+	for etcd.KeepalivesAnsweredForTest(b) < want && ended() == 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("after 2 minutes, %d of %d more keepalives answered", etcd.KeepalivesAnsweredForTest(b)-(want-2*n), 2*n)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if c := ended(); c > 0 {
+		t.Fatalf("%d of %d streams ended while the sessions opened: the server stopped keeping their sessions alive (%+v)", c, n, b.Stats())
+	}
+	if st := b.Stats(); st.SessionsLost != 0 || st.Sessions != n {
+		t.Fatalf("sessions %d (want %d), lost %d (want 0)", st.Sessions, n, st.SessionsLost)
+	}
+}
