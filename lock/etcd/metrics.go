@@ -17,6 +17,8 @@ var (
 		"etcd requests that carried this server's transactions (writes, and confirmations of answers read from the cache); grouped=true those that carried more than one.", []string{"grouped"}, nil)
 	descGroupedTxns = prometheus.NewDesc("dlock_etcd_write_transactions_total",
 		"Transactions those requests carried: divided by the requests, the transactions per etcd request.", nil, nil)
+	descStalled = prometheus.NewDesc("dlock_etcd_stalled_requests_total",
+		"Those requests that etcd had not answered within 100 ms, after which the next ones went without waiting for them (a slow or unreachable etcd member).", nil, nil)
 )
 
 // Describe implements prometheus.Collector.
@@ -26,6 +28,7 @@ func (b *Backend) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descCacheStale
 	ch <- descRequests
 	ch <- descGroupedTxns
+	ch <- descStalled
 }
 
 // Collect implements prometheus.Collector.
@@ -39,4 +42,5 @@ func (b *Backend) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descRequests, prometheus.CounterValue, float64(requests-grouped), "false")
 	ch <- prometheus.MustNewConstMetric(descRequests, prometheus.CounterValue, float64(grouped), "true")
 	ch <- prometheus.MustNewConstMetric(descGroupedTxns, prometheus.CounterValue, float64(b.g.txns.Load()))
+	ch <- prometheus.MustNewConstMetric(descStalled, prometheus.CounterValue, float64(b.g.stalled.Load()))
 }
