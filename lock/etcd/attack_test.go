@@ -57,8 +57,9 @@ type pool struct {
 	grouped bool
 }
 
-// newPoolWith is newPool; grouped holds every etcd request of the servers
-// back a random moment before it is sent (etcd.HoldRequestsForTest).
+// newPoolWith opens n servers of the data set at p; grouped holds every
+// etcd request of the servers back a random moment before it is sent
+// (etcd.HoldRequestsForTest).
 func newPoolWith(t *testing.T, p string, cfg etcd.Config, n int, grouped bool) *pool {
 	pl := &pool{t: t, p: p, cfg: cfg, grouped: grouped}
 	for range n {
