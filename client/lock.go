@@ -3,7 +3,6 @@ package client
 import (
 	"context"
 	"errors"
-	"fmt"
 	"net/url"
 	"sync"
 	"time"
@@ -35,10 +34,7 @@ func (c *Client) prepare(req Request) error {
 }
 
 func (r Request) validate() error {
-	if !r.Type.Valid() {
-		return fmt.Errorf("%w: type must be pull, update or delete", ErrInvalid)
-	}
-	return lock.ValidateResource(r.Resource)
+	return lock.ValidateKey(r.Type, r.Resource, "-")
 }
 
 // Result is the outcome of Lock: Acquired or Skipped.
