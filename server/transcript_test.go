@@ -636,3 +636,58 @@ func TestParseTranscriptRejects(t *testing.T) {
 		t.Fatalf("a good transcript: %+v %v", s, err)
 	}
 }
+
+// TestMigrationExcerpts: every exchange docs/MIGRATION.md shows is a run of
+// lines of the transcript, which TestOriginalClientTranscript replays, and
+// the page shows nothing else to run.
+func TestMigrationExcerpts(t *testing.T) {
+	doc, err := os.ReadFile("../docs/MIGRATION.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr, err := os.ReadFile("testdata/original-client.transcript")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines := func(s string) []string {
+		var out []string
+		for l := range strings.Lines(s) {
+			if l = strings.TrimSpace(l); l != "" {
+				out = append(out, l)
+			}
+		}
+		return out
+	}
+	transcript := lines(string(tr))
+	var blocks []string
+	var block *strings.Builder // the open block's text, nil outside one
+	for n, l := range strings.Split(string(doc), "\n") {
+		fence, ok := strings.CutPrefix(strings.TrimSpace(l), "```")
+		switch {
+		case !ok && block != nil:
+			block.WriteString(l + "\n")
+		case !ok:
+		case block != nil:
+			blocks = append(blocks, block.String())
+			block = nil
+		default:
+			if fence != "transcript" {
+				t.Errorf("line %d: a %q block: this page shows only transcript excerpts, which a test runs", n+1, fence)
+			}
+			block = &strings.Builder{}
+		}
+	}
+	if block != nil || len(blocks) == 0 {
+		t.Fatalf("%d blocks, and one not closed: %v", len(blocks), block != nil)
+	}
+	for _, b := range blocks {
+		ex := lines(b)
+		found := false
+		for i := 0; i+len(ex) <= len(transcript) && !found; i++ {
+			found = slices.Equal(transcript[i:i+len(ex)], ex)
+		}
+		if !found {
+			t.Errorf("this excerpt is not a run of lines of the transcript:\n%s", b)
+		}
+	}
+}
