@@ -176,3 +176,30 @@ func TestCompareTypes(t *testing.T) {
 		t.Fatalf("sorted %v, want %v", got, want)
 	}
 }
+
+// BenchmarkParseType: what a request pays to parse its type, built in or
+// not, and what an event or an etcd key pays to name it.
+func BenchmarkParseType(b *testing.B) {
+	layer, err := ParseType("image-layer")
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, name := range []string{"pull", "delete", "image-layer"} {
+		b.Run("parse "+name, func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				if _, err := ParseType(name); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+	for _, t := range []Type{Pull, layer} {
+		b.Run("name "+t.String(), func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				_ = t.String()
+			}
+		})
+	}
+}
