@@ -354,7 +354,7 @@ func (b *Backend) Unlock(ctx context.Context, req lock.UnlockRequest) (lock.Unlo
 // that its events' ids fit in a revision's eight (watch.go).
 const maxRefusals = 6
 
-// end ends the hold with an outcome: a success of a pull or delete frees
+// end ends the hold with an outcome: a success of any type but update frees
 // the key and tells every waiter, anything else hands it to the first
 // eligible waiter (docs/DESIGN.md, "Unlock" steps 4 to 6), unless
 // leaseRanOut (a ttl expiry or a lost session) and Config.LockDelay

@@ -239,7 +239,7 @@ func (s *shard) arm(at mono) {
 	s.timer.Reset(d)
 }
 
-// release ends ks's hold. Success of a pull or delete clears the queue and
+// release ends ks's hold. Success of any type but update clears the queue and
 // tells each waiter; anything else hands the key to the next eligible waiter
 // (docs/DESIGN.md, "Unlock"), unless leaseRanOut (a ttl expiry or a lost
 // session) and Config.LockDelay reserve the key for the delay first
