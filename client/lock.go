@@ -13,6 +13,9 @@ import (
 
 // Request names a lock.
 type Request struct {
+	// Type is lock.Pull, lock.Update or lock.Delete, or another type from
+	// lock.ParseType, such as the original design's "image-layer"
+	// (docs/DESIGN.md, "Other types").
 	Type     lock.Type
 	Resource string
 	// SkipRecent answers Skipped, without a grant, when the key is free and
