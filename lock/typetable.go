@@ -38,11 +38,17 @@ type typeTable struct {
 var (
 	typesMu sync.Mutex // serializes internType
 	types   atomic.Pointer[typeTable]
+	// typesRefused counts the names ParseType refused for maxExtraTypes.
+	typesRefused atomic.Uint64
 	// maxExtraTypes is MaxExtraTypes, lowered by tests.
 	maxExtraTypes = MaxExtraTypes
 )
 
 func init() { types.Store(builtinTypes()) }
+
+// RefusedTypes is how many times ParseType refused a name because the
+// process had taken MaxExtraTypes already (ErrTooManyTypes).
+func RefusedTypes() uint64 { return typesRefused.Load() }
 
 func builtinTypes() *typeTable {
 	return &typeTable{names: []string{"", "pull", "update", "delete"}, byName: map[string]Type{}}
@@ -89,6 +95,7 @@ func internType(s string, admit bool) (Type, error) {
 		return t, nil
 	}
 	if admit && old.admitted >= maxExtraTypes {
+		typesRefused.Add(1)
 		return 0, fmt.Errorf("%w: type %q: a dlock process takes %d type names besides pull, update and delete, and this one has them all (kept until it restarts): use one it knows",
 			ErrTooManyTypes, s, maxExtraTypes)
 	}

@@ -87,9 +87,13 @@ func TestTooManyTypes(t *testing.T) {
 	for i := range MaxExtraTypes {
 		taken = append(taken, mustParse(t, fmt.Sprintf("t%d", i)))
 	}
+	refused := RefusedTypes()
 	_, err := ParseType("one-more")
 	if !errors.Is(err, ErrTooManyTypes) || errors.Is(err, ErrInvalid) {
 		t.Fatalf("name %d: %v, want ErrTooManyTypes", MaxExtraTypes+1, err)
+	}
+	if got := RefusedTypes(); got != refused+1 {
+		t.Fatalf("RefusedTypes %d after a refusal, was %d", got, refused)
 	}
 	for _, word := range []string{"timeout", "connection", "network", "EOF", "refused"} {
 		if strings.Contains(err.Error(), word) {

@@ -46,4 +46,13 @@ func TestServeTooManyTypes(t *testing.T) {
 	if st, body, _ := lockAs("one-too-many"); st != http.StatusBadRequest {
 		t.Fatalf("the refused name again: %d %s, want it refused still", st, body)
 	}
+	resp, err := http.Get("http://" + p.addr + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	metrics, _ := io.ReadAll(resp.Body)
+	if want := `dlock_limit_refusals_total{limit="types"} 2`; !strings.Contains(string(metrics), want+"\n") {
+		t.Fatalf("/metrics has no %s", want)
+	}
 }
