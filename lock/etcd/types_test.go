@@ -2,6 +2,8 @@ package etcd
 
 import (
 	"context"
+	"fmt"
+	"math/rand/v2"
 	"testing"
 	"time"
 
@@ -17,7 +19,9 @@ import (
 // that server's TryLock writes them, since in this process any TryLock of
 // the type would have taken the name already.
 func TestTypeFromAnotherServer(t *testing.T) {
-	const listed, watched = "from-another-server-listed", "from-another-server-watched"
+	// Names of this run's own (-count runs it again in the same process).
+	run := rand.Uint32()
+	listed, watched := fmt.Sprintf("listed-%08x", run), fmt.Sprintf("watched-%08x", run)
 	for _, name := range []string{listed, watched} {
 		if _, ok := lock.LookupType(name); ok {
 			t.Fatalf("this process knows %q already: the test needs a name nothing else parses", name)
