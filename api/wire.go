@@ -428,6 +428,7 @@ const (
 	CodeQueueFull        = "queue_full"
 	CodeTooManyKeys      = "too_many_keys"
 	CodeTooManyWatchers  = "too_many_watchers"
+	CodeTooManyTypes     = "too_many_types"
 	CodeUnauthorized     = "unauthorized"
 	CodeForbidden        = "forbidden"
 )
@@ -484,6 +485,10 @@ var codes = []struct {
 	{lock.ErrQueueFull, CodeQueueFull, http.StatusTooManyRequests, 1},
 	{lock.ErrTooManyKeys, CodeTooManyKeys, http.StatusServiceUnavailable, 1},
 	{lock.ErrTooManyWatchers, CodeTooManyWatchers, http.StatusTooManyRequests, 1},
+	// A 400, not a 429 or 503: a type name the process has no room for
+	// stays refused until it restarts, so trying again later cannot help
+	// (docs/DESIGN.md, "Other types").
+	{lock.ErrTooManyTypes, CodeTooManyTypes, http.StatusBadRequest, 0},
 	{ErrUnauthorized, CodeUnauthorized, http.StatusUnauthorized, 0},
 	{ErrForbidden, CodeForbidden, http.StatusForbidden, 0},
 }

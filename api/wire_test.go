@@ -3,6 +3,7 @@ package api
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net/http"
 	"strings"
 	"testing"
@@ -13,7 +14,9 @@ import (
 
 var badBodies = []string{
 	``, `   `, `null`, `[]`, `{`, `{"type":"pull"`, `{"type":1}`,
-	`{"type":"fetch","resource_id":"r","node_id":"a"}`,
+	`{"type":"Fetch","resource_id":"r","node_id":"a"}`,
+	`{"type":"image_layer","resource_id":"r","node_id":"a"}`,
+	`{"type":"` + strings.Repeat("x", 33) + `","resource_id":"r","node_id":"a"}`,
 	`{"type":"pull","resource_id":"","node_id":"a"}`,
 	`{"type":"pull","resource_id":"r","node_id":""}`,
 	`{"type":"pull","resource_id":"r\n","node_id":"a"}`,
@@ -52,7 +55,7 @@ func TestParseUnlockSuccessDefault(t *testing.T) {
 }
 
 func TestErrorsRoundTrip(t *testing.T) {
-	for _, err := range []error{lock.ErrInvalid, lock.ErrNotHolder, lock.ErrStaleToken, lock.ErrInUse, lock.ErrDeleting, lock.ErrUpdating, &lock.HeldError{Holder: "n1"}, ErrNotFound} {
+	for _, err := range []error{lock.ErrInvalid, lock.ErrTooManyTypes, lock.ErrNotHolder, lock.ErrStaleToken, lock.ErrInUse, lock.ErrDeleting, lock.ErrUpdating, &lock.HeldError{Holder: "n1"}, ErrNotFound} {
 		status, body := ErrorResponse(err)
 		back := ErrorFromResponse(status, body)
 		if !errors.Is(back, errors.Unwrap(err)) && !errors.Is(back, err) {
@@ -88,7 +91,8 @@ func FuzzParseUnlock(f *testing.F) {
 	fuzzParser(f, `{"type":"delete","resource_id":"r","node_id":"n","success":false,"error":"x","token":7}`, ParseUnlock)
 }
 
-// fuzzParser: a parser never panics, fails only with ErrInvalid, and never
+// fuzzParser: a parser never panics, fails only with ErrInvalid (or
+// ErrTooManyTypes, once the fuzzer's names fill the table), and never
 // accepts a request that does not validate.
 func fuzzParser[R interface{ Validate() error }](f *testing.F, good string, parse func([]byte) (R, error)) {
 	for _, b := range badBodies {
@@ -98,8 +102,9 @@ func fuzzParser[R interface{ Validate() error }](f *testing.F, good string, pars
 	f.Fuzz(func(t *testing.T, data []byte) {
 		r, err := parse(data)
 		if err != nil {
-			if !errors.Is(err, lock.ErrInvalid) {
-				t.Fatalf("error %v is not ErrInvalid", err)
+			// The fuzzer's type names fill the process's table of them.
+			if !errors.Is(err, lock.ErrInvalid) && !errors.Is(err, lock.ErrTooManyTypes) {
+				t.Fatalf("error %v is neither ErrInvalid nor ErrTooManyTypes", err)
 			}
 			return
 		}
@@ -197,5 +202,48 @@ func TestAppendLockResponseMatchesJSON(t *testing.T) {
 	}
 	if got := Millis(1999999 * time.Microsecond).Ms; got != 1999 {
 		t.Errorf("Millis(1.999999s) = %d, want 1999: a guarantee is rounded down", got)
+	}
+}
+
+// TestParseOtherTypes: a type besides pull, update and delete (the seeds'
+// content layer sends image-layer) parses on every path, fast and slow, and
+// its events carry its name.
+func TestParseOtherTypes(t *testing.T) {
+	layer, err := lock.ParseType("image-layer")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, body := range []string{
+		`{"type":"image-layer","resource_id":"sha256:abc","node_id":"n1"}`,
+		`{"type":"image-layer","resource_id":"sha256:\u0061bc","node_id":"n1","timestamp":1}`, // encoding/json's path
+	} {
+		r, err := ParseLock([]byte(body))
+		if err != nil || r.Type != layer || r.Resource != "sha256:abc" {
+			t.Errorf("ParseLock(%s) = %+v, %v", body, r, err)
+		}
+		u, err := ParseUnlock([]byte(body))
+		if err != nil || u.Type != layer || !u.Success {
+			t.Errorf("ParseUnlock(%s) = %+v, %v", body, u, err)
+		}
+		k, node, err := ParseKey([]byte(body))
+		if err != nil || k.Type != layer || node != "n1" {
+			t.Errorf("ParseKey(%s) = %v %q, %v", body, k, node, err)
+		}
+	}
+	for _, ev := range []*lock.Event{
+		{Name: lock.EventLockAssigned, Key: lock.Key{Type: layer, Resource: "r"}, Node: "n1", Token: 7},
+		{Name: lock.EventOperationCompleted, Key: lock.Key{Type: layer, Resource: "r"}, Node: "n1", Success: true, CompletedAt: time.Unix(1, 0)},
+	} {
+		var got Event
+		if err := json.Unmarshal(AppendEventData(nil, ev), &got); err != nil || got.Type != "image-layer" || got.Event != ev.Name {
+			t.Errorf("%s event decodes to %+v, %v", ev.Name, got, err)
+		}
+	}
+	if st := Status(lock.Status{Key: lock.Key{Type: layer, Resource: "r"}}, ""); st.Type != "image-layer" {
+		t.Errorf("status of an image-layer key says type %q", st.Type)
+	}
+	status, body := ErrorResponse(fmt.Errorf("wrapped: %w", lock.ErrTooManyTypes))
+	if status != http.StatusBadRequest || body.Code != CodeTooManyTypes || RetryAfter(lock.ErrTooManyTypes) != 0 {
+		t.Errorf("too many types: %d %+v, Retry-After %d; want a 400 too_many_types without one", status, body, RetryAfter(lock.ErrTooManyTypes))
 	}
 }

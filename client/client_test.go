@@ -95,18 +95,35 @@ func TestEightNodesOneLayer(t *testing.T) {
 }
 
 // TestFailureTakenOver: the first download fails once every other node is
-// queued; the next in line takes over, succeeds, and the rest skip.
+// queued; the next in line takes over, succeeds, and the rest skip. Also
+// for a type besides the three, as the original design's content layer
+// locks its layers: its events reach the waiters as pull's do.
 func TestFailureTakenOver(t *testing.T) {
+	layer, err := lock.ParseType("image-layer")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, req := range []Request{pull, {Type: layer, Resource: pull.Resource}} {
+		t.Run(req.Type.String(), func(t *testing.T) { testFailureTakenOver(t, req) })
+	}
+}
+
+func testFailureTakenOver(t *testing.T, pull Request) {
 	srv := startServer(t, nil)
 	var runs atomic.Int64
 	var wg sync.WaitGroup
 	defer wg.Wait()
 	work, done := heldWork()
 	defer done()
+	// The waiters learn what happened from their streams alone: they do
+	// not poll within the test, which a lost event would make time out.
+	ctx, cancel := context.WithTimeout(t.Context(), kit.Patience)
+	defer cancel()
 	for i := range 8 {
 		c := newClient(t, srv, fmt.Sprint("node-", i))
+		c.PollInterval = time.Hour
 		wg.Go(func() {
-			_, err := c.Do(t.Context(), pull, func(ctx context.Context) error {
+			_, err := c.Do(ctx, pull, func(ctx context.Context) error {
 				if runs.Add(1) == 1 {
 					<-work
 					return errors.New("registry said 500")

@@ -3,7 +3,6 @@ package client
 import (
 	"context"
 	"errors"
-	"fmt"
 	"net/url"
 	"sync"
 	"time"
@@ -14,6 +13,9 @@ import (
 
 // Request names a lock.
 type Request struct {
+	// Type is lock.Pull, lock.Update or lock.Delete, or another type from
+	// lock.ParseType, such as the original design's "image-layer"
+	// (docs/DESIGN.md, "Other types").
 	Type     lock.Type
 	Resource string
 	// SkipRecent answers Skipped, without a grant, when the key is free and
@@ -35,10 +37,7 @@ func (c *Client) prepare(req Request) error {
 }
 
 func (r Request) validate() error {
-	if !r.Type.Valid() {
-		return fmt.Errorf("%w: type must be pull, update or delete", ErrInvalid)
-	}
-	return lock.ValidateResource(r.Resource)
+	return lock.ValidateKey(r.Type, r.Resource, "-")
 }
 
 // Result is the outcome of Lock: Acquired or Skipped.

@@ -300,8 +300,11 @@ func (s *session) dispatch(name, data string) {
 		s.c.Logger.Warn("undecodable event", "event", name, "err", err)
 		return
 	}
-	t, err := lock.ParseType(ev.Type)
-	if err != nil {
+	// A type this client never asked for has no waiter here; looking it
+	// up, not parsing it, keeps a server's names out of the client's
+	// table of types.
+	t, ok := lock.LookupType(ev.Type)
+	if !ok {
 		return
 	}
 	k := lock.Key{Type: t, Resource: ev.ResourceID}

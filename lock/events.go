@@ -46,7 +46,9 @@ func (e *Event) WireSize() int {
 // backend that keeps an event in a more compact form than an Event.
 func EventWireSize(name, resource, node, errText, next string) int {
 	// The frame's fixed part: "id: " and 20 digits, the event line, the
-	// JSON keys, type, token or success, a time stamp, the separators.
+	// JSON keys, type (up to MaxTypeLen bytes), token or success, a time
+	// stamp, the separators: some 210 bytes with the longest type, which
+	// server.TestEventWireSize holds to this bound.
 	const fixed = 256
 	return fixed + 2*len(name) + jsonLen(resource) + jsonLen(node) + jsonLen(errText) + jsonLen(next)
 }

@@ -1,6 +1,7 @@
 package lock
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"strings"
@@ -11,38 +12,98 @@ import (
 
 // Type is the kind of operation a lock is taken for. Different types of one
 // resource have separate holders and queues.
+//
+// Pull, Update and Delete are built in. Any other name of the form
+// [a-z][a-z0-9-]{0,31} is a type too, with pull's rules and no reference
+// rules (docs/DESIGN.md, "Other types"): ParseType gives it a number of its
+// own, the same for the life of the process, so that a Type stays one byte
+// that engines keep in their keys and compare with ==. Its name, not its
+// number, is what crosses the wire or goes into storage: another process
+// numbers the same name differently.
 type Type uint8
 
-// The operation types. The zero Type is invalid.
+// The built-in operation types. The zero Type is invalid.
 const (
 	Pull Type = iota + 1
 	Update
 	Delete
 )
 
-var typeNames = [...]string{Pull: "pull", Update: "update", Delete: "delete"}
-
 func (t Type) String() string {
-	if t >= Pull && t <= Delete {
-		return typeNames[t]
+	if name, ok := typeName(t); ok {
+		return name
 	}
 	return fmt.Sprintf("Type(%d)", uint8(t))
 }
 
-// Valid reports whether t is one of Pull, Update, Delete.
-func (t Type) Valid() bool { return t >= Pull && t <= Delete }
+// Valid reports whether t is Pull, Update, Delete or a type ParseType or
+// InternType made.
+func (t Type) Valid() bool {
+	_, ok := typeName(t)
+	return ok
+}
 
-// ParseType parses the lowercase wire name of an operation type.
+// Builtin reports whether t is Pull, Update or Delete, the types with
+// reference rules (docs/DESIGN.md, "Reference rules").
+func (t Type) Builtin() bool { return t >= Pull && t <= Delete }
+
+// ParseType parses the wire name of an operation type: pull, update,
+// delete, or another name of the form [a-z][a-z0-9-]{0,31}. A name the
+// process has not seen yet is given a Type of its own, for good; at most
+// MaxExtraTypes such names are taken from callers, and the next one fails
+// with ErrTooManyTypes (docs/DESIGN.md, "Other types").
 func ParseType(s string) (Type, error) {
+	if t, ok := LookupType(s); ok {
+		return t, nil
+	}
+	if err := validTypeName(s); err != nil {
+		return 0, err
+	}
+	return internType(s, true)
+}
+
+// LookupType returns the Type of a name the process knows already; it never
+// makes a new one.
+func LookupType(s string) (Type, bool) {
 	switch s {
 	case "pull":
-		return Pull, nil
+		return Pull, true
 	case "update":
-		return Update, nil
+		return Update, true
 	case "delete":
-		return Delete, nil
+		return Delete, true
 	}
-	return 0, fmt.Errorf("%w: type must be pull, update or delete, not %q", ErrInvalid, s)
+	t, ok := types.Load().byName[s]
+	return t, ok
+}
+
+// InternType is ParseType for a name a backend reads back from its own
+// storage, where a server of its data set put it after ParseType took it
+// from a caller: it does not count against MaxExtraTypes, so that every
+// server can name every key of the data set. It fails only for a name of
+// the wrong form, or when the process knows MaxTypes names already.
+func InternType(s string) (Type, error) {
+	if t, ok := LookupType(s); ok {
+		return t, nil
+	}
+	if err := validTypeName(s); err != nil {
+		return 0, err
+	}
+	return internType(s, false)
+}
+
+// CompareTypes orders types the same way in every process: the built-in
+// types in their order, then the others by name.
+func CompareTypes(a, b Type) int {
+	switch ab, bb := a <= Delete, b <= Delete; {
+	case ab && bb:
+		return cmp.Compare(a, b)
+	case ab:
+		return -1
+	case bb:
+		return 1
+	}
+	return strings.Compare(a.String(), b.String())
 }
 
 // Lease says what keeps a hold or a queue entry alive.
@@ -169,7 +230,10 @@ func TruncateError(s string) (string, bool) {
 // ValidateKey checks a key and a node id as every request does.
 func ValidateKey(t Type, resource, node string) error {
 	if !t.Valid() {
-		return fmt.Errorf("%w: type must be pull, update or delete", ErrInvalid)
+		if t == 0 {
+			return fmt.Errorf("%w: type is required", ErrInvalid)
+		}
+		return fmt.Errorf("%w: %v is not a type of this process", ErrInvalid, t)
 	}
 	if err := ValidateResource(resource); err != nil {
 		return err
@@ -294,6 +358,11 @@ var (
 	ErrQueueFull       = errors.New("the queue of this key is full")
 	ErrTooManyKeys     = errors.New("too many keys with state")
 	ErrTooManyWatchers = errors.New("too many observer and operator streams")
+
+	// ErrTooManyTypes is a type name beyond the MaxExtraTypes that one
+	// process takes: unlike the limits above it does not pass with time,
+	// since a name, once taken, is kept for the life of the process.
+	ErrTooManyTypes = errors.New("too many type names")
 )
 
 // HeldError is returned when multi-node download mode is off and another node

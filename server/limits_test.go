@@ -241,12 +241,20 @@ func TestEventWireSize(t *testing.T) {
 	at := time.Date(2026, 12, 31, 23, 59, 59, 999999999, time.FixedZone("x", -11*3600))
 	texts := []string{"", "plain", long("<", lock.MaxErrorLen), long("\x01", lock.MaxErrorLen), long("\u2028", lock.MaxErrorLen), long("\xff", lock.MaxErrorLen), long(`"\`, lock.MaxErrorLen)}
 	ids := []string{"a", long("&", lock.MaxResourceLen), long("é", lock.MaxResourceLen), long("\u2029", lock.MaxResourceLen)}
+	// A type's name is not counted: the fixed part has room for the
+	// longest (docs/DESIGN.md, "Other types").
+	longest, err := lock.ParseType(long("z", lock.MaxTypeLen))
+	if err != nil {
+		t.Fatal(err)
+	}
 	for _, text := range texts {
 		for _, id := range ids {
 			node := id[:min(len(id), lock.MaxNodeLen)]
 			for _, ev := range []*lock.Event{
 				{Name: lock.EventLockAssigned, Key: lock.Key{Type: lock.Update, Resource: id}, Node: node, Token: math.MaxUint64},
 				{Name: lock.EventOperationCompleted, Key: lock.Key{Type: lock.Delete, Resource: id}, Node: node, Error: text, CompletedAt: at, NextHolder: node},
+				{Name: lock.EventLockAssigned, Key: lock.Key{Type: longest, Resource: id}, Node: node, Token: math.MaxUint64},
+				{Name: lock.EventOperationCompleted, Key: lock.Key{Type: longest, Resource: id}, Node: node, Error: text, CompletedAt: at, NextHolder: node},
 			} {
 				frame := appendDelivery(nil, lock.Delivery{ID: math.MaxUint64, Event: ev})
 				if len(frame) > ev.WireSize() {

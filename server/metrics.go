@@ -115,7 +115,7 @@ type limitsCollector struct{ m lock.Backend }
 
 var (
 	descLimitRefusals = prometheus.NewDesc("dlock_limit_refusals_total",
-		"Requests refused by a limit: sessions (--max-sessions), node_streams (--max-sessions-per-node), queue (--max-queue), keys (--max-keys).",
+		"Requests refused by a limit: sessions (--max-sessions), node_streams (--max-sessions-per-node), queue (--max-queue), keys (--max-keys), watchers (--max-watchers), types (64 type names besides pull, update and delete).",
 		[]string{"limit"}, nil)
 	descTruncatedErrors = prometheus.NewDesc("dlock_truncated_errors_total", "Unlock error texts cut to 1 KiB.", nil, nil)
 	descReplayGaps      = prometheus.NewDesc("dlock_replay_gaps_total", "Stream reconnects whose replay missed events no longer kept.", nil, nil)
@@ -135,6 +135,7 @@ func (c limitsCollector) Collect(ch chan<- prometheus.Metric) {
 		"queue":        st.RefusedQueue,
 		"keys":         st.RefusedKeys,
 		"watchers":     st.RefusedWatchers,
+		"types":        lock.RefusedTypes(), // the process's, as its table of types is
 	} {
 		ch <- prometheus.MustNewConstMetric(descLimitRefusals, prometheus.CounterValue, float64(v), limit)
 	}

@@ -239,7 +239,8 @@ func testHTTPRules(t *testing.T, e *env) {
 		{"POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"d","skip_recent":true}`, 200, map[string]any{"skip": true, "acquired": false}},
 		{"POST", "/cancel", `{"type":"pull","resource_id":"r","node_id":"d"}`, 200, map[string]any{"dequeued": false, "released": false}},
 		// Bad input.
-		{"POST", "/lock", `{"type":"fetch","resource_id":"r","node_id":"a"}`, 400, map[string]any{"code": "invalid_request"}},
+		{"POST", "/lock", `{"type":"Fetch","resource_id":"r","node_id":"a"}`, 400, map[string]any{"code": "invalid_request"}},
+		{"POST", "/lock", `{"type":"image_layer","resource_id":"r","node_id":"a"}`, 400, map[string]any{"code": "invalid_request"}},
 		{"POST", "/lock", `{"type":"pull","node_id":"a"}`, 400, map[string]any{"code": "invalid_request", "error": "invalid request: resource_id is required"}},
 		{"POST", "/lock", `{"type":"pull","resource_id":"r","node_id":7}`, 400, map[string]any{"code": "invalid_request", "error": "invalid request: field node_id must be a JSON string"}},
 		{"POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"a","lease":"forever"}`, 400, map[string]any{"code": "invalid_request"}},
@@ -395,7 +396,7 @@ func testSSE(t *testing.T, e *env) {
 func TestSSEBadRequests(t *testing.T) { onBackends(t, nil, testSSEBadRequests) }
 
 func testSSEBadRequests(t *testing.T, e *env) {
-	for _, q := range []string{"", "type=pull", "type=get&resource_id=r", "node_id=%00"} {
+	for _, q := range []string{"", "type=pull", "type=Get&resource_id=r", "type=get%2Fx&resource_id=r", "node_id=%00"} {
 		if status, got := e.call("GET", "/subscribe?"+q, ""); status != 400 || got["code"] != "invalid_request" {
 			t.Fatalf("subscribe?%s: %d %v", q, status, got)
 		}

@@ -333,3 +333,23 @@ func testUIEvents(t *testing.T, e *env) {
 		t.Fatalf("operator stream\n got %s\nwant %s", strings.Join(got, " "), want)
 	}
 }
+
+// TestUIOtherType: a key of a type besides the three (the seeds'
+// image-layer) shows in the operators' view under its name, held and
+// queued, and its completion too.
+func TestUIOtherType(t *testing.T) { onBackends(t, nil, testUIOtherType) }
+
+func testUIOtherType(t *testing.T, e *env) {
+	for _, n := range []string{"a", "b"} {
+		e.call("POST", "/lock", `{"type":"image-layer","resource_id":"sha256:l","node_id":"`+n+`"}`)
+	}
+	e.call("POST", "/unlock", `{"type":"image-layer","resource_id":"sha256:l","node_id":"a","error":"registry gone"}`)
+	settled(t, func() string {
+		var p uiKeysPage
+		getJSON(t, e.uiURL()+"/ui/api/keys?filter=sha256:l", &p)
+		if len(p.Keys) != 1 || p.Keys[0].Type != "image-layer" || p.Keys[0].Holder != "b" || p.Keys[0].LastCompleted == nil {
+			return fmt.Sprintf("keys %+v", p.Keys)
+		}
+		return ""
+	})
+}

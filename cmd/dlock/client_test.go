@@ -237,7 +237,11 @@ func TestClientSubcommands(t *testing.T) {
 	if out, _, _ := dlock(t, srv, "refcount", "--release", "--node", "a"); !strings.Contains(out, `"released":1`) {
 		t.Fatalf("refcount --release (all): %q", out)
 	}
-	for _, args := range [][]string{{"lock"}, {"lock", "--resource", "r", "--type", "fetch"}, {"run", "--resource", "r"}, {"frobnicate"}} {
+	// Another type, as the seeds' content layer's (docs/DESIGN.md, "Other types").
+	if out, errOut, st := dlock(t, srv, "lock", "--resource", "r", "--node", "a", "--type", "image-layer", "--human"); st != 0 || !strings.HasPrefix(out, "acquired image-layer:r") {
+		t.Fatalf("lock --type image-layer: %d %q %q", st, out, errOut)
+	}
+	for _, args := range [][]string{{"lock"}, {"lock", "--resource", "r", "--type", "Fetch"}, {"lock", "--resource", "r", "--type", "image_layer"}, {"run", "--resource", "r"}, {"frobnicate"}} {
 		if _, _, st := dlock(t, srv, args...); st != 2 {
 			t.Errorf("%v: status %d, want 2", args, st)
 		}

@@ -49,7 +49,7 @@ func newClientFlags(name, defaultNode string, stderr io.Writer) *clientFlags {
 	f.fs.SetOutput(stderr)
 	f.fs.StringVar(&f.server, "server", "http://127.0.0.1:7380", "dlock server URL; or the servers of one lock service, comma-separated (URL1,URL2,…): a request or stream that fails for its server moves to the next")
 	f.fs.StringVar(&f.node, "node", defaultNode, "this node's id")
-	f.fs.StringVar(&f.typ, "type", "pull", "operation type: pull, update or delete")
+	f.fs.StringVar(&f.typ, "type", "pull", "operation type: pull, update, delete, or another name (with pull's rules and no reference rules)")
 	f.fs.StringVar(&f.resource, "resource", "", "resource id, e.g. a blob digest")
 	f.fs.BoolVar(&f.human, "human", false, "print a short line instead of JSON")
 	f.fs.StringVar(&f.source, "source-addr", "", "local IP address every connection to the servers is dialed from (default: the system's choice)")

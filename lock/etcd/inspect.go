@@ -32,9 +32,15 @@ var _ lock.Inspector = (*Backend)(nil)
 // A variable for tests.
 var scanBudget = 1 << 16
 
-// Cursors are opaque to callers: base64url of "type.resource".
+// Cursors are opaque to callers: base64url of "type.resource", where type is
+// a built-in type's number or another type's name, since a cursor one server
+// gave may come back to another, which numbers that type differently.
 func keyCursor(k lock.Key) string {
-	return base64.RawURLEncoding.EncodeToString(fmt.Appendf(nil, "%d.%s", k.Type, k.Resource))
+	t := strconv.Itoa(int(k.Type))
+	if !k.Type.Builtin() {
+		t = k.Type.String()
+	}
+	return base64.RawURLEncoding.EncodeToString(fmt.Appendf(nil, "%s.%s", t, k.Resource))
 }
 
 func parseKeyCursor(s string) (*lock.Key, error) {
@@ -47,11 +53,18 @@ func parseKeyCursor(s string) (*lock.Key, error) {
 		return nil, bad
 	}
 	ts, res, ok := strings.Cut(string(b), ".")
-	typ, err := strconv.Atoi(ts)
-	if !ok || err != nil || !lock.Type(typ).Valid() || res == "" {
+	if !ok || res == "" {
 		return nil, bad
 	}
-	return &lock.Key{Type: lock.Type(typ), Resource: res}, nil
+	var typ lock.Type
+	if n, err := strconv.Atoi(ts); err == nil {
+		if typ = lock.Type(n); n < 0 || n > lock.MaxTypes || !typ.Builtin() {
+			return nil, bad
+		}
+	} else if typ, err = lock.ParseType(ts); err != nil {
+		return nil, err
+	}
+	return &lock.Key{Type: typ, Resource: res}, nil
 }
 
 func pageLimit(n int) int {

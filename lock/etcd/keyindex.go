@@ -1,7 +1,6 @@
 package etcd
 
 import (
-	"cmp"
 	"slices"
 	"strings"
 
@@ -29,7 +28,7 @@ func compareKeys(a, b lock.Key) int {
 	if c := strings.Compare(a.Resource, b.Resource); c != 0 {
 		return c
 	}
-	return cmp.Compare(a.Type, b.Type)
+	return lock.CompareTypes(a.Type, b.Type)
 }
 
 // newKeyIndex makes an index of keys, which it sorts.

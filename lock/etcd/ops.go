@@ -354,7 +354,7 @@ func (b *Backend) Unlock(ctx context.Context, req lock.UnlockRequest) (lock.Unlo
 // that its events' ids fit in a revision's eight (watch.go).
 const maxRefusals = 6
 
-// end ends the hold with an outcome: a success of a pull or delete frees
+// end ends the hold with an outcome: a success of any type but update frees
 // the key and tells every waiter, anything else hands it to the first
 // eligible waiter (docs/DESIGN.md, "Unlock" steps 4 to 6), unless
 // leaseRanOut (a ttl expiry or a lost session) and Config.LockDelay
@@ -417,7 +417,7 @@ func (t *tx) promote(x *trans, now time.Time) (string, error) {
 		}
 		for _, w := range ws {
 			refused := false
-			if t.k.Type != lock.Pull {
+			if t.k.Type == lock.Delete || t.k.Type == lock.Update {
 				switch err := t.refConflict(); {
 				case errors.Is(err, lock.ErrInUse), errors.Is(err, lock.ErrDeleting), errors.Is(err, lock.ErrUpdating):
 					refused = true
@@ -565,10 +565,7 @@ func (b *Backend) Cancel(ctx context.Context, typ lock.Type, resource, node stri
 // (docs/DESIGN.md, "Status").
 func (b *Backend) Status(ctx context.Context, typ lock.Type, resource, node string) (lock.Status, error) {
 	k := lock.Key{Type: typ, Resource: resource}
-	if !typ.Valid() {
-		return lock.Status{}, fmt.Errorf("%w: type must be pull, update or delete", lock.ErrInvalid)
-	}
-	if err := lock.ValidateResource(resource); err != nil {
+	if err := lock.ValidateKey(typ, resource, "-"); err != nil {
 		return lock.Status{}, err
 	}
 	if node != "" {

@@ -15,6 +15,8 @@ import (
 //
 //	P/epoch                     the data set's epoch
 //	P/k/<type>/<res>            keyRec: holder, token, deadlines, queue count, completion
+//	                            (<type> is the type's name, as every server of the
+//	                            data set numbers a type of its own differently)
 //	P/q/<type>/<res>/<seq>/<node>  waitRec: one waiter, in FIFO order (seq in hex, fixed width)
 //	P/qn/<type>/<res>/<node>    the waiter's seq: no duplicate entry, and its position
 //	P/s/<node>                  a session, attached to its etcd lease
@@ -165,8 +167,6 @@ func decodeKey(b []byte) (keyRec, error) {
 // names builds the etcd keys of one data set.
 type names struct{ p string }
 
-var typeNames = [...]string{lock.Pull: "pull", lock.Update: "update", lock.Delete: "delete"}
-
 func esc(s string) string { return url.PathEscape(s) }
 
 func (n names) epoch() string { return n.p + "epoch" }
@@ -178,10 +178,10 @@ func (n names) epoch() string { return n.p + "epoch" }
 func (n names) dropped() string { return n.p + "dropped" }
 func (n names) keys() string    { return n.p + "k/" }
 func (n names) key(k lock.Key) string {
-	return n.p + "k/" + typeNames[k.Type] + "/" + esc(k.Resource)
+	return n.p + "k/" + k.Type.String() + "/" + esc(k.Resource)
 }
 func (n names) queue(k lock.Key) string {
-	return n.p + "q/" + typeNames[k.Type] + "/" + esc(k.Resource) + "/"
+	return n.p + "q/" + k.Type.String() + "/" + esc(k.Resource) + "/"
 }
 
 // wait is a waiter's key: its seq, in FIFO order, then its node, so that a
@@ -197,7 +197,7 @@ func (n names) waitSeq(k lock.Key, seq uint64) string {
 	return n.queue(k) + fmt.Sprintf("%016x", seq)
 }
 func (n names) queueNodes(k lock.Key) string {
-	return n.p + "qn/" + typeNames[k.Type] + "/" + esc(k.Resource) + "/"
+	return n.p + "qn/" + k.Type.String() + "/" + esc(k.Resource) + "/"
 }
 func (n names) queueNode(k lock.Key, node string) string { return n.queueNodes(k) + esc(node) }
 func (n names) sessions() string                         { return n.p + "s/" }
@@ -205,7 +205,7 @@ func (n names) session(node string) string               { return n.p + "s/" + e
 func (n names) nodeIndexes() string                      { return n.p + "n/" }
 func (n names) nodeIndex(node string) string             { return n.p + "n/" + esc(node) + "/" }
 func (n names) nodeKey(node string, k lock.Key) string {
-	return n.nodeIndex(node) + typeNames[k.Type] + "/" + esc(k.Resource)
+	return n.nodeIndex(node) + k.Type.String() + "/" + esc(k.Resource)
 }
 func (n names) refs() string          { return n.p + "r/" }
 func (n names) ref(res string) string { return n.p + "r/" + esc(res) }
@@ -223,7 +223,9 @@ func (n names) parseKey(etcdKey string) (lock.Key, bool) {
 	if !ok {
 		return lock.Key{}, false
 	}
-	t, err := lock.ParseType(ts)
+	// A type a server of the data set took from a caller: this one may
+	// never have seen it, and must name the key all the same.
+	t, err := lock.InternType(ts)
 	if err != nil {
 		return lock.Key{}, false
 	}

@@ -51,10 +51,7 @@ func (b *Backend) Subscribe(ctx context.Context, req lock.SubscribeRequest) (loc
 		}
 	}
 	if o := req.Observe; o != nil {
-		if !o.Type.Valid() {
-			return nil, lock.Subscription{}, fmt.Errorf("%w: type must be pull, update or delete", lock.ErrInvalid)
-		}
-		if err := lock.ValidateResource(o.Resource); err != nil {
+		if err := lock.ValidateKey(o.Type, o.Resource, "-"); err != nil {
 			return nil, lock.Subscription{}, err
 		}
 	}

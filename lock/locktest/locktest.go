@@ -46,6 +46,11 @@
 //     or update is held; pull, update and RefAdd refused while a delete, or
 //     with UpdateRequiresNoRef an update, is held; RefReleaseNode;
 //     references kept across a restart), and ErrRefCountOff.
+//   - Types: a type besides pull, update and delete (the seeds'
+//     image-layer) has pull's rules (FIFO, a failure handed on with a new
+//     token, a success that tells every waiter, skip_recent, multi-node
+//     download off) and no reference rules; its events replay with their
+//     type; the operators' view orders it the same in every process.
 //   - Limits: identifiers, error texts cut to lock.MaxErrorLen, MaxKeys,
 //     MaxQueue, MaxSessions, MaxSessionsPerNode, MaxWatchers, each answered
 //     with its sentinel error and counted in Stats.
@@ -191,6 +196,7 @@ var groups = []group{
 	{"LockDelay", delayTests},
 	{"Events", eventTests},
 	{"Refs", refTests},
+	{"Types", typeTests},
 	{"Limits", limitTests},
 	{"Inspector", inspectorTests},
 	{"Linearizable", linearizableTests},

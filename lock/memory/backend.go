@@ -271,7 +271,7 @@ func (m *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 	return res, nil
 }
 
-// Unlock ends a hold (docs/DESIGN.md, "Unlock"): success of a pull or delete clears the queue
+// Unlock ends a hold (docs/DESIGN.md, "Unlock"): success of any type but update clears the queue
 // and tells every waiter the work is done; anything else hands the lock to
 // the queue head.
 func (m *Backend) Unlock(ctx context.Context, req lock.UnlockRequest) (lock.UnlockResult, error) {

@@ -27,7 +27,7 @@ func (p keyPos) compare(q keyPos) int {
 	if c := strings.Compare(p.res, q.res); c != 0 {
 		return c
 	}
-	return cmp.Compare(p.typ, q.typ)
+	return lock.CompareTypes(p.typ, q.typ)
 }
 
 type keyCursor struct {
@@ -55,7 +55,7 @@ func parseKeyCursor(s string, shards int) (keyCursor, error) {
 	}
 	shard, err1 := strconv.Atoi(parts[0])
 	typ, err2 := strconv.Atoi(parts[1])
-	if err1 != nil || err2 != nil || shard < 0 || shard >= shards || typ < 0 || typ > int(lock.Delete) {
+	if err1 != nil || err2 != nil || shard < 0 || shard >= shards || typ < 0 || typ > lock.MaxTypes || (typ != 0 && !lock.Type(typ).Valid()) {
 		return keyCursor{}, bad
 	}
 	return keyCursor{shard: shard, pos: keyPos{res: parts[2], typ: lock.Type(typ)}}, nil

@@ -149,11 +149,18 @@ type logEntry struct {
 	token uint64      // a compact one's token
 }
 
-// assigned are the templates of compact lock_assigned events, by type.
-var assigned = [...]lock.Event{
-	lock.Pull:   {Name: lock.EventLockAssigned, Key: lock.Key{Type: lock.Pull}},
-	lock.Update: {Name: lock.EventLockAssigned, Key: lock.Key{Type: lock.Update}},
-	lock.Delete: {Name: lock.EventLockAssigned, Key: lock.Key{Type: lock.Delete}},
+// assigned are the templates of compact lock_assigned events, by type,
+// made at a type's first compact event: a Type is one byte, so every type
+// has a slot, and the types a process never sees cost a nil pointer.
+var assigned [256]atomic.Pointer[lock.Event]
+
+// assignedTemplate is the template of t's compact lock_assigned events.
+func assignedTemplate(t lock.Type) *lock.Event {
+	if ev := assigned[t].Load(); ev != nil {
+		return ev
+	}
+	assigned[t].CompareAndSwap(nil, &lock.Event{Name: lock.EventLockAssigned, Key: lock.Key{Type: t}})
+	return assigned[t].Load()
 }
 
 // size is the entry's event's WireSize.
@@ -225,7 +232,7 @@ func (s *session) logAppend(cfg *Config, d lock.Delivery) {
 	size := d.Event.WireSize()
 	le := logEntry{id: d.ID, ev: d.Event}
 	if ev := d.Event; ev.Name == lock.EventLockAssigned && ev.Node == s.node {
-		le.ev, le.res, le.token = &assigned[ev.Key.Type], ev.Key.Resource, ev.Token
+		le.ev, le.res, le.token = assignedTemplate(ev.Key.Type), ev.Key.Resource, ev.Token
 	}
 	for s.logHead < len(s.log) && (len(s.log)-s.logHead >= cfg.SessionLog || s.logBytes+size > cfg.SessionLogBytes) {
 		old := &s.log[s.logHead]

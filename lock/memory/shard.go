@@ -239,7 +239,7 @@ func (s *shard) arm(at mono) {
 	s.timer.Reset(d)
 }
 
-// release ends ks's hold. Success of a pull or delete clears the queue and
+// release ends ks's hold. Success of any type but update clears the queue and
 // tells each waiter; anything else hands the key to the next eligible waiter
 // (docs/DESIGN.md, "Unlock"), unless leaseRanOut (a ttl expiry or a lost
 // session) and Config.LockDelay reserve the key for the delay first
@@ -288,10 +288,12 @@ func (s *shard) release(t *txn, ks *keyState, success bool, errMsg string, viaUn
 			q.q = waiters[:0]
 		}
 		// The opposite operation must never be skipped as "just done".
-		if k.Type == lock.Delete {
+		// Other types have no opposite (docs/DESIGN.md, "Other types").
+		switch k.Type {
+		case lock.Delete:
 			s.eraseRecord(lock.Key{Type: lock.Pull, Resource: k.Resource})
 			s.eraseRecord(lock.Key{Type: lock.Update, Resource: k.Resource})
-		} else {
+		case lock.Pull:
 			s.eraseRecord(lock.Key{Type: lock.Delete, Resource: k.Resource})
 		}
 		if done != nil {
@@ -367,7 +369,7 @@ func (s *shard) promote(t *txn, ks *keyState) string {
 		if e == nil {
 			return ""
 		}
-		if s.refs != nil && ks.typ != lock.Pull {
+		if s.refs != nil && (ks.typ == lock.Delete || ks.typ == lock.Update) {
 			if err := s.refConflict(ks.key()); err != nil {
 				node := e.node()
 				s.forget(ks, e)
