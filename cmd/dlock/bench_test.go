@@ -1,8 +1,11 @@
 package main
 
 import (
+	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
+	"flag"
 	"io"
 	"math"
 	"net"
@@ -427,5 +430,25 @@ func TestBenchCutoff(t *testing.T) {
 	c := res.Cutoff[0]
 	if c.Scenario != bench.CutoffMemoryCut || c.Rounds != 1 || c.Failed() || c.StoppedMax <= 0 || c.NextMax <= c.StoppedMax || len(res.Setup) != 1 {
 		t.Fatalf("cutoff %+v, setup %q", c, res.Setup)
+	}
+}
+
+// TestBenchHelpPlaceholders: bench -h names each flag's value plainly.
+// The flag package takes a flag's first back-quoted word as its value's
+// name, so a usage that quoted `dlock serve` printed
+// "-backend dlock serve" (issue: the help said that).
+func TestBenchHelpPlaceholders(t *testing.T) {
+	var out bytes.Buffer
+	err := cmdBench(context.Background(), []string{"-h"}, func(string) string { return "" }, &out, &out)
+	if err != nil && !errors.Is(err, flag.ErrHelp) {
+		t.Fatalf("bench -h: %v", err)
+	}
+	for _, l := range strings.Split(out.String(), "\n") {
+		if f := strings.Fields(l); len(f) >= 2 && strings.HasPrefix(f[0], "-") && f[1] == "dlock" {
+			t.Errorf("bench -h: %q: a usage quotes a command, which the flag package shows as the value's name", l)
+		}
+	}
+	if !strings.Contains(out.String(), "-backend string") {
+		t.Errorf("bench -h does not show -backend's value as a string:\n%s", out.String())
 	}
 }
