@@ -29,6 +29,10 @@ import (
 // cmdBench is the load generator: scenarios against a running dlock server
 // (the memory scenario: against fresh ones it starts) and, with --compare,
 // the same work against Redis and etcd.
+// benchScenarios are the scenarios bench runs; the top-level usage names
+// each (TestUsageNamesScenarios).
+var benchScenarios = []string{"pairs", "handoff", "fanout", "sessions", "memory", "pings", "failover", "fleet", "cutoff"}
+
 func cmdBench(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) error {
 	if len(args) == 1 && args[0] == floorWriterArg {
 		return bench.ServeFloor(os.Stdin, stdout)
@@ -78,7 +82,7 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	}
 	runs := strings.Split(*scenarios, ",")
 	for _, s := range runs {
-		if !slices.Contains([]string{"pairs", "handoff", "fanout", "sessions", "memory", "pings", "failover", "fleet", "cutoff"}, s) {
+		if !slices.Contains(benchScenarios, s) {
 			return usageError{fmt.Errorf("unknown scenario %q", s)}
 		}
 	}

@@ -452,3 +452,13 @@ func TestBenchHelpPlaceholders(t *testing.T) {
 		t.Errorf("bench -h does not show -backend's value as a string:\n%s", out.String())
 	}
 }
+
+// TestUsageNamesScenarios: dlock -h names every scenario bench runs (it
+// left out failover).
+func TestUsageNamesScenarios(t *testing.T) {
+	for _, s := range benchScenarios {
+		if !strings.Contains(usage, s) {
+			t.Errorf("dlock -h does not name the bench scenario %s", s)
+		}
+	}
+}

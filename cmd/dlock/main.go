@@ -55,7 +55,8 @@ client (flags: --server, --node, --type, --resource, --human, --source-addr, and
   refcount   show, --add or --release a resource's references
   run        run a command under a lock: dlock run --resource R -- CMD [ARGS...]
 
-  bench      load generator: dlock bench [--scenario pairs,handoff,fanout,sessions,memory,cutoff]
+  bench      load generator: dlock bench [--scenario pairs,handoff,fanout,sessions,memory,pings,
+             failover,fleet,cutoff] [--backend etcd]
              [--compare redis,etcd] [--json]
 
 'dlock <command> -h' lists a command's flags.
