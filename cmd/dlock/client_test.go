@@ -231,6 +231,11 @@ func TestClientSubcommands(t *testing.T) {
 	if !strings.HasPrefix(out, "pull:r held by b") || !strings.Contains(out, "last failed: disk full by a") {
 		t.Fatalf("status --human: %q", out)
 	}
+	// A waiter's own status says its place (it was left out).
+	dlock(t, srv, "lock", "--resource", "r", "--node", "c")
+	if out, _, _ := dlock(t, srv, "status", "--resource", "r", "--node", "c", "--human"); !strings.Contains(out, ", 1 waiting, c at position 1;") {
+		t.Fatalf("status --human --node c: %q", out)
+	}
 	if out, _, st := dlock(t, srv, "refcount", "--resource", "r", "--add", "--node", "a", "--human"); st != 0 || out != "r: 1 node(s) a\n" {
 		t.Fatalf("refcount --add: %d %q", st, out)
 	}

@@ -227,6 +227,9 @@ func cmdStatus(ctx context.Context, args []string, getenv func(string) string, s
 	k := lock.Key{Type: req.Type, Resource: req.Resource}
 	if st.State == "held" {
 		fmt.Fprintf(stdout, "%s held by %s (token %d since %s), %d waiting", k, st.Holder, st.Token, st.AcquiredAt, st.QueueLength)
+		if st.Position > 0 {
+			fmt.Fprintf(stdout, ", %s at position %d", f.node, st.Position)
+		}
 	} else {
 		fmt.Fprintf(stdout, "%s free", k)
 	}
