@@ -394,10 +394,12 @@ func (s *Server) revocation(ctx context.Context) (revoked context.Context, stop 
 			return
 		}
 		ended = true
-		cancel()
+		// Counted before the stream ends: whoever sees it end sees it
+		// counted (TestAuthBasicRevokedStreamEnds).
 		if credentialGone {
 			s.am.revokedStreams.Inc()
 		}
+		cancel()
 		for _, f := range []func() bool{stopToken, stopCert} {
 			if f != nil {
 				f()
