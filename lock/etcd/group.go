@@ -60,16 +60,29 @@ const (
 // span is a key or, with end set, the range [key, end).
 type span struct{ key, end []byte }
 
+// has reports whether key k is in s: s's key alone when s has no end;
+// every key from s's key on when its end is "\x00" (WithFromKey).
+func (s span) has(k []byte) bool {
+	switch {
+	case len(s.end) == 0:
+		return bytes.Equal(k, s.key)
+	case len(s.end) == 1 && s.end[0] == 0:
+		return bytes.Compare(k, s.key) >= 0
+	}
+	return bytes.Compare(k, s.key) >= 0 && bytes.Compare(k, s.end) < 0
+}
+
+// overlaps reports whether s and o share a key; it allocates nothing, as
+// take calls it under the grouper's mutex for every pair of transactions.
 func (s span) overlaps(o span) bool {
-	// An empty end is the single key.
-	sEnd, oEnd := s.end, o.end
-	if len(sEnd) == 0 {
-		sEnd = append(s.key[:len(s.key):len(s.key)], 0)
+	switch {
+	case len(s.end) == 0:
+		return o.has(s.key)
+	case len(o.end) == 0:
+		return s.has(o.key)
 	}
-	if len(oEnd) == 0 {
-		oEnd = append(o.key[:len(o.key):len(o.key)], 0)
-	}
-	return bytes.Compare(s.key, oEnd) < 0 && bytes.Compare(o.key, sEnd) < 0
+	// Two ranges share a key when one begins inside the other.
+	return s.has(o.key) || o.has(s.key)
 }
 
 // pending is one transaction waiting for, or in, a request.

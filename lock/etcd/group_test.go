@@ -283,3 +283,36 @@ func TestOldEventIDResumes(t *testing.T) {
 		t.Fatalf("resumed after old id %d: missed=%v id=%d replay=%+v; want the second grant only (%d)", old, sub2.Missed, sub2.ID, sub2.Replay, got[1].ID)
 	}
 }
+
+// TestSpanOverlaps: keys and ranges as etcd has them, a range's end
+// excluded, "\x00" as an end that never comes.
+func TestSpanOverlaps(t *testing.T) {
+	k := func(s string) span { return span{key: []byte(s)} }
+	r := func(a, b string) span { return span{key: []byte(a), end: []byte(b)} }
+	for _, c := range []struct {
+		a, b span
+		want bool
+	}{
+		{k("/a"), k("/a"), true},
+		{k("/a"), k("/b"), false},
+		{k("/a/1"), r("/a/", "/a0"), true},
+		{k("/a0"), r("/a/", "/a0"), false},
+		{k("/a."), r("/a/", "/a0"), false},
+		{r("/a/", "/a0"), r("/a/x", "/b"), true},
+		{r("/a/", "/a0"), r("/a0", "/b"), false},
+		{k("/z"), r("/m", "\x00"), true},
+		{k("/a"), r("/m", "\x00"), false},
+		{r("/a", "/n"), r("/m", "\x00"), true},
+	} {
+		if got := c.a.overlaps(c.b); got != c.want {
+			t.Errorf("%q overlaps %q: %v, want %v", c.a, c.b, got, c.want)
+		}
+		if got := c.b.overlaps(c.a); got != c.want {
+			t.Errorf("%q overlaps %q: %v, want %v", c.b, c.a, got, c.want)
+		}
+	}
+	a, b := k("/a/1"), r("/a/", "/a0")
+	if n := testing.AllocsPerRun(100, func() { a.overlaps(b) }); n != 0 {
+		t.Errorf("overlaps allocates %v times", n)
+	}
+}
