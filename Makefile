@@ -69,13 +69,13 @@ vet:
 lint: vet packagemap
 	$(GO) run $(STATICCHECK) ./...
 
-# packagemap holds README's "Map of the packages" to the tree: one row for
+# packagemap holds docs/DEVELOPMENT.md's "Map of the packages" to the tree: one row for
 # every package, and no row for a package that is gone.
 packagemap:
 	@set -e; pkgs=$$($(GO) list ./... | sed 's|^github.com/dlock/dlock/||'); \
-	for p in $$pkgs; do grep -q "^| \`$$p\` |" README.md || { echo "README.md's map of the packages has no row for $$p"; exit 1; }; done; \
-	for p in $$(sed -n '/^### Map of the packages/,/^How the parts fit/s/^| `\([a-z][a-z/-]*\)` |.*/\1/p' README.md); do \
-	  echo "$$pkgs" | grep -qx "$$p" || { echo "README.md's map of the packages names $$p, which is not a package"; exit 1; }; done
+	for p in $$pkgs; do grep -q "^| \`$$p\` |" docs/DEVELOPMENT.md || { echo "docs/DEVELOPMENT.md's map of the packages has no row for $$p"; exit 1; }; done; \
+	for p in $$(sed -n '/^## Map of the packages/,/^How the parts fit/s/^| `\([a-z][a-z/-]*\)` |.*/\1/p' docs/DEVELOPMENT.md); do \
+	  echo "$$pkgs" | grep -qx "$$p" || { echo "docs/DEVELOPMENT.md's map of the packages names $$p, which is not a package"; exit 1; }; done
 
 # bench runs the Go benchmarks, then dlock bench against a fresh local
 # server (and Redis and etcd, which it starts): every scenario, the

@@ -321,7 +321,7 @@ func blobExists(root string, d digest.Digest) bool {
 	return err == nil
 }
 
-// TestSharedPull is README.md's "Use with containerd" end to end in one process: three nodes, each
+// TestSharedPull is docs/CONTAINERD.md end to end in one process: three nodes, each
 // with containerd's metadata database over its own Store on one shared
 // directory, pull the same images through containerd's fetch code.
 func TestSharedPull(t *testing.T) {

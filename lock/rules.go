@@ -75,7 +75,7 @@ type Rules struct {
 	MaxWatchers int
 }
 
-// DefaultRules returns the defaults of README.md, "Configuration".
+// DefaultRules returns the defaults of docs/RUNNING.md, "Configuration".
 func DefaultRules() Rules {
 	return Rules{
 		AllowMultiNodeDownload: true,

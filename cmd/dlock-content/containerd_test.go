@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"runtime"
 	"strings"
 	"sync"
@@ -99,6 +100,7 @@ func TestRealContainerd(t *testing.T) {
 	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
 		t.Fatalf("build: %v\n%s", err, out)
 	}
+	checkDocsCommand(t)
 	for i, f := range flavours() {
 		t.Run(f.name, func(t *testing.T) {
 			if f.major == "2." && f.dir == "" {
@@ -393,7 +395,7 @@ func (n *ctrNode) start(t *testing.T, bin, shared, server string) {
 	// too) and 3 (2.x): the built-in content store off, dlock-content as
 	// the only content plugin, and the sharing policy containerd defaults
 	// to written out, because "isolated" breaks the retry of a blob that
-	// exists (README.md, "Use with containerd").
+	// exists (docs/CONTAINERD.md).
 	os.WriteFile(cfg, []byte(fmt.Sprintf(`version = %d
 root = %q
 state = %q
@@ -440,4 +442,27 @@ func (n *ctrNode) ctr(ctx context.Context, args ...string) (string, error) {
 		return string(out), fmt.Errorf("ctr %s: %v: %s", strings.Join(args, " "), err, out)
 	}
 	return string(out), nil
+}
+
+// checkDocsCommand holds docs/CONTAINERD.md's way to run this test alone to
+// what `make test` runs: `make containerd2`, then this test with the
+// directory it built in containerd2Env.
+func checkDocsCommand(t *testing.T) {
+	blocks := containerdBlocks(t, "TestRealContainerd")
+	if len(blocks) != 1 {
+		t.Fatalf("%s: %d blocks marked TestRealContainerd, want 1", containerdPage, len(blocks))
+	}
+	lines := strings.Split(strings.TrimSpace(blocks[0].Text), "\n")
+	mk, err := os.ReadFile("../../Makefile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	version := regexp.MustCompile(`(?m)^CONTAINERD2_VERSION \?= (\S+)$`).FindSubmatch(mk)
+	if version == nil {
+		t.Fatal("Makefile: no CONTAINERD2_VERSION")
+	}
+	want := containerd2Env + "=~/.cache/dlock/containerd-" + string(version[1]) + "/bin go test -race -run TestRealContainerd ./cmd/dlock-content/"
+	if len(lines) != 2 || lines[0] != "make containerd2" || lines[1] != want {
+		t.Errorf("%s:%d: want\nmake containerd2\n%s\ngot\n%s", containerdPage, blocks[0].Line, want, blocks[0].Text)
+	}
 }

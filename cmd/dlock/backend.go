@@ -22,7 +22,7 @@ import (
 )
 
 // etcdConfig is how `dlock serve --backend etcd` reaches its etcd cluster
-// (README.md, "High availability").
+// (docs/HA.md).
 type etcdConfig struct {
 	endpoints     string
 	prefix        string

@@ -384,7 +384,7 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 		results = append(results, r)
 		if s == "fanout" {
 			// The floor right after, on the frame a waiter got: the
-			// same event bytes to as many sockets (README, "Load
+			// same event bytes to as many sockets (docs/CLI.md, "Load
 			// generator"), written by this binary as a process of its
 			// own.
 			bin, err := benchServerBinary()

@@ -243,7 +243,7 @@ func clientFailover(t testing.TB) bool {
 		out, err := cmd.CombinedOutput()
 		failover.ok = err == nil
 		if !failover.ok {
-			t.Fatalf("the commands refuse a list of servers (client fail-over, README.md \"High availability\"): %s", bytes.TrimSpace(out))
+			t.Fatalf("the commands refuse a list of servers (client fail-over, docs/HA.md): %s", bytes.TrimSpace(out))
 		}
 	})
 	return failover.ok

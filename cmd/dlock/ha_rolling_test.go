@@ -6,7 +6,7 @@ import (
 	"testing"
 )
 
-// TestHARollingRestart is the upgrade of README's "High availability": the
+// TestHARollingRestart is the upgrade of docs/HA.md: the
 // three servers of one data set stopped (SIGTERM) and started again one at
 // a time, while nodes hold keys and wait in a queue. Each node whose server
 // stops reopens its stream on the next server with Last-Event-ID, within

@@ -116,7 +116,7 @@ type Config struct {
 	Logger *slog.Logger
 }
 
-// DefaultConfig returns the defaults of README.md, "Configuration".
+// DefaultConfig returns the defaults of docs/RUNNING.md, "Configuration".
 func DefaultConfig() Config { return Config{Rules: lock.DefaultRules()} }
 
 // New opens the data set cfg.Prefix names on cli, which stays the

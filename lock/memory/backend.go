@@ -162,7 +162,7 @@ func (m *Backend) shardFor(resource string) *shard {
 	return m.shards[ShardIndex(resource, len(m.shards))]
 }
 
-// ShardIndex is FNV-1a-32 of the resource modulo n (README.md, "Configuration": --shards).
+// ShardIndex is FNV-1a-32 of the resource modulo n (docs/RUNNING.md, "Configuration": --shards).
 func ShardIndex(resource string, n int) int {
 	const offset32, prime32 = 2166136261, 16777619
 	h := uint32(offset32)

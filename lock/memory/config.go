@@ -33,7 +33,7 @@ type Config struct {
 	tokenLead, tokenWindow time.Duration
 }
 
-// DefaultConfig returns the defaults of README.md, "Configuration".
+// DefaultConfig returns the defaults of docs/RUNNING.md, "Configuration".
 func DefaultConfig() Config {
 	return Config{Rules: lock.DefaultRules(), Shards: 32}
 }
