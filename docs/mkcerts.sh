@@ -1,7 +1,8 @@
 #!/bin/sh
 # mkcerts.sh DIR [NODE...] — the certificates of a dlock deployment with
-# mTLS, made with openssl (docs/SECURITY.md explains each step; a test in
-# cmd/dlock runs this script and serves with what it makes):
+# mTLS, made with openssl (docs/SECURITY.md, "Turning identities on", walks
+# through them; tests in cmd/dlock and deploy run this script and serve with
+# what it makes). DIR is the operator's: it keeps the CA's key.
 #
 #   DIR/ca.crt, DIR/ca.key          a CA for dlock alone (made once; an
 #                                   existing one is reused, so running the
@@ -17,9 +18,11 @@
 #                                   id; the node id "*" makes an operator's
 #                                   certificate (file names op.crt, op.key)
 #
-# Serve:   dlock serve --tls-cert DIR/server.crt --tls-key DIR/server.key \
-#                      --client-ca DIR/ca.crt
-# Rotate:  run the script again, then kill -HUP the server.
+# Serve:   copy ca.crt, server.crt and server.key (never ca.key) to a
+#          directory of the server's, PKI, each mode 0600, then
+#          dlock serve --tls-cert PKI/server.crt --tls-key PKI/server.key \
+#                      --client-ca PKI/ca.crt
+# Rotate:  run the script again, copy the new files, kill -HUP the server.
 #
 # The same script makes the certificates of an etcd cluster that dlock
 # servers use (deploy/README.md), with a CA of its own, which must not be
