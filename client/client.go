@@ -59,6 +59,9 @@ var (
 	// ErrLockLost is the cause of a Result's Lost context: the server no
 	// longer has this node as the holder (expired, session lost, restarted).
 	ErrLockLost = errors.New("dlock: lock lost")
+	// ErrReleased is what Result.Err says once this client let the hold go
+	// itself (Unlock, Release): Lost closes then too.
+	ErrReleased = errors.New("dlock: lock released")
 	// ErrClosed is returned by calls on a closed Client.
 	ErrClosed = errors.New("dlock: client closed")
 	// ErrAnswerTooLarge is an answer longer than the client reads (a

@@ -331,8 +331,58 @@ func TestServerRestartWhileWaiting(t *testing.T) {
 	case <-time.After(kit.Patience):
 		t.Fatal("a was never told its lock was lost")
 	}
+	if err := ra.Err(); !errors.Is(err, ErrLockLost) {
+		t.Errorf("Err of a lost hold: %v, want ErrLockLost", err)
+	}
 	if err := a.Unlock(t.Context(), pull, nil); !errors.Is(err, ErrNotHolder) {
 		t.Fatalf("unlock of a lost lock: %v, want ErrNotHolder", err)
+	}
+	if err := ra.Err(); !errors.Is(err, ErrLockLost) {
+		t.Errorf("Err of a lost hold after a refused Unlock: %v, want ErrLockLost still", err)
+	}
+}
+
+// TestResultErr: Lost closes on Unlock and Release too, and Err says which
+// of the ways closed it; a Result that is no grant has none.
+func TestResultErr(t *testing.T) {
+	srv := startServer(t, nil)
+	a := newClient(t, srv, "a")
+	ra, err := a.Lock(t.Context(), pull)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ra.Err(); err != nil {
+		t.Fatalf("Err of a hold that stands: %v", err)
+	}
+	if err := a.Unlock(t.Context(), pull, nil); err != nil {
+		t.Fatal(err)
+	}
+	<-ra.Lost
+	if err := ra.Err(); !errors.Is(err, ErrReleased) {
+		t.Errorf("Err after Unlock: %v, want ErrReleased", err)
+	}
+	rb, err := a.Lock(t.Context(), pull)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.Release(t.Context(), pull, rb.Token, nil); err != nil {
+		t.Fatal(err)
+	}
+	<-rb.Lost
+	if err := rb.Err(); !errors.Is(err, ErrReleased) {
+		t.Errorf("Err after Release: %v, want ErrReleased", err)
+	}
+	rc, err := a.Lock(t.Context(), pull)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.Close()
+	<-rc.Lost
+	if err := rc.Err(); !errors.Is(err, ErrClosed) {
+		t.Errorf("Err after Close: %v, want ErrClosed", err)
+	}
+	if err := (Result{Skipped: true}).Err(); err != nil {
+		t.Errorf("Err of a skip: %v", err)
 	}
 }
 

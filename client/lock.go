@@ -53,7 +53,8 @@ type Result struct {
 	// has this node as its holder (lease expired, session lost, restart),
 	// or no server confirmed the hold within the lease it guaranteed, which
 	// closes Lost at least Margin before any server may hand the lock on
-	// (docs/DESIGN.md, "Leases"). It is closed by Unlock too.
+	// (docs/DESIGN.md, "Leases"). It is closed by Unlock and Release too:
+	// Err tells the two apart.
 	Lost <-chan struct{}
 	// Margin is, when the server guaranteed the hold, how long at least
 	// before the earliest hand-over Lost closes: the time the caller has to
@@ -71,6 +72,24 @@ type Result struct {
 	// dlock run hands each end to its watchdog process, which stops the
 	// command when dlock run cannot (docs/DESIGN.md, "Leases").
 	LeaseEnds <-chan time.Time
+
+	hold context.Context // Lost's context: its cause is Err's answer
+}
+
+// Err says why Lost closed: nil while it is open (the hold stands, as far
+// as the client knows), ErrLockLost when the lock was lost, ErrReleased
+// when this client let it go (Unlock, Release), ErrClosed when the Client
+// was closed. A Result that is not a grant has no hold: Err is nil.
+func (r Result) Err() error {
+	if r.hold == nil || r.hold.Err() == nil {
+		return nil
+	}
+	switch cause := context.Cause(r.hold); {
+	case errors.Is(cause, ErrLockLost), errors.Is(cause, ErrReleased):
+		return cause
+	default:
+		return ErrClosed
+	}
 }
 
 type hintKind int
@@ -456,7 +475,7 @@ func (c *Client) Release(ctx context.Context, req Request, token uint64, opErr e
 	c.mu.Unlock()
 	if h != nil {
 		h.stop()
-		defer h.cancel(nil)
+		defer h.cancel(ErrReleased)
 	}
 	return c.release(ctx, k, token, opErr)
 }
@@ -508,7 +527,7 @@ func (c *Client) acquired(k lock.Key, token uint64, sent time.Time, ms api.Guara
 		margin = c.leaseMargin(h.gmax)
 	}
 	h.mu.Unlock()
-	return Result{Acquired: true, Token: token, Lost: h.ctx.Done(), Margin: margin, LeaseEnds: h.ends}
+	return Result{Acquired: true, Token: token, Lost: h.ctx.Done(), Margin: margin, LeaseEnds: h.ends, hold: h.ctx}
 }
 
 // watch makes a grant a hold, checked by watchHolds, its lease running from
@@ -527,7 +546,7 @@ func (c *Client) watch(k lock.Key, token uint64, tried bool, sent time.Time, ms 
 	c.confirm(k, h, sent, ms)
 	if old != nil {
 		old.stop()
-		old.cancel(nil)
+		old.cancel(ErrLockLost) // the grant it named was replaced by another token's
 	}
 	c.held[k] = h
 	if !c.monitor {
@@ -574,7 +593,7 @@ func (c *Client) Unlock(ctx context.Context, req Request, opErr error) error {
 	if h != nil {
 		token = h.token
 		h.stop()
-		defer h.cancel(nil)
+		defer h.cancel(ErrReleased)
 	}
 	_, err := c.release(ctx, k, token, opErr)
 	if h != nil && !h.tried {
