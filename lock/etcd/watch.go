@@ -99,7 +99,8 @@ type keyInfo struct {
 type sessInfo struct {
 	lease   int64
 	created int64
-	log     []lock.Delivery
+	log     []logEntry // log[head:] are the events kept (replaylog.go)
+	head    int
 	bytes   int
 	dropped uint64 // the id of the newest event the log let go
 }
@@ -183,7 +184,7 @@ func (w *watcher) setWarm(rev int64) {
 	if rev < w.warmTo {
 		// Not read up to the list: no session can replay from before it.
 		for _, s := range w.sessions {
-			s.log, s.bytes = nil, 0
+			s.forget()
 			s.dropped = max(s.dropped, revID(w.warmTo+1)-1)
 		}
 	}
@@ -371,7 +372,8 @@ func (w *watcher) lost() {
 	w.mu.Lock()
 	floor := revID(w.processed+1) - 1
 	for _, s := range w.sessions {
-		s.log, s.bytes, s.dropped = nil, 0, max(s.dropped, floor)
+		s.forget()
+		s.dropped = max(s.dropped, floor)
 	}
 	w.mu.Unlock()
 	w.endStreams()
@@ -718,11 +720,11 @@ func (w *watcher) deliverTo(c change, base uint64, rev int64, skipped []string, 
 			}
 			if history {
 				if d.ID > s.dropped {
-					w.logEvent(s, d)
+					w.logEvent(s, node, d)
 				}
 				continue
 			}
-			w.logEvent(s, d)
+			w.logEvent(s, node, d)
 			for _, f := range w.streams[node] {
 				if !f.push(d) {
 					w.dropLocked(f)
@@ -764,22 +766,6 @@ func (w *watcher) deliverTo(c change, base uint64, rev int64, skipped []string, 
 		send(base+2+uint64(i), ev, []string{node}, false)
 	}
 	return released
-}
-
-// logEvent appends to a session's replay log within its bounds; w.mu held.
-func (w *watcher) logEvent(s *sessInfo, d lock.Delivery) {
-	s.log = append(s.log, d)
-	s.bytes += d.Event.WireSize()
-	cfg := &w.b.cfg
-	n := 0
-	for len(s.log)-n > cfg.SessionLog || s.bytes > cfg.SessionLogBytes {
-		s.bytes -= s.log[n].Event.WireSize()
-		s.dropped = s.log[n].ID
-		n++
-	}
-	if n > 0 {
-		s.log = append(s.log[:0:0], s.log[n:]...)
-	}
 }
 
 // stats returns the cluster's gauges as the watch saw them.
