@@ -88,11 +88,13 @@ type watcher struct {
 	asked atomic.Int64 // when caughtUp last asked for progress (unix ns)
 }
 
+// keyInfo is what the timers and counts need of a key, 24 bytes: its
+// record is in the cache (cache.go).
 type keyInfo struct {
-	held, kept bool
-	queue      int
 	deadline   int64
 	doneAt     int64 // the completion record's time, 0 for none
+	queue      int32 // at most lock.Rules.MaxQueue
+	held, kept bool
 }
 
 // sessInfo is a session as the watch saw it, with its replay log.
@@ -220,7 +222,7 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 		}
 		ki := info(&r, b.cfg.CompletedRetention)
 		keys[k] = ki
-		nKeys, nHeld, nQd = nKeys+b2i(ki.kept), nHeld+b2i(ki.held), nQd+ki.queue
+		nKeys, nHeld, nQd = nKeys+b2i(ki.kept), nHeld+b2i(ki.held), nQd+int(ki.queue)
 		if ki.deadline != 0 {
 			dl = append(dl, deadline{at: ki.deadline, k: k})
 		}
@@ -286,7 +288,7 @@ func b2i(v bool) int {
 }
 
 func info(r *keyRec, retention time.Duration) keyInfo {
-	ki := keyInfo{held: r.held(), kept: r.held() || r.Queue > 0 || r.Done != nil || r.delayed(), queue: r.Queue, deadline: r.deadline(retention)}
+	ki := keyInfo{held: r.held(), kept: r.held() || r.Queue > 0 || r.Done != nil || r.delayed(), queue: int32(r.Queue), deadline: r.deadline(retention)}
 	if r.Done != nil {
 		ki.doneAt = r.Done.At
 	}
@@ -671,7 +673,7 @@ func (w *watcher) track(c change) {
 	}
 	w.nKeys += b2i(ki.kept) - b2i(old.kept)
 	w.nHeld += b2i(ki.held) - b2i(old.held)
-	w.nQd += ki.queue - old.queue
+	w.nQd += int(ki.queue) - int(old.queue)
 	w.nDone += b2i(ki.doneAt != 0) - b2i(old.doneAt != 0)
 	if ki.doneAt != 0 && ki.doneAt != old.doneAt {
 		heap.Push(&w.dones, deadline{at: ki.doneAt, k: c.k})
