@@ -1,6 +1,7 @@
 package etcd
 
 import (
+	"bytes"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -152,21 +153,28 @@ func (c *recCache) group(key string, add bool) {
 	}
 }
 
-// apply applies one revision's changes, as the watch delivers them. An
-// entry newer than the change (written through already) stays.
-func (c *recCache) apply(evs []*clientv3.Event, rev int64) {
+// apply applies one revision's changes, as the watch delivers them, with
+// keys[i] the key of evs[i] (the watch's copy, which its own tables keep
+// too). An entry newer than the change (written through already) stays;
+// one of this very change, written through, takes the watch's copy of its
+// key, so that the cache and the watch keep one copy between them.
+func (c *recCache) apply(evs []*clientv3.Event, keys []string, rev int64) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	for _, ev := range evs {
-		key := string(ev.Kv.Key)
+	for i, ev := range evs {
+		key := keys[i]
 		if !c.holds(key) {
 			continue
 		}
 		if ev.Type == mvccpb.DELETE {
 			c.del(key, rev)
-		} else {
-			c.put(key, ev.Kv.Value, rev)
+			continue
 		}
+		if e, ok := c.m[key]; ok && e.mod == rev {
+			c.m[key] = e // a Go map keeps the key last assigned
+			continue
+		}
+		c.put(key, ev.Kv.Value, rev)
 	}
 	c.rev, c.watched = max(c.rev, rev), max(c.watched, rev)
 }
@@ -216,6 +224,9 @@ func (c *recCache) put(key string, val []byte, rev int64) {
 	if ok && e.mod >= rev {
 		return
 	}
+	if strings.HasPrefix(key[len(c.n.p):], "k/") {
+		val = withoutTrans(val)
+	}
 	c.m[key] = cEntry{val: val, mod: rev}
 	if !ok {
 		c.group(key, true)
@@ -257,3 +268,53 @@ func (c *recCache) delRange(from, end string, rev int64) {
 
 // stats returns the hits and misses so far.
 func (c *recCache) stats() (hits, misses uint64) { return c.hits.Load(), c.misses.Load() }
+
+// withoutTrans is a key's record as the cache keeps it: without "x", the
+// transition its write made, which only the watch's events read (a call
+// writes its own, tx.put), in an allocation of its own rather than the
+// watch's or the transaction's buffer. keyRec encodes X last, so the
+// record is {…,"x":{…}}; any other shape is kept whole. The key "x" is
+// X's alone (done and trans have none), and a JSON string never holds a
+// bare quote, so the first `"x":` is X's.
+func withoutTrans(val []byte) []byte {
+	i := bytes.Index(val, []byte(`"x":`))
+	if i < 1 || skipJSON(val, i+len(`"x":`)) != len(val)-1 || val[len(val)-1] != '}' {
+		return bytes.Clone(val)
+	}
+	j := i
+	if val[j-1] == ',' {
+		j--
+	} else if val[j-1] != '{' {
+		return bytes.Clone(val)
+	}
+	out := make([]byte, j+1)
+	copy(out, val[:j])
+	out[j] = '}'
+	return out
+}
+
+// skipJSON returns where the object at b[i] ends, -1 when b[i] begins no
+// object or it does not end.
+func skipJSON(b []byte, i int) int {
+	if i >= len(b) || b[i] != '{' {
+		return -1
+	}
+	depth, str := 0, false
+	for ; i < len(b); i++ {
+		switch c := b[i]; {
+		case str && c == '\\':
+			i++
+		case c == '"':
+			str = !str
+		case str:
+		case c == '{' || c == '[':
+			depth++
+		case c == '}' || c == ']':
+			depth--
+			if depth == 0 {
+				return i + 1
+			}
+		}
+	}
+	return -1
+}

@@ -1,8 +1,11 @@
 package etcd
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"fmt"
+	"reflect"
 	"testing"
 	"time"
 
@@ -34,12 +37,12 @@ func TestRecCacheOrder(t *testing.T) {
 	}
 	// The watch brings an older change of the key after the write: kept
 	// as written.
-	c.apply([]*clientv3.Event{{Type: clientv3.EventTypePut, Kv: kvOf(k, "v11", 11)}}, 11)
+	applyEvs(c, []*clientv3.Event{{Type: clientv3.EventTypePut, Kv: kvOf(k, "v11", 11)}}, 11)
 	if e, _ := c.get(k); string(e.val) != "v12" {
 		t.Fatalf("an older change overwrote a newer one: %s", e.val)
 	}
 	// A commit the watch has passed already is left to it.
-	c.apply([]*clientv3.Event{{Type: clientv3.EventTypePut, Kv: kvOf(k, "v14", 14)}}, 14)
+	applyEvs(c, []*clientv3.Event{{Type: clientv3.EventTypePut, Kv: kvOf(k, "v14", 14)}}, 14)
 	c.writeThrough([]clientv3.Op{clientv3.OpPut(k, "v13")}, 13)
 	if e, _ := c.get(k); string(e.val) != "v14" {
 		t.Fatalf("a passed commit was written through: %s", e.val)
@@ -55,11 +58,11 @@ func TestRecCacheOrder(t *testing.T) {
 		t.Fatal("another key's queue index went with it")
 	}
 	// A delete the watch brings removes only what is not newer.
-	c.apply([]*clientv3.Event{{Type: clientv3.EventTypeDelete, Kv: kvOf(other, "", 2)}}, 2)
+	applyEvs(c, []*clientv3.Event{{Type: clientv3.EventTypeDelete, Kv: kvOf(other, "", 2)}}, 2)
 	if _, ok := c.get(other); !ok {
 		t.Fatal("an older delete removed a newer entry")
 	}
-	c.apply([]*clientv3.Event{{Type: clientv3.EventTypeDelete, Kv: kvOf(k, "", 16)}}, 16)
+	applyEvs(c, []*clientv3.Event{{Type: clientv3.EventTypeDelete, Kv: kvOf(k, "", 16)}}, 16)
 	if _, ok := c.get(k); ok {
 		t.Fatal("a delete left its entry")
 	}
@@ -176,4 +179,56 @@ func (c *recCache) begin() view {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
 	return view{rev: c.rev, ok: c.live}
+}
+
+// applyEvs is c.apply with the keys made strings, as the watch does.
+func applyEvs(c *recCache, evs []*clientv3.Event, rev int64) {
+	keys := make([]string, len(evs))
+	for i, ev := range evs {
+		keys[i] = string(ev.Kv.Key)
+	}
+	c.apply(evs, keys, rev)
+}
+
+// TestCacheRecordWithoutTrans: the cache keeps a key's record without its
+// transition and otherwise as etcd has it, whatever its strings hold, and
+// keeps whole what is not a record this server encodes.
+func TestCacheRecordWithoutTrans(t *testing.T) {
+	odd := []string{"", `"x":{`, `\`, `}"x":{}}`, "a\"b", `{"x":1}`, "\u2028", "\\\"x\\\":"}
+	for i := range 200 {
+		s := odd[i%len(odd)] + fmt.Sprint(i)
+		r := keyRec{Token: uint64(i), Seq: uint64(i / 3)}
+		if i%2 == 0 {
+			r.Holder, r.Lease, r.SLease, r.Acquired = s, 1, int64(i)<<40, int64(i)<<50
+		}
+		if i%3 == 0 {
+			r.Done = &done{Node: s, Err: s, At: int64(i), Next: odd[(i+1)%len(odd)]}
+		}
+		if i%5 != 0 {
+			r.X = &trans{Assigned: s, Refused: []string{s, `"x":`}, Done: r.Done, Skip: i%7 == 0}
+		}
+		raw := []byte(encode(&r))
+		got, err := decodeKey(withoutTrans(raw))
+		if err != nil {
+			t.Fatalf("%s: %v", raw, err)
+		}
+		want := r
+		want.X = nil
+		if !reflect.DeepEqual(got, want) {
+			t.Fatalf("%s kept as %s", raw, withoutTrans(raw))
+		}
+		if r.X == nil && !bytes.Equal(withoutTrans(raw), raw) {
+			t.Fatalf("%s changed to %s", raw, withoutTrans(raw))
+		}
+	}
+	for _, raw := range []string{`{"x":{"a":"n"}}`, `v12`, `{"h":"n","x":{"a":"n"},"t":3}`, `{"h":"n","x":{"a":"n"`, `{"h":"n","x":1}`} {
+		got := string(withoutTrans([]byte(raw)))
+		want := raw
+		if raw == `{"x":{"a":"n"}}` {
+			want = `{}`
+		}
+		if got != want {
+			t.Errorf("%s kept as %s, want %s", raw, got, want)
+		}
+	}
 }

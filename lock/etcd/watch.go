@@ -211,8 +211,11 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 		cached[string(kv.Key)] = cEntry{val: kv.Value, mod: kv.ModRevision}
 	}
 	err = w.page(ctx, b.n.keys(), rev, func(kv *mvccpb.KeyValue) {
-		keep(kv)
-		k, ok := b.n.parseKey(string(kv.Key))
+		// One copy of the key for the cache and the timers' table, and
+		// the record as the cache keeps it (cache.go, withoutTrans).
+		key := string(kv.Key)
+		cached[key] = cEntry{val: withoutTrans(kv.Value), mod: kv.ModRevision}
+		k, ok := b.n.parseKey(key)
 		if !ok {
 			return
 		}
@@ -535,15 +538,21 @@ func (w *watcher) apply(evs []*clientv3.Event, rev int64) {
 		return
 	}
 	w.setWarm(rev)
-	b.rc.apply(evs, rev)
+	// Each key made a string once: the cache and the watch's tables keep
+	// the same copy.
+	keys := make([]string, len(evs))
+	for i, ev := range evs {
+		keys[i] = string(ev.Kv.Key)
+	}
+	b.rc.apply(evs, keys, rev)
 	var (
 		changes []change
 		skipped map[lock.Key][]string
 		ended   []endedSession
 	)
 	w.mu.Lock()
-	for _, ev := range evs {
-		key := string(ev.Kv.Key)
+	for i, ev := range evs {
+		key := keys[i]
 		switch {
 		case strings.HasPrefix(key, b.n.keys()):
 			k, ok := b.n.parseKey(key)
