@@ -1,7 +1,6 @@
 package etcd
 
 import (
-	"bytes"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -225,7 +224,7 @@ func (c *recCache) put(key string, val []byte, rev int64) {
 		return
 	}
 	if strings.HasPrefix(key[len(c.n.p):], "k/") {
-		val = withoutTrans(val)
+		val = compactRec(val)
 	}
 	c.m[key] = cEntry{val: val, mod: rev}
 	if !ok {
@@ -268,53 +267,3 @@ func (c *recCache) delRange(from, end string, rev int64) {
 
 // stats returns the hits and misses so far.
 func (c *recCache) stats() (hits, misses uint64) { return c.hits.Load(), c.misses.Load() }
-
-// withoutTrans is a key's record as the cache keeps it: without "x", the
-// transition its write made, which only the watch's events read (a call
-// writes its own, tx.put), in an allocation of its own rather than the
-// watch's or the transaction's buffer. keyRec encodes X last, so the
-// record is {…,"x":{…}}; any other shape is kept whole. The key "x" is
-// X's alone (done and trans have none), and a JSON string never holds a
-// bare quote, so the first `"x":` is X's.
-func withoutTrans(val []byte) []byte {
-	i := bytes.Index(val, []byte(`"x":`))
-	if i < 1 || skipJSON(val, i+len(`"x":`)) != len(val)-1 || val[len(val)-1] != '}' {
-		return bytes.Clone(val)
-	}
-	j := i
-	if val[j-1] == ',' {
-		j--
-	} else if val[j-1] != '{' {
-		return bytes.Clone(val)
-	}
-	out := make([]byte, j+1)
-	copy(out, val[:j])
-	out[j] = '}'
-	return out
-}
-
-// skipJSON returns where the object at b[i] ends, -1 when b[i] begins no
-// object or it does not end.
-func skipJSON(b []byte, i int) int {
-	if i >= len(b) || b[i] != '{' {
-		return -1
-	}
-	depth, str := 0, false
-	for ; i < len(b); i++ {
-		switch c := b[i]; {
-		case str && c == '\\':
-			i++
-		case c == '"':
-			str = !str
-		case str:
-		case c == '{' || c == '[':
-			depth++
-		case c == '}' || c == ']':
-			depth--
-			if depth == 0 {
-				return i + 1
-			}
-		}
-	}
-	return -1
-}

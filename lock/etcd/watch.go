@@ -212,9 +212,9 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 	}
 	err = w.page(ctx, b.n.keys(), rev, func(kv *mvccpb.KeyValue) {
 		// One copy of the key for the cache and the timers' table, and
-		// the record as the cache keeps it (cache.go, withoutTrans).
+		// the record as the cache keeps it (cacherec.go).
 		key := string(kv.Key)
-		cached[key] = cEntry{val: withoutTrans(kv.Value), mod: kv.ModRevision}
+		cached[key] = cEntry{val: compactRec(kv.Value), mod: kv.ModRevision}
 		k, ok := b.n.parseKey(key)
 		if !ok {
 			return
