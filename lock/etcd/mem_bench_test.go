@@ -226,3 +226,20 @@ func liveHeap() uint64 {
 	runtime.ReadMemStats(&m)
 	return m.HeapAlloc
 }
+
+// TestMemoryBenchmarksRun runs the benchmarks above small, as
+// docs/BENCHMARKS.md shows them run: each must measure and report.
+func TestMemoryBenchmarksRun(t *testing.T) {
+	etcdtest.EtcdBinary(t)
+	t.Setenv("DLOCK_BENCH_HELD", "60")
+	t.Setenv("DLOCK_BENCH_SESSIONS", "20")
+	for _, c := range []struct {
+		name, unit string
+		fn         func(*testing.B)
+	}{{"BenchmarkMemoryHeld", "B/lock", BenchmarkMemoryHeld}, {"BenchmarkMemorySessions", "B/session", BenchmarkMemorySessions}} {
+		r := testing.Benchmark(c.fn)
+		if _, ok := r.Extra[c.unit]; r.N != 1 || !ok {
+			t.Errorf("%s: %d runs, metrics %v; want one run reporting %s", c.name, r.N, r.Extra, c.unit)
+		}
+	}
+}
