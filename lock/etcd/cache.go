@@ -152,21 +152,28 @@ func (c *recCache) group(key string, add bool) {
 	}
 }
 
-// apply applies one revision's changes, as the watch delivers them. An
-// entry newer than the change (written through already) stays.
-func (c *recCache) apply(evs []*clientv3.Event, rev int64) {
+// apply applies one revision's changes, as the watch delivers them, with
+// keys[i] the key of evs[i] (the watch's copy, which its own tables keep
+// too). An entry newer than the change (written through already) stays;
+// one of this very change, written through, takes the watch's copy of its
+// key, so that the cache and the watch keep one copy between them.
+func (c *recCache) apply(evs []*clientv3.Event, keys []string, rev int64) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	for _, ev := range evs {
-		key := string(ev.Kv.Key)
+	for i, ev := range evs {
+		key := keys[i]
 		if !c.holds(key) {
 			continue
 		}
 		if ev.Type == mvccpb.DELETE {
 			c.del(key, rev)
-		} else {
-			c.put(key, ev.Kv.Value, rev)
+			continue
 		}
+		if e, ok := c.m[key]; ok && e.mod == rev {
+			c.m[key] = e // a Go map keeps the key last assigned
+			continue
+		}
+		c.put(key, ev.Kv.Value, rev)
 	}
 	c.rev, c.watched = max(c.rev, rev), max(c.watched, rev)
 }
@@ -215,6 +222,9 @@ func (c *recCache) put(key string, val []byte, rev int64) {
 	e, ok := c.m[key]
 	if ok && e.mod >= rev {
 		return
+	}
+	if strings.HasPrefix(key[len(c.n.p):], "k/") {
+		val = compactRec(val)
 	}
 	c.m[key] = cEntry{val: val, mod: rev}
 	if !ok {

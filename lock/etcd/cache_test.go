@@ -3,6 +3,10 @@ package etcd
 import (
 	"context"
 	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"reflect"
 	"testing"
 	"time"
 
@@ -34,12 +38,12 @@ func TestRecCacheOrder(t *testing.T) {
 	}
 	// The watch brings an older change of the key after the write: kept
 	// as written.
-	c.apply([]*clientv3.Event{{Type: clientv3.EventTypePut, Kv: kvOf(k, "v11", 11)}}, 11)
+	applyEvs(c, []*clientv3.Event{{Type: clientv3.EventTypePut, Kv: kvOf(k, "v11", 11)}}, 11)
 	if e, _ := c.get(k); string(e.val) != "v12" {
 		t.Fatalf("an older change overwrote a newer one: %s", e.val)
 	}
 	// A commit the watch has passed already is left to it.
-	c.apply([]*clientv3.Event{{Type: clientv3.EventTypePut, Kv: kvOf(k, "v14", 14)}}, 14)
+	applyEvs(c, []*clientv3.Event{{Type: clientv3.EventTypePut, Kv: kvOf(k, "v14", 14)}}, 14)
 	c.writeThrough([]clientv3.Op{clientv3.OpPut(k, "v13")}, 13)
 	if e, _ := c.get(k); string(e.val) != "v14" {
 		t.Fatalf("a passed commit was written through: %s", e.val)
@@ -55,11 +59,11 @@ func TestRecCacheOrder(t *testing.T) {
 		t.Fatal("another key's queue index went with it")
 	}
 	// A delete the watch brings removes only what is not newer.
-	c.apply([]*clientv3.Event{{Type: clientv3.EventTypeDelete, Kv: kvOf(other, "", 2)}}, 2)
+	applyEvs(c, []*clientv3.Event{{Type: clientv3.EventTypeDelete, Kv: kvOf(other, "", 2)}}, 2)
 	if _, ok := c.get(other); !ok {
 		t.Fatal("an older delete removed a newer entry")
 	}
-	c.apply([]*clientv3.Event{{Type: clientv3.EventTypeDelete, Kv: kvOf(k, "", 16)}}, 16)
+	applyEvs(c, []*clientv3.Event{{Type: clientv3.EventTypeDelete, Kv: kvOf(k, "", 16)}}, 16)
 	if _, ok := c.get(k); ok {
 		t.Fatal("a delete left its entry")
 	}
@@ -176,4 +180,85 @@ func (c *recCache) begin() view {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
 	return view{rev: c.rev, ok: c.live}
+}
+
+// applyEvs is c.apply with the keys made strings, as the watch does.
+func applyEvs(c *recCache, evs []*clientv3.Event, rev int64) {
+	keys := make([]string, len(evs))
+	for i, ev := range evs {
+		keys[i] = string(ev.Kv.Key)
+	}
+	c.apply(evs, keys, rev)
+}
+
+// TestCacheRecordCompact: the cache keeps a key's record compact and reads
+// it back as etcd has it but for its transition, whatever its fields and
+// strings hold, and keeps whole what is not a record. Every field of
+// keyRec and done is filled at random, so that a field added to them and
+// not to the compact form fails here.
+func TestCacheRecordCompact(t *testing.T) {
+	odd := []string{"", `"x":{`, `\`, "\xc1", "a\"b", "\u2028", "n\x00", "sha256:0123456789abcdef"}
+	rng := rand.New(rand.NewPCG(1, 2))
+	var fill func(v reflect.Value)
+	fill = func(v reflect.Value) {
+		switch v.Kind() {
+		case reflect.String:
+			v.SetString(odd[rng.IntN(len(odd))] + fmt.Sprint(rng.IntN(3)))
+		case reflect.Bool:
+			v.SetBool(rng.IntN(2) == 0)
+		case reflect.Uint8:
+			v.SetUint(uint64(rng.IntN(256)))
+		case reflect.Uint64:
+			v.SetUint([]uint64{0, 1, 1 << 40, math.MaxUint64}[rng.IntN(4)])
+		case reflect.Int, reflect.Int64:
+			v.SetInt([]int64{0, 1, -1, 1764190000000000000, math.MinInt64, math.MaxInt64}[rng.IntN(6)])
+		case reflect.Pointer:
+			if v.Type() == reflect.TypeFor[*trans]() || rng.IntN(3) == 0 {
+				return // X is not kept; a record without a completion
+			}
+			v.Set(reflect.New(v.Type().Elem()))
+			fill(v.Elem())
+		case reflect.Struct:
+			for i := range v.NumField() {
+				if rng.IntN(4) > 0 {
+					fill(v.Field(i))
+				}
+			}
+		default:
+			t.Fatalf("a field of kind %s: teach this test and cacherec.go", v.Kind())
+		}
+	}
+	for range 2000 {
+		var r keyRec
+		fill(reflect.ValueOf(&r).Elem())
+		r.X = &trans{Assigned: r.Holder, Refused: []string{`"x":`}}
+		raw := []byte(encode(&r))
+		c := compactRec(raw)
+		if c[0] != compactTag {
+			t.Fatalf("%s not made compact", raw)
+		}
+		got, err := decodeKey(c)
+		want, _ := decodeKey(raw) // a string that is not UTF-8 comes back changed
+		want.X = nil
+		if err != nil || !reflect.DeepEqual(got, want) {
+			t.Fatalf("%s read back as %+v (%v), want %+v", raw, got, err, want)
+		}
+		if got, err := decodeKey(recJSON(c)); err != nil || !reflect.DeepEqual(got, want) {
+			t.Fatalf("%s as JSON again: %+v (%v)", raw, got, err)
+		}
+		for i := range len(c) - 1 {
+			if _, err := decodeKey(c[:i]); err == nil && i > 0 {
+				t.Fatalf("%x cut at %d read as a record", c, i)
+			}
+		}
+	}
+	held := keyRec{Holder: "hs-1a2b3c4d-12", Token: 100234, Lease: 1, SLease: 7587889123456789012, Acquired: 1764190000000000000, X: &trans{Assigned: "hs-1a2b3c4d-12"}}
+	if raw, c := encode(&held), compactRec([]byte(encode(&held))); len(c) > 48 {
+		t.Errorf("a session-held lock's record is %d bytes in the cache (%d in etcd)", len(c), len(raw))
+	}
+	for _, raw := range []string{"v12", "", "{", `{"t":"x"}`} {
+		if got := compactRec([]byte(raw)); string(got) != raw {
+			t.Errorf("%q kept as %q", raw, got)
+		}
+	}
 }

@@ -93,15 +93,19 @@ func (b *Backend) inspecting(ctx context.Context) error {
 }
 
 // raws returns the cached values of keys (nil for those absent), under one
-// read lock.
+// read lock, each as etcd has it but for a record's transition: the node
+// filter looks for a node's quoted id in them (cacherec.go).
 func (c *recCache) raws(keys []string) [][]byte {
 	out := make([][]byte, len(keys))
 	c.mu.RLock()
-	defer c.mu.RUnlock()
 	for i, k := range keys {
 		if e, ok := c.m[k]; ok {
 			out[i] = e.val
 		}
+	}
+	c.mu.RUnlock()
+	for i, v := range out {
+		out[i] = recJSON(v)
 	}
 	return out
 }

@@ -153,10 +153,15 @@ func encode(v any) string {
 	return string(b)
 }
 
+// decodeKey decodes a key's record, as etcd has it or as the cache keeps
+// it (cacherec.go).
 func decodeKey(b []byte) (keyRec, error) {
 	var r keyRec
 	if len(b) == 0 {
 		return r, nil
+	}
+	if b[0] == compactTag {
+		return decodeCompact(b)
 	}
 	if err := json.Unmarshal(b, &r); err != nil {
 		return r, fmt.Errorf("etcd backend: a key record that is not ours: %w", err)

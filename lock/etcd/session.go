@@ -142,14 +142,10 @@ func (b *Backend) Subscribe(ctx context.Context, req lock.SubscribeRequest) (loc
 		if req.HasLast && last <= counter {
 			if last >= s.dropped {
 				sub.ID = last
-				for _, d := range s.log {
-					if d.ID > last {
-						sub.Replay = append(sub.Replay, d)
-					}
-				}
+				sub.Replay = s.after(req.Node, last)
 			} else {
 				sub.ID, sub.Missed = s.dropped, true
-				sub.Replay = append([]lock.Delivery(nil), s.log...)
+				sub.Replay = s.after(req.Node, 0)
 				b.replays.Add(1)
 			}
 		}

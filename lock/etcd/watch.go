@@ -88,18 +88,21 @@ type watcher struct {
 	asked atomic.Int64 // when caughtUp last asked for progress (unix ns)
 }
 
+// keyInfo is what the timers and counts need of a key, 24 bytes: its
+// record is in the cache (cache.go).
 type keyInfo struct {
-	held, kept bool
-	queue      int
 	deadline   int64
 	doneAt     int64 // the completion record's time, 0 for none
+	queue      int32 // at most lock.Rules.MaxQueue
+	held, kept bool
 }
 
 // sessInfo is a session as the watch saw it, with its replay log.
 type sessInfo struct {
 	lease   int64
 	created int64
-	log     []lock.Delivery
+	log     []logEntry // log[head:] are the events kept (replaylog.go)
+	head    int
 	bytes   int
 	dropped uint64 // the id of the newest event the log let go
 }
@@ -183,7 +186,7 @@ func (w *watcher) setWarm(rev int64) {
 	if rev < w.warmTo {
 		// Not read up to the list: no session can replay from before it.
 		for _, s := range w.sessions {
-			s.log, s.bytes = nil, 0
+			s.forget()
 			s.dropped = max(s.dropped, revID(w.warmTo+1)-1)
 		}
 	}
@@ -208,8 +211,11 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 		cached[string(kv.Key)] = cEntry{val: kv.Value, mod: kv.ModRevision}
 	}
 	err = w.page(ctx, b.n.keys(), rev, func(kv *mvccpb.KeyValue) {
-		keep(kv)
-		k, ok := b.n.parseKey(string(kv.Key))
+		// One copy of the key for the cache and the timers' table, and
+		// the record as the cache keeps it (cacherec.go).
+		key := string(kv.Key)
+		cached[key] = cEntry{val: compactRec(kv.Value), mod: kv.ModRevision}
+		k, ok := b.n.parseKey(key)
 		if !ok {
 			return
 		}
@@ -219,7 +225,7 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 		}
 		ki := info(&r, b.cfg.CompletedRetention)
 		keys[k] = ki
-		nKeys, nHeld, nQd = nKeys+b2i(ki.kept), nHeld+b2i(ki.held), nQd+ki.queue
+		nKeys, nHeld, nQd = nKeys+b2i(ki.kept), nHeld+b2i(ki.held), nQd+int(ki.queue)
 		if ki.deadline != 0 {
 			dl = append(dl, deadline{at: ki.deadline, k: k})
 		}
@@ -285,7 +291,7 @@ func b2i(v bool) int {
 }
 
 func info(r *keyRec, retention time.Duration) keyInfo {
-	ki := keyInfo{held: r.held(), kept: r.held() || r.Queue > 0 || r.Done != nil || r.delayed(), queue: r.Queue, deadline: r.deadline(retention)}
+	ki := keyInfo{held: r.held(), kept: r.held() || r.Queue > 0 || r.Done != nil || r.delayed(), queue: int32(r.Queue), deadline: r.deadline(retention)}
 	if r.Done != nil {
 		ki.doneAt = r.Done.At
 	}
@@ -371,7 +377,8 @@ func (w *watcher) lost() {
 	w.mu.Lock()
 	floor := revID(w.processed+1) - 1
 	for _, s := range w.sessions {
-		s.log, s.bytes, s.dropped = nil, 0, max(s.dropped, floor)
+		s.forget()
+		s.dropped = max(s.dropped, floor)
 	}
 	w.mu.Unlock()
 	w.endStreams()
@@ -531,15 +538,21 @@ func (w *watcher) apply(evs []*clientv3.Event, rev int64) {
 		return
 	}
 	w.setWarm(rev)
-	b.rc.apply(evs, rev)
+	// Each key made a string once: the cache and the watch's tables keep
+	// the same copy.
+	keys := make([]string, len(evs))
+	for i, ev := range evs {
+		keys[i] = string(ev.Kv.Key)
+	}
+	b.rc.apply(evs, keys, rev)
 	var (
 		changes []change
 		skipped map[lock.Key][]string
 		ended   []endedSession
 	)
 	w.mu.Lock()
-	for _, ev := range evs {
-		key := string(ev.Kv.Key)
+	for i, ev := range evs {
+		key := keys[i]
 		switch {
 		case strings.HasPrefix(key, b.n.keys()):
 			k, ok := b.n.parseKey(key)
@@ -669,7 +682,7 @@ func (w *watcher) track(c change) {
 	}
 	w.nKeys += b2i(ki.kept) - b2i(old.kept)
 	w.nHeld += b2i(ki.held) - b2i(old.held)
-	w.nQd += ki.queue - old.queue
+	w.nQd += int(ki.queue) - int(old.queue)
 	w.nDone += b2i(ki.doneAt != 0) - b2i(old.doneAt != 0)
 	if ki.doneAt != 0 && ki.doneAt != old.doneAt {
 		heap.Push(&w.dones, deadline{at: ki.doneAt, k: c.k})
@@ -718,11 +731,11 @@ func (w *watcher) deliverTo(c change, base uint64, rev int64, skipped []string, 
 			}
 			if history {
 				if d.ID > s.dropped {
-					w.logEvent(s, d)
+					w.logEvent(s, node, d)
 				}
 				continue
 			}
-			w.logEvent(s, d)
+			w.logEvent(s, node, d)
 			for _, f := range w.streams[node] {
 				if !f.push(d) {
 					w.dropLocked(f)
@@ -764,22 +777,6 @@ func (w *watcher) deliverTo(c change, base uint64, rev int64, skipped []string, 
 		send(base+2+uint64(i), ev, []string{node}, false)
 	}
 	return released
-}
-
-// logEvent appends to a session's replay log within its bounds; w.mu held.
-func (w *watcher) logEvent(s *sessInfo, d lock.Delivery) {
-	s.log = append(s.log, d)
-	s.bytes += d.Event.WireSize()
-	cfg := &w.b.cfg
-	n := 0
-	for len(s.log)-n > cfg.SessionLog || s.bytes > cfg.SessionLogBytes {
-		s.bytes -= s.log[n].Event.WireSize()
-		s.dropped = s.log[n].ID
-		n++
-	}
-	if n > 0 {
-		s.log = append(s.log[:0:0], s.log[n:]...)
-	}
 }
 
 // stats returns the cluster's gauges as the watch saw them.
