@@ -286,7 +286,10 @@ func (s *sessions) make(ctx context.Context, node string) (lease, rev int64, mad
 	// The sessions that stand come first: while their keepalives wait on
 	// etcd, no session is made (a fleet opening together then opens as
 	// fast as etcd keeps up, and none loses its lease to the others).
-	for k := b.keeper; k.wait(time.Now()) > k.every/2; {
+	for {
+		if p, _ := b.g.pressure(time.Now()); p != pressureHeld {
+			break
+		}
 		select {
 		case <-ctx.Done():
 			return 0, 0, false, ctx.Err()
@@ -301,13 +304,16 @@ func (s *sessions) make(ctx context.Context, node string) (lease, rev int64, mad
 	if err != nil {
 		return 0, 0, false, b.etcdErr("granting a session lease", err)
 	}
+	// The sessions made together share a request (group.go): a lease
+	// granted moments ago is there still, and were one gone, each would
+	// be sent again alone.
 	key := b.n.session(node)
-	tr, err := b.cli.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(key), "=", 0)).
-		Then(clientv3.OpPut(key, encode(sessRec{Lease: int64(g.ID)}), clientv3.WithLease(g.ID))).
-		Else(clientv3.OpGet(key)).Commit()
+	rev, tr, err := b.g.txn(ctx, []clientv3.Cmp{clientv3.Compare(clientv3.CreateRevision(key), "=", 0)},
+		[]clientv3.Op{clientv3.OpPut(key, encode(sessRec{Lease: int64(g.ID)}), clientv3.WithLease(g.ID))},
+		[]clientv3.Op{clientv3.OpGet(key)}, true)
 	if err != nil {
 		b.revokeLater(int64(g.ID))
-		return 0, 0, false, b.etcdErr("making a session", err)
+		return 0, 0, false, fmt.Errorf("making a session: %w", err)
 	}
 	if !tr.Succeeded {
 		b.revokeLater(int64(g.ID))
@@ -319,16 +325,16 @@ func (s *sessions) make(ctx context.Context, node string) (lease, rev int64, mad
 		if err := jsonUnmarshal(kvs[0].Value, &sr); err != nil {
 			return 0, 0, false, err
 		}
-		return sr.Lease, tr.Header.Revision, false, nil
+		return sr.Lease, rev, false, nil
 	}
-	b.committed(tr.Header.Revision)
+	b.committed(rev)
 	// etcd set the new lease's expiry when it applied the grant, sent at
 	// sent: no keepalive is needed to know it stands until sent plus the
 	// TTL.
 	if err := s.count(node, int64(g.ID), sent, sent.Add(time.Duration(g.TTL)*time.Second)); err != nil {
 		return 0, 0, false, err
 	}
-	return int64(g.ID), tr.Header.Revision, true, nil
+	return int64(g.ID), rev, true, nil
 }
 
 // maxMaking bounds the sessions a server makes at once (make).
