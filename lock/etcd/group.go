@@ -55,7 +55,8 @@ import (
 // Transactions that attach a key to a lease granted by their call (a new
 // session) share requests only with each other: etcd refuses a whole
 // request that puts a key with a lease it no longer has, and then each is
-// sent again alone.
+// sent again alone. They are not held back by the keepalives' lag: their
+// leases were granted already and would run out while they waited.
 
 const (
 	// groupMax bounds the transactions of one request, hence the

@@ -19,6 +19,7 @@ import (
 type sessions struct {
 	b      *Backend
 	making chan struct{} // a token per session being made (make)
+	more   chan struct{} // the same, beyond maxMaking, taken only without pressure
 	mu     sync.Mutex    // never held across a call to etcd: the keeper's answers wait for nothing
 	local  map[string]*localSession
 
@@ -37,7 +38,7 @@ type localSession struct {
 }
 
 func newSessions(b *Backend) *sessions {
-	return &sessions{b: b, making: make(chan struct{}, maxMaking), local: map[string]*localSession{}}
+	return &sessions{b: b, making: make(chan struct{}, maxMaking), more: make(chan struct{}, maxMakingFree-maxMaking), local: map[string]*localSession{}}
 }
 
 // Subscribe opens a node's session stream and/or an observer of one key.
@@ -277,9 +278,18 @@ func (s *sessions) acquire(ctx context.Context, node string) (int64, int64, erro
 // scale on etcd").
 func (s *sessions) make(ctx context.Context, node string) (lease, rev int64, made bool, err error) {
 	b := s.b
+	// Without pressure, up to maxMakingFree at once: more of them share
+	// etcd's requests and fsyncs, and the keepalives say when etcd is
+	// behind; with it, maxMaking (and none while held, below).
+	var more chan struct{}
+	if p, _ := b.g.pressure(time.Now()); p == pressureNone {
+		more = s.more
+	}
 	select {
 	case s.making <- struct{}{}:
 		defer func() { <-s.making }()
+	case more <- struct{}{}:
+		defer func() { <-more }()
 	case <-ctx.Done():
 		return 0, 0, false, ctx.Err()
 	}
@@ -337,8 +347,12 @@ func (s *sessions) make(ctx context.Context, node string) (lease, rev int64, mad
 	return int64(g.ID), rev, true, nil
 }
 
-// maxMaking bounds the sessions a server makes at once (make).
-const maxMaking = 16
+// maxMaking bounds the sessions a server makes at once (make) while its
+// keepalives wait on etcd, maxMakingFree while they do not.
+const (
+	maxMaking     = 16
+	maxMakingFree = 64
+)
 
 // keep counts a stream of node with lease, a session that exists (the
 // watch saw it, or etcd answered it), and keeps the lease alive from this
