@@ -77,22 +77,28 @@ func (b *Backend) Subscribe(ctx context.Context, req lock.SubscribeRequest) (loc
 	var lease int64
 	if req.Node != "" {
 		var rev int64
+		var asked bool
 		var err error
-		if lease, rev, err = b.s.acquire(ctx, req.Node); err != nil {
+		if lease, rev, asked, err = b.s.acquire(ctx, req.Node); err != nil {
 			return nil, lock.Subscription{}, b.boundErr(parent, ctx, err)
 		}
 		f.lease = lease
 		// The stream joins at etcd's revision when it opened, or later:
 		// every change before it is in the replay (the session's log),
-		// none is told as if it came after.
-		cur, err := b.s.currentRev(ctx)
-		if err != nil {
-			b.s.releaseNode(req.Node, lease)
-			return nil, lock.Subscription{}, b.boundErr(parent, ctx, err)
+		// none is told as if it came after. A revision etcd answered
+		// this call (the session's transaction) is one; the watch's is
+		// not, and etcd is asked for its own.
+		if !asked {
+			cur, err := b.s.currentRev(ctx)
+			if err != nil {
+				b.s.releaseNode(req.Node, lease)
+				return nil, lock.Subscription{}, b.boundErr(parent, ctx, err)
+			}
+			rev = max(rev, cur)
 		}
 		// The watch must have seen the session before the stream joins,
 		// so that the session's log is the one the stream replays.
-		if !w.caughtUp(max(rev, cur), 10*time.Second) {
+		if !w.caughtUp(rev, 10*time.Second) {
 			b.s.releaseNode(req.Node, lease)
 			if err := b.alive(); err != nil {
 				return nil, lock.Subscription{}, err
@@ -229,14 +235,16 @@ func (s *sessions) readRevs() {
 
 // acquire counts one more stream of node on this server, finding or making
 // its session and keeping its lease alive. It returns the lease and a
-// revision at which the session exists.
-func (s *sessions) acquire(ctx context.Context, node string) (int64, int64, error) {
+// revision at which the session exists; asked says that etcd answered
+// that revision during this call (the session's transaction), so that no
+// revision etcd had when the call began is newer.
+func (s *sessions) acquire(ctx context.Context, node string) (lease, rev int64, asked bool, err error) {
 	b := s.b
 	s.mu.Lock()
 	if ls := s.local[node]; ls != nil && b.cfg.MaxSessionsPerNode > 0 && ls.streams >= b.cfg.MaxSessionsPerNode {
 		s.mu.Unlock()
 		b.refusedNodeStreams.Add(1)
-		return 0, 0, fmt.Errorf("%w: %s has %d streams, at most %d are allowed", lock.ErrTooManySessions, node, ls.streams, b.cfg.MaxSessionsPerNode)
+		return 0, 0, false, fmt.Errorf("%w: %s has %d streams, at most %d are allowed", lock.ErrTooManySessions, node, ls.streams, b.cfg.MaxSessionsPerNode)
 	}
 	s.mu.Unlock()
 	// The session as the watch saw it: no read of etcd (keep).
@@ -246,25 +254,25 @@ func (s *sessions) acquire(ctx context.Context, node string) (int64, int64, erro
 	if si := w.sessions[node]; si != nil {
 		seen = si.lease
 	}
-	rev := w.processed
+	rev = w.processed
 	w.mu.Unlock()
 	if seen != 0 {
 		if err := s.keep(node, seen); err != nil {
-			return 0, 0, err
+			return 0, 0, false, err
 		}
-		return seen, rev, nil
+		return seen, rev, false, nil
 	}
 	lease, rev, made, err := s.make(ctx, node)
 	if err != nil {
-		return 0, 0, err
+		return 0, 0, false, err
 	}
 	if !made {
 		// Another server made it first, or the watch was behind.
 		if err := s.keep(node, lease); err != nil {
-			return 0, 0, err
+			return 0, 0, false, err
 		}
 	}
-	return lease, rev, nil
+	return lease, rev, true, nil
 }
 
 // make makes node's session, or reads the one that exists, in one
