@@ -167,8 +167,8 @@ func New(ctx context.Context, cli *clientv3.Client, cfg Config) (*Backend, error
 	b.lastQuorum.Store(time.Now().UnixNano()) // New read etcd just now
 	b.wg.Add(5 + groupFlight)
 	go b.probe()
-	for range groupFlight {
-		go b.g.run()
+	for i := range groupFlight {
+		go b.g.run(i)
 	}
 	go b.keeper.run()
 	go b.timers()

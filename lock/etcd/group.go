@@ -3,11 +3,14 @@ package etcd
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/dlock/dlock/lock"
@@ -36,6 +39,24 @@ import (
 // request sent to it (frozen, or behind a path that drops packets) holds
 // the transactions of the requests that reached it, not every one of the
 // server's behind them (TestAttackGroupHungRequest).
+//
+// The lock path gives way to the sessions' keepalives (admit): etcd 3.4
+// holds every keepalive until it has applied the writes committed before
+// it, and fails it after a second, so writes that etcd commits faster than
+// it applies cost every session its lease (docs/BENCHMARKS.md, "Fleet
+// scale on etcd"). While this server's keepalives wait on etcd (keeper.lag)
+// an eighth of a keepalive period or more, one request is in flight at a
+// time, each after a pause of a quarter of that wait, and it counts as in
+// flight until answered or for that wait (not groupStall); from half a
+// period (a sixth of the TTL, as for making sessions) none is sent until
+// the keepalives are answered sooner again. A call's context and its
+// callTimeout still end its wait (503 unavailable).
+//
+// Transactions that attach a key to a lease granted by their call (a new
+// session) share requests only with each other: etcd refuses a whole
+// request that puts a key with a lease it no longer has, and then each is
+// sent again alone. They are not held back by the keepalives' lag: their
+// leases were granted already and would run out while they waited.
 
 const (
 	// groupMax bounds the transactions of one request, hence the
@@ -55,7 +76,33 @@ const (
 	// etcd's usual commit (a few ms), a few of one on a slow disk.
 	groupFlight = 2
 	groupStall  = 100 * time.Millisecond
+	// pressurePoll is how often a held-back request looks at the
+	// keepalives' lag again.
+	pressurePoll = 10 * time.Millisecond
 )
+
+// pressure is how much the keepalives' lag holds writes back (admit).
+type pressure int
+
+const (
+	pressureNone pressure = iota // the writes go at full rate
+	pressureSlow                 // one request at a time, each after a pause
+	pressureHeld                 // no request, no new session
+)
+
+// pressureOf is the pressure of keepalives that wait lag on etcd, sent
+// every period (a third of the TTL): slow from an eighth of a period,
+// held from half of one. A lease stands two periods past its last
+// answered keepalive, so half a period of lag is a quarter of its margin.
+func pressureOf(lag, every time.Duration) pressure {
+	switch {
+	case lag >= every/2:
+		return pressureHeld
+	case lag >= every/8:
+		return pressureSlow
+	}
+	return pressureNone
+}
 
 // span is a key or, with end set, the range [key, end).
 type span struct{ key, end []byte }
@@ -91,25 +138,30 @@ type pending struct {
 	ops    []clientv3.Op
 	reads  []span
 	writes []span
-	size   int // guards and operations
+	els    []clientv3.Op // run when a guard fails: reads only
+	size   int           // guards and operations
 	bytes  int
 	alone  bool
+	// leased: an operation puts a key with a lease granted by the call;
+	// the transaction shares a request only with others such.
+	leased bool
 
 	ready chan struct{} // closed with the outcome
 	taken bool          // in a request: its outcome is etcd's, not the caller's
 	ok    bool
 	rev   int64
+	resp  *pb.TxnResponse // etcd's answer to the transaction
 	err   error
 }
 
-func newPending(cmps []clientv3.Cmp, ops []clientv3.Op) *pending {
-	p := &pending{cmps: cmps, ops: ops, ready: make(chan struct{}), size: len(cmps) + len(ops)}
+func newPending(cmps []clientv3.Cmp, ops, els []clientv3.Op) *pending {
+	p := &pending{cmps: cmps, ops: ops, els: els, ready: make(chan struct{}), size: len(cmps) + len(ops) + len(els)}
 	for i := range cmps {
 		c := cmps[i].GetCompare()
 		p.reads = append(p.reads, span{c.Key, c.RangeEnd})
 		p.bytes += len(c.Key) + len(c.RangeEnd)
 	}
-	for _, op := range ops {
+	for _, op := range append(ops[:len(ops):len(ops)], els...) {
 		s := span{op.KeyBytes(), op.RangeBytes()}
 		p.bytes += len(s.key) + len(s.end) + len(op.ValueBytes())
 		switch {
@@ -121,7 +173,7 @@ func newPending(cmps []clientv3.Cmp, ops []clientv3.Op) *pending {
 			p.alone = true // a nested transaction of its own: not grouped
 		}
 	}
-	if max(len(cmps), len(ops)) > groupSubOps || p.bytes > groupBytes {
+	if max(len(cmps), len(ops), len(els)) > groupSubOps || p.bytes > groupBytes {
 		p.alone = true
 	}
 	return p
@@ -131,6 +183,10 @@ func newPending(cmps []clientv3.Cmp, ops []clientv3.Op) *pending {
 type grouper struct {
 	b      *Backend
 	signal chan struct{} // a request can go: something waits
+
+	// lag is how long this server's keepalives wait on etcd, and their
+	// period (keeper.lag, keeper.every); tests set their own.
+	lag atomic.Pointer[func(now time.Time) (lag, every time.Duration)]
 
 	mu sync.Mutex
 	q  []*pending
@@ -142,10 +198,18 @@ type grouper struct {
 	// transaction, txns the transactions they carried, and stalled those
 	// etcd had not answered within groupStall.
 	requests, grouped, txns, stalled atomic.Uint64
+	// throttled is how long requests were held back by the keepalives'
+	// lag (ns), singles the leased transactions sent again alone after
+	// their group's lease was not found.
+	throttled atomic.Int64
+	singles   atomic.Uint64
 }
 
 func newGrouper(b *Backend) *grouper {
-	return &grouper{b: b, signal: make(chan struct{}, groupFlight)}
+	g := &grouper{b: b, signal: make(chan struct{}, groupFlight)}
+	lag := func(now time.Time) (time.Duration, time.Duration) { return b.keeper.lag(now), b.keeper.every }
+	g.lag.Store(&lag)
+	return g
 }
 
 // commit applies ops if every guard in cmps holds, in a request it may share
@@ -155,11 +219,29 @@ func newGrouper(b *Backend) *grouper {
 // once and the transaction may or may not apply, as with a cancelled etcd
 // call.
 //
-// alone keeps the transaction out of groups: one that attaches a key to a
-// lease, since etcd refuses a whole request for a lease it no longer has.
-func (g *grouper) commit(ctx context.Context, cmps []clientv3.Cmp, ops []clientv3.Op, alone bool) (rev int64, ok bool, err error) {
-	p := newPending(cmps, ops)
-	p.alone = p.alone || alone
+// leased says that an operation attaches a key to a lease the call
+// granted: the transaction then shares a request only with others such,
+// since etcd refuses a whole request for a lease it no longer has.
+func (g *grouper) commit(ctx context.Context, cmps []clientv3.Cmp, ops []clientv3.Op, leased bool) (rev int64, ok bool, err error) {
+	p, err := g.do(ctx, newPending(cmps, ops, nil), leased)
+	if err != nil {
+		return 0, false, err
+	}
+	return p.rev, p.ok, nil
+}
+
+// txn is commit with els run when a guard fails (reads only): it returns
+// the request's revision and etcd's answer to the transaction.
+func (g *grouper) txn(ctx context.Context, cmps []clientv3.Cmp, then, els []clientv3.Op, leased bool) (int64, *pb.TxnResponse, error) {
+	p, err := g.do(ctx, newPending(cmps, then, els), leased)
+	if err != nil {
+		return 0, nil, err
+	}
+	return p.rev, p.resp, nil
+}
+
+func (g *grouper) do(ctx context.Context, p *pending, leased bool) (*pending, error) {
+	p.leased = leased
 	g.mu.Lock()
 	g.q = append(g.q, p)
 	g.mu.Unlock()
@@ -169,14 +251,14 @@ func (g *grouper) commit(ctx context.Context, cmps []clientv3.Cmp, ops []clientv
 	}
 	select {
 	case <-p.ready:
-		return p.rev, p.ok, p.err
+		return p, p.err
 	case <-ctx.Done():
 		g.mu.Lock()
 		if !p.taken {
 			g.q = removePending(g.q, p)
 		}
 		g.mu.Unlock()
-		return 0, false, g.b.etcdErr("transaction", ctx.Err())
+		return nil, g.b.etcdErr("transaction", ctx.Err())
 	}
 }
 
@@ -189,8 +271,9 @@ func removePending(l []*pending, p *pending) []*pending {
 	return l
 }
 
-// run sends requests until the backend closes; groupFlight of them run.
-func (g *grouper) run() {
+// run sends requests until the backend closes; groupFlight of them run,
+// runner 0 the one that still sends while the keepalives' lag slows writes.
+func (g *grouper) run(runner int) {
 	defer g.b.wg.Done()
 	for {
 		select {
@@ -209,42 +292,125 @@ func (g *grouper) run() {
 			return
 		case <-g.signal:
 		}
-		for {
-			group := g.take()
+		for g.queued() {
+			stall, leasedOnly, ok := g.admit(runner)
+			if !ok {
+				break
+			}
+			group := g.take(leasedOnly)
 			if len(group) == 0 {
 				break
 			}
 			if ordered, ok := order(group); ok {
-				g.dispatch(ordered)
+				g.dispatch(ordered, stall)
 				continue
 			}
 			// joins keeps a group free of cycles; were there one, the
 			// request would not be as if serial: each goes alone.
 			for _, p := range group {
-				g.dispatch([]*pending{p})
+				g.dispatch([]*pending{p}, stall)
 			}
+		}
+	}
+}
+
+// pressure is the pressure at now of this server's keepalives' lag, and
+// that lag.
+func (g *grouper) pressure(now time.Time) (pressure, time.Duration) {
+	lag, every := (*g.lag.Load())(now)
+	return pressureOf(lag, every), lag
+}
+
+// firstLeased is the index in the queue of its first leased transaction,
+// -1 without one; g.mu held.
+func (g *grouper) firstLeased() int {
+	for i, p := range g.q {
+		if p.leased {
+			return i
+		}
+	}
+	return -1
+}
+
+func (g *grouper) hasLeased() bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.firstLeased() >= 0
+}
+
+func (g *grouper) queued() bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return len(g.q) > 0
+}
+
+// admit waits until runner may send a request, as the keepalives' lag
+// allows (pressureOf), and returns how long that request counts as in
+// flight at most, and whether it may carry only leased transactions;
+// false when the backend closes. Under pressure only runner 0 sends:
+// another hands its signal on to it and waits until the pressure is gone.
+// Leased transactions are not held back: their leases were granted
+// already (a session's only when there was no pressureHeld, make), and
+// run out if their keys wait; they go first.
+func (g *grouper) admit(runner int) (time.Duration, bool, bool) {
+	start := time.Now()
+	handed := false
+	for {
+		now := time.Now()
+		p, lag := g.pressure(now)
+		switch {
+		case p == pressureNone:
+			if runner == 0 {
+				g.throttled.Add(int64(now.Sub(start)))
+			}
+			return groupStall, false, true
+		case runner == 0 && g.hasLeased():
+			g.throttled.Add(int64(now.Sub(start)))
+			return groupStall, true, true
+		case runner > 0:
+			if !handed {
+				handed = true
+				select {
+				case g.signal <- struct{}{}:
+				default:
+				}
+			}
+		case p == pressureSlow && now.Sub(start) >= lag/4:
+			g.throttled.Add(int64(now.Sub(start)))
+			return max(groupStall, lag), false, true
+		}
+		t := time.NewTimer(pressurePoll)
+		select {
+		case <-g.b.ctx.Done():
+			t.Stop()
+			return 0, false, false
+		case <-t.C:
 		}
 	}
 }
 
 // take removes from the queue the oldest transaction and every later one
 // that may join it, in the order the request must list them.
-func (g *grouper) take() []*pending {
+func (g *grouper) take(leasedOnly bool) []*pending {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if len(g.q) == 0 {
+	h := 0
+	if leasedOnly {
+		h = g.firstLeased()
+	}
+	if h < 0 || h >= len(g.q) {
 		return nil
 	}
-	group := []*pending{g.q[0]}
-	size, size8 := g.q[0].size, g.q[0].bytes
-	rest := g.q[1:1]
-	for i, p := range g.q[1:] {
+	group := []*pending{g.q[h]}
+	size, size8 := g.q[h].size, g.q[h].bytes
+	rest := g.q[:h] // what stays is written over what was taken
+	for i, p := range g.q[h+1:] {
 		full := len(group) == groupMax || size >= groupOps || size8 >= groupBytes
 		if full || group[0].alone {
-			rest = append(rest, g.q[1+i:]...)
+			rest = append(rest, g.q[h+1+i:]...)
 			break
 		}
-		if p.alone || size+p.size > groupOps || size8+p.bytes > groupBytes || !joins(group, p) {
+		if p.alone || p.leased != group[0].leased || size+p.size > groupOps || size8+p.bytes > groupBytes || !joins(group, p) {
 			rest = append(rest, p)
 			continue
 		}
@@ -339,9 +505,9 @@ func order(group []*pending) (out []*pending, ok bool) {
 	return out, true
 }
 
-// dispatch sends group and waits for etcd's answer, or for groupStall,
-// after which the request goes on alone and its slot takes the next one.
-func (g *grouper) dispatch(group []*pending) {
+// dispatch sends group and waits for etcd's answer, or for stall, after
+// which the request goes on alone and its slot takes the next one.
+func (g *grouper) dispatch(group []*pending, stall time.Duration) {
 	if h := g.hold.Load(); h != nil {
 		(*h)()
 	}
@@ -352,7 +518,7 @@ func (g *grouper) dispatch(group []*pending) {
 		defer close(done)
 		g.send(group)
 	}()
-	t := time.NewTimer(groupStall)
+	t := time.NewTimer(stall)
 	defer t.Stop()
 	select {
 	case <-done:
@@ -366,25 +532,27 @@ func (g *grouper) send(group []*pending) {
 	b := g.b
 	ctx, cancel := context.WithTimeout(b.ctx, callTimeout)
 	defer cancel()
-	g.requests.Add(1)
-	g.txns.Add(uint64(len(group)))
 	if len(group) == 1 {
-		p := group[0]
-		resp, err := b.cli.Txn(ctx).If(p.cmps...).Then(p.ops...).Commit()
-		if err = g.err(ctx, err); err != nil {
-			p.err = err
-		} else {
-			p.ok, p.rev = resp.Succeeded, resp.Header.Revision
-		}
-		close(p.ready)
+		g.sendOne(ctx, group[0])
 		return
 	}
+	g.requests.Add(1)
+	g.txns.Add(uint64(len(group)))
 	g.grouped.Add(1)
 	nested := make([]clientv3.Op, len(group))
 	for i, p := range group {
-		nested[i] = clientv3.OpTxn(p.cmps, p.ops, nil)
+		nested[i] = clientv3.OpTxn(p.cmps, p.ops, p.els)
 	}
 	resp, err := b.cli.Txn(ctx).Then(nested...).Commit()
+	if err != nil && group[0].leased && errors.Is(rpctypes.Error(err), rpctypes.ErrLeaseNotFound) {
+		// One of the leases is gone, and etcd wrote nothing: each goes
+		// alone, and only the one of that lease fails.
+		for _, p := range group {
+			g.singles.Add(1)
+			g.sendOne(ctx, p)
+		}
+		return
+	}
 	if err == nil && len(resp.Responses) != len(group) {
 		err = fmt.Errorf("etcd backend: %d answers to a request of %d transactions", len(resp.Responses), len(group))
 	}
@@ -394,10 +562,24 @@ func (g *grouper) send(group []*pending) {
 			p.err = err
 		} else {
 			p.rev = resp.Header.Revision
-			p.ok = resp.Responses[i].GetResponseTxn().GetSucceeded()
+			p.resp = resp.Responses[i].GetResponseTxn()
+			p.ok = p.resp.GetSucceeded()
 		}
 		close(p.ready)
 	}
+}
+
+// sendOne makes a request of p alone and hands it its outcome.
+func (g *grouper) sendOne(ctx context.Context, p *pending) {
+	g.requests.Add(1)
+	g.txns.Add(1)
+	resp, err := g.b.cli.Txn(ctx).If(p.cmps...).Then(p.ops...).Else(p.els...).Commit()
+	if err = g.err(ctx, err); err != nil {
+		p.err = err
+	} else {
+		p.ok, p.rev, p.resp = resp.Succeeded, resp.Header.Revision, (*pb.TxnResponse)(resp)
+	}
+	close(p.ready)
 }
 
 // err is the error of a request made with ctx: an etcd that did not answer

@@ -23,7 +23,7 @@ import (
 func TestGroupJoins(t *testing.T) {
 	put := func(k string) clientv3.Op { return clientv3.OpPut(k, "v") }
 	guard := func(k string) clientv3.Cmp { return clientv3.Compare(clientv3.ModRevision(k), "=", 1) }
-	p := func(cmps []clientv3.Cmp, ops ...clientv3.Op) *pending { return newPending(cmps, ops) }
+	p := func(cmps []clientv3.Cmp, ops ...clientv3.Op) *pending { return newPending(cmps, ops, nil) }
 
 	a := p([]clientv3.Cmp{guard("/k/a")}, put("/k/a"))
 	b := p([]clientv3.Cmp{guard("/k/b")}, put("/k/b"))

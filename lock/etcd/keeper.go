@@ -67,6 +67,11 @@ type lane struct {
 	// send, not a later one, and no second send.
 	wire   []wireSend
 	onWire map[int64]int
+	// lastWait is how long the lane's last answered keepalive waited, or
+	// the oldest one on a stream etcd ended because its apply was behind;
+	// lastAt when that was (lag).
+	lastWait time.Duration
+	lastAt   time.Time
 }
 
 type kept struct {
@@ -175,6 +180,30 @@ func (k *keeper) wait(now time.Time) time.Duration {
 	return d
 }
 
+// lag is how late etcd is with this server's keepalives at now: the
+// longest wait of a keepalive on the streams, or of a lane's last answered
+// one (or of the oldest on a stream etcd ended, its apply behind) within
+// the last period. The wait on the wire alone falls to nothing each time
+// etcd 3.4 ends a stream whose keepalive waited a second for its apply,
+// just when etcd is furthest behind; the last answer's wait stays until
+// the next answer shows etcd caught up. Writes are held back by it
+// (grouper.admit, sessions.make), so that the sessions that stand keep
+// their leases first (docs/DESIGN.md, "Leases" in "An etcd backend").
+func (k *keeper) lag(now time.Time) time.Duration {
+	var d time.Duration
+	for _, l := range k.lanes {
+		l.mu.Lock()
+		if len(l.wire) > 0 {
+			d = max(d, now.Sub(l.wire[0].at))
+		}
+		if now.Sub(l.lastAt) < k.every {
+			d = max(d, l.lastWait)
+		}
+		l.mu.Unlock()
+	}
+	return d
+}
+
 // run keeps the leases alive until the backend closes, a lane a stream.
 func (k *keeper) run() {
 	defer k.b.wg.Done()
@@ -272,6 +301,7 @@ func (ln *lane) stream() {
 					// writes (etcd 3.4 holds a keepalive until it has
 					// applied what it committed before it).
 					ln.k.heardAt(time.Now())
+					ln.behind(time.Now())
 				}
 				if ctx.Err() == nil {
 					ln.k.b.log.Warn("etcd backend: the keepalive stream ended", "err", err)
@@ -332,6 +362,16 @@ func (ln *lane) stuck(now time.Time) bool {
 	}
 	ln.k.stuck.Add(1)
 	return true
+}
+
+// behind notes, at now, that etcd ended the stream because its apply was
+// behind: the oldest keepalive on it waited that long (lag).
+func (ln *lane) behind(now time.Time) {
+	ln.mu.Lock()
+	defer ln.mu.Unlock()
+	if len(ln.wire) > 0 {
+		ln.lastWait, ln.lastAt = now.Sub(ln.wire[0].at), now
+	}
 }
 
 // broken forgets the sends of a stream that ended: every kept lease is due
@@ -438,6 +478,7 @@ func (ln *lane) answered(resp *pb.LeaseKeepAliveResponse, now time.Time) error {
 		return errOutOfOrder
 	}
 	sent := ln.wire[0].at
+	ln.lastWait, ln.lastAt = now.Sub(sent), now
 	ln.wire[0] = wireSend{}
 	ln.wire = ln.wire[1:]
 	if ln.onWire[resp.ID]--; ln.onWire[resp.ID] <= 0 {

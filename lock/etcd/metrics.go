@@ -27,6 +27,8 @@ var (
 		"Keepalive streams this server ended because etcd held one keepalive, of a lease that may have run out, for a third of the TTL; that lease is then asked about on its own.", nil, nil)
 	descKeepaliveWait = prometheus.NewDesc("dlock_etcd_keepalive_wait_seconds",
 		"How long the oldest keepalive on this server's streams has waited for etcd's answer (0: none waits).", nil, nil)
+	descThrottled = prometheus.NewDesc("dlock_etcd_throttled_seconds_total",
+		"Time this server held its etcd requests back, one at a time or none, because its keepalives waited on etcd (an eighth of a keepalive period or more): the sessions' leases first.", nil, nil)
 	descStalled = prometheus.NewDesc("dlock_etcd_stalled_requests_total",
 		"Those requests that etcd had not answered within 100 ms, after which the next ones went without waiting for them (a slow or unreachable etcd member).", nil, nil)
 )
@@ -42,6 +44,7 @@ func (b *Backend) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descKeepaliveWait
 	ch <- descKeepaliveStuck
 	ch <- descStalled
+	ch <- descThrottled
 }
 
 // Collect implements prometheus.Collector.
@@ -62,4 +65,5 @@ func (b *Backend) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descKeepaliveStuck, prometheus.CounterValue, float64(k.stuck.Load()))
 	ch <- prometheus.MustNewConstMetric(descKeepaliveWait, prometheus.GaugeValue, k.wait(time.Now()).Seconds())
 	ch <- prometheus.MustNewConstMetric(descStalled, prometheus.CounterValue, float64(b.g.stalled.Load()))
+	ch <- prometheus.MustNewConstMetric(descThrottled, prometheus.CounterValue, time.Duration(b.g.throttled.Load()).Seconds())
 }

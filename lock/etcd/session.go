@@ -19,6 +19,7 @@ import (
 type sessions struct {
 	b      *Backend
 	making chan struct{} // a token per session being made (make)
+	more   chan struct{} // the same, beyond maxMaking, taken only without pressure
 	mu     sync.Mutex    // never held across a call to etcd: the keeper's answers wait for nothing
 	local  map[string]*localSession
 
@@ -37,7 +38,7 @@ type localSession struct {
 }
 
 func newSessions(b *Backend) *sessions {
-	return &sessions{b: b, making: make(chan struct{}, maxMaking), local: map[string]*localSession{}}
+	return &sessions{b: b, making: make(chan struct{}, maxMaking), more: make(chan struct{}, maxMakingFree-maxMaking), local: map[string]*localSession{}}
 }
 
 // Subscribe opens a node's session stream and/or an observer of one key.
@@ -76,22 +77,28 @@ func (b *Backend) Subscribe(ctx context.Context, req lock.SubscribeRequest) (loc
 	var lease int64
 	if req.Node != "" {
 		var rev int64
+		var asked bool
 		var err error
-		if lease, rev, err = b.s.acquire(ctx, req.Node); err != nil {
+		if lease, rev, asked, err = b.s.acquire(ctx, req.Node); err != nil {
 			return nil, lock.Subscription{}, b.boundErr(parent, ctx, err)
 		}
 		f.lease = lease
 		// The stream joins at etcd's revision when it opened, or later:
 		// every change before it is in the replay (the session's log),
-		// none is told as if it came after.
-		cur, err := b.s.currentRev(ctx)
-		if err != nil {
-			b.s.releaseNode(req.Node, lease)
-			return nil, lock.Subscription{}, b.boundErr(parent, ctx, err)
+		// none is told as if it came after. A revision etcd answered
+		// this call (the session's transaction) is one; the watch's is
+		// not, and etcd is asked for its own.
+		if !asked {
+			cur, err := b.s.currentRev(ctx)
+			if err != nil {
+				b.s.releaseNode(req.Node, lease)
+				return nil, lock.Subscription{}, b.boundErr(parent, ctx, err)
+			}
+			rev = max(rev, cur)
 		}
 		// The watch must have seen the session before the stream joins,
 		// so that the session's log is the one the stream replays.
-		if !w.caughtUp(max(rev, cur), 10*time.Second) {
+		if !w.caughtUp(rev, 10*time.Second) {
 			b.s.releaseNode(req.Node, lease)
 			if err := b.alive(); err != nil {
 				return nil, lock.Subscription{}, err
@@ -224,14 +231,16 @@ func (s *sessions) readRevs() {
 
 // acquire counts one more stream of node on this server, finding or making
 // its session and keeping its lease alive. It returns the lease and a
-// revision at which the session exists.
-func (s *sessions) acquire(ctx context.Context, node string) (int64, int64, error) {
+// revision at which the session exists; asked says that etcd answered
+// that revision during this call (the session's transaction), so that no
+// revision etcd had when the call began is newer.
+func (s *sessions) acquire(ctx context.Context, node string) (lease, rev int64, asked bool, err error) {
 	b := s.b
 	s.mu.Lock()
 	if ls := s.local[node]; ls != nil && b.cfg.MaxSessionsPerNode > 0 && ls.streams >= b.cfg.MaxSessionsPerNode {
 		s.mu.Unlock()
 		b.refusedNodeStreams.Add(1)
-		return 0, 0, fmt.Errorf("%w: %s has %d streams, at most %d are allowed", lock.ErrTooManySessions, node, ls.streams, b.cfg.MaxSessionsPerNode)
+		return 0, 0, false, fmt.Errorf("%w: %s has %d streams, at most %d are allowed", lock.ErrTooManySessions, node, ls.streams, b.cfg.MaxSessionsPerNode)
 	}
 	s.mu.Unlock()
 	// The session as the watch saw it: no read of etcd (keep).
@@ -241,25 +250,25 @@ func (s *sessions) acquire(ctx context.Context, node string) (int64, int64, erro
 	if si := w.sessions[node]; si != nil {
 		seen = si.lease
 	}
-	rev := w.processed
+	rev = w.processed
 	w.mu.Unlock()
 	if seen != 0 {
 		if err := s.keep(node, seen); err != nil {
-			return 0, 0, err
+			return 0, 0, false, err
 		}
-		return seen, rev, nil
+		return seen, rev, false, nil
 	}
 	lease, rev, made, err := s.make(ctx, node)
 	if err != nil {
-		return 0, 0, err
+		return 0, 0, false, err
 	}
 	if !made {
 		// Another server made it first, or the watch was behind.
 		if err := s.keep(node, lease); err != nil {
-			return 0, 0, err
+			return 0, 0, false, err
 		}
 	}
-	return lease, rev, nil
+	return lease, rev, true, nil
 }
 
 // make makes node's session, or reads the one that exists, in one
@@ -273,16 +282,28 @@ func (s *sessions) acquire(ctx context.Context, node string) (int64, int64, erro
 // scale on etcd").
 func (s *sessions) make(ctx context.Context, node string) (lease, rev int64, made bool, err error) {
 	b := s.b
+	// Without pressure, up to maxMakingFree at once: more of them share
+	// etcd's requests and fsyncs, and the keepalives say when etcd is
+	// behind; with it, maxMaking (and none while held, below).
+	var more chan struct{}
+	if p, _ := b.g.pressure(time.Now()); p == pressureNone {
+		more = s.more
+	}
 	select {
 	case s.making <- struct{}{}:
 		defer func() { <-s.making }()
+	case more <- struct{}{}:
+		defer func() { <-more }()
 	case <-ctx.Done():
 		return 0, 0, false, ctx.Err()
 	}
 	// The sessions that stand come first: while their keepalives wait on
 	// etcd, no session is made (a fleet opening together then opens as
 	// fast as etcd keeps up, and none loses its lease to the others).
-	for k := b.keeper; k.wait(time.Now()) > k.every/2; {
+	for {
+		if p, _ := b.g.pressure(time.Now()); p != pressureHeld {
+			break
+		}
 		select {
 		case <-ctx.Done():
 			return 0, 0, false, ctx.Err()
@@ -297,13 +318,16 @@ func (s *sessions) make(ctx context.Context, node string) (lease, rev int64, mad
 	if err != nil {
 		return 0, 0, false, b.etcdErr("granting a session lease", err)
 	}
+	// The sessions made together share a request (group.go): a lease
+	// granted moments ago is there still, and were one gone, each would
+	// be sent again alone.
 	key := b.n.session(node)
-	tr, err := b.cli.Txn(ctx).If(clientv3.Compare(clientv3.CreateRevision(key), "=", 0)).
-		Then(clientv3.OpPut(key, encode(sessRec{Lease: int64(g.ID)}), clientv3.WithLease(g.ID))).
-		Else(clientv3.OpGet(key)).Commit()
+	rev, tr, err := b.g.txn(ctx, []clientv3.Cmp{clientv3.Compare(clientv3.CreateRevision(key), "=", 0)},
+		[]clientv3.Op{clientv3.OpPut(key, encode(sessRec{Lease: int64(g.ID)}), clientv3.WithLease(g.ID))},
+		[]clientv3.Op{clientv3.OpGet(key)}, true)
 	if err != nil {
 		b.revokeLater(int64(g.ID))
-		return 0, 0, false, b.etcdErr("making a session", err)
+		return 0, 0, false, fmt.Errorf("making a session: %w", err)
 	}
 	if !tr.Succeeded {
 		b.revokeLater(int64(g.ID))
@@ -315,20 +339,24 @@ func (s *sessions) make(ctx context.Context, node string) (lease, rev int64, mad
 		if err := jsonUnmarshal(kvs[0].Value, &sr); err != nil {
 			return 0, 0, false, err
 		}
-		return sr.Lease, tr.Header.Revision, false, nil
+		return sr.Lease, rev, false, nil
 	}
-	b.committed(tr.Header.Revision)
+	b.committed(rev)
 	// etcd set the new lease's expiry when it applied the grant, sent at
 	// sent: no keepalive is needed to know it stands until sent plus the
 	// TTL.
 	if err := s.count(node, int64(g.ID), sent, sent.Add(time.Duration(g.TTL)*time.Second)); err != nil {
 		return 0, 0, false, err
 	}
-	return int64(g.ID), tr.Header.Revision, true, nil
+	return int64(g.ID), rev, true, nil
 }
 
-// maxMaking bounds the sessions a server makes at once (make).
-const maxMaking = 16
+// maxMaking bounds the sessions a server makes at once (make) while its
+// keepalives wait on etcd, maxMakingFree while they do not.
+const (
+	maxMaking     = 16
+	maxMakingFree = 64
+)
 
 // keep counts a stream of node with lease, a session that exists (the
 // watch saw it, or etcd answered it), and keeps the lease alive from this
