@@ -125,8 +125,17 @@ func TestREADMECompletion(t *testing.T) {
 	if m == nil {
 		t.Fatal("README.md shows no `$ … dlock completion bash` command")
 	}
-	script := string(m[1]) + `
+	// cobra's bash script needs the bash-completion package (make deps).
+	const bashCompletion = "/usr/share/bash-completion/bash_completion"
+	if _, err := os.Stat(bashCompletion); err != nil {
+		if os.Geteuid() == 0 {
+			t.Fatalf("%v: `make deps` installs Debian's bash-completion", err)
+		}
+		t.Skipf("NOTE: %v: bash completion NOT checked; run `make deps` as root", err)
+	}
+	script := ". " + bashCompletion + "\n" + string(m[1]) + `
 complete -p dlock
+compopt() { :; } # the builtin works only while bash itself completes
 try() { COMP_WORDS=("$@"); COMP_CWORD=$(($# - 1)); COMP_LINE="$*"; COMP_POINT=${#COMP_LINE}; COMPREPLY=(); __start_dlock; echo "${COMPREPLY[*]}"; }
 try dlock lo
 try dlock lock --reso
@@ -219,10 +228,8 @@ func TestSingleDashFlags(t *testing.T) {
 		t.Fatalf("unlock -fail -human: %d %q %q", st, out, errOut)
 	}
 	out, _, _ = cliRun(nil, "status", "--resource", "r", "--server", srv)
-	var status struct {
-		LastCompleted struct{ Error string }
-	}
-	if json.Unmarshal([]byte(out), &status) != nil || status.LastCompleted.Error != "-human" {
+	var sa statusAnswer
+	if json.Unmarshal([]byte(out), &sa) != nil || sa.LastCompleted == nil || sa.LastCompleted.Error != "-human" {
 		t.Errorf("--fail's value -human was read as a flag: %s", out)
 	}
 	dir := t.TempDir()
