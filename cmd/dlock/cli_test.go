@@ -121,7 +121,7 @@ func TestREADMECompletion(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	m := regexp.MustCompile("(?m)^\\$ (.*dlock completion bash.*)$").FindSubmatch(readme)
+	m := regexp.MustCompile(`(?m)^\$ (.*dlock completion bash.*)$`).FindSubmatch(readme)
 	if m == nil {
 		t.Fatal("README.md shows no `$ … dlock completion bash` command")
 	}
