@@ -87,8 +87,8 @@ func diagnose(err error, servers []string) string {
 	if dns, ok := errors.AsType[*net.DNSError](err); ok {
 		return fmt.Sprintf("cannot reach %s: no such host %s (check --server)", server, dns.Name)
 	}
-	if _, ok := errors.AsType[*tls.CertificateVerificationError](err); ok {
-		return fmt.Sprintf("%s: its certificate does not verify: %v (--ca names the CA that signed it)", server, errors.Unwrap(errors.Unwrap(ue.Err)))
+	if cve, ok := errors.AsType[*tls.CertificateVerificationError](err); ok {
+		return fmt.Sprintf("%s: its certificate does not verify: %v (--ca names the CA that signed it)", server, cve.Err)
 	}
 	if ue.Timeout() {
 		return fmt.Sprintf("%s did not answer in time (overloaded, or a firewall drops the traffic?)", server)
