@@ -26,14 +26,16 @@ fuzz:
 # view's browser test) and systemd for systemd-analyze (deploy/systemd's
 # units), openssl and curl (docs/mkcerts.sh, served and called with mTLS;
 # deploy/README.md's walks also run etcd-server, containerd and ctr),
-# and iptables (internal/netfault's partitions on loopback addresses; the
+# bash-completion (README's `dlock completion bash`, run in bash), and
+# iptables (internal/netfault's partitions on loopback addresses; the
 # rules a killed run left are removed by the next: by netfault's TestMain,
 # and before the first rule of every test binary). Without root those
 # tests skip, saying so.
-DEB_PACKAGES = containerd runc docker-registry redis-server etcd-server chromium systemd openssl curl iptables
+DEB_PACKAGES = containerd runc docker-registry redis-server etcd-server chromium systemd openssl curl iptables bash-completion
 deps:
 	@if [ "$$(id -u)" = 0 ]; then \
 		missing=; for b in containerd ctr runc docker-registry redis-server etcd chromium systemd-analyze openssl curl iptables; do command -v $$b >/dev/null || missing=yes; done; \
+		[ -f /usr/share/bash-completion/bash_completion ] || missing=yes; \
 		if [ -n "$$missing" ]; then \
 			echo "installing $(DEB_PACKAGES) for the tests that run them"; \
 			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(DEB_PACKAGES) >/dev/null; \

@@ -580,11 +580,11 @@ func (c *Client) once(ctx context.Context, method, u string, body []byte, out an
 		case http.StatusBadGateway, http.StatusGatewayTimeout:
 			rt = retry{kind: retryNet, elsewhere: true}
 		}
-		return rt, api.ErrorFromResponse(resp.StatusCode, eb)
+		return rt, notDlock(method, u, resp.StatusCode, resp.Header.Get("Content-Type"), data, api.ErrorFromResponse(resp.StatusCode, eb))
 	}
 	if out != nil {
 		if err := json.Unmarshal(data, out); err != nil {
-			return retry{}, fmt.Errorf("dlock: %s %s: bad answer: %w", method, u, err)
+			return retry{}, notDlock(method, u, resp.StatusCode, resp.Header.Get("Content-Type"), data, fmt.Errorf("dlock: %s %s: bad answer: %w", method, u, err))
 		}
 	}
 	return retry{}, nil

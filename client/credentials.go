@@ -77,11 +77,21 @@ func (f CredentialFiles) Load(servers ...string) (*tls.Config, string, error) {
 // "#" are skipped; only the first field of the one remaining line is the
 // token. The token is kept out of every error.
 func ReadTokenFile(path string) (string, error) {
+	token, _, err := ReadTokenLine(path)
+	return token, err
+}
+
+// ReadTokenLine is ReadTokenFile that also returns the node id the line
+// names after its token, as the server's token file reads it (the rest
+// of the line, white space around it dropped): "" for a file that holds
+// the token alone, "*" for an operator's line. A client whose node id
+// was not set can take it from there, since the server accepts the
+// token for that node only.
+func ReadTokenLine(path string) (token, node string, err error) {
 	data, err := os.ReadFile(path)
 	if err != nil {
-		return "", fmt.Errorf("%w: token file: %w", ErrBadCredentials, err)
+		return "", "", fmt.Errorf("%w: token file: %w", ErrBadCredentials, err)
 	}
-	var token string
 	lines := 0
 	sc := bufio.NewScanner(bytes.NewReader(data))
 	for sc.Scan() {
@@ -90,21 +100,24 @@ func ReadTokenFile(path string) (string, error) {
 			continue
 		}
 		lines++
-		token = strings.Fields(line)[0]
+		token, node = line, ""
+		if i := strings.IndexAny(line, " \t"); i >= 0 {
+			token, node = line[:i], strings.TrimLeft(line[i+1:], " \t")
+		}
 	}
 	if err := sc.Err(); err != nil {
-		return "", fmt.Errorf("%w: token file %s: %w", ErrBadCredentials, path, err)
+		return "", "", fmt.Errorf("%w: token file %s: %w", ErrBadCredentials, path, err)
 	}
 	switch {
 	case lines == 0:
-		return "", fmt.Errorf("%w: token file %s holds no token", ErrBadCredentials, path)
+		return "", "", fmt.Errorf("%w: token file %s holds no token", ErrBadCredentials, path)
 	case lines > 1:
-		return "", fmt.Errorf("%w: token file %s holds %d lines, a node's token file holds one token (is it the server's token file?)", ErrBadCredentials, path, lines)
+		return "", "", fmt.Errorf("%w: token file %s holds %d lines, a node's token file holds one token (is it the server's token file?)", ErrBadCredentials, path, lines)
 	}
 	if err := validToken(token); err != nil {
-		return "", fmt.Errorf("%w: token file %s: %v", ErrBadCredentials, path, err)
+		return "", "", fmt.Errorf("%w: token file %s: %v", ErrBadCredentials, path, err)
 	}
-	return token, nil
+	return token, node, nil
 }
 
 // validToken checks that a token can travel in an Authorization header:

@@ -290,7 +290,11 @@ func refused(resp *http.Response) *refusedError {
 		eb = api.ErrorBody{Code: "http_" + strconv.Itoa(resp.StatusCode), Message: strings.TrimSpace(string(data))}
 	}
 	eb.Message, eb.Error = clip(eb.Message), clip(eb.Error)
-	return &refusedError{status: resp.StatusCode, after: retryAfter(resp.Header), err: api.ErrorFromResponse(resp.StatusCode, eb)}
+	err := api.ErrorFromResponse(resp.StatusCode, eb)
+	if resp.Request != nil {
+		err = notDlock(resp.Request.Method, resp.Request.URL.String(), resp.StatusCode, resp.Header.Get("Content-Type"), data, err)
+	}
+	return &refusedError{status: resp.StatusCode, after: retryAfter(resp.Header), err: err}
 }
 
 // dispatch turns an event into a hint for this node's waiter on the key.

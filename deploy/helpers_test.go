@@ -66,7 +66,9 @@ func binDir(t *testing.T) string {
 // (internal/envflag), taken from the real binaries' -h.
 type knownEnv map[string]map[string]bool
 
-var flagLine = regexp.MustCompile(`(?m)^\s+-([a-z0-9-]+)`)
+// flagLine is a flag's line in -h: "  -name" (the flag package's,
+// dlock-content) or "      --name", "  -h, --help" (pflag's, dlock).
+var flagLine = regexp.MustCompile(`(?m)^\s+(?:-[a-z], )?--?([a-z0-9][a-z0-9-]*)`)
 
 func helpOf(t *testing.T) knownEnv {
 	t.Helper()

@@ -303,7 +303,7 @@ func TestSecureServeWrongCredentials(t *testing.T) {
 	}
 	env = s.env("a")
 	delete(env, "DLOCK_CA")
-	if _, errOut, st := dlockWith(t, env, "status", "--resource", "r"); st != 1 || !strings.Contains(errOut, "certificate signed by unknown authority") {
+	if _, errOut, st := dlockWith(t, env, "status", "--resource", "r"); st != 1 || !strings.Contains(errOut, "certificate signed by unknown authority") || !strings.Contains(errOut, "--ca") {
 		t.Fatalf("dlock status without the CA: %d %q", st, errOut)
 	}
 }

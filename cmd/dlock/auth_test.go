@@ -99,6 +99,11 @@ func TestServeCredentialErrors(t *testing.T) {
 	}
 }
 
+// cmdToken runs dlock token with args.
+func cmdToken(args []string, stdout, stderr io.Writer) error {
+	return run(context.Background(), append([]string{"token"}, args...), func(string) string { return "" }, nil, stdout, stderr)
+}
+
 func TestTokenNew(t *testing.T) {
 	var out1, out2 bytes.Buffer
 	if err := cmdToken([]string{"new", "node-a"}, &out1, io.Discard); err != nil {

@@ -5,7 +5,6 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"errors"
-	"flag"
 	"fmt"
 	"log/slog"
 	"net/url"
@@ -13,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/spf13/pflag"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
@@ -30,7 +30,7 @@ type etcdConfig struct {
 	dialTimeout   time.Duration
 }
 
-func (e *etcdConfig) flags(fs *flag.FlagSet) {
+func (e *etcdConfig) flags(fs *pflag.FlagSet) {
 	fs.StringVar(&e.endpoints, "etcd-endpoints", "", "with --backend etcd: the etcd cluster's client URLs, comma-separated (http://HOST:2379,…; https:// with --etcd-ca)")
 	fs.StringVar(&e.prefix, "etcd-prefix", etcd.DefaultPrefix, "with --backend etcd: the key prefix of this lock service's data set; servers that share it are one lock service")
 	fs.StringVar(&e.ca, "etcd-ca", "", "with --backend etcd: CA certificates (PEM) that sign the etcd servers' certificates")

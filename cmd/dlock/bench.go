@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"maps"
@@ -12,6 +11,7 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"os/signal"
 	"slices"
 	"strconv"
 	"strings"
@@ -24,23 +24,39 @@ import (
 	"github.com/dlock/dlock/internal/netfault"
 	"github.com/dlock/dlock/internal/rawhttp"
 	"github.com/dlock/dlock/lock"
+	"github.com/spf13/cobra"
 )
 
-// cmdBench is the load generator: scenarios against a running dlock server
-// (the memory scenario: against fresh ones it starts) and, with --compare,
-// the same work against Redis and etcd.
 // benchScenarios are the scenarios bench runs; the top-level usage names
 // each (TestUsageNamesScenarios).
 var benchScenarios = []string{"pairs", "handoff", "fanout", "sessions", "memory", "pings", "failover", "fleet", "cutoff"}
 
-func cmdBench(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) error {
-	if len(args) == 1 && args[0] == floorWriterArg {
-		return bench.ServeFloor(os.Stdin, stdout)
+// benchCommand is the load generator: scenarios against a running dlock
+// server (the memory scenario: against fresh ones it starts) and, with
+// --compare, the same work against Redis and etcd.
+func (e *cli) benchCommand() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "bench [--scenario S,…] [--backend etcd] [--compare redis,etcd] [flags]",
+		Short: "Load generator: measure a dlock server (or servers bench starts)",
+		Long: `bench runs scenarios against a running dlock server (--server), or against
+servers it starts: fresh dlock serve processes for memory and pings, and with
+--backend etcd an etcd on 127.0.0.1 and dlock servers on it (failover and
+fleet need it). --compare runs pairs and handoff against Redis and etcd too.
+It prints a table of each scenario's rate, latencies and the server's CPU
+(--json, --markdown: docs/BENCHMARKS.md).
+
+Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handoff,fanout,sessions).`,
+		Example: `  dlock bench --server http://127.0.0.1:7380 --duration 5s
+  dlock bench --scenario failover,fleet --backend etcd
+  dlock bench --scenario pairs,handoff --compare redis,etcd --json`,
+		Args: func(cmd *cobra.Command, args []string) error {
+			if len(args) == 1 && args[0] == floorWriterArg {
+				return nil
+			}
+			return noArgs(cmd, args)
+		},
 	}
-	// The fresh servers' logs share stderr with the progress lines.
-	stderr = &syncWriter{w: stderr}
-	fs := flag.NewFlagSet("dlock bench", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := cmd.Flags()
 	server := fs.String("server", "http://127.0.0.1:7380", "dlock server URL (one: bench measures a server)")
 	scenarios := fs.String("scenario", "pairs,handoff,fanout,sessions", "scenarios to run: pairs, handoff, fanout (and its floor), sessions, memory, pings, failover and fleet (--backend etcd), cutoff (as root; its etcd cases with --backend etcd)")
 	duration := fs.Duration("duration", 10*time.Second, "how long each scenario runs")
@@ -68,460 +84,460 @@ func cmdBench(ctx context.Context, args []string, getenv func(string) string, st
 	asJSON := fs.Bool("json", false, "print the results as JSON")
 	asMarkdown := fs.Bool("markdown", false, "print the results as a Markdown table (make bench appends it to docs/BENCHMARKS.md)")
 	cred := credentialFlags(fs)
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
+	cmd.RunE = e.action(func(cmd *cobra.Command, args []string) error {
+		if len(args) == 1 {
+			return bench.ServeFloor(e.stdin, e.stdout)
+		}
+		// The fresh servers' logs share stderr with the progress lines.
+		stdout, stderr := e.stdout, &syncWriter{w: e.stderr}
+		ctx, stop := signal.NotifyContext(e.ctx, syscall.SIGINT, syscall.SIGTERM)
+		defer stop()
+		if err := checkServers(*server, false); err != nil {
 			return err
 		}
-		return usageError{err}
-	}
-	if err := applyEnv(fs, getenv); err != nil {
-		return usageError{err}
-	}
-	if strings.Contains(*server, ",") {
-		return usageError{fmt.Errorf("--server %s: bench measures one server, not a list", *server)}
-	}
-	runs := strings.Split(*scenarios, ",")
-	for _, s := range runs {
-		if !slices.Contains(benchScenarios, s) {
-			return usageError{fmt.Errorf("unknown scenario %q", s)}
-		}
-	}
-	serverSet := false
-	fs.Visit(func(f *flag.Flag) { serverSet = serverSet || f.Name == "server" })
-	switch *backend {
-	case "":
-		for _, s := range []string{"failover", "fleet"} {
-			if slices.Contains(runs, s) {
-				return usageError{fmt.Errorf("--scenario %s needs --backend etcd: servers that share their lock state, started by bench", s)}
+		runs := strings.Split(*scenarios, ",")
+		for _, s := range runs {
+			if !slices.Contains(benchScenarios, s) {
+				return usageError{fmt.Errorf("unknown scenario %q", s)}
 			}
 		}
-	case "etcd":
+		serverSet := fs.Changed("server")
+		switch *backend {
+		case "":
+			for _, s := range []string{"failover", "fleet"} {
+				if slices.Contains(runs, s) {
+					return usageError{fmt.Errorf("--scenario %s needs --backend etcd: servers that share their lock state, started by bench", s)}
+				}
+			}
+		case "etcd":
+			if slices.Contains(runs, "pings") {
+				return usageError{errors.New("--scenario pings measures fresh memory servers: no --backend")}
+			}
+			if serverSet {
+				return usageError{errors.New("--backend etcd measures the server it starts: no --server")}
+			}
+			if _, err := exec.LookPath("etcd"); err != nil {
+				return fmt.Errorf("--backend etcd: etcd is not installed (Debian: apt-get install etcd-server)")
+			}
+		default:
+			return usageError{fmt.Errorf("--backend: %q is not etcd", *backend)}
+		}
+		if *servers < 2 || *rounds < 1 {
+			return usageError{errors.New("--servers must be at least 2 and --rounds at least 1")}
+		}
+		var cutoffs []string
+		if slices.Contains(runs, "cutoff") {
+			var err error
+			if cutoffs, err = cutoffList(*cutoffCases, *backend == "etcd"); err != nil {
+				return usageError{err}
+			}
+			// Faults are iptables rules: without root, nothing to measure.
+			if err := cutoffUsable(); err != nil {
+				return fmt.Errorf("the cutoff scenario cannot run: %w", err)
+			}
+		} else if *cutoffCases != "" {
+			return usageError{errors.New("--cutoff needs --scenario cutoff")}
+		}
+		var others []string
+		if *compare != "" {
+			others = strings.Split(*compare, ",")
+			for _, o := range others {
+				bin := map[string]string{"redis": "redis-server", "etcd": "etcd"}[o]
+				if bin == "" {
+					return usageError{fmt.Errorf("--compare: unknown system %q (redis, etcd)", o)}
+				}
+				if _, err := exec.LookPath(bin); err != nil {
+					return fmt.Errorf("--compare %s: %s is not installed (Debian: apt-get install %s)", o, bin, map[string]string{"redis": "redis-server", "etcd": "etcd-server"}[o])
+				}
+			}
+		}
+		if *concurrency < 1 || *waiters < 1 || *duration <= 0 || *heldN < 0 || *sessionsN < 0 || *heldNodes < 1 {
+			return usageError{errors.New("--concurrency, --waiters, --held-nodes and --duration must be positive, --held and --sessions not negative")}
+		}
+		if *fleetNodes < *servers || *fleetHolders < 0 || *fleetHolders > *fleetNodes || *fleetHeld < 0 || *fleetIdle < 0 || *fleetOpening < 1 {
+			return usageError{errors.New("--nodes must be at least --servers, --holders at most --nodes, --opening positive, --fleet-held and --idle not negative")}
+		}
+		var intervals []time.Duration
 		if slices.Contains(runs, "pings") {
-			return usageError{errors.New("--scenario pings measures fresh memory servers: no --backend")}
-		}
-		if serverSet {
-			return usageError{errors.New("--backend etcd measures the server it starts: no --server")}
-		}
-		if _, err := exec.LookPath("etcd"); err != nil {
-			return fmt.Errorf("--backend etcd: etcd is not installed (Debian: apt-get install etcd-server)")
-		}
-	default:
-		return usageError{fmt.Errorf("--backend: %q is not etcd", *backend)}
-	}
-	if *servers < 2 || *rounds < 1 {
-		return usageError{errors.New("--servers must be at least 2 and --rounds at least 1")}
-	}
-	var cutoffs []string
-	if slices.Contains(runs, "cutoff") {
-		var err error
-		if cutoffs, err = cutoffList(*cutoffCases, *backend == "etcd"); err != nil {
-			return usageError{err}
-		}
-		// Faults are iptables rules: without root, nothing to measure.
-		if err := cutoffUsable(); err != nil {
-			return fmt.Errorf("the cutoff scenario cannot run: %w", err)
-		}
-	} else if *cutoffCases != "" {
-		return usageError{errors.New("--cutoff needs --scenario cutoff")}
-	}
-	var others []string
-	if *compare != "" {
-		others = strings.Split(*compare, ",")
-		for _, o := range others {
-			bin := map[string]string{"redis": "redis-server", "etcd": "etcd"}[o]
-			if bin == "" {
-				return usageError{fmt.Errorf("--compare: unknown system %q (redis, etcd)", o)}
+			var err error
+			if intervals, err = bench.ParsePingIntervals(*pingIntervals); err != nil {
+				return usageError{fmt.Errorf("--ping-intervals: %w", err)}
 			}
-			if _, err := exec.LookPath(bin); err != nil {
-				return fmt.Errorf("--compare %s: %s is not installed (Debian: apt-get install %s)", o, bin, map[string]string{"redis": "redis-server", "etcd": "etcd-server"}[o])
+			if *sessionsN < 1 || *pingWindow <= 0 {
+				return usageError{errors.New("--scenario pings needs --sessions and --ping-window above 0")}
 			}
 		}
-	}
-	if *concurrency < 1 || *waiters < 1 || *duration <= 0 || *heldN < 0 || *sessionsN < 0 || *heldNodes < 1 {
-		return usageError{errors.New("--concurrency, --waiters, --held-nodes and --duration must be positive, --held and --sessions not negative")}
-	}
-	if *fleetNodes < *servers || *fleetHolders < 0 || *fleetHolders > *fleetNodes || *fleetHeld < 0 || *fleetIdle < 0 || *fleetOpening < 1 {
-		return usageError{errors.New("--nodes must be at least --servers, --holders at most --nodes, --opening positive, --fleet-held and --idle not negative")}
-	}
-	var intervals []time.Duration
-	if slices.Contains(runs, "pings") {
-		var err error
-		if intervals, err = bench.ParsePingIntervals(*pingIntervals); err != nil {
-			return usageError{fmt.Errorf("--ping-intervals: %w", err)}
-		}
-		if *sessionsN < 1 || *pingWindow <= 0 {
-			return usageError{errors.New("--scenario pings needs --sessions and --ping-window above 0")}
-		}
-	}
-	tlsConfig, token, err := loadCredentials(cred, *server)
-	if err != nil {
-		return err
-	}
-	if err := ensureFileLimit(benchFiles(runs, *waiters, *sessionsN, *heldNodes, *concurrency, *fleetNodes, *servers)); err != nil {
-		return err
-	}
-	dialer := rawhttp.Dialer{TLS: tlsConfig, Token: token}
-	// setup says what was measured, when bench started it: printed with
-	// the results (docs/BENCHMARKS.md, "dlock on etcd").
-	var setup []string
-	var etcdServer *bench.Etcd
-	extraServe := strings.Fields(*serveFlags)
-	startOnEtcd := func(prefix func() string) bench.StartServer {
-		return func(ctx context.Context) (string, func(), error) {
-			bin, err := benchServerBinary()
-			if err != nil {
-				return "", nil, err
-			}
-			flags := append([]string{"--backend", "etcd", "--etcd-endpoints", etcdServer.Endpoint, "--etcd-prefix", prefix()}, extraServe...)
-			return freshServer(bin, flags, stderr)(ctx)
-		}
-	}
-	if *backend == "etcd" {
-		etcdServer, err = bench.LaunchEtcd()
+		tlsConfig, token, err := loadCredentials(cred, *server)
 		if err != nil {
-			return fmt.Errorf("--backend etcd: %w", err)
+			return err
 		}
-		defer etcdServer.Stop()
-		fmt.Fprintf(stderr, "%s\n", etcdServer)
-		setup = append(setup, "etcd: "+etcdServer.String())
-		if slices.ContainsFunc(runs, func(s string) bool { return s != "memory" && s != "failover" && s != "fleet" && s != "cutoff" }) {
-			prefix := fmt.Sprintf("/dlock-bench-%d/", time.Now().UnixNano())
-			base, stop, err := startOnEtcd(func() string { return prefix })(ctx)
-			if err != nil {
-				return fmt.Errorf("--backend etcd: starting dlock serve: %w", err)
+		if err := ensureFileLimit(benchFiles(runs, *waiters, *sessionsN, *heldNodes, *concurrency, *fleetNodes, *servers)); err != nil {
+			return err
+		}
+		dialer := rawhttp.Dialer{TLS: tlsConfig, Token: token}
+		// setup says what was measured, when bench started it: printed with
+		// the results (docs/BENCHMARKS.md, "dlock on etcd").
+		var setup []string
+		var etcdServer *bench.Etcd
+		extraServe := strings.Fields(*serveFlags)
+		startOnEtcd := func(prefix func() string) bench.StartServer {
+			return func(ctx context.Context) (string, func(), error) {
+				bin, err := benchServerBinary()
+				if err != nil {
+					return "", nil, err
+				}
+				flags := append([]string{"--backend", "etcd", "--etcd-endpoints", etcdServer.Endpoint, "--etcd-prefix", prefix()}, extraServe...)
+				return freshServer(bin, flags, stderr)(ctx)
 			}
-			defer stop()
-			*server = base
-			dialer = rawhttp.Dialer{}
-			args := append([]string{"dlock serve --backend etcd --etcd-endpoints", etcdServer.Endpoint, "--etcd-prefix", prefix}, extraServe...)
-			setup = append(setup, fmt.Sprintf("dlock: one `%s` at %s, started by bench, on that etcd", strings.Join(args, " "), base))
 		}
-	}
-	opts := bench.Options{Duration: *duration, Concurrency: *concurrency, Waiters: *waiters, Dialer: dialer,
-		ServerCPU: bench.MetricsCPU(*server, dialer)}
-	// withEtcdCalls counts, on an etcd in play, the calls its server
-	// answered per op of f's run.
-	withEtcdCalls := func(endpoint string, f func(context.Context, bench.Options) (bench.Result, error)) func(context.Context, bench.Options) (bench.Result, error) {
-		if endpoint == "" {
-			return f
+		if *backend == "etcd" {
+			etcdServer, err = bench.LaunchEtcd()
+			if err != nil {
+				return fmt.Errorf("--backend etcd: %w", err)
+			}
+			defer etcdServer.Stop()
+			fmt.Fprintf(stderr, "%s\n", etcdServer)
+			setup = append(setup, "etcd: "+etcdServer.String())
+			if slices.ContainsFunc(runs, func(s string) bool { return s != "memory" && s != "failover" && s != "fleet" && s != "cutoff" }) {
+				prefix := fmt.Sprintf("/dlock-bench-%d/", time.Now().UnixNano())
+				base, stop, err := startOnEtcd(func() string { return prefix })(ctx)
+				if err != nil {
+					return fmt.Errorf("--backend etcd: starting dlock serve: %w", err)
+				}
+				defer stop()
+				*server = base
+				dialer = rawhttp.Dialer{}
+				args := append([]string{"dlock serve --backend etcd --etcd-endpoints", etcdServer.Endpoint, "--etcd-prefix", prefix}, extraServe...)
+				setup = append(setup, fmt.Sprintf("dlock: one `%s` at %s, started by bench, on that etcd", strings.Join(args, " "), base))
+			}
 		}
-		return func(ctx context.Context, o bench.Options) (bench.Result, error) {
-			cpu := bench.MetricsCPU(endpoint, rawhttp.Dialer{})
-			before, berr := bench.EtcdCalls(endpoint)
-			cpu0, cerr := cpu()
+		opts := bench.Options{Duration: *duration, Concurrency: *concurrency, Waiters: *waiters, Dialer: dialer,
+			ServerCPU: bench.MetricsCPU(*server, dialer)}
+		// withEtcdCalls counts, on an etcd in play, the calls its server
+		// answered per op of f's run.
+		withEtcdCalls := func(endpoint string, f func(context.Context, bench.Options) (bench.Result, error)) func(context.Context, bench.Options) (bench.Result, error) {
+			if endpoint == "" {
+				return f
+			}
+			return func(ctx context.Context, o bench.Options) (bench.Result, error) {
+				cpu := bench.MetricsCPU(endpoint, rawhttp.Dialer{})
+				before, berr := bench.EtcdCalls(endpoint)
+				cpu0, cerr := cpu()
+				r, err := f(ctx, o)
+				cpu1, cerr1 := cpu()
+				after, aerr := bench.EtcdCalls(endpoint)
+				if err != nil || berr != nil || aerr != nil || r.Ops == 0 {
+					return r, err
+				}
+				r.EtcdCallsPerOp = bench.EtcdCallsPerOp(before, after, r.Ops)
+				if r.Note != "" {
+					r.Note += "; "
+				}
+				r.Note += "etcd per " + r.Unit + ": " + bench.EtcdCallsText(r.EtcdCallsPerOp)
+				if r.System == "dlock" && cerr == nil && cerr1 == nil {
+					// The dlock server's CPU is its column; etcd's, under it,
+					// here: together what the service costs.
+					r.Note += fmt.Sprintf(", etcd's CPU %s", cpuText(float64((cpu1-cpu0).Nanoseconds())/1e3/float64(r.Ops)))
+				}
+				return r, nil
+			}
+		}
+		backendEtcd := ""
+		if etcdServer != nil {
+			backendEtcd = etcdServer.Endpoint
+		}
+		run := func(label string, o bench.Options, f func(context.Context, bench.Options) (bench.Result, error)) (bench.Result, error) {
+			start := time.Now()
+			o.Progress = func(ops int64) {
+				fmt.Fprintf(stderr, "\r%-22s %10d ops %10.0f/s", label, ops, float64(ops)/time.Since(start).Seconds())
+			}
 			r, err := f(ctx, o)
-			cpu1, cerr1 := cpu()
-			after, aerr := bench.EtcdCalls(endpoint)
-			if err != nil || berr != nil || aerr != nil || r.Ops == 0 {
-				return r, err
-			}
-			r.EtcdCallsPerOp = bench.EtcdCallsPerOp(before, after, r.Ops)
-			if r.Note != "" {
-				r.Note += "; "
-			}
-			r.Note += "etcd per " + r.Unit + ": " + bench.EtcdCallsText(r.EtcdCallsPerOp)
-			if r.System == "dlock" && cerr == nil && cerr1 == nil {
-				// The dlock server's CPU is its column; etcd's, under it,
-				// here: together what the service costs.
-				r.Note += fmt.Sprintf(", etcd's CPU %s", cpuText(float64((cpu1-cpu0).Nanoseconds())/1e3/float64(r.Ops)))
-			}
-			return r, nil
+			fmt.Fprintf(stderr, "\r%-22s done%40s\n", label, "")
+			return r, err
 		}
-	}
-	backendEtcd := ""
-	if etcdServer != nil {
-		backendEtcd = etcdServer.Endpoint
-	}
-	run := func(label string, o bench.Options, f func(context.Context, bench.Options) (bench.Result, error)) (bench.Result, error) {
-		start := time.Now()
-		o.Progress = func(ops int64) {
-			fmt.Fprintf(stderr, "\r%-22s %10d ops %10.0f/s", label, ops, float64(ops)/time.Since(start).Seconds())
+		var results []bench.Result
+		var pings []bench.PingResult
+		var cutoffSums []bench.CutoffSummary
+		for _, s := range runs {
+			if s == "pings" {
+				bin, err := benchServerBinary()
+				if err != nil {
+					return fmt.Errorf("pings: the dlock binary to serve: %w", err)
+				}
+				po := bench.PingOptions{Intervals: intervals, Sessions: *sessionsN, Window: *pingWindow,
+					Start: func(ctx context.Context, ping time.Duration) (string, func(), error) {
+						flags := append(append(freshServerFlags(*sessionsN, 0), extraServe...), "--ping-interval", ping.String())
+						return freshServer(bin, flags, stderr)(ctx)
+					},
+					Opened: func(ping, took time.Duration) {
+						fmt.Fprintf(stderr, "pings %v: %d streams open in %.1fs, measuring %v\n", ping, *sessionsN, took.Seconds(), bench.PingWindow(ping, *pingWindow))
+					},
+					Done: func(r bench.PingResult) {
+						fmt.Fprintf(stderr, "pings %v: %.0f pings/s (%.0f expected), server CPU %.2f%%\n", msDuration(r.IntervalMS), r.Rate, r.Expected, r.ServerCPU)
+					}}
+				rs, err := bench.Pings(ctx, po)
+				if err != nil {
+					return fmt.Errorf("pings: %w", err)
+				}
+				pings = append(pings, rs...)
+				setup = append(setup, fmt.Sprintf("pings: a fresh `dlock serve --ping-interval …` for each interval, started by bench, %d idle session streams on it read by bench over 127.0.0.1; CPU in %% of one core; bytes are the streams' payload (no TCP/IP headers or ACKs); a ping is %q", *sessionsN, bench.PingFrame))
+				continue
+			}
+			if s == "cutoff" {
+				bin, err := benchServerBinary()
+				if err != nil {
+					return fmt.Errorf("cutoff: the dlock binary to run: %w", err)
+				}
+				dir, err := os.MkdirTemp("", "dlock-bench-cutoff")
+				if err != nil {
+					return err
+				}
+				defer os.RemoveAll(dir)
+				env := bench.CutoffEnv{Bin: bin, Dir: dir, LostStatus: ExitLockLost}
+				if etcdServer != nil {
+					env.Etcd = []string{etcdServer.Endpoint}
+				}
+				for _, c := range cutoffs {
+					var outcomes []bench.CutoffOutcome
+					for round := 1; round <= *rounds; round++ {
+						o, err := bench.RunCutoff(ctx, env, c)
+						if err != nil {
+							return fmt.Errorf("cutoff %s, round %d: %w", c, round, err)
+						}
+						fmt.Fprintf(stderr, "cutoff %s round %d: %s\n", c, round, cutoffRoundText(o))
+						outcomes = append(outcomes, o)
+					}
+					cutoffSums = append(cutoffSums, bench.SummarizeCutoff(c, outcomes))
+				}
+				setup = append(setup, fmt.Sprintf("cutoff: per case and round, fresh `dlock serve` processes (memory: one, --session-grace 3s; etcd: three on one data set of the etcd above, --session-grace 5s; --ping-interval 1s --dead-peer-timeout 3s) and two `dlock run` on one key, the holder dialing from a loopback address of its own; faults by iptables, SIGSTOP and black-holing proxies; %d rounds each", *rounds))
+				continue
+			}
+			if s == "memory" {
+				mo := bench.MemoryOptions{Held: *heldN, HeldNodes: *heldNodes, Sessions: *sessionsN, Conns: *concurrency,
+					Done: func(r bench.Result) { fmt.Fprintf(stderr, "memory %s: %s\n", r.Scenario, r.Note) }}
+				if *memoryServer != "" {
+					mo.Dialer = dialer
+					mo.Start = func(context.Context) (string, func(), error) { return *memoryServer, func() {}, nil }
+				} else {
+					bin, err := benchServerBinary()
+					if err != nil {
+						return fmt.Errorf("memory: the dlock binary to serve: %w", err)
+					}
+					mo.Start = freshServer(bin, append(freshServerFlags(*sessionsN+*heldNodes, *heldN), extraServe...), stderr)
+					if etcdServer != nil {
+						n := 0
+						mo.Start = startOnEtcd(func() string { n++; return fmt.Sprintf("/dlock-bench-memory-%d-%d/", time.Now().UnixNano(), n) })
+					}
+				}
+				rs, err := bench.Memory(ctx, mo)
+				if err != nil {
+					return fmt.Errorf("memory: %w", err)
+				}
+				results = append(results, rs...)
+				continue
+			}
+			if s == "failover" {
+				prefix := fmt.Sprintf("/dlock-bench-failover-%d/", time.Now().UnixNano())
+				fo := bench.FailoverOptions{Servers: *servers, Rounds: *rounds, Recheck: *recheck, Client: !*rawNode, Start: startOnEtcd(func() string { return prefix }),
+					Round: func(r bench.FailoverRound) {
+						fmt.Fprintf(stderr, "failover round: next lock %v, stream resumed %v, hold kept %v, next grant delivered %v %s\n", r.Lock, r.Stream, r.Kept, r.Replayed, r.Problem)
+					}}
+				// No etcd calls per op: the replacement servers' starts
+				// would count too.
+				r, err := run("failover dlock", opts, func(ctx context.Context, o bench.Options) (bench.Result, error) {
+					fo.Progress = o.Progress
+					return bench.Failover(ctx, fo)
+				})
+				if err != nil {
+					return fmt.Errorf("failover: %w", err)
+				}
+				nodeText := "client.Client given every server"
+				if *rawNode {
+					nodeText = "raw HTTP"
+				}
+				setup = append(setup, fmt.Sprintf("failover: %d `dlock serve --backend etcd --etcd-prefix %s` on that etcd, started by bench; the node: %s", *servers, prefix, nodeText))
+				results = append(results, r)
+				continue
+			}
+			if s == "fleet" {
+				prefix := fmt.Sprintf("/dlock-bench-fleet-%d/", time.Now().UnixNano())
+				bin, err := benchServerBinary()
+				if err != nil {
+					return fmt.Errorf("fleet: the dlock binary to serve: %w", err)
+				}
+				flags := append(append([]string{"--backend", "etcd", "--etcd-endpoints", etcdServer.Endpoint, "--etcd-prefix", prefix},
+					freshServerFlags(*fleetNodes, *fleetHeld+*fleetHolders+64)...), extraServe...)
+				fo := bench.FleetOptions{Servers: *servers, Nodes: *fleetNodes, Holders: *fleetHolders, Held: *fleetHeld,
+					Opening: *fleetOpening, Conns: *concurrency, Idle: *fleetIdle, Recheck: *recheck,
+					Start: freshServer(bin, flags, stderr), EtcdEndpoint: etcdServer.Endpoint, EtcdCPU: bench.ProcCPU(etcdServer.PID),
+					Log: func(l string) { fmt.Fprintln(stderr, l) }}
+				rs, err := bench.Fleet(ctx, fo)
+				if err != nil {
+					return fmt.Errorf("fleet: %w", err)
+				}
+				results = append(results, rs...)
+				setup = append(setup, fmt.Sprintf("fleet: %d `dlock serve %s` on that etcd, started by bench; %d nodes, node i's session stream on server i mod %d, read by a goroutine each; locks and waiters over %d connections to each server; etcd's CPU from /proc/%d/stat, the servers' from their /metrics",
+					*servers, strings.Join(flags, " "), *fleetNodes, *servers, *concurrency, etcdServer.PID))
+				continue
+			}
+			var f func(context.Context, string, bench.Options) (bench.Result, error)
+			switch s {
+			case "pairs":
+				f = bench.Pairs
+			case "handoff":
+				f = bench.Handoff
+			case "fanout":
+				f = bench.Fanout
+			case "sessions":
+				f = bench.Sessions
+			}
+			r, err := run(s+" dlock", opts, withEtcdCalls(backendEtcd, func(ctx context.Context, o bench.Options) (bench.Result, error) { return f(ctx, *server, o) }))
+			if err != nil {
+				return fmt.Errorf("%s: %w", s, err)
+			}
+			results = append(results, r)
+			if s == "fanout" {
+				// The floor right after, on the frame a waiter got: the
+				// same event bytes to as many sockets (docs/CLI.md, "Load
+				// generator"), written by this binary as a process of its
+				// own.
+				bin, err := benchServerBinary()
+				if err != nil {
+					return fmt.Errorf("fanout floor: the dlock binary to write: %w", err)
+				}
+				fr, err := run("fanout floor", opts, func(ctx context.Context, o bench.Options) (bench.Result, error) {
+					return bench.Floor(ctx, r.Frame, o.Waiters, max(r.Rounds, 5), bench.ExecFloor(stderr, bin, "bench", floorWriterArg))
+				})
+				if err != nil {
+					return fmt.Errorf("fanout floor: %w", err)
+				}
+				results = append(results, fr)
+			}
 		}
-		r, err := f(ctx, o)
-		fmt.Fprintf(stderr, "\r%-22s done%40s\n", label, "")
-		return r, err
-	}
-	var results []bench.Result
-	var pings []bench.PingResult
-	var cutoffSums []bench.CutoffSummary
-	for _, s := range runs {
-		if s == "pings" {
-			bin, err := benchServerBinary()
-			if err != nil {
-				return fmt.Errorf("pings: the dlock binary to serve: %w", err)
+		for _, o := range others {
+			var addr string
+			var stop func()
+			var err error
+			var pairs, handoff func(context.Context, string, bench.Options) (bench.Result, error)
+			oo := opts
+			switch o {
+			case "redis":
+				addr, stop, err = bench.StartRedis()
+				pairs, handoff = bench.RedisPairs, bench.RedisHandoff
+				oo.ServerCPU = bench.RedisCPU(addr)
+			case "etcd":
+				if etcdServer != nil {
+					// The same etcd as dlock's backend: a fair comparison.
+					addr, stop = etcdServer.Endpoint, func() {}
+				} else {
+					addr, stop, err = bench.StartEtcd()
+				}
+				pairs, handoff = bench.EtcdPairs, bench.EtcdHandoff
+				oo.ServerCPU = bench.MetricsCPU(addr, rawhttp.Dialer{})
 			}
-			po := bench.PingOptions{Intervals: intervals, Sessions: *sessionsN, Window: *pingWindow,
-				Start: func(ctx context.Context, ping time.Duration) (string, func(), error) {
-					flags := append(append(freshServerFlags(*sessionsN, 0), extraServe...), "--ping-interval", ping.String())
-					return freshServer(bin, flags, stderr)(ctx)
-				},
-				Opened: func(ping, took time.Duration) {
-					fmt.Fprintf(stderr, "pings %v: %d streams open in %.1fs, measuring %v\n", ping, *sessionsN, took.Seconds(), bench.PingWindow(ping, *pingWindow))
-				},
-				Done: func(r bench.PingResult) {
-					fmt.Fprintf(stderr, "pings %v: %.0f pings/s (%.0f expected), server CPU %.2f%%\n", msDuration(r.IntervalMS), r.Rate, r.Expected, r.ServerCPU)
-				}}
-			rs, err := bench.Pings(ctx, po)
-			if err != nil {
-				return fmt.Errorf("pings: %w", err)
-			}
-			pings = append(pings, rs...)
-			setup = append(setup, fmt.Sprintf("pings: a fresh `dlock serve --ping-interval …` for each interval, started by bench, %d idle session streams on it read by bench over 127.0.0.1; CPU in %% of one core; bytes are the streams' payload (no TCP/IP headers or ACKs); a ping is %q", *sessionsN, bench.PingFrame))
-			continue
-		}
-		if s == "cutoff" {
-			bin, err := benchServerBinary()
-			if err != nil {
-				return fmt.Errorf("cutoff: the dlock binary to run: %w", err)
-			}
-			dir, err := os.MkdirTemp("", "dlock-bench-cutoff")
 			if err != nil {
 				return err
 			}
-			defer os.RemoveAll(dir)
-			env := bench.CutoffEnv{Bin: bin, Dir: dir, LostStatus: ExitLockLost}
-			if etcdServer != nil {
-				env.Etcd = []string{etcdServer.Endpoint}
-			}
-			for _, c := range cutoffs {
-				var outcomes []bench.CutoffOutcome
-				for round := 1; round <= *rounds; round++ {
-					o, err := bench.RunCutoff(ctx, env, c)
-					if err != nil {
-						return fmt.Errorf("cutoff %s, round %d: %w", c, round, err)
-					}
-					fmt.Fprintf(stderr, "cutoff %s round %d: %s\n", c, round, cutoffRoundText(o))
-					outcomes = append(outcomes, o)
+			for _, s := range runs {
+				f := map[string]func(context.Context, string, bench.Options) (bench.Result, error){"pairs": pairs, "handoff": handoff}[s]
+				if f == nil {
+					continue
 				}
-				cutoffSums = append(cutoffSums, bench.SummarizeCutoff(c, outcomes))
-			}
-			setup = append(setup, fmt.Sprintf("cutoff: per case and round, fresh `dlock serve` processes (memory: one, --session-grace 3s; etcd: three on one data set of the etcd above, --session-grace 5s; --ping-interval 1s --dead-peer-timeout 3s) and two `dlock run` on one key, the holder dialing from a loopback address of its own; faults by iptables, SIGSTOP and black-holing proxies; %d rounds each", *rounds))
-			continue
-		}
-		if s == "memory" {
-			mo := bench.MemoryOptions{Held: *heldN, HeldNodes: *heldNodes, Sessions: *sessionsN, Conns: *concurrency,
-				Done: func(r bench.Result) { fmt.Fprintf(stderr, "memory %s: %s\n", r.Scenario, r.Note) }}
-			if *memoryServer != "" {
-				mo.Dialer = dialer
-				mo.Start = func(context.Context) (string, func(), error) { return *memoryServer, func() {}, nil }
-			} else {
-				bin, err := benchServerBinary()
+				count := ""
+				if o == "etcd" {
+					count = addr
+				}
+				r, err := run(s+" "+o, oo, withEtcdCalls(count, func(ctx context.Context, opt bench.Options) (bench.Result, error) { return f(ctx, addr, opt) }))
 				if err != nil {
-					return fmt.Errorf("memory: the dlock binary to serve: %w", err)
+					stop()
+					return fmt.Errorf("%s %s: %w", s, o, err)
 				}
-				mo.Start = freshServer(bin, append(freshServerFlags(*sessionsN+*heldNodes, *heldN), extraServe...), stderr)
-				if etcdServer != nil {
-					n := 0
-					mo.Start = startOnEtcd(func() string { n++; return fmt.Sprintf("/dlock-bench-memory-%d-%d/", time.Now().UnixNano(), n) })
+				results = append(results, r)
+			}
+			stop()
+			if o == "etcd" && etcdServer != nil {
+				setup = append(setup, "etcd's concurrency.Mutex (--compare etcd): on the same etcd")
+			}
+		}
+		ratios := benchRatios(results)
+		if *asJSON {
+			enc := json.NewEncoder(stdout)
+			enc.SetIndent("", "  ")
+			out := map[string]any{"results": results, "ratios": ratios}
+			if len(setup) > 0 {
+				out["setup"] = setup
+			}
+			if len(pings) > 0 {
+				out["pings"] = pings
+			}
+			if len(cutoffSums) > 0 {
+				out["cutoff"] = cutoffSums
+			}
+			if err := enc.Encode(out); err != nil {
+				return err
+			}
+			return cutoffFailed(cutoffSums)
+		}
+		lines := append(setup, cpuLines(results)...)
+		for _, k := range slices.Sorted(maps.Keys(ratios)) {
+			lines = append(lines, fmt.Sprintf("%s = %.2f", k, ratios[k]))
+		}
+		if *asMarkdown {
+			if len(pings) > 0 {
+				fmt.Fprintln(stdout, "| "+strings.Join(pingColumns, " | ")+" |")
+				fmt.Fprintln(stdout, strings.Repeat("| --- ", len(pingColumns))+"|")
+				for _, r := range pings {
+					fmt.Fprintln(stdout, "| "+strings.Join(pingRow(r), " | ")+" |")
 				}
+				fmt.Fprintln(stdout)
 			}
-			rs, err := bench.Memory(ctx, mo)
-			if err != nil {
-				return fmt.Errorf("memory: %w", err)
+			if len(results) > 0 {
+				fmt.Fprintln(stdout, "| scenario | system | concurrency | ops/s | p50 | p90 | p99 | max | one op | server CPU/op | server RSS |")
+				fmt.Fprintln(stdout, "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+				for _, r := range results {
+					fmt.Fprintf(stdout, "| %s | %s | %d | %.0f | %s | %s | %s | %s | %s | %s | %s |\n", r.Scenario, r.System, r.Concurrency, r.Rate, us(r.P50), us(r.P90), us(r.P99), us(r.Max), r.Unit, cpuText(r.ServerCPUPerOp), rssText(r))
+				}
+				fmt.Fprintln(stdout)
 			}
-			results = append(results, rs...)
-			continue
-		}
-		if s == "failover" {
-			prefix := fmt.Sprintf("/dlock-bench-failover-%d/", time.Now().UnixNano())
-			fo := bench.FailoverOptions{Servers: *servers, Rounds: *rounds, Recheck: *recheck, Client: !*rawNode, Start: startOnEtcd(func() string { return prefix }),
-				Round: func(r bench.FailoverRound) {
-					fmt.Fprintf(stderr, "failover round: next lock %v, stream resumed %v, hold kept %v, next grant delivered %v %s\n", r.Lock, r.Stream, r.Kept, r.Replayed, r.Problem)
-				}}
-			// No etcd calls per op: the replacement servers' starts
-			// would count too.
-			r, err := run("failover dlock", opts, func(ctx context.Context, o bench.Options) (bench.Result, error) {
-				fo.Progress = o.Progress
-				return bench.Failover(ctx, fo)
-			})
-			if err != nil {
-				return fmt.Errorf("failover: %w", err)
-			}
-			nodeText := "client.Client given every server"
-			if *rawNode {
-				nodeText = "raw HTTP"
-			}
-			setup = append(setup, fmt.Sprintf("failover: %d `dlock serve --backend etcd --etcd-prefix %s` on that etcd, started by bench; the node: %s", *servers, prefix, nodeText))
-			results = append(results, r)
-			continue
-		}
-		if s == "fleet" {
-			prefix := fmt.Sprintf("/dlock-bench-fleet-%d/", time.Now().UnixNano())
-			bin, err := benchServerBinary()
-			if err != nil {
-				return fmt.Errorf("fleet: the dlock binary to serve: %w", err)
-			}
-			flags := append(append([]string{"--backend", "etcd", "--etcd-endpoints", etcdServer.Endpoint, "--etcd-prefix", prefix},
-				freshServerFlags(*fleetNodes, *fleetHeld+*fleetHolders+64)...), extraServe...)
-			fo := bench.FleetOptions{Servers: *servers, Nodes: *fleetNodes, Holders: *fleetHolders, Held: *fleetHeld,
-				Opening: *fleetOpening, Conns: *concurrency, Idle: *fleetIdle, Recheck: *recheck,
-				Start: freshServer(bin, flags, stderr), EtcdEndpoint: etcdServer.Endpoint, EtcdCPU: bench.ProcCPU(etcdServer.PID),
-				Log: func(l string) { fmt.Fprintln(stderr, l) }}
-			rs, err := bench.Fleet(ctx, fo)
-			if err != nil {
-				return fmt.Errorf("fleet: %w", err)
-			}
-			results = append(results, rs...)
-			setup = append(setup, fmt.Sprintf("fleet: %d `dlock serve %s` on that etcd, started by bench; %d nodes, node i's session stream on server i mod %d, read by a goroutine each; locks and waiters over %d connections to each server; etcd's CPU from /proc/%d/stat, the servers' from their /metrics",
-				*servers, strings.Join(flags, " "), *fleetNodes, *servers, *concurrency, etcdServer.PID))
-			continue
-		}
-		var f func(context.Context, string, bench.Options) (bench.Result, error)
-		switch s {
-		case "pairs":
-			f = bench.Pairs
-		case "handoff":
-			f = bench.Handoff
-		case "fanout":
-			f = bench.Fanout
-		case "sessions":
-			f = bench.Sessions
-		}
-		r, err := run(s+" dlock", opts, withEtcdCalls(backendEtcd, func(ctx context.Context, o bench.Options) (bench.Result, error) { return f(ctx, *server, o) }))
-		if err != nil {
-			return fmt.Errorf("%s: %w", s, err)
-		}
-		results = append(results, r)
-		if s == "fanout" {
-			// The floor right after, on the frame a waiter got: the
-			// same event bytes to as many sockets (docs/CLI.md, "Load
-			// generator"), written by this binary as a process of its
-			// own.
-			bin, err := benchServerBinary()
-			if err != nil {
-				return fmt.Errorf("fanout floor: the dlock binary to write: %w", err)
-			}
-			fr, err := run("fanout floor", opts, func(ctx context.Context, o bench.Options) (bench.Result, error) {
-				return bench.Floor(ctx, r.Frame, o.Waiters, max(r.Rounds, 5), bench.ExecFloor(stderr, bin, "bench", floorWriterArg))
-			})
-			if err != nil {
-				return fmt.Errorf("fanout floor: %w", err)
-			}
-			results = append(results, fr)
-		}
-	}
-	for _, o := range others {
-		var addr string
-		var stop func()
-		var err error
-		var pairs, handoff func(context.Context, string, bench.Options) (bench.Result, error)
-		oo := opts
-		switch o {
-		case "redis":
-			addr, stop, err = bench.StartRedis()
-			pairs, handoff = bench.RedisPairs, bench.RedisHandoff
-			oo.ServerCPU = bench.RedisCPU(addr)
-		case "etcd":
-			if etcdServer != nil {
-				// The same etcd as dlock's backend: a fair comparison.
-				addr, stop = etcdServer.Endpoint, func() {}
-			} else {
-				addr, stop, err = bench.StartEtcd()
-			}
-			pairs, handoff = bench.EtcdPairs, bench.EtcdHandoff
-			oo.ServerCPU = bench.MetricsCPU(addr, rawhttp.Dialer{})
-		}
-		if err != nil {
-			return err
-		}
-		for _, s := range runs {
-			f := map[string]func(context.Context, string, bench.Options) (bench.Result, error){"pairs": pairs, "handoff": handoff}[s]
-			if f == nil {
-				continue
-			}
-			count := ""
-			if o == "etcd" {
-				count = addr
-			}
-			r, err := run(s+" "+o, oo, withEtcdCalls(count, func(ctx context.Context, opt bench.Options) (bench.Result, error) { return f(ctx, addr, opt) }))
-			if err != nil {
-				stop()
-				return fmt.Errorf("%s %s: %w", s, o, err)
-			}
-			results = append(results, r)
-		}
-		stop()
-		if o == "etcd" && etcdServer != nil {
-			setup = append(setup, "etcd's concurrency.Mutex (--compare etcd): on the same etcd")
-		}
-	}
-	ratios := benchRatios(results)
-	if *asJSON {
-		enc := json.NewEncoder(stdout)
-		enc.SetIndent("", "  ")
-		out := map[string]any{"results": results, "ratios": ratios}
-		if len(setup) > 0 {
-			out["setup"] = setup
-		}
-		if len(pings) > 0 {
-			out["pings"] = pings
-		}
-		if len(cutoffSums) > 0 {
-			out["cutoff"] = cutoffSums
-		}
-		if err := enc.Encode(out); err != nil {
-			return err
-		}
-		return cutoffFailed(cutoffSums)
-	}
-	lines := append(setup, cpuLines(results)...)
-	for _, k := range slices.Sorted(maps.Keys(ratios)) {
-		lines = append(lines, fmt.Sprintf("%s = %.2f", k, ratios[k]))
-	}
-	if *asMarkdown {
-		if len(pings) > 0 {
-			fmt.Fprintln(stdout, "| "+strings.Join(pingColumns, " | ")+" |")
-			fmt.Fprintln(stdout, strings.Repeat("| --- ", len(pingColumns))+"|")
-			for _, r := range pings {
-				fmt.Fprintln(stdout, "| "+strings.Join(pingRow(r), " | ")+" |")
-			}
-			fmt.Fprintln(stdout)
-		}
-		if len(results) > 0 {
-			fmt.Fprintln(stdout, "| scenario | system | concurrency | ops/s | p50 | p90 | p99 | max | one op | server CPU/op | server RSS |")
-			fmt.Fprintln(stdout, "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+			printCutoff(stdout, cutoffSums, true)
 			for _, r := range results {
-				fmt.Fprintf(stdout, "| %s | %s | %d | %.0f | %s | %s | %s | %s | %s | %s | %s |\n", r.Scenario, r.System, r.Concurrency, r.Rate, us(r.P50), us(r.P90), us(r.P99), us(r.Max), r.Unit, cpuText(r.ServerCPUPerOp), rssText(r))
+				if r.Note != "" {
+					fmt.Fprintf(stdout, "- %s %s: %s\n", r.Scenario, r.System, r.Note)
+				}
 			}
-			fmt.Fprintln(stdout)
+			for _, l := range lines {
+				fmt.Fprintf(stdout, "- %s\n", l)
+			}
+			return cutoffFailed(cutoffSums)
 		}
-		printCutoff(stdout, cutoffSums, true)
+		if len(pings) > 0 {
+			tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
+			fmt.Fprintln(tw, strings.Join(pingColumns, "\t")+"\t")
+			for _, r := range pings {
+				fmt.Fprintln(tw, strings.Join(pingRow(r), "\t")+"\t")
+			}
+			tw.Flush()
+		}
+		if len(results) > 0 || (len(pings) == 0 && len(cutoffSums) == 0) {
+			tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
+			fmt.Fprintln(tw, "scenario\tsystem\tconcurrency\tops/s\tp50\tp90\tp99\tmax\tone op\tserver CPU/op\tserver RSS\t")
+			for _, r := range results {
+				fmt.Fprintf(tw, "%s\t%s\t%d\t%.0f\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", r.Scenario, r.System, r.Concurrency, r.Rate, us(r.P50), us(r.P90), us(r.P99), us(r.Max), r.Unit, cpuText(r.ServerCPUPerOp), rssText(r))
+			}
+			tw.Flush()
+		}
+		printCutoff(stdout, cutoffSums, false)
 		for _, r := range results {
 			if r.Note != "" {
-				fmt.Fprintf(stdout, "- %s %s: %s\n", r.Scenario, r.System, r.Note)
+				fmt.Fprintf(stdout, "%s %s: %s\n", r.Scenario, r.System, r.Note)
 			}
 		}
 		for _, l := range lines {
-			fmt.Fprintf(stdout, "- %s\n", l)
+			fmt.Fprintln(stdout, l)
 		}
 		return cutoffFailed(cutoffSums)
-	}
-	if len(pings) > 0 {
-		tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
-		fmt.Fprintln(tw, strings.Join(pingColumns, "\t")+"\t")
-		for _, r := range pings {
-			fmt.Fprintln(tw, strings.Join(pingRow(r), "\t")+"\t")
-		}
-		tw.Flush()
-	}
-	if len(results) > 0 || (len(pings) == 0 && len(cutoffSums) == 0) {
-		tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
-		fmt.Fprintln(tw, "scenario\tsystem\tconcurrency\tops/s\tp50\tp90\tp99\tmax\tone op\tserver CPU/op\tserver RSS\t")
-		for _, r := range results {
-			fmt.Fprintf(tw, "%s\t%s\t%d\t%.0f\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", r.Scenario, r.System, r.Concurrency, r.Rate, us(r.P50), us(r.P90), us(r.P99), us(r.Max), r.Unit, cpuText(r.ServerCPUPerOp), rssText(r))
-		}
-		tw.Flush()
-	}
-	printCutoff(stdout, cutoffSums, false)
-	for _, r := range results {
-		if r.Note != "" {
-			fmt.Fprintf(stdout, "%s %s: %s\n", r.Scenario, r.System, r.Note)
-		}
-	}
-	for _, l := range lines {
-		fmt.Fprintln(stdout, l)
-	}
-	return cutoffFailed(cutoffSums)
+	})
+	return cmd
 }
 
 // cutoffUsable says whether the cutoff scenario can make its faults:

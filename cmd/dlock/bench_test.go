@@ -5,7 +5,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"flag"
 	"io"
 	"math"
 	"net"
@@ -13,6 +12,7 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -434,31 +434,38 @@ func TestBenchCutoff(t *testing.T) {
 }
 
 // TestBenchHelpPlaceholders: bench -h names each flag's value plainly.
-// The flag package takes a flag's first back-quoted word as its value's
-// name, so a usage that quoted `dlock serve` printed
-// "-backend dlock serve" (issue: the help said that).
+// pflag, as the flag package did, takes a flag's first back-quoted word
+// as its value's name, so a usage that quoted `dlock serve` printed
+// "--backend dlock serve" (issue: the help said that).
 func TestBenchHelpPlaceholders(t *testing.T) {
-	var out bytes.Buffer
-	err := cmdBench(context.Background(), []string{"-h"}, func(string) string { return "" }, &out, &out)
-	if err != nil && !errors.Is(err, flag.ErrHelp) {
-		t.Fatalf("bench -h: %v", err)
-	}
-	for _, l := range strings.Split(out.String(), "\n") {
-		if f := strings.Fields(l); len(f) >= 2 && strings.HasPrefix(f[0], "-") && f[1] == "dlock" {
-			t.Errorf("bench -h: %q: a usage quotes a command, which the flag package shows as the value's name", l)
+	for _, h := range []string{"-h", "--help"} {
+		var out bytes.Buffer
+		if err := run(context.Background(), []string{"bench", h}, func(string) string { return "" }, nil, &out, &out); err != nil {
+			t.Fatalf("bench %s: %v", h, err)
 		}
-	}
-	if !strings.Contains(out.String(), "-backend string") {
-		t.Errorf("bench -h does not show -backend's value as a string:\n%s", out.String())
+		for _, l := range strings.Split(out.String(), "\n") {
+			if f := strings.Fields(l); len(f) >= 2 && strings.HasPrefix(f[0], "-") && f[1] == "dlock" {
+				t.Errorf("bench %s: %q: a usage quotes a command, which pflag shows as the value's name", h, l)
+			}
+		}
+		if !strings.Contains(out.String(), "--backend string") {
+			t.Errorf("bench %s does not show --backend's value as a string:\n%s", h, out.String())
+		}
 	}
 }
 
 // TestUsageNamesScenarios: dlock -h names every scenario bench runs (it
-// left out failover).
+// left out failover), and so does bench -h.
 func TestUsageNamesScenarios(t *testing.T) {
-	for _, s := range benchScenarios {
-		if !strings.Contains(usage, s) {
-			t.Errorf("dlock -h does not name the bench scenario %s", s)
+	for _, args := range [][]string{{"-h"}, {"--help"}, {"bench", "--help"}} {
+		var out bytes.Buffer
+		if err := run(context.Background(), args, func(string) string { return "" }, nil, &out, &out); err != nil {
+			t.Fatalf("%q: %v", args, err)
+		}
+		for _, s := range benchScenarios {
+			if !regexp.MustCompile(`\b` + s + `\b`).MatchString(out.String()) {
+				t.Errorf("dlock %s does not name the bench scenario %s:\n%s", strings.Join(args, " "), s, out.String())
+			}
 		}
 	}
 }

@@ -5,36 +5,31 @@ import (
 	"crypto/tls"
 	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"net"
+	"net/url"
 	"os"
 	"strings"
 	"time"
 
 	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/client"
+	"github.com/dlock/dlock/internal/auth"
 	"github.com/dlock/dlock/internal/envflag"
 	"github.com/dlock/dlock/lock"
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 )
 
-// usageError is a bad command line: exit status 2.
-type usageError struct{ error }
-
-// exitStatus ends the process with a status and no further message.
-type exitStatus int
-
-func (e exitStatus) Error() string { return fmt.Sprintf("exit status %d", int(e)) }
-
 // applyEnv sets every flag not given on the command line from DLOCK_<FLAG>.
-func applyEnv(fs *flag.FlagSet, getenv func(string) string) error {
-	return envflag.Apply(fs, "DLOCK", getenv)
+func applyEnv(fs *pflag.FlagSet, getenv func(string) string) error {
+	return envflag.ApplyPFlags(fs, "DLOCK", getenv)
 }
 
 // clientFlags are the flags every client subcommand takes.
 type clientFlags struct {
-	fs       *flag.FlagSet
+	fs       *pflag.FlagSet
 	server   string
 	node     string
 	typ      string
@@ -42,38 +37,70 @@ type clientFlags struct {
 	human    bool
 	source   string // --source-addr
 	cred     *client.CredentialFiles
+	// defaultNode is the node id without --node, DLOCK_NODE or a token
+	// file that names one.
+	defaultNode string
 }
 
+// newClientFlags is the client flags on a FlagSet of their own (tests).
 func newClientFlags(name, defaultNode string, stderr io.Writer) *clientFlags {
-	f := &clientFlags{fs: flag.NewFlagSet("dlock "+name, flag.ContinueOnError)}
-	f.fs.SetOutput(stderr)
-	f.fs.StringVar(&f.server, "server", "http://127.0.0.1:7380", "dlock server URL; or the servers of one lock service, comma-separated (URL1,URL2,…): a request or stream that fails for its server moves to the next")
-	f.fs.StringVar(&f.node, "node", defaultNode, "this node's id")
-	f.fs.StringVar(&f.typ, "type", "pull", "operation type: pull, update, delete, or another name (with pull's rules and no reference rules)")
-	f.fs.StringVar(&f.resource, "resource", "", "resource id, e.g. a blob digest")
-	f.fs.BoolVar(&f.human, "human", false, "print a short line instead of JSON")
-	f.fs.StringVar(&f.source, "source-addr", "", "local IP address every connection to the servers is dialed from (default: the system's choice)")
-	f.cred = credentialFlags(f.fs)
+	fs := pflag.NewFlagSet("dlock "+name, pflag.ContinueOnError)
+	fs.SetOutput(stderr)
+	return addClientFlags(fs, defaultNode)
+}
+
+func addClientFlags(fs *pflag.FlagSet, defaultNode string) *clientFlags {
+	f := &clientFlags{fs: fs, defaultNode: defaultNode}
+	fs.StringVar(&f.resource, "resource", "", "resource id, e.g. a blob digest")
+	fs.StringVar(&f.server, "server", "http://127.0.0.1:7380", "dlock server URL; or the servers of one lock service, comma-separated (URL1,URL2,…): a request or stream that fails for its server moves to the next")
+	fs.StringVar(&f.node, "node", "", "this node's id (default: the node that the --token-file line names, else "+nodeDefaultText(defaultNode)+")")
+	fs.StringVar(&f.typ, "type", "pull", "operation type: pull, update, delete, or another name (with pull's rules and no reference rules)")
+	fs.BoolVar(&f.human, "human", false, "print a short line instead of JSON")
+	fs.StringVar(&f.source, "source-addr", "", "local IP address every connection to the servers is dialed from (default: the system's choice)")
+	f.cred = credentialFlags(fs)
 	return f
 }
 
-// parse parses args with DLOCK_… fallbacks and returns the positional rest.
+// nodeDefaultText names a default node id in --node's help: the host
+// name, or HOST:PID for dlock run.
+func nodeDefaultText(defaultNode string) string {
+	if strings.HasSuffix(defaultNode, fmt.Sprintf(":%d", os.Getpid())) {
+		return "HOST:PID"
+	}
+	return "the host name"
+}
+
+// parse parses args and checks them as check does (tests).
 func (f *clientFlags) parse(args []string, getenv func(string) string, needResource bool) (client.Request, error) {
 	if err := f.fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return client.Request{}, err
-		}
 		return client.Request{}, usageError{err}
 	}
 	if err := applyEnv(f.fs, getenv); err != nil {
 		return client.Request{}, usageError{err}
 	}
+	return f.check(needResource)
+}
+
+// check validates the parsed flags (the environment applied) and returns
+// the request they name. Every fault is a bad command line.
+func (f *clientFlags) check(needResource bool) (client.Request, error) {
 	t, err := lock.ParseType(f.typ)
 	if err != nil {
 		return client.Request{}, usageError{fmt.Errorf("--type: %w", err)}
 	}
 	if needResource && f.resource == "" {
-		return client.Request{}, usageError{errors.New("--resource is required")}
+		return client.Request{}, usageError{errors.New("--resource is required (or DLOCK_RESOURCE)")}
+	}
+	if err := checkServers(f.server, true); err != nil {
+		return client.Request{}, err
+	}
+	if f.fs.Changed("node") {
+		if f.node == "" {
+			return client.Request{}, usageError{errors.New("--node is empty: give this node's id, or leave --node out for the default")}
+		}
+		if err := lock.ValidateNode(f.node); err != nil {
+			return client.Request{}, usageError{fmt.Errorf("--node: %w", err)}
+		}
 	}
 	if f.source != "" && net.ParseIP(f.source) == nil {
 		return client.Request{}, usageError{fmt.Errorf("--source-addr %q: not an IP address", f.source)}
@@ -81,11 +108,41 @@ func (f *clientFlags) parse(args []string, getenv func(string) string, needResou
 	return client.Request{Type: t, Resource: f.resource}, nil
 }
 
+// checkServers checks --server: a URL, or with list a comma-separated
+// list of them. A host:port without a scheme is the likely mistake.
+func checkServers(list string, several bool) error {
+	servers := client.SplitServers(list)
+	if !several && len(servers) > 1 {
+		return usageError{fmt.Errorf("--server %s: bench measures one server, not a list", list)}
+	}
+	for _, s := range servers {
+		u, err := url.Parse(s)
+		if err == nil && (u.Scheme == "http" || u.Scheme == "https") && u.Host != "" {
+			continue
+		}
+		return usageError{fmt.Errorf("--server wants a URL like http://127.0.0.1:7380, not %q", s)}
+	}
+	return nil
+}
+
 // client is the command's Client of the --server list, its credentials
 // read: a missing or unusable credential file stops the command before
-// any request.
+// any request. Without --node (or DLOCK_NODE) the node is the one its
+// token file's line names, as the server accepts the token for no other.
 func (f *clientFlags) client() (*client.Client, error) {
 	servers := client.SplitServers(f.server)
+	if !f.fs.Changed("node") {
+		f.node = f.defaultNode
+		if f.cred.TokenFile != "" {
+			_, node, err := client.ReadTokenLine(f.cred.TokenFile)
+			if err != nil {
+				return nil, err
+			}
+			if node != "" && node != auth.Operator {
+				f.node = node
+			}
+		}
+	}
 	tlsConfig, token, err := loadCredentials(f.cred, servers...)
 	if err != nil {
 		return nil, err
@@ -97,8 +154,13 @@ func (f *clientFlags) client() (*client.Client, error) {
 	return c, nil
 }
 
+// explain shapes a failed request's error (errors.go).
+func (f *clientFlags) explain(err error) error {
+	return explain(err, client.SplitServers(f.server))
+}
+
 // credentialFlags adds --ca, --cert, --key and --token-file to fs.
-func credentialFlags(fs *flag.FlagSet) *client.CredentialFiles {
+func credentialFlags(fs *pflag.FlagSet) *client.CredentialFiles {
 	var f client.CredentialFiles
 	fs.StringVar(&f.CA, "ca", "", "PEM file of the CA that signed the server's certificate, for an https:// server (default: the system's roots)")
 	fs.StringVar(&f.Cert, "cert", "", "PEM file of this node's client certificate, for a server that requires one (with --key)")
@@ -134,15 +196,34 @@ func requestContext(ctx context.Context) (context.Context, context.CancelFunc) {
 	return context.WithTimeout(ctx, time.Minute)
 }
 
-// cmdLock: one /lock with a ttl lease; run it again to renew.
-func cmdLock(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) error {
-	f := newClientFlags("lock", hostname(), stderr)
-	skipRecent := f.fs.Bool("skip-recent", false, "answer skip when the key was just completed successfully")
-	req, err := f.parse(args, getenv, true)
+// lockCommand: one /lock with a ttl lease; run it again to renew.
+func (e *cli) lockCommand() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "lock --resource R [flags]",
+		Short: "Take a lock, or join its queue, with a ttl lease (repeat to renew)",
+		Long: `lock sends one /lock for --resource with a ttl lease and prints the answer: acquired
+(with its fencing token), queued (with the position and the holder), or skip
+(with --skip-recent, when the key was just completed successfully). It does
+not wait: run it again to renew the lease (the server's --lock-ttl) or to
+learn the queue position. dlock run is the command that waits.`,
+		Example: `  dlock lock --resource sha256:aaa --human
+  DLOCK_SERVER=https://dlock.example:7380 DLOCK_TOKEN_FILE=/etc/dlock/token dlock lock --resource sha256:aaa`,
+		Args: noArgs,
+	}
+	f := addClientFlags(cmd.Flags(), hostname())
+	skipRecent := cmd.Flags().Bool("skip-recent", false, "answer skip when the key was just completed successfully")
+	cmd.RunE = e.action(func(cmd *cobra.Command, _ []string) error {
+		return f.lock(e.ctx, *skipRecent, e.stdout)
+	})
+	return cmd
+}
+
+func (f *clientFlags) lock(ctx context.Context, skipRecent bool, stdout io.Writer) error {
+	req, err := f.check(true)
 	if err != nil {
 		return err
 	}
-	req.Lease, req.SkipRecent = lock.LeaseTTL, *skipRecent
+	req.Lease, req.SkipRecent = lock.LeaseTTL, skipRecent
 	c, err := f.client()
 	if err != nil {
 		return err
@@ -152,7 +233,7 @@ func cmdLock(ctx context.Context, args []string, getenv func(string) string, std
 	defer cancel()
 	res, err := c.TryLock(ctx, req)
 	if err != nil {
-		return err
+		return f.explain(err)
 	}
 	if !f.human {
 		return printJSON(stdout, res)
@@ -169,17 +250,36 @@ func cmdLock(ctx context.Context, args []string, getenv func(string) string, std
 	return nil
 }
 
-func cmdUnlock(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) error {
-	f := newClientFlags("unlock", hostname(), stderr)
-	fail := f.fs.String("fail", "", "unlock as a failure with this message (the lock passes to the next waiter)")
-	token := f.fs.Uint64("token", 0, "the grant's fencing token (0: not checked)")
-	req, err := f.parse(args, getenv, true)
+func (e *cli) unlockCommand() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "unlock --resource R [--fail MESSAGE] [--token N] [flags]",
+		Short: "Release a lock: as a success, or with --fail MESSAGE as a failure",
+		Long: `unlock releases this node's hold of --resource and prints the answer. A success
+records the key as completed: the waiters are told the work is done. --fail
+MESSAGE records a failure, and the lock passes to the next waiter, which
+does the work itself. --token N makes the server check the grant's fencing
+token first.`,
+		Example: `  dlock unlock --resource sha256:aaa --human
+  dlock unlock --resource sha256:aaa --fail "disk full" --token 42`,
+		Args: noArgs,
+	}
+	f := addClientFlags(cmd.Flags(), hostname())
+	fail := cmd.Flags().String("fail", "", "unlock as a failure with this message (the lock passes to the next waiter)")
+	token := cmd.Flags().Uint64("token", 0, "the grant's fencing token (0: not checked)")
+	cmd.RunE = e.action(func(cmd *cobra.Command, _ []string) error {
+		return f.unlock(e.ctx, *fail, *token, e.stdout)
+	})
+	return cmd
+}
+
+func (f *clientFlags) unlock(ctx context.Context, fail string, token uint64, stdout io.Writer) error {
+	req, err := f.check(true)
 	if err != nil {
 		return err
 	}
 	var opErr error
-	if *fail != "" {
-		opErr = errors.New(*fail)
+	if fail != "" {
+		opErr = errors.New(fail)
 	}
 	c, err := f.client()
 	if err != nil {
@@ -188,9 +288,9 @@ func cmdUnlock(ctx context.Context, args []string, getenv func(string) string, s
 	defer c.Close()
 	ctx, cancel := requestContext(ctx)
 	defer cancel()
-	res, err := c.Release(ctx, req, *token, opErr)
+	res, err := c.Release(ctx, req, token, opErr)
 	if err != nil {
-		return err
+		return f.explain(err)
 	}
 	if !f.human {
 		return printJSON(stdout, res)
@@ -204,9 +304,26 @@ func cmdUnlock(ctx context.Context, args []string, getenv func(string) string, s
 	return nil
 }
 
-func cmdStatus(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) error {
-	f := newClientFlags("status", hostname(), stderr)
-	req, err := f.parse(args, getenv, true)
+func (e *cli) statusCommand() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "status --resource R [flags]",
+		Short: "Show a lock's holder, queue and last completion",
+		Long: `status prints the state of --resource's lock: free or held, the holder and its
+fencing token, how many nodes wait (and this node's place among them), and
+the last completion, success or failure, with the node that did it.`,
+		Example: `  dlock status --resource sha256:aaa --human
+  dlock status --resource sha256:aaa --type update --server http://10.0.0.1:7380,http://10.0.0.2:7380`,
+		Args: noArgs,
+	}
+	f := addClientFlags(cmd.Flags(), hostname())
+	cmd.RunE = e.action(func(cmd *cobra.Command, _ []string) error {
+		return f.status(e.ctx, e.stdout)
+	})
+	return cmd
+}
+
+func (f *clientFlags) status(ctx context.Context, stdout io.Writer) error {
+	req, err := f.check(true)
 	if err != nil {
 		return err
 	}
@@ -219,7 +336,7 @@ func cmdStatus(ctx context.Context, args []string, getenv func(string) string, s
 	defer cancel()
 	st, err := c.Status(ctx, req.Type, req.Resource)
 	if err != nil {
-		return err
+		return f.explain(err)
 	}
 	if !f.human {
 		return printJSON(stdout, st)
@@ -244,18 +361,36 @@ func cmdStatus(ctx context.Context, args []string, getenv func(string) string, s
 	return nil
 }
 
-func cmdRefcount(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) error {
-	f := newClientFlags("refcount", hostname(), stderr)
-	add := f.fs.Bool("add", false, "record that this node uses the resource")
-	release := f.fs.Bool("release", false, "record that this node no longer uses the resource (without --resource: every resource)")
-	if _, err := f.parse(args, getenv, false); err != nil {
+func (e *cli) refcountCommand() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "refcount [--resource R] [--add | --release] [flags]",
+		Short: "Show, --add or --release a resource's references",
+		Long: `refcount shows which nodes use --resource (a server with --refcount server keeps
+the count), or changes this node's reference: --add records that it uses
+the resource, --release that it no longer does. --release without
+--resource releases every reference of the node.`,
+		Example: `  dlock refcount --resource sha256:aaa --add --human
+  dlock refcount --release`,
+		Args: noArgs,
+	}
+	f := addClientFlags(cmd.Flags(), hostname())
+	add := cmd.Flags().Bool("add", false, "record that this node uses the resource")
+	release := cmd.Flags().Bool("release", false, "record that this node no longer uses the resource (without --resource: every resource)")
+	cmd.RunE = e.action(func(cmd *cobra.Command, _ []string) error {
+		return f.refcount(e.ctx, *add, *release, e.stdout)
+	})
+	return cmd
+}
+
+func (f *clientFlags) refcount(ctx context.Context, add, release bool, stdout io.Writer) error {
+	if _, err := f.check(false); err != nil {
 		return err
 	}
-	if *add && *release {
+	if add && release {
 		return usageError{errors.New("--add and --release exclude each other")}
 	}
-	if f.resource == "" && !*release {
-		return usageError{errors.New("--resource is required")}
+	if f.resource == "" && !release {
+		return usageError{errors.New("--resource is required (or DLOCK_RESOURCE), but for --release")}
 	}
 	c, err := f.client()
 	if err != nil {
@@ -264,10 +399,10 @@ func cmdRefcount(ctx context.Context, args []string, getenv func(string) string,
 	defer c.Close()
 	ctx, cancel := requestContext(ctx)
 	defer cancel()
-	if *release && f.resource == "" {
+	if release && f.resource == "" {
 		n, err := c.ReleaseAllRefs(ctx)
 		if err != nil {
-			return err
+			return f.explain(err)
 		}
 		if f.human {
 			fmt.Fprintf(stdout, "released %d reference(s) of %s\n", n, f.node)
@@ -277,15 +412,15 @@ func cmdRefcount(ctx context.Context, args []string, getenv func(string) string,
 	}
 	var rc api.RefCountResponse
 	switch {
-	case *add:
+	case add:
 		rc, err = c.AddRef(ctx, f.resource)
-	case *release:
+	case release:
 		rc, err = c.ReleaseRef(ctx, f.resource)
 	default:
 		rc, err = c.RefCount(ctx, f.resource)
 	}
 	if err != nil {
-		return err
+		return f.explain(err)
 	}
 	if f.human {
 		fmt.Fprintf(stdout, "%s: %d node(s) %s\n", rc.ResourceID, rc.Count, strings.Join(rc.Nodes, ", "))

@@ -12,6 +12,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/spf13/cobra"
 	"golang.org/x/sys/unix"
 )
 
@@ -25,23 +26,62 @@ var errLostStopped = errors.New("lock lost: the command was stopped")
 // errLostBeforeStart is the failure for a hold lost before its command ran.
 var errLostBeforeStart = errors.New("lock lost before the command started")
 
-// cmdRun is the distributed flock(1): it takes the lock, runs the command,
-// and unlocks with the command's outcome. It returns the command's exit
-// status as an exitStatus.
-func cmdRun(ctx context.Context, args []string, getenv func(string) string, stdin io.Reader, stdout, stderr io.Writer) error {
-	f := newClientFlags("run", fmt.Sprintf("%s:%d", hostname(), os.Getpid()), stderr)
-	always := f.fs.Bool("always", false, "run even if the operation was completed successfully moments ago")
-	skipCode := f.fs.Int("skip-exit-code", 0, "exit status when the command is skipped because another node did the work")
-	renew := f.fs.Duration("renew-interval", 10*time.Second, "how often the held lock is checked (and a ttl lease renewed) while the command runs")
-	killAfter := f.fs.Duration("kill-after", 5*time.Second, "with a server that gives no lease guarantee: how long after SIGTERM a command whose lock was lost gets SIGKILL")
-	retries := f.fs.Int("max-retries", 10, "how often a request is retried when the server refuses it for load (429/503, after its Retry-After, at most 30s) or the network fails; 0: never")
-	req, err := f.parse(args, getenv, true)
+// runCommand is the distributed flock(1): it takes the lock, runs the
+// command, and unlocks with the command's outcome. It returns the
+// command's exit status as an exitStatus.
+func (e *cli) runCommand() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "run --resource R [flags] -- CMD [ARGS...]",
+		Short: "Run a command under a lock: the distributed flock(1)",
+		Long: `run waits for --resource's lock (queued behind its holder if need be), runs CMD,
+unlocks with success if CMD exits 0 and with failure otherwise, and exits
+with CMD's status. If another node completes the same operation while it
+waits, or completed it within the server's --completed-retention (--always
+turns that off), CMD does not run: run prints "skipped: done by NODE" and
+exits 0 (--skip-exit-code N).
+
+CMD runs in a process group of its own, with the grant's fencing token in
+DLOCK_FENCING_TOKEN. While it runs the lock is kept; if the lock is lost,
+CMD's group gets SIGTERM, then SIGKILL, and run exits 75. SIGINT and SIGTERM
+are passed on to CMD, and the lock is released as a failure. The flags end
+at CMD: write them before it, and "--" before CMD when CMD has flags.`,
+		Example: `  dlock run --resource sha256:aaa -- sh -c 'echo downloading; sleep 1'
+  dlock run --resource sha256:aaa --skip-exit-code 3 --token-file /etc/dlock/token -- ./fetch.sh sha256:aaa`,
+		Args: func(cmd *cobra.Command, args []string) error {
+			if len(args) == 0 {
+				return usageError{errors.New("run needs a command: dlock run [flags] -- CMD [ARGS...]")}
+			}
+			return nil
+		},
+		Annotations: map[string]string{annotationStopAtArg: "true"},
+	}
+	cmd.Flags().SetInterspersed(false)
+	f := addClientFlags(cmd.Flags(), fmt.Sprintf("%s:%d", hostname(), os.Getpid()))
+	o := runOptions{
+		always:    cmd.Flags().Bool("always", false, "run even if the operation was completed successfully moments ago"),
+		skipCode:  cmd.Flags().Int("skip-exit-code", 0, "exit status when the command is skipped because another node did the work"),
+		renew:     cmd.Flags().Duration("renew-interval", 10*time.Second, "how often the held lock is checked (and a ttl lease renewed) while the command runs"),
+		killAfter: cmd.Flags().Duration("kill-after", 5*time.Second, "with a server that gives no lease guarantee: how long after SIGTERM a command whose lock was lost gets SIGKILL"),
+		retries:   cmd.Flags().Int("max-retries", 10, "how often a request is retried when the server refuses it for load (429/503, after its Retry-After, at most 30s) or the network fails; 0: never"),
+	}
+	cmd.RunE = e.action(func(cmd *cobra.Command, argv []string) error {
+		return f.run(e.ctx, o, argv, e.stdin, e.stdout, e.stderr)
+	})
+	return cmd
+}
+
+// runOptions are dlock run's own flags.
+type runOptions struct {
+	always            *bool
+	skipCode, retries *int
+	renew, killAfter  *time.Duration
+}
+
+func (f *clientFlags) run(ctx context.Context, o runOptions, argv []string, stdin io.Reader, stdout, stderr io.Writer) error {
+	always, skipCode, renew, killAfter, retries := o.always, o.skipCode, o.renew, o.killAfter, o.retries
+	req, err := f.check(true)
 	if err != nil {
 		return err
-	}
-	argv := f.fs.Args()
-	if len(argv) == 0 {
-		return usageError{errors.New("run needs a command: dlock run [flags] -- CMD [ARGS...]")}
 	}
 	req.SkipRecent = !*always
 	c, err := f.client()
@@ -75,6 +115,7 @@ func cmdRun(ctx context.Context, args []string, getenv func(string) string, stdi
 	}()
 
 	res, err := c.Lock(waitCtx, req)
+	err = f.explain(err)
 	cancelWait(nil)
 	<-watching // from here on signals go to the command
 	if errors.Is(context.Cause(waitCtx), errInterrupted) {
@@ -250,7 +291,7 @@ wait:
 		return exitStatus(ExitLockLost)
 	}
 	if err := c.Unlock(unlockCtx, req, opErr); err != nil {
-		fmt.Fprintln(stderr, "dlock: unlock:", err)
+		fmt.Fprintln(stderr, "dlock: unlock:", message(f.explain(err)))
 		if status == 0 {
 			status = 1
 		}

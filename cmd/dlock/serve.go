@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"log/slog"
@@ -21,6 +20,8 @@ import (
 	"github.com/dlock/dlock/lock/memory"
 	"github.com/dlock/dlock/refcount"
 	"github.com/dlock/dlock/server"
+	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 )
 
 // connConfig bounds client connections (docs/API.md, limits).
@@ -77,12 +78,10 @@ func defaultDataDir() string {
 	return "dlock-state"
 }
 
-// parseServe reads flags, with DLOCK_… environment variables as fallback
-// (a flag on the command line wins).
-func parseServe(args []string, getenv func(string) string, stderr io.Writer) (serveConfig, error) {
-	c := serveConfig{rules: lock.DefaultRules(), shards: memory.DefaultConfig().Shards}
-	fs := flag.NewFlagSet("dlock serve", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+// serveFlags defines dlock serve's flags on fs, bound to the returned
+// config.
+func serveFlags(fs *pflag.FlagSet) *serveConfig {
+	c := &serveConfig{rules: lock.DefaultRules(), shards: memory.DefaultConfig().Shards}
 	fs.StringVar(&c.listen, "listen", "127.0.0.1:7380", "address to listen on")
 	fs.StringVar(&c.backend, "backend", "memory", "where lock state lives: memory (this process) or etcd (an etcd cluster that any number of dlock servers share)")
 	c.etcd.flags(fs)
@@ -117,72 +116,103 @@ func parseServe(args []string, getenv func(string) string, stderr io.Writer) (se
 	fs.DurationVar(&c.conns.ping, "ping-interval", server.DefaultPingInterval, "longest an event stream stays silent: a ping is sent when nothing else was; clients leave a stream silent for twice it")
 	fs.DurationVar(&c.conns.deadPeer, "dead-peer-timeout", server.DefaultDeadPeer, "a connection whose sent data stays unacknowledged this long is dropped (TCP_USER_TIMEOUT): a node that vanished is noticed within --ping-interval plus this")
 	fs.DurationVar(&c.conns.shutdown, "shutdown-timeout", 10*time.Second, "longest a shutdown waits for requests in progress before it closes every connection")
+	return c
+}
+
+// parseServe reads flags, with DLOCK_… environment variables as fallback
+// (a flag on the command line wins), as dlock serve does.
+func parseServe(args []string, getenv func(string) string, stderr io.Writer) (serveConfig, error) {
+	fs := pflag.NewFlagSet("dlock serve", pflag.ContinueOnError)
+	fs.SetOutput(stderr)
+	c := serveFlags(fs)
 	if err := fs.Parse(args); err != nil {
-		return c, err
+		return *c, err
 	}
 	if fs.NArg() > 0 {
-		return c, fmt.Errorf("serve takes no arguments, got %q", fs.Args())
+		return *c, fmt.Errorf("serve takes no arguments, got %q", fs.Args())
 	}
 	if err := applyEnv(fs, getenv); err != nil {
-		return c, err
+		return *c, err
 	}
+	return *c, c.check()
+}
+
+// check validates the flags, the environment applied.
+func (c *serveConfig) check() error {
 	if c.refcount != "off" && c.refcount != "server" {
-		return c, fmt.Errorf("--refcount must be off or server, not %q", c.refcount)
+		return fmt.Errorf("--refcount must be off or server, not %q", c.refcount)
 	}
 	switch c.backend {
 	case "memory":
 		if c.etcd.set() {
-			return c, errors.New("the --etcd-… flags need --backend etcd")
+			return errors.New("the --etcd-… flags need --backend etcd")
 		}
 		if c.refcount == "server" && c.dataDir == "" {
-			return c, errors.New("--refcount=server needs a --data-dir")
+			return errors.New("--refcount=server needs a --data-dir")
 		}
 	case "etcd":
 		if err := c.etcd.validate(); err != nil {
-			return c, err
-		}
-	default:
-		return c, fmt.Errorf("--backend must be memory or etcd, not %q", c.backend)
-	}
-	if c.rules.UpdateRequiresNoRef && c.refcount != "server" {
-		return c, errors.New("--update-requires-no-ref needs --refcount=server")
-	}
-	if c.conns.max < 0 || c.conns.read <= 0 || c.conns.write <= 0 || c.conns.shutdown <= 0 {
-		return c, errors.New("--max-conns must not be negative, and --read-timeout, --write-timeout and --shutdown-timeout must be positive")
-	}
-	if c.conns.ping < 10*time.Millisecond || c.conns.deadPeer < 100*time.Millisecond {
-		return c, fmt.Errorf("--ping-interval must be at least 10ms and --dead-peer-timeout at least 100ms, not %v and %v", c.conns.ping, c.conns.deadPeer)
-	}
-	if err := c.creds.validate(); err != nil {
-		return c, err
-	}
-	if err := (memory.Config{Rules: c.rules, Shards: c.shards}).Validate(); err != nil {
-		return c, err
-	}
-	if _, _, err := net.SplitHostPort(c.listen); err != nil {
-		return c, fmt.Errorf("--listen %q: %v", c.listen, err)
-	}
-	return c, nil
-}
-
-func serve(ctx context.Context, args []string, getenv func(string) string, stderr io.Writer) error {
-	// SIGHUP is caught from the first moment to the process's end: one
-	// that comes while the server starts (a rotation script, systemctl
-	// reload) is a reload once it has started, and one during shutdown is
-	// nothing. Left to Go's default it would end the process.
-	hup := make(chan os.Signal, 1)
-	signal.Notify(hup, syscall.SIGHUP)
-	c, err := parseServe(args, getenv, stderr)
-	if err != nil {
-		if errors.Is(err, flag.ErrHelp) {
 			return err
 		}
-		return usageError{err}
+	default:
+		return fmt.Errorf("--backend must be memory or etcd, not %q", c.backend)
 	}
-	if c.reload == nil {
-		c.reload = hup
+	if c.rules.UpdateRequiresNoRef && c.refcount != "server" {
+		return errors.New("--update-requires-no-ref needs --refcount=server")
 	}
-	return runServer(ctx, c, stderr)
+	if c.conns.max < 0 || c.conns.read <= 0 || c.conns.write <= 0 || c.conns.shutdown <= 0 {
+		return errors.New("--max-conns must not be negative, and --read-timeout, --write-timeout and --shutdown-timeout must be positive")
+	}
+	if c.conns.ping < 10*time.Millisecond || c.conns.deadPeer < 100*time.Millisecond {
+		return fmt.Errorf("--ping-interval must be at least 10ms and --dead-peer-timeout at least 100ms, not %v and %v", c.conns.ping, c.conns.deadPeer)
+	}
+	if err := c.creds.validate(); err != nil {
+		return err
+	}
+	if err := (memory.Config{Rules: c.rules, Shards: c.shards}).Validate(); err != nil {
+		return err
+	}
+	if _, _, err := net.SplitHostPort(c.listen); err != nil {
+		return fmt.Errorf("--listen %q: %v", c.listen, err)
+	}
+	return nil
+}
+
+func (e *cli) serveCommand() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "serve [flags]",
+		Short: "Run the lock server",
+		Long: `serve runs the dlock server: the HTTP API of docs/API.md on --listen, with its
+lock state in this process (--backend memory) or in an etcd cluster that
+several servers share (--backend etcd; README.md, "High availability").
+--token-file, --tls-cert and --client-ca turn on identities
+(docs/SECURITY.md); SIGHUP re-reads them. SIGINT or SIGTERM stops it,
+finishing the requests in progress (--shutdown-timeout).`,
+		Example: `  dlock serve --listen 127.0.0.1:7380
+  dlock serve --listen :7380 --token-file /etc/dlock/tokens --tls-cert tls.crt --tls-key tls.key
+  DLOCK_BACKEND=etcd DLOCK_ETCD_ENDPOINTS=http://127.0.0.1:2379 dlock serve`,
+		Args: noArgs,
+	}
+	c := serveFlags(cmd.Flags())
+	cmd.RunE = e.action(func(cmd *cobra.Command, _ []string) error {
+		// SIGHUP is caught from here to the process's end: one that
+		// comes while the server starts (a rotation script, systemctl
+		// reload) is a reload once it has started, and one during
+		// shutdown is nothing. Left to Go's default it would end the
+		// process.
+		hup := make(chan os.Signal, 1)
+		signal.Notify(hup, syscall.SIGHUP)
+		if err := c.check(); err != nil {
+			return usageError{err}
+		}
+		if c.reload == nil {
+			c.reload = hup
+		}
+		ctx, stop := signal.NotifyContext(e.ctx, syscall.SIGINT, syscall.SIGTERM)
+		defer stop()
+		return runServer(ctx, *c, e.stderr)
+	})
+	return cmd
 }
 
 func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {

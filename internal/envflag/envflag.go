@@ -1,6 +1,7 @@
-// Package envflag gives every flag of a FlagSet an environment fallback:
-// a flag not given on the command line takes PREFIX_<FLAG> (upper case,
-// dashes as underscores) when that is set. The command line wins.
+// Package envflag gives every flag of a FlagSet, the flag package's or
+// pflag's, an environment fallback: a flag not given on the command line
+// takes PREFIX_<FLAG> (upper case, dashes as underscores) when that is
+// set. The command line wins.
 package envflag
 
 import (

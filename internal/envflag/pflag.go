@@ -1,0 +1,28 @@
+package envflag
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/spf13/pflag"
+)
+
+// ApplyPFlags is Apply for a pflag FlagSet (the dlock command's, built with
+// cobra): after fs.Parse, every flag not given on the command line takes
+// its environment variable. A flag set this way counts as given
+// (Changed), so a required flag may come from the environment.
+func ApplyPFlags(fs *pflag.FlagSet, prefix string, getenv func(string) string) error {
+	var errs []error
+	fs.VisitAll(func(f *pflag.Flag) {
+		if f.Changed {
+			return
+		}
+		env := Name(prefix, f.Name)
+		if v := getenv(env); v != "" {
+			if err := fs.Set(f.Name, v); err != nil {
+				errs = append(errs, fmt.Errorf("%s=%q: %v", env, v, err))
+			}
+		}
+	})
+	return errors.Join(errs...)
+}
