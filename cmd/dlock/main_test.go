@@ -19,6 +19,13 @@ var (
 )
 
 func TestMain(m *testing.M) {
+	// dlock run starts its helpers from /proc/self/exe: run in this
+	// process (inProcess), that is the test binary, which must then be
+	// the helper rather than run every test again in each helper, and
+	// those tests' helpers, without end.
+	if code, ok := internalMain(os.Args[1:]); ok {
+		os.Exit(code)
+	}
 	code := m.Run()
 	if binDir != "" {
 		os.RemoveAll(binDir)
