@@ -60,7 +60,7 @@ var (
 	// longer has this node as the holder (expired, session lost, restarted).
 	ErrLockLost = errors.New("dlock: lock lost")
 	// ErrReleased is what Result.Err says once this client let the hold go
-	// itself (Unlock, Release): Lost closes then too.
+	// itself (Unlock): Lost closes then too.
 	ErrReleased = errors.New("dlock: lock released")
 	// ErrClosed is returned by calls on a closed Client.
 	ErrClosed = errors.New("dlock: client closed")

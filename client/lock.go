@@ -53,8 +53,8 @@ type Result struct {
 	// has this node as its holder (lease expired, session lost, restart),
 	// or no server confirmed the hold within the lease it guaranteed, which
 	// closes Lost at least Margin before any server may hand the lock on
-	// (docs/DESIGN.md, "Leases"). It is closed by Unlock and Release too:
-	// Err tells the two apart.
+	// (docs/DESIGN.md, "Leases"). It is closed by Unlock and Close too:
+	// Err tells them apart.
 	Lost <-chan struct{}
 	// Margin is, when the server guaranteed the hold, how long at least
 	// before the earliest hand-over Lost closes: the time the caller has to
@@ -78,8 +78,8 @@ type Result struct {
 
 // Err says why Lost closed: nil while it is open (the hold stands, as far
 // as the client knows), ErrLockLost when the lock was lost, ErrReleased
-// when this client let it go (Unlock, Release), ErrClosed when the Client
-// was closed. A Result that is not a grant has no hold: Err is nil.
+// when this client let it go (Unlock), ErrClosed when the Client was
+// closed. A Result that is not a grant has no hold: Err is nil.
 func (r Result) Err() error {
 	if r.hold == nil || r.hold.Err() == nil {
 		return nil
