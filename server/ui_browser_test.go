@@ -20,6 +20,7 @@ import (
 	"github.com/chromedp/cdproto/emulation"
 	"github.com/chromedp/chromedp"
 	"github.com/chromedp/chromedp/kb"
+	"github.com/dlock/dlock/lock"
 	"github.com/dlock/dlock/lock/etcd"
 	"github.com/dlock/dlock/lock/memory"
 )
@@ -317,4 +318,181 @@ func testUIBrowser(t *testing.T, newEnv func(prep func(*Server)) (*env, string),
 		}
 		t.Logf("screenshot saved to %s", out)
 	}
+}
+
+// endableOps records the operator feeds its Inspector opens, so that a
+// test can end the last one as the backend ends a feed that did not keep
+// up: the server then ends the page's event stream.
+type endableOps struct {
+	lock.Inspector
+	opened func(lock.OpStream)
+}
+
+func (o endableOps) WatchOps(ctx context.Context) (lock.OpStream, error) {
+	st, err := o.Inspector.WatchOps(ctx)
+	if err == nil {
+		o.opened(st)
+	}
+	return st, err
+}
+
+// TestUIBrowserStates: the page's first seconds and its empty tables.
+// Until the first data arrives it says it is loading, not "Live"; on an
+// empty server each table says what would be there; a filter that matches
+// nothing says so; a broken event stream says it is reconnecting. The
+// first read of the held keys is held until the test lets it go, and a
+// reconnecting stream until the test has seen the page say so: no timing
+// decides what the page shows when it is looked at.
+func TestUIBrowserStates(t *testing.T) {
+	ctx, closeBrowser := browser(t)
+	keysAsked := make(chan struct{}, 1)
+	keysHeld := make(chan struct{})
+	releaseKeys := sync.OnceFunc(func() { close(keysHeld) })
+	var (
+		mu         sync.Mutex
+		lastFeed   lock.OpStream // the page's last operator feed
+		streamGate chan struct{} // not nil: a new /ui/events waits until it is closed
+	)
+	e := newEnvWith(t, envConfig{
+		prep: func(s *Server) {
+			s.inspect = endableOps{s.inspect, func(st lock.OpStream) {
+				mu.Lock()
+				lastFeed = st
+				mu.Unlock()
+			}}
+			keys := s.routes["/ui/api/keys"]
+			hk := keys.h
+			keys.h = func(w http.ResponseWriter, r *http.Request) error {
+				select {
+				case keysAsked <- struct{}{}:
+				default:
+				}
+				select {
+				case <-keysHeld:
+				case <-r.Context().Done():
+				}
+				return hk(w, r)
+			}
+			events := s.routes["/ui/events"]
+			he := events.h
+			events.h = func(w http.ResponseWriter, r *http.Request) error {
+				mu.Lock()
+				gate := streamGate
+				mu.Unlock()
+				if gate != nil {
+					select {
+					case <-gate:
+					case <-r.Context().Done():
+					}
+				}
+				return he(w, r)
+			}
+		},
+	})
+	defer releaseKeys()
+	defer closeBrowser() // before the server's cleanup, and before goleak looks
+
+	if err := chromedp.Do(ctx, chromedp.Navigate(e.ts.URL+"/ui")); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-keysAsked:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the page never asked for the held keys")
+	}
+	// The event stream is open and the keys are not read yet: the page
+	// says it is loading, and the keys' table does not say it is empty.
+	// (The completions and sessions, read apart, may have arrived.)
+	pollUI[bool](t, ctx, "the badge to say loading", `document.getElementById("conn").textContent === "Loading…"`)
+	type loadingState struct {
+		Live     bool     `json:"live"`
+		Busy     []string `json:"busy"`
+		Rows     []string `json:"rows"`
+		Counters []string `json:"counters"`
+		Empty    bool     `json:"empty"`
+	}
+	const stateJS = `(() => ({
+		live: document.getElementById("conn").classList.contains("live"),
+		busy: ["totals", "keys"].map((id) => document.getElementById(id).getAttribute("aria-busy")),
+		rows: [...document.querySelectorAll("#keys tbody tr")].map((r) => r.innerText.trim()),
+		counters: [...document.querySelectorAll(".totals dd")].map((d) => d.textContent),
+		empty: !document.getElementById("keys-empty").hidden,
+	}))()`
+	st := uiEval[loadingState](t, ctx, stateJS)
+	if st.Live || !slices.Equal(st.Busy, []string{"true", "true"}) || !slices.Equal(st.Rows, []string{"Loading…"}) ||
+		!slices.Equal(st.Counters, []string{"Loading…", "Loading…", "Loading…", "Loading…"}) || st.Empty {
+		t.Fatalf("before the keys are read the page shows %+v, want it loading and not live", st)
+	}
+
+	releaseKeys()
+	pollUI[bool](t, ctx, "the badge to say Live", `(() => { const c = document.getElementById("conn"); return c.textContent === "Live" && c.classList.contains("live"); })()`)
+	st = uiEval[loadingState](t, ctx, stateJS)
+	if !slices.Equal(st.Busy, []string{"false", "false"}) || len(st.Rows) != 0 ||
+		!slices.Equal(st.Counters, []string{"0", "0", "0", "0"}) {
+		t.Fatalf("once read, the empty server shows %+v", st)
+	}
+	emptyJS := `["keys-empty", "done-empty", "sess-empty"].map((id) => { const p = document.getElementById(id); return p.hidden ? "" : p.textContent; })`
+	want := []string{
+		"No key is held. Held keys appear here with their holder, fencing token and how long they have been held.",
+		"No completion is kept. A holder’s unlock (success or failure) appears here for as long as the server keeps it (--completed-retention, 5 minutes unless set).",
+		"No session: a node has a session while its event stream (/subscribe) is open, and for --session-grace after it closes.",
+	}
+	if got := pollUI[[]string](t, ctx, "the empty states", emptyJS+`.every((s) => s !== "") && `+emptyJS); !slices.Equal(got, want) {
+		t.Fatalf("empty states %q, want %q", got, want)
+	}
+	if got := uiEval[[]string](t, ctx, `["keys", "completions", "sessions"].map((id) => document.getElementById(id).getAttribute("aria-busy"))`); !slices.Equal(got, []string{"false", "false", "false"}) {
+		t.Fatalf("aria-busy %q once read", got)
+	}
+
+	// What the labels say, and that the ones one line cannot explain have
+	// a tooltip.
+	type label struct {
+		Text  string `json:"text"`
+		Title bool   `json:"title"`
+	}
+	labels := uiEval[[]label](t, ctx, `[...document.querySelectorAll(".totals dt, #keys th, #completions th, #sessions th")].map((e) => ({ text: e.textContent, title: e.title !== "" }))`)
+	wantLabels := []label{
+		{"Keys held", true}, {"Queued requests", true}, {"Node sessions", true}, {"Keys with state (held, queued or recently completed)", true},
+		{"Key", false}, {"Holder", false}, {"Fencing token", true}, {"Held for", false}, {"Queue, in order", true},
+		{"When", false}, {"Key", false}, {"Node", true}, {"Outcome", false}, {"Error", false}, {"Went to", true},
+		{"Node", false}, {"Open streams", true}, {"State", true}, {"Keys held or awaited", true},
+	}
+	if !slices.Equal(labels, wantLabels) {
+		t.Fatalf("labels %+v, want %+v", labels, wantLabels)
+	}
+
+	// A filter that matches nothing says so, in each table it filters;
+	// the sessions, which only the node filters, keep their own words.
+	if err := chromedp.Do(ctx, chromedp.SendKeys(chromedp.CSS("#filter"), "x")); err != nil {
+		t.Fatal(err)
+	}
+	want[0], want[1] = "No key matches the filter “x”.", "No completion matches the filter “x”."
+	if got := pollUI[[]string](t, ctx, "the filter's empty states", emptyJS+`[0].startsWith("No key matches") && `+emptyJS); !slices.Equal(got, want) {
+		t.Fatalf("with the filter x: %q, want %q", got, want)
+	}
+	if err := chromedp.Do(ctx, chromedp.SendKeys(chromedp.CSS("#node"), "node-z")); err != nil {
+		t.Fatal(err)
+	}
+	want = []string{
+		"No key matches the filter “x” and the node “node-z”.",
+		"No completion matches the filter “x” and the node “node-z”.",
+		"No session matches the node “node-z”.",
+	}
+	if got := pollUI[[]string](t, ctx, "the node filter's empty states", emptyJS+`[2].startsWith("No session matches") && `+emptyJS); !slices.Equal(got, want) {
+		t.Fatalf("with the filter x and the node node-z: %q, want %q", got, want)
+	}
+
+	// The stream breaks: the badge says so until it is open again.
+	gate := make(chan struct{})
+	mu.Lock()
+	streamGate = gate
+	feed := lastFeed
+	mu.Unlock()
+	feed.Close()
+	pollUI[bool](t, ctx, "the badge to say the stream broke", `(() => { const c = document.getElementById("conn"); return c.textContent === "Reconnecting…" && !c.classList.contains("live"); })()`)
+	mu.Lock()
+	streamGate = nil
+	mu.Unlock()
+	close(gate)
+	pollUI[bool](t, ctx, "the badge to say Live again", `document.getElementById("conn").textContent === "Live"`)
 }
