@@ -640,3 +640,34 @@ func TestLocalAddr(t *testing.T) {
 		}
 	}
 }
+
+// TestResultErrUnlockOfALostHold: an Unlock that the server refuses because
+// the lock moved on before this client noticed (another process of the
+// node released it, another node took it) ends the hold as lost, not as
+// released: Err must not tell a holder that checks it afterwards that it
+// let the lock go itself.
+func TestResultErrUnlockOfALostHold(t *testing.T) {
+	srv := startServer(t, nil)
+	a := newClient(t, srv, "a")
+	a.RenewInterval = time.Hour // the refused Unlock, not the watch, learns of the loss
+	ra, err := a.Lock(t.Context(), pull)
+	if err != nil {
+		t.Fatal(err)
+	}
+	other := newClient(t, srv, "a") // another process of node a
+	if _, err := other.Release(t.Context(), pull, 0, errors.New("given up")); err != nil {
+		t.Fatal(err)
+	}
+	b := newClient(t, srv, "b")
+	if res, err := b.TryLock(t.Context(), pull); err != nil || !res.Acquired {
+		t.Fatalf("b's lock after a's release: %+v, %v", res, err)
+	}
+	err = a.Unlock(t.Context(), pull, nil)
+	if !errors.Is(err, ErrNotHolder) && !errors.Is(err, ErrStaleToken) {
+		t.Fatalf("Unlock of a lock b holds now: %v, want ErrNotHolder or ErrStaleToken", err)
+	}
+	<-ra.Lost
+	if err := ra.Err(); !errors.Is(err, ErrLockLost) {
+		t.Errorf("Err after an Unlock refused for another holder: %v, want ErrLockLost", err)
+	}
+}

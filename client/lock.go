@@ -77,9 +77,11 @@ type Result struct {
 }
 
 // Err says why Lost closed: nil while it is open (the hold stands, as far
-// as the client knows), ErrLockLost when the lock was lost, ErrReleased
-// when this client let it go (Unlock), ErrClosed when the Client was
-// closed. A Result that is not a grant has no hold: Err is nil.
+// as the client knows), ErrLockLost when the lock was lost (an Unlock
+// refused with ErrNotHolder or ErrStaleToken included: it was lost before
+// it was let go), ErrReleased when this client let it go (Unlock,
+// Release), ErrClosed when the Client was closed. A Result that is not a
+// grant has no hold: Err is nil.
 func (r Result) Err() error {
 	if r.hold == nil || r.hold.Err() == nil {
 		return nil
@@ -473,11 +475,24 @@ func (c *Client) Release(ctx context.Context, req Request, token uint64, opErr e
 		h = nil
 	}
 	c.mu.Unlock()
-	if h != nil {
-		h.stop()
-		defer h.cancel(ErrReleased)
+	if h == nil {
+		return c.release(ctx, k, token, opErr)
 	}
-	return c.release(ctx, k, token, opErr)
+	h.stop()
+	res, err := c.release(ctx, k, token, opErr)
+	h.cancel(releasedCause(err))
+	return res, err
+}
+
+// releasedCause is the cause a hold ends with once its /unlock was answered
+// with err (Result.Err): a refusal because another node holds the key or a
+// newer token was granted says the lock was lost before this client let it
+// go, which a holder that checks Err after the fact must learn.
+func releasedCause(err error) error {
+	if errors.Is(err, ErrNotHolder) || errors.Is(err, ErrStaleToken) {
+		return ErrLockLost
+	}
+	return ErrReleased
 }
 
 func (c *Client) release(ctx context.Context, k lock.Key, token uint64, opErr error) (api.UnlockResponse, error) {
@@ -593,11 +608,13 @@ func (c *Client) Unlock(ctx context.Context, req Request, opErr error) error {
 	if h != nil {
 		token = h.token
 		h.stop()
-		defer h.cancel(ErrReleased)
 	}
 	_, err := c.release(ctx, k, token, opErr)
-	if h != nil && !h.tried {
-		c.releaseGate(k, err == nil && opErr == nil)
+	if h != nil {
+		defer h.cancel(releasedCause(err))
+		if !h.tried {
+			c.releaseGate(k, err == nil && opErr == nil)
+		}
 	}
 	return err
 }

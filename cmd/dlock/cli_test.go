@@ -176,6 +176,8 @@ func TestUsageErrors(t *testing.T) {
 		{args: []string{"lock", "--resource", "x"}, env: map[string]string{"DLOCK_SERVER": "localhost:7380"}, want: "--server wants a URL like http://127.0.0.1:7380"},
 		{args: []string{"run", "--resource", "x", "--server", "http://127.0.0.1:1,127.0.0.1:2", "--", "true"}, want: "--server wants a URL"},
 		{args: []string{"run", "--resource", "x"}, want: "run needs a command"},
+		{args: []string{"run", "--resource", "x", "--skip-exit-code", "300", "--", "true"}, want: "--skip-exit-code 300: an exit status is 0 to 255"},
+		{args: []string{"run", "--resource", "x", "--skip-exit-code", "-1", "--", "true"}, want: "--skip-exit-code -1"},
 		{args: []string{"run", "--renew-interval", "soon", "--resource", "x", "--", "true"}, want: `invalid argument "soon"`},
 		{args: []string{"refcount", "--add", "--release", "--resource", "x"}, want: "exclude each other"},
 		{args: []string{"refcount"}, want: "--resource is required"},

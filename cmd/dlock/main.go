@@ -82,7 +82,7 @@ func (c *cli) rootCommand() *cobra.Command {
 		Short: "dlock: a distributed lock service for nodes that share work",
 		Long: `dlock is a lock server (dlock serve) and its command-line client: a node takes a
 lock on a resource, or joins its queue, does the work and unlocks, and the
-next node learns whether the work is done (README.md, "Command line").
+next node learns whether the work is done (docs/CLI.md).
 
 The client commands take --server (several servers of one lock service as
 URL1,URL2,…: a request that fails for its server moves to the next), --node,

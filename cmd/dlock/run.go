@@ -51,6 +51,11 @@ at CMD: write them before it, and "--" before CMD when CMD has flags.`,
 			if len(args) == 0 {
 				return usageError{errors.New("run needs a command: dlock run [flags] -- CMD [ARGS...]")}
 			}
+			// An exit status is a byte: 300 would leave the process as 44,
+			// which a script would take for something else.
+			if n, _ := cmd.Flags().GetInt("skip-exit-code"); n < 0 || n > 255 {
+				return usageError{fmt.Errorf("--skip-exit-code %d: an exit status is 0 to 255", n)}
+			}
 			return nil
 		},
 		Annotations: map[string]string{annotationStopAtArg: "true"},

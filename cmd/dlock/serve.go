@@ -184,7 +184,7 @@ func (e *cli) serveCommand() *cobra.Command {
 		Short: "Run the lock server",
 		Long: `serve runs the dlock server: the HTTP API of docs/API.md on --listen, with its
 lock state in this process (--backend memory) or in an etcd cluster that
-several servers share (--backend etcd; README.md, "High availability").
+several servers share (--backend etcd; docs/HA.md).
 --token-file, --tls-cert and --client-ca turn on identities
 (docs/SECURITY.md); SIGHUP re-reads them. SIGINT or SIGTERM stops it,
 finishing the requests in progress (--shutdown-timeout).`,
