@@ -98,7 +98,7 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 		runs := strings.Split(*scenarios, ",")
 		for _, s := range runs {
 			if !slices.Contains(benchScenarios, s) {
-				return usageError{fmt.Errorf("unknown scenario %q", s)}
+				return usageError{fmt.Errorf("unknown scenario %q: the scenarios are %s", s, strings.Join(benchScenarios, ", "))}
 			}
 		}
 		serverSet := fs.Changed("server")
