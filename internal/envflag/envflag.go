@@ -18,17 +18,23 @@ func Apply(fs *flag.FlagSet, prefix string, getenv func(string) string) error {
 	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
 	var errs []error
 	fs.VisitAll(func(f *flag.Flag) {
-		if set[f.Name] {
-			return
-		}
-		env := Name(prefix, f.Name)
-		if v := getenv(env); v != "" {
-			if err := fs.Set(f.Name, v); err != nil {
-				errs = append(errs, fmt.Errorf("%s=%q: %v", env, v, err))
-			}
+		if !set[f.Name] {
+			errs = append(errs, fromEnv(prefix, f.Name, fs.Set, getenv))
 		}
 	})
 	return errors.Join(errs...)
+}
+
+// fromEnv sets the flag name with set from its environment variable, if
+// that is set; a bad value is an error naming the variable.
+func fromEnv(prefix, name string, set func(name, value string) error, getenv func(string) string) error {
+	env := Name(prefix, name)
+	if v := getenv(env); v != "" {
+		if err := set(name, v); err != nil {
+			return fmt.Errorf("%s=%q: %v", env, v, err)
+		}
+	}
+	return nil
 }
 
 // Name is the environment variable of a flag.

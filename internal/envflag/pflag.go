@@ -2,7 +2,6 @@ package envflag
 
 import (
 	"errors"
-	"fmt"
 
 	"github.com/spf13/pflag"
 )
@@ -14,14 +13,8 @@ import (
 func ApplyPFlags(fs *pflag.FlagSet, prefix string, getenv func(string) string) error {
 	var errs []error
 	fs.VisitAll(func(f *pflag.Flag) {
-		if f.Changed {
-			return
-		}
-		env := Name(prefix, f.Name)
-		if v := getenv(env); v != "" {
-			if err := fs.Set(f.Name, v); err != nil {
-				errs = append(errs, fmt.Errorf("%s=%q: %v", env, v, err))
-			}
+		if !f.Changed {
+			errs = append(errs, fromEnv(prefix, f.Name, fs.Set, getenv))
 		}
 	})
 	return errors.Join(errs...)
