@@ -1,14 +1,12 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -34,23 +32,6 @@ func containerdBlocks(t *testing.T, test string) []doctest.Block {
 		t.Fatal(err)
 	}
 	return doctest.Marked(all, test)
-}
-
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }
 
 // TestDocsContainerd runs the start of docs/CONTAINERD.md as written: the
@@ -81,8 +62,8 @@ func TestDocsContainerd(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	start := func(line string) *lockedBuffer {
-		out := &lockedBuffer{}
+	start := func(line string) *kit.Buffer {
+		out := &kit.Buffer{}
 		cmd := exec.CommandContext(ctx, "bash", "-c", "exec "+line)
 		cmd.Env = append(os.Environ(), "PATH="+bin+":"+os.Getenv("PATH"), "DLOCK_DATA_DIR="+filepath.Join(dir, "data"))
 		cmd.Stdout, cmd.Stderr = out, out

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"net"
 	"net/http"
@@ -11,7 +10,6 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -35,24 +33,6 @@ func docBlocks(t *testing.T, page string) []doctest.Block {
 		t.Fatal(err)
 	}
 	return all
-}
-
-// lockedBuffer is an io.Writer that a test reads while a process writes it.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }
 
 // shell runs script with bash, with the dlock binary first on PATH.
@@ -146,13 +126,13 @@ func TestREADMEWalkthrough(t *testing.T) {
 	defer cancel()
 
 	// The streams, each in the background as in its own terminal.
-	streams := map[string]*lockedBuffer{}
+	streams := map[string]*kit.Buffer{}
 	for _, line := range strings.Split(strings.TrimSpace(marked[1].Text), "\n") {
 		m := regexp.MustCompile(`node_id=(node-[a-z])`).FindStringSubmatch(line)
 		if m == nil || !strings.HasPrefix(line, "curl -sN ") {
 			t.Fatalf("README.md:%d: a stream's line is not curl -sN …node_id=…: %q", marked[1].Line, line)
 		}
-		out := &lockedBuffer{}
+		out := &kit.Buffer{}
 		cmd := shell(t, ctx, repoRoot, addr(line))
 		cmd.Stdout = out
 		cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
@@ -256,7 +236,7 @@ func TestREADMEFirstCommands(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute) // bounds a broken run only
 	defer cancel()
 	cmd := shell(t, ctx, repoRoot, "exec "+cmds[0], "DLOCK_LISTEN=127.0.0.1:0", "DLOCK_DATA_DIR="+t.TempDir())
-	var logs lockedBuffer
+	var logs kit.Buffer
 	cmd.Stderr = &logs
 	// go run does not pass a signal on to the program it runs: the
 	// server gets SIGTERM as a terminal's Ctrl-C reaches both, through

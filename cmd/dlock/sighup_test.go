@@ -11,7 +11,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -19,24 +18,6 @@ import (
 	"github.com/dlock/dlock/internal/auth"
 	"github.com/dlock/dlock/internal/dlocktest/kit"
 )
-
-// lockedLog collects a process's stderr.
-type lockedLog struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (l *lockedLog) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedLog) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
 
 // TestServeSIGHUPDuringStart: a SIGHUP while dlock serve starts (a
 // rotation script or `systemctl reload` while the service restarts, or a
@@ -49,7 +30,7 @@ func TestServeSIGHUPDuringStart(t *testing.T) {
 	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
 		t.Skipf("mkfifo: %v", err)
 	}
-	var logs lockedLog
+	var logs kit.Buffer
 	cmd := exec.Command(dlockBinary(t), "serve", "--listen", "127.0.0.1:0", "--data-dir", "", "--token-file", fifo)
 	cmd.Stderr = &logs
 	if err := cmd.Start(); err != nil {

@@ -4,6 +4,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 	"unicode"
@@ -47,7 +48,7 @@ func TestEveryCommandIsRun(t *testing.T) {
 				continue
 			}
 			n++
-			where := page + ":" + itoa(b.Line)
+			where := page + ":" + strconv.Itoa(b.Line)
 			if b.Test == "" {
 				t.Errorf("%s: a %s block with no <!-- run: DIR TEST --> marker above it: which test runs it?", where, b.Lang)
 				continue
@@ -91,22 +92,6 @@ func runs(dir, test, page string) string {
 		return "no test file of " + dir + " names " + page + " as a string: does " + test + " read it?"
 	}
 	return ""
-}
-
-func itoa(n int) string {
-	return fmtInt(n)
-}
-
-func fmtInt(n int) string {
-	if n == 0 {
-		return "0"
-	}
-	var b []byte
-	for n > 0 {
-		b = append([]byte{byte('0' + n%10)}, b...)
-		n /= 10
-	}
-	return string(b)
 }
 
 var link = regexp.MustCompile(`\]\(([^)\s]+)\)`)
@@ -178,7 +163,7 @@ func headings(text string) map[string]bool {
 		}
 		s := slug(strings.TrimSpace(strings.TrimLeft(h, "#")))
 		if k := seen[s]; k > 0 {
-			out[s+"-"+fmtInt(k)] = true
+			out[s+"-"+strconv.Itoa(k)] = true
 		} else {
 			out[s] = true
 		}
