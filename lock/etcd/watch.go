@@ -101,9 +101,7 @@ type keyInfo struct {
 type sessInfo struct {
 	lease   int64
 	created int64
-	log     []logEntry // log[head:] are the events kept (replaylog.go)
-	head    int
-	bytes   int
+	log     lock.ReplayLog
 	dropped uint64 // the id of the newest event the log let go
 }
 

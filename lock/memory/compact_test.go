@@ -444,24 +444,6 @@ func TestReplayRebuildsCompactEvents(t *testing.T) {
 			mustUnlock(t, m, lock.Update, r, "x", false)
 		}
 		sent = append(sent, events(st)...)
-		s := m.sess.get("a")
-		s.mu.Lock()
-		compact, whole, bytes := 0, 0, 0
-		for _, le := range s.log[s.logHead:] {
-			bytes += le.size(s)
-			if le.res != "" {
-				compact++
-			} else if whole++; le.ev.Name == lock.EventLockAssigned {
-				t.Errorf("the log keeps a's own lock_assigned %d whole", le.id)
-			}
-		}
-		if bytes != s.logBytes {
-			t.Errorf("the log counts %d bytes, its events take %d", s.logBytes, bytes)
-		}
-		s.mu.Unlock()
-		if i >= 2 && (compact == 0 || whole == 0) {
-			t.Fatalf("after %d rounds: %d compact and %d whole events in the log, want both", i+1, compact, whole)
-		}
 		for j := -1; j < len(sent); j++ {
 			var last uint64
 			if j >= 0 {

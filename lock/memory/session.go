@@ -1,9 +1,7 @@
 package memory
 
 import (
-	"cmp"
 	"fmt"
-	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -48,12 +46,9 @@ type session struct {
 	nents int
 	ended bool
 
-	// The replay log: the session's recent events from logHead on, oldest
-	// first, at most Config.SessionLog of them and Config.SessionLogBytes
-	// of wire size (logBytes).
-	log      []logEntry
-	logHead  int
-	logBytes int
+	// The replay log: the session's recent events, at most
+	// Config.SessionLog of them and Config.SessionLogBytes of wire size.
+	log lock.ReplayLog
 	// lost is the id of the newest event the log let go, or the last id
 	// issued before the session began: a replay from an older id misses
 	// events.
@@ -134,43 +129,6 @@ func (s *session) unlink(e *entry) {
 	s.nents--
 }
 
-// logEntry is one event of a session's replay log, 40 bytes. Most of a log
-// is the session's own lock_assigned events, one per grant, which no other
-// session shares: the log keeps such an event as the template of its type
-// (assigned), its resource and its token, and live builds it again, so
-// that the Event sent to the streams, and the encoding cached in it, are
-// not kept alive for a replay that seldom comes (docs/DESIGN.md, "Event
-// ids and replay"). Any other event is shared by every session that got
-// it, and is kept as it is.
-type logEntry struct {
-	id    uint64
-	ev    *lock.Event // the event, or the template of a compact one
-	res   string      // set only in a compact one: its resource, the key's own copy
-	token uint64      // a compact one's token
-}
-
-// assigned are the templates of compact lock_assigned events, by type,
-// made at a type's first compact event: a Type is one byte, so every type
-// has a slot, and the types a process never sees cost a nil pointer.
-var assigned [256]atomic.Pointer[lock.Event]
-
-// assignedTemplate is the template of t's compact lock_assigned events.
-func assignedTemplate(t lock.Type) *lock.Event {
-	if ev := assigned[t].Load(); ev != nil {
-		return ev
-	}
-	assigned[t].CompareAndSwap(nil, &lock.Event{Name: lock.EventLockAssigned, Key: lock.Key{Type: t}})
-	return assigned[t].Load()
-}
-
-// size is the entry's event's WireSize.
-func (le *logEntry) size(s *session) int {
-	if le.res != "" {
-		return lock.EventWireSize(lock.EventLockAssigned, le.res, s.node, "", "")
-	}
-	return le.ev.WireSize()
-}
-
 // live is the replay log's events, in order (Subscribe's replay).
 //
 // It builds every compact event of the log, up to SessionLog of them,
@@ -178,32 +136,8 @@ func (le *logEntry) size(s *session) int {
 // (stream.go) should ask for after(lastID) instead.
 func (s *session) live() []lock.Delivery { return s.after(0) }
 
-// after is the replay log's events with an id above last, in order. The
-// lock_assigned events the log keeps compact are built anew, in one
-// allocation.
-func (s *session) after(last uint64) []lock.Delivery {
-	log := s.log[s.logHead:]
-	i, _ := slices.BinarySearchFunc(log, last+1, func(le logEntry, id uint64) int { return cmp.Compare(le.id, id) })
-	log = log[i:]
-	n := 0
-	for i := range log {
-		if log[i].res != "" {
-			n++
-		}
-	}
-	built := make([]lock.Event, n)
-	out := make([]lock.Delivery, len(log))
-	for i := range log {
-		le := &log[i]
-		ev := le.ev
-		if le.res != "" {
-			ev, built = &built[0], built[1:]
-			ev.Name, ev.Key, ev.Node, ev.Token = lock.EventLockAssigned, lock.Key{Type: le.ev.Key.Type, Resource: le.res}, s.node, le.token
-		}
-		out[i] = lock.Delivery{ID: le.id, Event: ev}
-	}
-	return out
-}
+// after is the replay log's events with an id above last, in order.
+func (s *session) after(last uint64) []lock.Delivery { return s.log.After(s.node, last) }
 
 func (s *session) push(m *Backend, ev *lock.Event) {
 	var slow []*stream
@@ -226,29 +160,11 @@ func (s *session) push(m *Backend, ev *lock.Event) {
 }
 
 // logAppend adds d to the replay log, letting the oldest events go beyond
-// the log's bounds. Dropping from the head and compacting once the head is
-// half the slice costs O(1) amortized an event.
+// the log's bounds.
 func (s *session) logAppend(cfg *Config, d lock.Delivery) {
-	size := d.Event.WireSize()
-	le := logEntry{id: d.ID, ev: d.Event}
-	if ev := d.Event; ev.Name == lock.EventLockAssigned && ev.Node == s.node {
-		le.ev, le.res, le.token = assignedTemplate(ev.Key.Type), ev.Key.Resource, ev.Token
+	if dropped := s.log.Append(s.node, d, cfg.SessionLog, cfg.SessionLogBytes); dropped > 0 {
+		s.lost = dropped
 	}
-	for s.logHead < len(s.log) && (len(s.log)-s.logHead >= cfg.SessionLog || s.logBytes+size > cfg.SessionLogBytes) {
-		old := &s.log[s.logHead]
-		s.lost = old.id
-		s.logBytes -= old.size(s)
-		*old = logEntry{}
-		s.logHead++
-	}
-	if s.logHead > 0 && 2*s.logHead >= len(s.log) {
-		n := copy(s.log, s.log[s.logHead:])
-		clear(s.log[n:])
-		s.log = s.log[:n]
-		s.logHead = 0
-	}
-	s.log = append(s.log, le)
-	s.logBytes += size
 }
 
 // graceHeap holds the sessions in grace by the end of their grace: one
@@ -426,7 +342,8 @@ func (m *Backend) endSessions(due []*session, now mono, drops map[*shard][]sessi
 			e.sprev, e.snext = nil, nil
 			e = next
 		}
-		s.ents, s.nents, s.log, s.logHead, s.logBytes = nil, 0, nil, 0, 0
+		s.ents, s.nents = nil, 0
+		s.log.Reset()
 		s.mu.Unlock()
 		m.opSession(s)
 		if n == 0 {

@@ -1,0 +1,101 @@
+package lock
+
+import (
+	"fmt"
+	"testing"
+)
+
+// TestReplayLogCompact: a session's own lock_assigned events are kept
+// compact and the others whole, the log counts its bytes exactly and
+// keeps its bounds, and After gives back, from every id, the events
+// appended, built again as they were.
+func TestReplayLogCompact(t *testing.T) {
+	const node, maxEvents = "a", 8
+	var (
+		l       ReplayLog
+		sent    []Delivery
+		dropped uint64
+	)
+	for i := range 30 {
+		d := Delivery{ID: uint64(10 + 2*i)} // ids increase, with gaps
+		k := Key{Type: Pull, Resource: fmt.Sprint("r", i)}
+		switch i % 3 {
+		case 0: // a's own grant: compact
+			d.Event = &Event{Name: EventLockAssigned, Key: k, Node: node, Token: uint64(100 + i)}
+		case 1: // a completion, shared with other sessions: whole
+			d.Event = &Event{Name: EventOperationCompleted, Key: k, Node: "x", Success: true}
+		case 2: // another node's grant, as an observer gets it: whole
+			d.Event = &Event{Name: EventLockAssigned, Key: k, Node: "x", Token: uint64(100 + i)}
+		}
+		if x := l.Append(node, d, maxEvents, 1<<20); x > 0 {
+			if x <= dropped {
+				t.Fatalf("dropped %d after %d", x, dropped)
+			}
+			dropped = x
+		}
+		sent = append(sent, d)
+		compact, whole, bytes := 0, 0, 0
+		for _, e := range l.entries[l.head:] {
+			bytes += e.size(node)
+			if e.res != "" {
+				compact++
+			} else if whole++; e.ev.Name == EventLockAssigned && e.ev.Node == node {
+				t.Errorf("the log keeps a's own lock_assigned %d whole", e.id)
+			}
+		}
+		if bytes != l.bytes {
+			t.Errorf("the log counts %d bytes, its events take %d", l.bytes, bytes)
+		}
+		if i >= 2 && (compact == 0 || whole == 0) {
+			t.Fatalf("after %d events: %d compact and %d whole in the log, want both", i+1, compact, whole)
+		}
+		kept := sent[max(0, len(sent)-maxEvents):]
+		if n := len(l.entries) - l.head; n != len(kept) {
+			t.Fatalf("after %d events the log keeps %d, want %d", i+1, n, len(kept))
+		}
+		if len(sent) > maxEvents && dropped != sent[len(sent)-maxEvents-1].ID {
+			t.Fatalf("after %d events: dropped %d, want %d", i+1, dropped, sent[len(sent)-maxEvents-1].ID)
+		}
+		for j := -1; j < len(kept); j++ {
+			var last uint64
+			if j >= 0 {
+				last = kept[j].ID
+			}
+			got, want := l.After(node, last), kept[j+1:]
+			if len(got) != len(want) {
+				t.Fatalf("after %d events, from %d: %d replayed, want %d", i+1, last, len(got), len(want))
+			}
+			for x, d := range got {
+				w := want[x]
+				if a, b := d.Event, w.Event; d.ID != w.ID || a.Name != b.Name || a.Key != b.Key || a.Node != b.Node || a.Token != b.Token || a.Success != b.Success || a.Error != b.Error {
+					t.Fatalf("after %d events, from %d: event %d is %s, want %s", i+1, last, x, d.Event.Name+" "+d.Event.Key.String(), w.Event.Name+" "+w.Event.Key.String())
+				}
+			}
+		}
+	}
+}
+
+// TestReplayLogBytes: the byte bound lets the oldest go, and an event
+// larger than it stays alone.
+func TestReplayLogBytes(t *testing.T) {
+	var l ReplayLog
+	ev := &Event{Name: EventOperationCompleted, Key: Key{Type: Pull, Resource: "r"}, Node: "x"}
+	size := ev.WireSize()
+	for i := range 5 {
+		l.Append("a", Delivery{ID: uint64(i + 1), Event: ev}, 100, 2*size)
+	}
+	if got := l.After("a", 0); len(got) != 2 || got[0].ID != 4 || l.bytes != 2*size {
+		t.Fatalf("kept %d events from %v, %d bytes; want 4 and 5, %d bytes", len(got), got, l.bytes, 2*size)
+	}
+	big := &Event{Name: EventOperationCompleted, Key: Key{Type: Pull, Resource: "r"}, Node: "x", Error: string(make([]byte, 3*size))}
+	if x := l.Append("a", Delivery{ID: 6, Event: big}, 100, 2*size); x != 5 {
+		t.Fatalf("dropped %d, want 5", x)
+	}
+	if got := l.After("a", 0); len(got) != 1 || got[0].ID != 6 {
+		t.Fatalf("kept %v, want the large event alone", got)
+	}
+	l.Reset()
+	if got := l.After("a", 0); got != nil {
+		t.Fatalf("after Reset: %v", got)
+	}
+}
