@@ -70,6 +70,9 @@ type Store struct {
 	mu       sync.Mutex
 	refs     map[digest.Digest]struct{} // blobs this node has registered a reference for
 	refEpoch string                     // the server epoch refs belong to
+	// waits holds the blobs this node was told another node is pulling,
+	// and since when, until it finds them: the pull log's waits.
+	waits map[digest.Digest]time.Time
 
 	// testHook, set by tests only, runs in held, before the check: a test
 	// stops a call there, between two of its steps.
@@ -155,6 +158,7 @@ func New(ctx context.Context, cfg Config) (*Store, error) {
 	s := &Store{
 		cfg: cfg, c: cfg.Client, log: cfg.Logger, root: root, ingestRel: ingestRel,
 		labels: &labelStore{root: root}, ingest: ingest, refs: make(map[digest.Digest]struct{}),
+		waits: make(map[digest.Digest]time.Time),
 	}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	ok = true
@@ -248,7 +252,34 @@ func (s *Store) Info(ctx context.Context, dgst digest.Digest) (content.Info, err
 	if err := s.reference(ctx, dgst); err != nil {
 		return content.Info{}, err
 	}
+	s.waitOver(dgst)
 	return info, nil
+}
+
+// waitStarts logs, at debug level, that this node waits for a blob another
+// node pulls, the first time it is told so (docs/CONTAINERD.md, "The pull
+// log").
+func (s *Store) waitStarts(dgst digest.Digest, holder string, position int) {
+	s.mu.Lock()
+	_, known := s.waits[dgst]
+	if !known {
+		s.waits[dgst] = time.Now()
+	}
+	s.mu.Unlock()
+	if !known {
+		s.log.Debug("pull: waiting for another node", "digest", dgst, "holder", holder, "position", position)
+	}
+}
+
+// waitOver logs that containerd found a blob this node waited for.
+func (s *Store) waitOver(dgst digest.Digest) {
+	s.mu.Lock()
+	since, waited := s.waits[dgst]
+	delete(s.waits, dgst)
+	s.mu.Unlock()
+	if waited {
+		s.log.Debug("pull: found the blob another node pulled", "digest", dgst, "waited", time.Since(since).Round(time.Millisecond))
+	}
 }
 
 // ReaderAt opens a shared blob and registers this node's reference to it.

@@ -60,6 +60,7 @@ func (s *Store) Writer(ctx context.Context, opts ...content.WriterOpt) (content.
 	case res.Skip:
 		return nil, fmt.Errorf("content %v was just pulled: %w", dgst, errdefs.ErrUnavailable)
 	case !res.Acquired:
+		s.waitStarts(dgst, res.Holder, res.Position)
 		return nil, fmt.Errorf("content %v is being pulled by %s (this node is %d in line): %w", dgst, res.Holder, res.Position, errdefs.ErrUnavailable)
 	}
 	if s.exists(dgst) {
@@ -68,6 +69,7 @@ func (s *Store) Writer(ctx context.Context, opts ...content.WriterOpt) (content.
 		return nil, fmt.Errorf("content %v exists; look it up with Info: %w", dgst, errdefs.ErrUnavailable)
 	}
 	s.dropLeftover(dgst)
+	s.log.Debug("pull: downloading", "digest", dgst, "token", res.Token)
 	wo.Desc.Digest = dgst
 	w, err := s.ingest.Writer(ctx, content.WithRef(wo.Ref), content.WithDescriptor(wo.Desc))
 	if err != nil {
@@ -128,9 +130,13 @@ func (w *writer) Commit(ctx context.Context, size int64, expected digest.Digest,
 	if !committed {
 		opErr = fmt.Errorf("commit: %w", err)
 	}
+	if committed {
+		w.s.log.Debug("pull: published", "digest", w.dgst)
+	}
 	w.s.unlock(ctx, *w.req, w.token, opErr)
 	if committed {
 		w.s.remember(w.dgst)
+		w.s.log.Debug("pull: unlock sent", "digest", w.dgst)
 	}
 	return err
 }
