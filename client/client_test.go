@@ -14,6 +14,7 @@ import (
 	"testing/synctest"
 	"time"
 
+	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/internal/dlocktest"
 	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/internal/netfault"
@@ -669,5 +670,81 @@ func TestResultErrUnlockOfALostHold(t *testing.T) {
 	<-ra.Lost
 	if err := ra.Err(); !errors.Is(err, ErrLockLost) {
 		t.Errorf("Err after an Unlock refused for another holder: %v, want ErrLockLost", err)
+	}
+}
+
+// TestAcquireWaits: Acquire waits in line and returns what the holder's
+// outcome leaves it: a skip after a success, a grant, with its lost
+// channel, after a failure; a caller that gives up leaves the queue. The
+// waiters hear it from their streams alone (no polls in the test's time).
+func TestAcquireWaits(t *testing.T) {
+	srv := startServer(t, nil)
+	a, b := newClient(t, srv, "a"), newClient(t, srv, "b")
+	b.PollInterval = time.Hour
+	ctx, cancel := context.WithTimeout(t.Context(), kit.Patience)
+	defer cancel()
+	type outcome struct {
+		res  api.LockResponse
+		lost <-chan struct{}
+		err  error
+	}
+	wait := func() <-chan outcome {
+		out := make(chan outcome, 1)
+		go func() {
+			res, lost, err := b.Acquire(ctx, pull)
+			out <- outcome{res, lost, err}
+		}()
+		srv.WaitQueued(t, pull.key(), 1)
+		return out
+	}
+
+	held, _, err := a.TryAcquire(ctx, pull)
+	if err != nil || !held.Acquired {
+		t.Fatal(held, err)
+	}
+	out := wait()
+	if _, err := a.Release(ctx, pull, held.Token, nil); err != nil {
+		t.Fatal(err)
+	}
+	if o := <-out; o.err != nil || !o.res.Skip || o.res.Acquired || o.lost != nil {
+		t.Fatalf("Acquire behind a success: %+v, want a skip", o)
+	}
+
+	if held, _, err = a.TryAcquire(ctx, pull); err != nil || !held.Acquired {
+		t.Fatal(held, err)
+	}
+	out = wait()
+	if _, err := a.Release(ctx, pull, held.Token, errors.New("registry said 500")); err != nil {
+		t.Fatal(err)
+	}
+	o := <-out
+	if o.err != nil || !o.res.Acquired || o.lost == nil || o.res.Token <= held.Token {
+		t.Fatalf("Acquire behind a failure: %+v, want a grant with a newer token than %d", o, held.Token)
+	}
+	if !b.Held(pull) {
+		t.Fatal("b does not hold its grant")
+	}
+	if _, err := b.Release(ctx, pull, o.res.Token, errors.New("gave up")); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-o.lost:
+	default:
+		t.Fatal("lost still open after the Release")
+	}
+
+	if held, _, err = a.TryAcquire(ctx, pull); err != nil || !held.Acquired {
+		t.Fatal(held, err)
+	}
+	gone, giveUp := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { _, _, err := b.Acquire(gone, pull); done <- err }()
+	srv.WaitQueued(t, pull.key(), 1)
+	giveUp()
+	if err := <-done; !errors.Is(err, context.Canceled) {
+		t.Fatalf("Acquire whose caller gave up: %v", err)
+	}
+	if st, _ := a.Status(ctx, lock.Pull, pull.Resource); st.QueueLength != 0 {
+		t.Fatalf("the caller that gave up is still queued: %+v", st)
 	}
 }

@@ -311,26 +311,62 @@ func (c *Client) Lock(ctx context.Context, req Request) (Result, error) {
 }
 
 func (c *Client) lock(ctx context.Context, req Request) (Result, error) {
+	res, sent, by, err := c.waitTurn(ctx, req)
+	switch {
+	case err != nil:
+		return Result{}, err
+	case res.Acquired:
+		return c.acquired(req.key(), res.Token, sent, res.GuaranteedMs), nil
+	default:
+		return Result{Skipped: true, SkippedBy: by}, nil
+	}
+}
+
+// Acquire is TryAcquire that waits its turn in the key's queue, as Lock
+// does, but without Lock's turn among this Client's callers: it is for a
+// caller that keeps its grants as TryAcquire's are kept, and Releases
+// them with their token. It returns a grant (Acquired) with its lost
+// channel, or Skip when another node completed the operation meanwhile.
+// When ctx ends first, the wait is cancelled (a grant that raced the
+// cancel is given up as a failure) and ctx's error is returned.
+func (c *Client) Acquire(ctx context.Context, req Request) (res api.LockResponse, lost <-chan struct{}, err error) {
+	if err := c.prepare(req); err != nil {
+		return api.LockResponse{}, nil, err
+	}
+	res, sent, _, err := c.waitTurn(ctx, req)
+	if err != nil || !res.Acquired {
+		return res, nil, err
+	}
+	return res, c.watch(req.key(), res.Token, true, sent, res.GuaranteedMs).ctx.Done(), nil
+}
+
+// waitTurn sends /lock and, while the node is queued, waits for the
+// stream's hints (or polls /status) until the answer is a grant, won by
+// the /lock sent at sent, or a skip, by skippedBy when known (res.Skip).
+func (c *Client) waitTurn(ctx context.Context, req Request) (res api.LockResponse, sent time.Time, skippedBy string, err error) {
 	k := req.key()
+	skip := func(by string) (api.LockResponse, time.Time, string, error) {
+		return api.LockResponse{Skip: true}, sent, by, nil
+	}
 	s := c.ensureSession(ctx)
 	w := c.addWaiter(k)
 	defer c.removeWaiter(k, w)
-	sent := time.Now()
-	res, err := c.tryLock(ctx, req)
+	sent = time.Now()
+	res, err = c.tryLock(ctx, req)
 	if err != nil {
 		if ctx.Err() != nil {
 			// The caller gave up with the /lock on the wire: the server
 			// may have queued or granted it. Cancel, or the node keeps a
 			// place nobody waits on in front of the nodes behind it.
-			return Result{}, c.abandon(ctx, k)
+			return res, sent, "", c.abandon(ctx, k)
 		}
-		return Result{}, c.lockFailed(k, err)
+		return res, sent, "", c.lockFailed(k, err)
 	}
 	switch {
 	case res.Acquired:
-		return c.acquired(k, res.Token, sent, res.GuaranteedMs), nil
+		return res, sent, "", nil
 	case res.Skip:
-		return Result{Skipped: true, SkippedBy: c.lastCompleter(ctx, k)}, nil
+		return skip(c.lastCompleter(ctx, k))
 	}
 	up, changed := s.state()
 	poll := time.NewTimer(c.pollEvery(up))
@@ -340,7 +376,7 @@ func (c *Client) lock(ctx context.Context, req Request) (Result, error) {
 		select {
 		case h := <-w.hints:
 			if h.kind == hintDone {
-				return Result{Skipped: true, SkippedBy: h.by}, nil
+				return skip(h.by)
 			}
 			relock = true // a grant or a refusal: the answer to /lock says which
 		case <-changed:
@@ -363,29 +399,29 @@ func (c *Client) lock(ctx context.Context, req Request) (Result, error) {
 				relock = true // granted: confirm it
 			case st.Position > 0:
 			case st.LastCompleted != nil && st.LastCompleted.Success && k.Type != lock.Update && st.State == "free":
-				return Result{Skipped: true, SkippedBy: st.LastCompleted.NodeID}, nil
+				return skip(st.LastCompleted.NodeID)
 			default:
 				relock = true // not queued any more (lease ended, restart): ask again
 			}
 		case <-ctx.Done():
-			return Result{}, c.abandon(ctx, k)
+			return res, sent, "", c.abandon(ctx, k)
 		}
 		if !relock {
 			continue
 		}
-		sent := time.Now()
-		res, err := c.tryLock(ctx, req)
+		sent = time.Now()
+		res, err = c.tryLock(ctx, req)
 		if err != nil {
 			if ctx.Err() != nil {
-				return Result{}, c.abandon(ctx, k)
+				return res, sent, "", c.abandon(ctx, k)
 			}
-			return Result{}, c.lockFailed(k, err)
+			return res, sent, "", c.lockFailed(k, err)
 		}
 		switch {
 		case res.Acquired:
-			return c.acquired(k, res.Token, sent, res.GuaranteedMs), nil
+			return res, sent, "", nil
 		case res.Skip:
-			return Result{Skipped: true, SkippedBy: c.lastCompleter(ctx, k)}, nil
+			return skip(c.lastCompleter(ctx, k))
 		}
 	}
 }
