@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/containerd/containerd/v2/core/content"
 	"github.com/containerd/errdefs"
@@ -13,22 +14,28 @@ import (
 	"github.com/dlock/dlock/lock"
 )
 
-// Writer opens a writer for one blob, for the one node that holds the blob's
-// pull lock. It never blocks: containerd calls it inside its metadata
-// transaction and retries ErrUnavailable with back-off.
+// Writer opens a writer for one blob: an ordinary writer for the node that
+// holds the blob's pull lock, a waiting one for the nodes in line behind
+// it. It never blocks: containerd calls it inside its metadata
+// transaction, and retries ErrUnavailable with back-off.
 //
 //   - The digest comes from the descriptor or, as containerd strips it, from
 //     the ref's suffix (layer-sha256:<hex>).
 //   - A blob that exists answers ErrUnavailable, not ErrAlreadyExists: in
 //     containerd 1.6 that error aborts the metadata transaction and the node
 //     never records the blob. The retry finds it through Info.
-//   - While another node holds the pull lock: ErrUnavailable at once; this
-//     node keeps its place in the queue, and its next retry's /lock both
-//     renews that place and confirms a hand-off grant.
+//   - While another node holds the pull lock: a waitWriter, in line, whose
+//     Status waits until the blob is there or the lock passes to this node.
 //   - A ref without a digest gets a writer without a lock; its Commit takes
 //     the pull lock of the digest the data turned out to have before the
 //     blob enters the shared folder, and fails when it cannot.
 func (s *Store) Writer(ctx context.Context, opts ...content.WriterOpt) (content.Writer, error) {
+	return s.writer(ctx, 0, opts...)
+}
+
+// writer is Writer; quick is the number of Status calls a waitWriter
+// answers without waiting (Proxied).
+func (s *Store) writer(ctx context.Context, quick int, opts ...content.WriterOpt) (content.Writer, error) {
 	var wo content.WriterOpts
 	for _, o := range opts {
 		if err := o(&wo); err != nil {
@@ -61,7 +68,7 @@ func (s *Store) Writer(ctx context.Context, opts ...content.WriterOpt) (content.
 		return nil, fmt.Errorf("content %v was just pulled: %w", dgst, errdefs.ErrUnavailable)
 	case !res.Acquired:
 		s.waitStarts(dgst, res.Holder, res.Position)
-		return nil, fmt.Errorf("content %v is being pulled by %s (this node is %d in line): %w", dgst, res.Holder, res.Position, errdefs.ErrUnavailable)
+		return &waitWriter{s: s, ctx: ctx, req: req, dgst: dgst, opts: wo, quick: quick, started: time.Now()}, nil
 	}
 	if s.exists(dgst) {
 		// Promoted to holder of a blob another node committed meanwhile.

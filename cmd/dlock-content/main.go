@@ -181,7 +181,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	}
 	defer os.Remove(c.socket)
 	srv := grpc.NewServer()
-	contentapi.RegisterContentServer(srv, contentserver.New(store))
+	contentapi.RegisterContentServer(srv, contentserver.New(store.Proxied()))
 	hs := health.NewServer()
 	healthpb.RegisterHealthServer(srv, hs)
 	hs.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
