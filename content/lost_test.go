@@ -399,9 +399,9 @@ func TestCommitAndUpdateLockLost(t *testing.T) {
 }
 
 // TestTwoWritersOneNode: two writers of one blob on one node (two
-// namespaces pulling one layer) share the node's pull lock; the first
-// commit's unlock ends the hold, and the second commit, which finds the
-// blob in place and has nothing to move, still succeeds.
+// namespaces pulling one layer) share the node's pull lock: the first
+// downloads, the second waits for it and then commits the blob in place
+// without a byte written.
 func TestTwoWritersOneNode(t *testing.T) {
 	e := newStoreEnv(t, nil)
 	a := e.storeVia("a", e.srv.URL())
@@ -414,13 +414,21 @@ func TestTwoWritersOneNode(t *testing.T) {
 			t.Fatalf("writer %s: %v", ref, err)
 		}
 		defer w.Close()
-		w.Write(data)
 		ws = append(ws, w)
 	}
-	for i, w := range ws {
-		if err := w.Commit(t.Context(), int64(len(data)), d); err != nil {
-			t.Fatalf("commit %d: %v", i, err)
-		}
+	answer := statusOf(ws[1])
+	ws[0].Write(data)
+	if err := ws[0].Commit(t.Context(), int64(len(data)), d); err != nil {
+		t.Fatalf("first commit: %v", err)
+	}
+	if got := <-answer; got.err != nil || got.st.Offset != int64(len(data)) {
+		t.Fatalf("second writer: %+v %v, want the write complete", got.st, got.err)
+	}
+	if err := ws[1].Commit(t.Context(), int64(len(data)), d); err != nil {
+		t.Fatalf("second commit: %v", err)
+	}
+	if sts, _ := a.ListStatuses(t.Context()); len(sts) != 0 {
+		t.Fatalf("ingests left: %+v", sts)
 	}
 	checkIntact(t, e.root, d)
 }

@@ -73,6 +73,9 @@ type Store struct {
 	// waits holds the blobs this node was told another node is pulling,
 	// and since when, until it finds them: the pull log's waits.
 	waits map[digest.Digest]time.Time
+	// pulls holds the blobs a writer of this node downloads, each closed
+	// and removed when that writer ends (claim).
+	pulls map[digest.Digest]chan struct{}
 
 	// testHook, set by tests only, runs in held, before the check: a test
 	// stops a call there, between two of its steps.
@@ -158,7 +161,7 @@ func New(ctx context.Context, cfg Config) (*Store, error) {
 	s := &Store{
 		cfg: cfg, c: cfg.Client, log: cfg.Logger, root: root, ingestRel: ingestRel,
 		labels: &labelStore{root: root}, ingest: ingest, refs: make(map[digest.Digest]struct{}),
-		waits: make(map[digest.Digest]time.Time),
+		waits: make(map[digest.Digest]time.Time), pulls: make(map[digest.Digest]chan struct{}),
 	}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	ok = true

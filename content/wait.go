@@ -67,7 +67,17 @@ func (w *waitWriter) wait() error {
 	defer cancel(nil)
 	stop := context.AfterFunc(w.s.ctx, func() { cancel(errWaitEnded) })
 	defer stop()
-	for pause := 100 * time.Millisecond; ; pause = min(2*pause, 2*time.Second) {
+	for pause := 100 * time.Millisecond; ; {
+		if mine := w.s.claimed(w.dgst); mine != nil {
+			// Another writer of this node downloads the blob.
+			select {
+			case <-mine:
+			case <-ctx.Done():
+			}
+			if ctx.Err() == nil && w.s.exists(w.dgst) {
+				return w.found()
+			}
+		}
 		res, lost, err := w.s.c.Acquire(ctx, w.req)
 		switch {
 		case ctx.Err() != nil:
@@ -78,23 +88,19 @@ func (w *waitWriter) wait() error {
 			case <-time.After(pause):
 			case <-ctx.Done():
 			}
-			continue
+			pause = min(2*pause, 2*time.Second)
 		case res.Acquired:
-			if w.s.exists(w.dgst) {
-				// Granted the lock of a blob committed meanwhile (the
-				// holder's success raced this node's /lock).
-				w.s.unlock(ctx, w.req, res.Token, nil)
+			iw, found, busy, err := w.s.take(ctx, w.req, w.dgst, w.opts, res.Token, lost)
+			switch {
+			case busy:
+				continue // wait for this node's own writer
+			case found:
 				return w.found()
-			}
-			w.s.dropLeftover(w.dgst)
-			w.opts.Desc.Digest = w.dgst
-			iw, err := w.s.ingest.Writer(ctx, content.WithRef(w.opts.Ref), content.WithDescriptor(w.opts.Desc))
-			if err != nil {
-				w.s.unlock(ctx, w.req, res.Token, err)
+			case err != nil:
 				return err
 			}
 			w.s.log.Debug("pull: handed over", "digest", w.dgst, "token", res.Token)
-			w.w = &writer{Writer: iw, s: w.s, dgst: w.dgst, req: &w.req, token: res.Token, lost: lost}
+			w.w = iw
 			return nil
 		case res.Skip:
 			if w.s.exists(w.dgst) {

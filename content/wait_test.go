@@ -138,3 +138,58 @@ func TestWaitWriterLeaves(t *testing.T) {
 		t.Fatalf("Status when the store closes: %v", got.err)
 	}
 }
+
+// TestTwoWritersOfOneNode: two pulls of one node want one blob. The
+// server tells both "acquired" (one grant per node); the first writes,
+// the second waits for it, and takes over when it fails. The lock is
+// never released while a writer of the node still writes under it.
+func TestTwoWritersOfOneNode(t *testing.T) {
+	e := newStoreEnv(t, nil)
+	a := e.store("a")
+	ctx := t.Context()
+	first, err := writerFor(ctx, a, blobDigest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := first.(*writer); !ok {
+		t.Fatalf("first writer: %T, want one that downloads", first)
+	}
+	second, err := writerFor(ctx, a, blobDigest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := second.(*waitWriter); !ok {
+		t.Fatalf("second writer of the same blob: %T, want one that waits", second)
+	}
+	if h := e.holder(lock.Pull, blobDigest); h != "a" {
+		t.Fatalf("the second writer let the lock go: holder %q", h)
+	}
+	answer := statusOf(second)
+	first.Write(blob[:3])
+	first.Close() // failed: the second takes over
+	got := <-answer
+	if got.err != nil || got.st.Offset >= int64(len(blob)) {
+		t.Fatalf("second writer after the first failed: %+v %v, want a write to finish", got.st, got.err)
+	}
+	if h := e.holder(lock.Pull, blobDigest); h != "a" {
+		t.Fatalf("holder %q while the second writer writes, want a", h)
+	}
+	third, err := writerFor(ctx, a, blobDigest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	answer = statusOf(third)
+	second.Write(blob[got.st.Offset:]) // containerd resumes the ingest of its ref
+	if err := second.Commit(ctx, int64(len(blob)), blobDigest); err != nil {
+		t.Fatal(err)
+	}
+	if got := <-answer; got.err != nil || got.st.Offset != int64(len(blob)) {
+		t.Fatalf("third writer after the second committed: %+v %v, want the write complete", got.st, got.err)
+	}
+	if err := third.Commit(ctx, 0, blobDigest); err != nil {
+		t.Fatal(err)
+	}
+	if h := e.holder(lock.Pull, blobDigest); h != "" {
+		t.Fatalf("lock held by %q after the commit", h)
+	}
+}

@@ -70,23 +70,74 @@ func (s *Store) writer(ctx context.Context, quick int, opts ...content.WriterOpt
 		s.waitStarts(dgst, res.Holder, res.Position)
 		return &waitWriter{s: s, ctx: ctx, req: req, dgst: dgst, opts: wo, quick: quick, started: time.Now()}, nil
 	}
-	if s.exists(dgst) {
-		// Promoted to holder of a blob another node committed meanwhile.
-		s.unlock(ctx, req, res.Token, nil)
+	w, found, busy, err := s.take(ctx, req, dgst, wo, res.Token, lost)
+	switch {
+	case busy:
+		return &waitWriter{s: s, ctx: ctx, req: req, dgst: dgst, opts: wo, quick: quick, started: time.Now()}, nil
+	case found:
 		return nil, fmt.Errorf("content %v exists; look it up with Info: %w", dgst, errdefs.ErrUnavailable)
-	}
-	s.dropLeftover(dgst)
-	s.log.Debug("pull: downloading", "digest", dgst, "token", res.Token)
-	wo.Desc.Digest = dgst
-	w, err := s.ingest.Writer(ctx, content.WithRef(wo.Ref), content.WithDescriptor(wo.Desc))
-	if err != nil {
-		s.unlock(ctx, req, res.Token, err)
+	case err != nil:
 		if errdefs.IsAlreadyExists(err) {
 			return nil, fmt.Errorf("content %v exists: %w", dgst, errdefs.ErrUnavailable)
 		}
 		return nil, err
 	}
-	return &writer{Writer: w, s: s, dgst: dgst, req: &req, token: res.Token, lost: lost}, nil
+	s.log.Debug("pull: downloading", "digest", dgst, "token", res.Token)
+	return w, nil
+}
+
+// take makes the writer of a blob whose pull lock this node was granted
+// (token). One grant serves every writer of the node, so two of its
+// pulls that want one blob would both be told "acquired": the first
+// claims the blob, and busy tells the second to wait for it. found says
+// that the blob is there already: promoted to holder of a blob another
+// node committed meanwhile, take has unlocked with success.
+func (s *Store) take(ctx context.Context, req client.Request, dgst digest.Digest, wo content.WriterOpts, token uint64, lost <-chan struct{}) (w *writer, found, busy bool, err error) {
+	if !s.claim(dgst) {
+		return nil, false, true, nil
+	}
+	if s.exists(dgst) {
+		s.unlock(ctx, req, token, nil)
+		s.unclaim(dgst)
+		return nil, true, false, nil
+	}
+	s.dropLeftover(dgst)
+	wo.Desc.Digest = dgst
+	iw, err := s.ingest.Writer(ctx, content.WithRef(wo.Ref), content.WithDescriptor(wo.Desc))
+	if err != nil {
+		s.unlock(ctx, req, token, err)
+		s.unclaim(dgst)
+		return nil, false, false, err
+	}
+	return &writer{Writer: iw, s: s, dgst: dgst, req: &req, token: token, lost: lost, claimed: true}, false, false, nil
+}
+
+// claim marks a blob as written by one writer of this node, until unclaim.
+func (s *Store) claim(dgst digest.Digest) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if _, taken := s.pulls[dgst]; taken {
+		return false
+	}
+	s.pulls[dgst] = make(chan struct{})
+	return true
+}
+
+func (s *Store) unclaim(dgst digest.Digest) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if ch, ok := s.pulls[dgst]; ok {
+		close(ch)
+		delete(s.pulls, dgst)
+	}
+}
+
+// claimed is closed when the writer of this node that claimed the blob
+// ends; nil when none has.
+func (s *Store) claimed(dgst digest.Digest) <-chan struct{} {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.pulls[dgst]
 }
 
 // writer is a local ingest writer that commits into this node's ingest
@@ -102,6 +153,9 @@ type writer struct {
 	token uint64
 	lost  <-chan struct{} // the hold's, closed once it is known lost
 	done  bool
+	// claimed: this writer claimed its blob in the store (take), until
+	// it ends.
+	claimed bool
 }
 
 func (w *writer) Commit(ctx context.Context, size int64, expected digest.Digest, opts ...content.Opt) error {
@@ -145,6 +199,7 @@ func (w *writer) Commit(ctx context.Context, size int64, expected digest.Digest,
 		w.s.remember(w.dgst)
 		w.s.log.Debug("pull: unlock sent", "digest", w.dgst)
 	}
+	w.unclaim()
 	return err
 }
 
@@ -183,12 +238,16 @@ func (w *writer) lockForCommit(ctx context.Context, expected digest.Digest) erro
 		w.s.cancelWait(req)
 		return fmt.Errorf("content %v is being pulled, deleted or updated by %s: %w", dgst, res.Holder, errdefs.ErrUnavailable)
 	}
+	if !w.s.claim(dgst) {
+		return fmt.Errorf("content %v is being written by another writer of this node: %w", dgst, errdefs.ErrUnavailable)
+	}
 	if w.s.exists(dgst) {
 		w.s.unlock(ctx, req, res.Token, nil)
+		w.s.unclaim(dgst)
 		return w.alreadyThere(ctx, dgst)
 	}
 	w.s.dropLeftover(dgst)
-	w.dgst, w.req, w.token, w.lost = dgst, &req, res.Token, lost
+	w.dgst, w.req, w.token, w.lost, w.claimed = dgst, &req, res.Token, lost, true
 	return nil
 }
 
@@ -219,5 +278,13 @@ func (w *writer) Close() error {
 		w.done = true
 		w.s.unlock(context.Background(), *w.req, w.token, errors.New("writer closed without a commit"))
 	}
+	w.unclaim()
 	return err
+}
+
+func (w *writer) unclaim() {
+	if w.claimed {
+		w.claimed = false
+		w.s.unclaim(w.dgst)
+	}
 }
