@@ -101,7 +101,7 @@ func BenchmarkSharedPull(b *testing.B) {
 	// One run takes minutes: go test's first call, with b.N = 1, is the
 	// only one at the default -benchtime as at 1x.
 	r := runPullBench(b, cfg)
-	fmt.Print(r.String())
+	fmt.Println(r.String())
 	for _, m := range r.modes {
 		b.ReportMetric(m.wall.Seconds(), m.mode+"-s")
 		b.ReportMetric(float64(m.registryBytes)/(1<<20), m.mode+"-registry-MiB")
@@ -798,6 +798,17 @@ func (r *pullBenchResult) String() string {
 			secs(m.download), mib(m.registryBytes), float64(m.registryBytes)/float64(r.total), secs(r.bound(m.registryBytes)))
 	}
 	sb.WriteString("\nall pulls done: from the start of every pull to the exit of the last. download phase: to the last blob byte the registry front wrote (shared: or the last pull-log event, if later). uplink bound: registry bytes ÷ uplink.\n")
+	sb.WriteString("pulls exited, first to last:")
+	sep := " "
+	for _, m := range r.modes {
+		first := m.wall
+		for _, p := range m.pulls {
+			first = min(first, p.done.Sub(m.start))
+		}
+		fmt.Fprintf(&sb, "%s%s %.2f–%.2f s", sep, m.mode, first.Seconds(), m.wall.Seconds())
+		sep = "; "
+	}
+	sb.WriteString("\n")
 	if tl := r.timeline; tl != nil {
 		sb.WriteString("\n")
 		tl.write(&sb)
