@@ -861,3 +861,77 @@ func short(d string) string {
 func mib(n int64) string { return fmt.Sprintf("%.2f MiB", float64(n)/(1<<20)) }
 
 func secs(d time.Duration) string { return fmt.Sprintf("%.2f s", d.Seconds()) }
+
+// TestPullLogTimeline reads pull-log lines as slog's text handler writes
+// them, events the summary names and others alike, and puts one blob's
+// story in time order from its holder's registry request.
+func TestPullLogTimeline(t *testing.T) {
+	const d = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
+	logs := map[string]string{
+		"node0": `time=2026-11-26T10:00:00.000Z level=INFO msg="dlock-content serving" socket=/x
+time=2026-11-26T10:00:00.010Z level=DEBUG msg="pull: downloading" digest=` + d + ` token=7
+time=2026-11-26T10:00:01.100Z level=DEBUG msg="pull: published" digest=` + d + `
+time=2026-11-26T10:00:01.102Z level=DEBUG msg="pull: unlock sent" digest=` + d + `
+`,
+		"node1": `time=2026-11-26T10:00:00.050Z level=DEBUG msg="pull: waiting for another node" digest=` + d + ` holder=node0 position=1
+time=2026-11-26T10:00:01.105Z level=DEBUG msg="pull: told done" digest=` + d + `
+time=2026-11-26T10:00:01.300Z level=DEBUG msg="pull: found the blob another node pulled" digest=` + d + ` waited=1.25s
+`,
+		"node2": `time=2026-11-26T10:00:00.060Z level=DEBUG msg="pull: waiting for another node" digest=` + d + ` holder=node0 position=2
+time=2026-11-26T10:00:00.500Z level=DEBUG msg="pull: handed over" digest=` + d + ` note="a \"quoted\" value"
+`,
+	}
+	m := &modeResult{}
+	for _, node := range []string{"node0", "node1", "node2"} {
+		evs, err := parsePullLog(node, logs[node])
+		if err != nil {
+			t.Fatal(err)
+		}
+		m.events = append(m.events, evs...)
+	}
+	if len(m.events) != 8 {
+		t.Fatalf("%d events, want 8: %+v", len(m.events), m.events)
+	}
+	at := func(ms int) time.Time { return time.Date(2026, 11, 26, 10, 0, 0, ms*int(time.Millisecond), time.UTC) }
+	m.requests = []blobRequest{{node: "node0", digest: d, arrived: at(20), lastByte: at(1050), bytes: 100, status: http.StatusOK}}
+	blobs := map[string]benchBlob{d: {image: 0, layer: 0, size: 100}, "sha256:cfg": {layer: -1, size: 1}}
+	tl := pickTimeline(m, blobs)
+	if tl == nil {
+		t.Fatal("no timeline")
+	}
+	if tl.holder != "node0" || !tl.request.Equal(at(20)) || !tl.published.Equal(at(1100)) || !tl.unlockSent.Equal(at(1102)) || !tl.downloading.Equal(at(10)) {
+		t.Errorf("holder %s: request %v, published %v, unlock sent %v, downloading %v", tl.holder, tl.request, tl.published, tl.unlockSent, tl.downloading)
+	}
+	if len(tl.waiters) != 2 || !tl.waiters[0].toldDone.Equal(at(1105)) || !tl.waiters[0].found.Equal(at(1300)) || !tl.waiters[1].found.IsZero() {
+		t.Errorf("waiters: %+v", tl.waiters)
+	}
+	if tl.lag != 200*time.Millisecond {
+		t.Errorf("lag %v, want 200ms", tl.lag)
+	}
+	var sb strings.Builder
+	tl.write(&sb)
+	var order []string
+	for line := range strings.Lines(sb.String()) {
+		if f := strings.Fields(line); len(f) > 3 && f[1] == "ms" {
+			order = append(order, f[2]+" "+strings.Join(f[3:], " "))
+		}
+	}
+	want := []string{
+		"node0 pull: downloading token=7",
+		"node0 registry: request",
+		"node1 pull: waiting for another node holder=node0 position=1",
+		"node2 pull: waiting for another node holder=node0 position=2",
+		`node2 pull: handed over note=a "quoted" value`,
+		"node0 registry: last byte (0.00 MiB, HTTP 200)",
+		"node0 pull: published",
+		"node0 pull: unlock sent",
+		"node1 pull: told done",
+		"node1 pull: found the blob another node pulled waited=1.25s",
+	}
+	if !slices.Equal(order, want) {
+		t.Errorf("timeline rows:\n%s\nwant\n%s\nreport:\n%s", strings.Join(order, "\n"), strings.Join(want, "\n"), sb.String())
+	}
+	if _, err := parsePullLog("node3", `time=2026-11-26T10:00:00.000Z level=DEBUG msg="pull: downloading" digest=`+d+` bad="unterminated`); !errors.Is(err, errLogLine) {
+		t.Errorf("an unterminated quote: %v, want %v", err, errLogLine)
+	}
+}
