@@ -1,7 +1,7 @@
 GO ?= go
 STATICCHECK ?= honnef.co/go/tools/cmd/staticcheck@v0.8.2
 
-.PHONY: packagemap test deps vet lint bench bench-etcd fuzz build containerd2 image
+.PHONY: packagemap test deps vet lint bench bench-etcd bench-pull fuzz build containerd2 image
 
 # test is what CI runs (.ci/run): the test dependencies, formatting, vet,
 # staticcheck, then every test with the race detector.
@@ -113,6 +113,31 @@ bench-etcd: build
 	  echo "Machine: $$(nproc) cores ($$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')), $$(free -g | awk '/Mem:/{print $$2}') GiB, $$(go version | cut -d' ' -f3)."; echo; \
 	  echo "\`dlock bench --backend etcd --scenario pairs,handoff,fanout,failover --waiters $(BENCH_ETCD_WAITERS) --compare etcd\`:"; echo; } >> $$out; \
 	bin/dlock bench --backend etcd --scenario pairs,handoff,fanout,failover --waiters $(BENCH_ETCD_WAITERS) --compare etcd --markdown >> $$out
+
+# bench-pull measures shared pulls with real daemons, as root: Debian's
+# containerd 1.6 pulling random images from docker-registry through one
+# throttled uplink for all nodes, one node alone, DLOCK_PULL_NODES nodes
+# sharing a store through dlock-content, and as many with a store each
+# (BenchmarkSharedPull in cmd/dlock-content). Its table and the timeline of
+# one waited-for layer are appended to docs/BENCHMARKS.md. Layers of
+# DLOCK_PULL_LAYER_MIB MiB (a fraction too), an uplink of
+# DLOCK_PULL_UPLINK_MIB MiB/s.
+DLOCK_PULL_IMAGES ?= 4
+DLOCK_PULL_LAYERS ?= 8
+DLOCK_PULL_LAYER_MIB ?= 4
+DLOCK_PULL_NODES ?= 3
+DLOCK_PULL_UPLINK_MIB ?= 16
+BENCH_PULL_ENV = DLOCK_PULL_IMAGES=$(DLOCK_PULL_IMAGES) DLOCK_PULL_LAYERS=$(DLOCK_PULL_LAYERS) DLOCK_PULL_LAYER_MIB=$(DLOCK_PULL_LAYER_MIB) DLOCK_PULL_NODES=$(DLOCK_PULL_NODES) DLOCK_PULL_UPLINK_MIB=$(DLOCK_PULL_UPLINK_MIB)
+BENCH_PULL_ARGS = -run '^$$' -bench '^BenchmarkSharedPull$$' -benchtime 1x -timeout 60m ./cmd/dlock-content
+bench-pull:
+	@set -e; mkdir -p bin; out=docs/BENCHMARKS.md; \
+	$(BENCH_PULL_ENV) $(GO) test $(BENCH_PULL_ARGS) 2>&1 | tee bin/pullbench.txt; \
+	if ! grep -q '^BenchmarkSharedPull.*ns/op' bin/pullbench.txt || ! grep -q '^ok' bin/pullbench.txt; then \
+		echo "bench-pull: the benchmark did not run through (above); $$out is unchanged"; exit 1; fi; \
+	{ echo; echo "## $$(date -u +%F) — make bench-pull"; echo; \
+	  echo "Machine: $$(nproc) cores ($$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')), $$(free -g | awk '/Mem:/{print $$2}') GiB, $$(go version | cut -d' ' -f3)."; echo; \
+	  echo "\`$(BENCH_PULL_ENV) go test $(BENCH_PULL_ARGS)\`:"; echo; \
+	  echo '```text'; grep -vE '^(goos|goarch|pkg|cpu): |^PASS$$|^ok |^--- BENCH: |^    [a-z0-9_]+_test\.go:[0-9]+: ' bin/pullbench.txt; echo '```'; } >> $$out
 
 build:
 	@mkdir -p bin

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -114,7 +113,7 @@ func TestRealContainerd(t *testing.T) {
 
 // check makes sure the flavour's binaries are there and are the version
 // the flavour says.
-func (f flavour) check(t *testing.T) {
+func (f flavour) check(t testing.TB) {
 	for _, name := range []string{"containerd", "ctr"} {
 		out, err := exec.Command(f.bin(name), "--version").CombinedOutput()
 		if err != nil {
@@ -235,7 +234,7 @@ func sharedBlob(root, d string) bool {
 	return err == nil
 }
 
-func freePort(t *testing.T) string {
+func freePort(t testing.TB) string {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -244,7 +243,7 @@ func freePort(t *testing.T) string {
 	return ln.Addr().String()
 }
 
-func startRegistry(t *testing.T, dir string) string {
+func startRegistry(t testing.TB, dir string) string {
 	addr := freePort(t)
 	cfg := filepath.Join(dir, "registry.yml")
 	os.WriteFile(cfg, []byte(fmt.Sprintf(`version: 0.1
@@ -369,14 +368,25 @@ type ctrNode struct {
 	name, dir, proxy string
 	sock             string
 	flavour          flavour
+	// contentArgs is added to dlock-content's command line.
+	contentArgs []string
+	// contentLog is what dlock-content writes.
+	contentLog kit.Buffer
 }
 
-func (n *ctrNode) start(t *testing.T, bin, shared, server string) {
+// start starts the node's dlock-content on the shared root, then its
+// containerd with dlock-content as its only content store.
+func (n *ctrNode) start(t testing.TB, bin, shared, server string) {
+	n.startContainerd(t, n.startContent(t, bin, shared, server))
+}
+
+// startContent starts the node's dlock-content and returns its socket.
+func (n *ctrNode) startContent(t testing.TB, bin, shared, server string) string {
 	os.MkdirAll(n.dir, 0o755)
 	contentSock := filepath.Join(n.dir, "content.sock")
-	dc := exec.Command(bin, "--socket", contentSock, "--root", shared, "--node", n.name, "--server", server)
-	var dcLog bytes.Buffer
-	dc.Stdout, dc.Stderr = &dcLog, &dcLog
+	args := append([]string{"--socket", contentSock, "--root", shared, "--node", n.name, "--server", server}, n.contentArgs...)
+	dc := exec.Command(bin, args...)
+	dc.Stdout, dc.Stderr = &n.contentLog, &n.contentLog
 	if err := dc.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -384,40 +394,51 @@ func (n *ctrNode) start(t *testing.T, bin, shared, server string) {
 		dc.Process.Signal(syscall.SIGTERM)
 		dc.Wait()
 		if t.Failed() {
-			t.Logf("%s dlock-content log:\n%s", n.name, dcLog.String())
+			t.Logf("%s dlock-content log:\n%s", n.name, n.contentLog.String())
 		}
 	})
 	kit.WaitFor(t, n.name+"'s dlock-content socket", func() bool { _, err := os.Stat(contentSock); return err == nil })
+	return contentSock
+}
 
+// startContainerd starts the node's containerd: with the content store
+// behind contentSock, or with its own built-in one when contentSock is "".
+func (n *ctrNode) startContainerd(t testing.TB, contentSock string) {
+	os.MkdirAll(n.dir, 0o755)
 	n.sock = filepath.Join(n.dir, "containerd.sock")
 	cfg := filepath.Join(n.dir, "containerd.toml")
 	// The same settings in config version 2 (containerd 1.6; 2.x reads it
-	// too) and 3 (2.x): the built-in content store off, dlock-content as
-	// the only content plugin, and the sharing policy containerd defaults
-	// to written out, because "isolated" breaks the retry of a blob that
-	// exists (docs/CONTAINERD.md).
+	// too) and 3 (2.x): with dlock-content, the built-in content store off
+	// and dlock-content the only content plugin; and the sharing policy
+	// containerd defaults to written out, because "isolated" breaks the
+	// retry of a blob that exists (docs/CONTAINERD.md).
+	disabled, proxy := `"io.containerd.grpc.v1.cri"`, ""
+	if contentSock != "" {
+		disabled += `, "io.containerd.content.v1.content"`
+		proxy = fmt.Sprintf(`
+[proxy_plugins]
+  [proxy_plugins.dlock]
+    type = "content"
+    address = %q
+`, contentSock)
+	}
 	os.WriteFile(cfg, []byte(fmt.Sprintf(`version = %d
 root = %q
 state = %q
-disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.content.v1.content"]
+disabled_plugins = [%s]
 
 [grpc]
   address = %q
 
 [ttrpc]
   address = %q
-
-[proxy_plugins]
-  [proxy_plugins.dlock]
-    type = "content"
-    address = %q
-
+%s
 [plugins]
   [plugins."io.containerd.metadata.v1.bolt"]
     content_sharing_policy = "shared"
-%s`, n.flavour.config, filepath.Join(n.dir, "root"), filepath.Join(n.dir, "state"), n.sock, n.sock+".ttrpc", contentSock, n.flavour.plugins)), 0o600)
+%s`, n.flavour.config, filepath.Join(n.dir, "root"), filepath.Join(n.dir, "state"), disabled, n.sock, n.sock+".ttrpc", proxy, n.flavour.plugins)), 0o600)
 	cd := exec.Command(n.flavour.bin("containerd"), "--config", cfg)
-	var cdLog bytes.Buffer
+	var cdLog kit.Buffer
 	cd.Stdout, cd.Stderr = &cdLog, &cdLog
 	if err := cd.Start(); err != nil {
 		t.Fatal(err)
