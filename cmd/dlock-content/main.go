@@ -21,10 +21,11 @@ import (
 	"time"
 
 	contentapi "github.com/containerd/containerd/api/services/content/v1"
-	"github.com/containerd/containerd/v2/plugins/services/content/contentserver"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/experimental"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/mem"
 
 	"github.com/dlock/dlock/client"
 	"github.com/dlock/dlock/content"
@@ -145,6 +146,24 @@ func listenSocket(socket, group string) (net.Listener, error) {
 	return ln, nil
 }
 
+// bufferPool is gRPC's default pool with a 64 KiB size between its 32 KiB
+// and 1 MiB ones. containerd reads a blob through the content proxy 32 KiB
+// at a time while it unpacks, one Read call each; a reply of 32 KiB and
+// its few bytes of framing is just too big for the 32 KiB buffers, and the
+// default pool clears a whole 1 MiB buffer for each (docs/CONTAINERD.md,
+// "Unpacking through the plugin").
+// gRPC's codec takes its buffers from the process's default pool, whatever
+// the server's options say.
+var bufferPool = func() mem.BufferPool {
+	p, err := mem.NewBinaryTieredBufferPool(8, 12, 14, 15, 16, 20)
+	if err != nil {
+		panic(err)
+	}
+	return p
+}()
+
+func init() { experimental.SetDefaultBufferPool(bufferPool) }
+
 // run serves until ctx ends. ready, when set, is called once the socket
 // accepts connections.
 func run(ctx context.Context, args []string, getenv func(string) string, stderr io.Writer, ready func()) error {
@@ -181,7 +200,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	}
 	defer os.Remove(c.socket)
 	srv := grpc.NewServer()
-	contentapi.RegisterContentServer(srv, contentserver.New(store.Proxied()))
+	contentapi.RegisterContentServer(srv, newService(store.Proxied()))
 	hs := health.NewServer()
 	healthpb.RegisterHealthServer(srv, hs)
 	hs.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
