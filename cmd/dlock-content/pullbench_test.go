@@ -172,6 +172,21 @@ func TestSharedPullBench(t *testing.T) {
 	if tl.downloading.IsZero() || tl.downloading.After(tl.published) {
 		t.Errorf("timeline of %s: the holder %s logged no download before its publish at %v (downloading: %v)", tl.digest, tl.holder, tl.published, tl.downloading)
 	}
+	// No waiter is told before the blob is in the shared folder.
+	published := map[string]time.Time{}
+	for _, ev := range shared.events {
+		if ev.msg == "pull: published" {
+			published[ev.digest] = ev.at
+		}
+	}
+	for _, ev := range shared.events {
+		if ev.msg != "pull: told done" {
+			continue
+		}
+		if p, ok := published[ev.digest]; !ok || ev.at.Before(p) {
+			t.Errorf("%s was told %s is done at %v; published at %v (ok %v)", ev.node, ev.digest, ev.at, p, ok)
+		}
+	}
 }
 
 // A benchBlob is one blob of the benchmark's images.
@@ -219,6 +234,7 @@ type modeResult struct {
 	start         time.Time // the barrier opened
 	wall          time.Duration
 	download      time.Duration // from start to the last blob byte (shared: or pull-log event)
+	lastByte      time.Duration // from start to the last blob byte
 	pulls         []pullRun
 	requests      []blobRequest
 	registryBytes int64
@@ -384,6 +400,9 @@ func (r *pullBenchResult) run(t testing.TB, mode string, f flavour, bin, registr
 		if q.lastByte.After(last) {
 			last = q.lastByte
 		}
+	}
+	if !last.IsZero() {
+		m.lastByte = last.Sub(m.start)
 	}
 	if mode == modeShared {
 		for _, n := range nodes {
@@ -787,15 +806,15 @@ func (r *pullBenchResult) String() string {
 		c.images, c.layers, c.layerMiB, len(r.blobs), mib(r.total), c.nodes, c.uplinkMiB, r.version)
 	fmt.Fprintf(&sb, "every node runs `ctr images pull --plain-http --snapshotter native` for every image, all at once (ctr's default download concurrency)\n\n")
 	single := r.mode(modeSingle)
-	sb.WriteString("| mode | nodes | all pulls done | vs single | download phase | registry bytes | × images | uplink bound |\n")
-	sb.WriteString("| --- | --- | --- | --- | --- | --- | --- | --- |\n")
+	sb.WriteString("| mode | nodes | all pulls done | vs single | last registry byte | download phase | registry bytes | × images | uplink bound |\n")
+	sb.WriteString("| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
 	for _, m := range r.modes {
 		ratio := "-"
 		if single != nil {
 			ratio = fmt.Sprintf("%.2f", m.wall.Seconds()/single.wall.Seconds())
 		}
-		fmt.Fprintf(&sb, "| %s | %d | %s | %s | %s | %s | %.2f | %s |\n", m.mode, m.nodes, secs(m.wall), ratio,
-			secs(m.download), mib(m.registryBytes), float64(m.registryBytes)/float64(r.total), secs(r.bound(m.registryBytes)))
+		fmt.Fprintf(&sb, "| %s | %d | %s | %s | %s | %s | %s | %.2f | %s |\n", m.mode, m.nodes, secs(m.wall), ratio,
+			secs(m.lastByte), secs(m.download), mib(m.registryBytes), float64(m.registryBytes)/float64(r.total), secs(r.bound(m.registryBytes)))
 	}
 	sb.WriteString("\nall pulls done: from the start of every pull to the exit of the last. download phase: to the last blob byte the registry front wrote (shared: or the last pull-log event, if later). uplink bound: registry bytes ÷ uplink.\n")
 	sb.WriteString("pulls exited, first to last:")
@@ -809,6 +828,12 @@ func (r *pullBenchResult) String() string {
 		sep = "; "
 	}
 	sb.WriteString("\n")
+	if m := r.mode(modeShared); m != nil {
+		if w := waitsOf(m.events); w.n > 0 {
+			fmt.Fprintf(&sb, "shared: %d waits for a blob another node pulled; told done after the holder's unlock: median %v, max %v; containerd moved on after told done: median %v, max %v\n",
+				w.n, w.told[len(w.told)/2], w.told[len(w.told)-1], w.moved[len(w.moved)/2], w.moved[len(w.moved)-1])
+		}
+	}
 	if tl := r.timeline; tl != nil {
 		sb.WriteString("\n")
 		tl.write(&sb)
@@ -934,4 +959,42 @@ time=2026-11-26T10:00:00.500Z level=DEBUG msg="pull: handed over" digest=` + d +
 	if _, err := parsePullLog("node3", `time=2026-11-26T10:00:00.000Z level=DEBUG msg="pull: downloading" digest=`+d+` bad="unterminated`); !errors.Is(err, errLogLine) {
 		t.Errorf("an unterminated quote: %v, want %v", err, errLogLine)
 	}
+}
+
+// waits sums up shared mode's waits from the pull log: for every waiter
+// told a blob was done, how long after the holder's unlock it was told,
+// and how long after that its containerd found the blob. Sorted.
+type waits struct {
+	n           int
+	told, moved []time.Duration
+}
+
+func waitsOf(evs []pullEvent) waits {
+	unlock := map[string]time.Time{}  // digest → the holder's unlock sent
+	told := map[[2]string]time.Time{} // node, digest → told done
+	var w waits
+	for _, ev := range evs {
+		switch ev.msg {
+		case "pull: unlock sent":
+			unlock[ev.digest] = ev.at
+		case "pull: told done":
+			told[[2]string{ev.node, ev.digest}] = ev.at
+		}
+	}
+	for _, ev := range evs {
+		if ev.msg != "pull: found the blob another node pulled" {
+			continue
+		}
+		t, ok := told[[2]string{ev.node, ev.digest}]
+		u, unlocked := unlock[ev.digest]
+		if !ok || !unlocked {
+			continue
+		}
+		w.n++
+		w.told = append(w.told, t.Sub(u))
+		w.moved = append(w.moved, ev.at.Sub(t))
+	}
+	slices.Sort(w.told)
+	slices.Sort(w.moved)
+	return w
 }
