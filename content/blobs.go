@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"io/fs"
 	"os"
 	"path"
@@ -66,36 +65,26 @@ func (s *Store) info(d digest.Digest) (content.Info, error) {
 	return s.blobInfo(d, fi)
 }
 
-// readerAt opens a shared blob, never through a symlink.
+// readerAt opens a shared blob, never through a symlink, or shares the
+// file its other readers have open (openBlobs).
 func (s *Store) readerAt(d digest.Digest) (content.ReaderAt, error) {
 	if err := d.Validate(); err != nil {
 		return nil, fmt.Errorf("%v: %w", err, errdefs.ErrInvalidArgument)
 	}
-	f, fi, err := openRegular(s.root, blobPath(d))
-	switch {
-	case errors.Is(err, errNotRegular):
-		s.log.Warn("not a blob: not served", "digest", d, "err", err)
-		return nil, fmt.Errorf("content %v: %v: %w", d, err, errdefs.ErrNotFound)
-	case errors.Is(err, fs.ErrNotExist):
-		return nil, fmt.Errorf("content %v: %w", d, errdefs.ErrNotFound)
-	case err != nil:
-		return nil, err
-	}
-	return &blobReader{f: f, size: fi.Size()}, nil
+	return s.open.get(d, func() (*os.File, int64, error) {
+		f, fi, err := openRegular(s.root, blobPath(d))
+		switch {
+		case errors.Is(err, errNotRegular):
+			s.log.Warn("not a blob: not served", "digest", d, "err", err)
+			return nil, 0, fmt.Errorf("content %v: %v: %w", d, err, errdefs.ErrNotFound)
+		case errors.Is(err, fs.ErrNotExist):
+			return nil, 0, fmt.Errorf("content %v: %w", d, errdefs.ErrNotFound)
+		case err != nil:
+			return nil, 0, err
+		}
+		return f, fi.Size(), nil
+	})
 }
-
-type blobReader struct {
-	f    *os.File
-	size int64
-}
-
-func (r *blobReader) ReadAt(p []byte, off int64) (int, error) { return r.f.ReadAt(p, off) }
-func (r *blobReader) Size() int64                             { return r.size }
-func (r *blobReader) Close() error                            { return r.f.Close() }
-
-// Reader reads the blob from its start; containerd's content.NewReader
-// uses it when present.
-func (r *blobReader) Reader() io.Reader { return io.NewSectionReader(r.f, 0, r.size) }
 
 // walk calls fn for every shared blob that matches the filters. Names that
 // are not regular files are skipped, like names that are not digests.

@@ -76,6 +76,7 @@ type Store struct {
 	// pulls holds the blobs a writer of this node downloads, each closed
 	// and removed when that writer ends (claim).
 	pulls map[digest.Digest]chan struct{}
+	open  openBlobs // blobs being read
 
 	// testHook, set by tests only, runs in held, before the check: a test
 	// stops a call there, between two of its steps.
@@ -162,6 +163,7 @@ func New(ctx context.Context, cfg Config) (*Store, error) {
 		cfg: cfg, c: cfg.Client, log: cfg.Logger, root: root, ingestRel: ingestRel,
 		labels: &labelStore{root: root}, ingest: ingest, refs: make(map[digest.Digest]struct{}),
 		waits: make(map[digest.Digest]time.Time), pulls: make(map[digest.Digest]chan struct{}),
+		open: openBlobs{linger: time.Second, files: make(map[digest.Digest]*blobFile)},
 	}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	ok = true
@@ -200,6 +202,7 @@ func prepareRoot(root *os.Root, ingestRel string) error {
 func (s *Store) Close() error {
 	s.cancel()
 	s.wg.Wait()
+	s.open.close()
 	return s.root.Close()
 }
 
@@ -336,6 +339,7 @@ func (s *Store) Delete(ctx context.Context, dgst digest.Digest) error {
 		return fmt.Errorf("%v: %w", err, errdefs.ErrInvalidArgument)
 	}
 	s.forget(dgst)
+	s.open.drop(dgst)
 	cctx, cancel := s.call(ctx)
 	rc, err := s.c.ReleaseRef(cctx, dgst.String())
 	cancel()
