@@ -121,13 +121,15 @@ bench-etcd: build
 # (BenchmarkSharedPull in cmd/dlock-content). Its table and the timeline of
 # one waited-for layer are appended to docs/BENCHMARKS.md. Layers of
 # DLOCK_PULL_LAYER_MIB MiB (a fraction too), an uplink of
-# DLOCK_PULL_UPLINK_MIB MiB/s.
+# DLOCK_PULL_UPLINK_MIB MiB/s; DLOCK_PULL_MODES picks among
+# single,shared,separate.
 DLOCK_PULL_IMAGES ?= 4
 DLOCK_PULL_LAYERS ?= 8
 DLOCK_PULL_LAYER_MIB ?= 4
 DLOCK_PULL_NODES ?= 3
 DLOCK_PULL_UPLINK_MIB ?= 16
-BENCH_PULL_ENV = DLOCK_PULL_IMAGES=$(DLOCK_PULL_IMAGES) DLOCK_PULL_LAYERS=$(DLOCK_PULL_LAYERS) DLOCK_PULL_LAYER_MIB=$(DLOCK_PULL_LAYER_MIB) DLOCK_PULL_NODES=$(DLOCK_PULL_NODES) DLOCK_PULL_UPLINK_MIB=$(DLOCK_PULL_UPLINK_MIB)
+DLOCK_PULL_MODES ?= single,shared,separate
+BENCH_PULL_ENV = DLOCK_PULL_IMAGES=$(DLOCK_PULL_IMAGES) DLOCK_PULL_LAYERS=$(DLOCK_PULL_LAYERS) DLOCK_PULL_LAYER_MIB=$(DLOCK_PULL_LAYER_MIB) DLOCK_PULL_NODES=$(DLOCK_PULL_NODES) DLOCK_PULL_UPLINK_MIB=$(DLOCK_PULL_UPLINK_MIB) DLOCK_PULL_MODES=$(DLOCK_PULL_MODES)
 BENCH_PULL_ARGS = -run '^$$' -bench '^BenchmarkSharedPull$$' -benchtime 1x -timeout 60m ./cmd/dlock-content
 bench-pull:
 	@set -e; mkdir -p bin; out=docs/BENCHMARKS.md; \

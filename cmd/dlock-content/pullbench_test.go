@@ -75,6 +75,14 @@ func pullBenchConfigFromEnv() (pullBenchConfig, error) {
 	cfg.layerMiB = num("DLOCK_PULL_LAYER_MIB", 4, false)
 	cfg.nodes = int(num("DLOCK_PULL_NODES", 3, true))
 	cfg.uplinkMiB = num("DLOCK_PULL_UPLINK_MIB", 16, false)
+	if m := os.Getenv("DLOCK_PULL_MODES"); m != "" {
+		cfg.modes = strings.Split(m, ",")
+		for _, mode := range cfg.modes {
+			if !slices.Contains([]string{modeSingle, modeShared, modeSeparate}, mode) {
+				errs = append(errs, fmt.Errorf("%w: DLOCK_PULL_MODES=%q: %q is not single, shared or separate", errPullBenchSetting, m, mode))
+			}
+		}
+	}
 	return cfg, errors.Join(errs...)
 }
 
@@ -89,7 +97,8 @@ func pullBenchConfigFromEnv() (pullBenchConfig, error) {
 //	go test -run '^$' -bench '^BenchmarkSharedPull$' -benchtime 1x -timeout 60m ./cmd/dlock-content
 //
 // DLOCK_PULL_IMAGES, DLOCK_PULL_LAYERS, DLOCK_PULL_LAYER_MIB,
-// DLOCK_PULL_NODES and DLOCK_PULL_UPLINK_MIB (MiB/s) change the sizes.
+// DLOCK_PULL_NODES and DLOCK_PULL_UPLINK_MIB (MiB/s) change the sizes;
+// DLOCK_PULL_MODES (single,shared,separate) picks the modes.
 func BenchmarkSharedPull(b *testing.B) {
 	if os.Geteuid() != 0 {
 		b.Skip("SKIPPED LOUDLY: BenchmarkSharedPull needs root to run containerd; run `make bench-pull` as root")
