@@ -131,8 +131,9 @@ DLOCK_PULL_UPLINK_MIB ?= 16
 DLOCK_PULL_MODES ?= single,shared,separate
 BENCH_PULL_ENV = DLOCK_PULL_IMAGES=$(DLOCK_PULL_IMAGES) DLOCK_PULL_LAYERS=$(DLOCK_PULL_LAYERS) DLOCK_PULL_LAYER_MIB=$(DLOCK_PULL_LAYER_MIB) DLOCK_PULL_NODES=$(DLOCK_PULL_NODES) DLOCK_PULL_UPLINK_MIB=$(DLOCK_PULL_UPLINK_MIB) DLOCK_PULL_MODES=$(DLOCK_PULL_MODES)
 BENCH_PULL_ARGS = -run '^$$' -bench '^BenchmarkSharedPull$$' -benchtime 1x -timeout 60m ./cmd/dlock-content
+BENCH_PULL_OUT ?= docs/BENCHMARKS.md
 bench-pull:
-	@set -e; mkdir -p bin; out=docs/BENCHMARKS.md; \
+	@set -e; mkdir -p bin; out=$(BENCH_PULL_OUT); \
 	$(BENCH_PULL_ENV) $(GO) test $(BENCH_PULL_ARGS) 2>&1 | tee bin/pullbench.txt; \
 	if ! grep -q '^BenchmarkSharedPull.*ns/op' bin/pullbench.txt || ! grep -q '^ok' bin/pullbench.txt; then \
 		echo "bench-pull: the benchmark did not run through (above); $$out is unchanged"; exit 1; fi; \

@@ -13,6 +13,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -25,6 +26,7 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 
 	"github.com/dlock/dlock/internal/dlocktest"
+	"github.com/dlock/dlock/internal/doctest"
 )
 
 // The modes of the pull benchmark, each on fresh daemons and directories.
@@ -1006,4 +1008,69 @@ func waitsOf(evs []pullEvent) waits {
 	slices.Sort(w.told)
 	slices.Sort(w.moved)
 	return w
+}
+
+// The page that shows `make bench-pull` (docs/DEVELOPMENT.md, "Commands in
+// the docs").
+const performancePage = "docs/PERFORMANCE.md"
+
+// TestDocsBenchPull runs docs/PERFORMANCE.md's `make bench-pull` lines as
+// written, at a small scale: every size the line sets, and those it leaves
+// at their defaults, are made small (one image of two 256 KiB layers, two
+// nodes, a 64 MiB/s uplink), and the section goes to a file of the test's
+// rather than docs/BENCHMARKS.md. The section must hold every mode's row.
+func TestDocsBenchPull(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("SKIPPED LOUDLY: TestDocsBenchPull needs root to run containerd; run `make test` as root to include it")
+	}
+	all, err := doctest.Read(filepath.Join("..", "..", performancePage))
+	if err != nil {
+		t.Fatal(err)
+	}
+	blocks := doctest.Marked(all, "TestDocsBenchPull")
+	if len(blocks) != 1 {
+		t.Fatalf("%s: %d blocks marked TestDocsBenchPull, want 1", performancePage, len(blocks))
+	}
+	small := []string{"DLOCK_PULL_IMAGES=1", "DLOCK_PULL_LAYERS=2", "DLOCK_PULL_LAYER_MIB=0.25", "DLOCK_PULL_NODES=2", "DLOCK_PULL_UPLINK_MIB=64"}
+	for line := range strings.Lines(strings.TrimSpace(blocks[0].Text)) {
+		fields := strings.Fields(line)
+		if len(fields) < 2 || fields[0] != "make" || fields[1] != "bench-pull" {
+			t.Fatalf("%s:%d: %q is not `make bench-pull [VAR=VALUE…]`", performancePage, blocks[0].Line, line)
+		}
+		for _, v := range fields[2:] {
+			name, _, ok := strings.Cut(v, "=")
+			if !ok || !strings.HasPrefix(name, "DLOCK_PULL_") {
+				t.Fatalf("%s: %q in %q is not a DLOCK_PULL_* setting", performancePage, v, line)
+			}
+			t.Setenv(name, strings.TrimPrefix(v, name+"=")) // the benchmark must accept it
+		}
+		if _, err := pullBenchConfigFromEnv(); err != nil {
+			t.Fatalf("%s: %q: %v", performancePage, line, err)
+		}
+		out := filepath.Join(t.TempDir(), "BENCHMARKS.md")
+		args := append(append(fields[1:], small...), "BENCH_PULL_OUT="+out)
+		cmd := exec.Command("make", args...)
+		cmd.Dir = filepath.Join("..", "..")
+		if b, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("make %s: %v\n%s", strings.Join(args, " "), err, b)
+		}
+		section, err := os.ReadFile(out)
+		if err != nil {
+			t.Fatal(err)
+		}
+		modes := []string{modeSingle, modeShared, modeSeparate}
+		for _, v := range fields[2:] {
+			if m, ok := strings.CutPrefix(v, "DLOCK_PULL_MODES="); ok {
+				modes = strings.Split(m, ",")
+			}
+		}
+		for _, m := range modes {
+			if !regexp.MustCompile(`(?m)^\| ` + m + ` \| [12] \| `).Match(section) {
+				t.Errorf("%q: the section has no row for %s:\n%s", line, m, section)
+			}
+		}
+		if !strings.Contains(string(section), "— make bench-pull") {
+			t.Errorf("%q: no section heading:\n%s", line, section)
+		}
+	}
 }
