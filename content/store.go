@@ -511,8 +511,15 @@ func retryableUnlock(err error) bool {
 	return !errors.Is(err, client.ErrNotHolder) && !errors.Is(err, client.ErrStaleToken) && !errors.Is(err, client.ErrInvalid)
 }
 
-// cancelWait leaves a queue this node must not wait in.
+// cancelWait leaves a queue this node must not wait in. It leaves the
+// pull lock of a blob another writer of this node downloads alone: the
+// server has one grant per node, and a /cancel would end it under that
+// writer and pass the lock to the next node, which would download the
+// blob again.
 func (s *Store) cancelWait(req client.Request) {
+	if req.Type == lock.Pull && s.claimed(digest.Digest(req.Resource)) != nil {
+		return
+	}
 	cctx, cancel := s.call(s.ctx)
 	defer cancel()
 	if res, err := s.c.Cancel(cctx, req); err == nil && res.Released {
