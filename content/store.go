@@ -232,6 +232,20 @@ func (s *Store) reference(ctx context.Context, dgst digest.Digest) error {
 		}
 		return fmt.Errorf("content %v: registering this node's reference: %v: %w", dgst, err, errdefs.ErrUnavailable)
 	}
+	// The caller saw the blob before the reference was added: the last
+	// other reference may have been released and the blob deleted in
+	// between (a waiting writer told done, then its own node's garbage
+	// collector and the holder's delete before containerd commits it), and
+	// the server adds a reference to a blob that is gone. Once the
+	// reference is in, no delete can start, so one look now settles it.
+	if !s.exists(dgst) {
+		rctx, cancel := s.call(ctx)
+		if _, err := s.c.ReleaseRef(rctx, dgst.String()); err != nil {
+			s.log.Warn("releasing the reference to a blob deleted meanwhile failed", "digest", dgst, "err", err)
+		}
+		cancel()
+		return fmt.Errorf("content %v was deleted meanwhile: %w", dgst, errdefs.ErrNotFound)
+	}
 	s.remember(dgst)
 	return nil
 }

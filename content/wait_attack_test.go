@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containerd/errdefs"
+
 	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/lock"
 )
@@ -95,5 +97,55 @@ func TestBusyWaiterLeavesItsNodesHold(t *testing.T) {
 			wb.Close()
 			checkIntact(t, e.root, blobDigest)
 		})
+	}
+}
+
+// TestToldDoneThenDeleted: b waits and is told the blob is there (the
+// server counts b's reference from then on); before containerd commits
+// b's writer, b's garbage collector, which does not know the blob yet,
+// deletes it (releasing b's reference), and a, the last node referencing
+// it, deletes it too. b's commit must not record a blob that is gone.
+func TestToldDoneThenDeleted(t *testing.T) {
+	e := newStoreEnv(t, nil)
+	a, b := e.store("a"), e.store("b")
+	ctx := t.Context()
+	wa, err := writerFor(ctx, a, blobDigest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wb, err := writerFor(ctx, b, blobDigest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	answer := statusOf(wb)
+	e.srv.WaitQueued(t, lock.Key{Type: lock.Pull, Resource: blobDigest.String()}, 1)
+	wa.Write(blob)
+	if err := wa.Commit(ctx, int64(len(blob)), blobDigest); err != nil {
+		t.Fatal(err)
+	}
+	if got := answerOf(t, "b", answer); got.err != nil || got.st.Offset != int64(len(blob)) {
+		t.Fatalf("b after a's commit: %+v %v", got.st, got.err)
+	}
+	for _, s := range []*Store{b, a} {
+		if err := s.Delete(ctx, blobDigest); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if blobExists(e.root, blobDigest) {
+		t.Fatal("a's delete left the blob no node referenced")
+	}
+	if err := wb.Commit(ctx, int64(len(blob)), blobDigest); err == nil {
+		t.Fatalf("b's commit of a blob deleted since it was told: nil, references %v", e.refs(blobDigest))
+	}
+	wb.Close()
+	if refs := e.refs(blobDigest); len(refs) != 0 {
+		t.Fatalf("references to a blob that is gone: %v", refs)
+	}
+	// Info and ReaderAt find it gone too, and reference nothing.
+	if _, err := b.Info(ctx, blobDigest); !errdefs.IsNotFound(err) {
+		t.Fatalf("b's Info of the deleted blob: %v", err)
+	}
+	if refs := e.refs(blobDigest); len(refs) != 0 {
+		t.Fatalf("references to a blob that is gone, after Info: %v", refs)
 	}
 }
