@@ -232,6 +232,20 @@ func (s *Store) reference(ctx context.Context, dgst digest.Digest) error {
 		}
 		return fmt.Errorf("content %v: registering this node's reference: %v: %w", dgst, err, errdefs.ErrUnavailable)
 	}
+	// The caller saw the blob before the reference was added: the last
+	// other reference may have been released and the blob deleted in
+	// between (a waiting writer told done, then its own node's garbage
+	// collector and the holder's delete before containerd commits it), and
+	// the server adds a reference to a blob that is gone. Once the
+	// reference is in, no delete can start, so one look now settles it.
+	if !s.exists(dgst) {
+		rctx, cancel := s.call(ctx)
+		if _, err := s.c.ReleaseRef(rctx, dgst.String()); err != nil {
+			s.log.Warn("releasing the reference to a blob deleted meanwhile failed", "digest", dgst, "err", err)
+		}
+		cancel()
+		return fmt.Errorf("content %v was deleted meanwhile: %w", dgst, errdefs.ErrNotFound)
+	}
 	s.remember(dgst)
 	return nil
 }
@@ -511,8 +525,15 @@ func retryableUnlock(err error) bool {
 	return !errors.Is(err, client.ErrNotHolder) && !errors.Is(err, client.ErrStaleToken) && !errors.Is(err, client.ErrInvalid)
 }
 
-// cancelWait leaves a queue this node must not wait in.
+// cancelWait leaves a queue this node must not wait in. It leaves the
+// pull lock of a blob another writer of this node downloads alone: the
+// server has one grant per node, and a /cancel would end it under that
+// writer and pass the lock to the next node, which would download the
+// blob again.
 func (s *Store) cancelWait(req client.Request) {
+	if req.Type == lock.Pull && s.claimed(digest.Digest(req.Resource)) != nil {
+		return
+	}
 	cctx, cancel := s.call(s.ctx)
 	defer cancel()
 	if res, err := s.c.Cancel(cctx, req); err == nil && res.Released {

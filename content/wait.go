@@ -73,8 +73,12 @@ func (w *waitWriter) wait() error {
 			select {
 			case <-mine:
 			case <-ctx.Done():
+				// Not on to Acquire: with its context ended, it would
+				// cancel, and a /cancel gives up the grant this node's
+				// downloading writer works under (one per node).
+				return fmt.Errorf("content %v: waiting for this node's own pull: %w: %w", w.dgst, context.Cause(ctx), errdefs.ErrUnavailable)
 			}
-			if ctx.Err() == nil && w.s.exists(w.dgst) {
+			if w.s.exists(w.dgst) {
 				return w.found()
 			}
 		}
