@@ -748,3 +748,42 @@ func TestAcquireWaits(t *testing.T) {
 		t.Fatalf("the caller that gave up is still queued: %+v", st)
 	}
 }
+
+// TestAwaitKeepsThePlace: Await whose caller gives up leaves the node in
+// line, for the caller to leave or to ask again; a grant that came
+// meanwhile is found by the next Await.
+func TestAwaitKeepsThePlace(t *testing.T) {
+	srv := startServer(t, nil)
+	a, b := newClient(t, srv, "a"), newClient(t, srv, "b")
+	b.PollInterval = time.Hour
+	ctx, cancel := context.WithTimeout(t.Context(), kit.Patience)
+	defer cancel()
+	held, _, err := a.TryAcquire(ctx, pull)
+	if err != nil || !held.Acquired {
+		t.Fatal(held, err)
+	}
+	gone, giveUp := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { _, _, err := b.Await(gone, pull); done <- err }()
+	srv.WaitQueued(t, pull.key(), 1)
+	giveUp()
+	if err := <-done; !errors.Is(err, context.Canceled) {
+		t.Fatalf("Await whose caller gave up: %v", err)
+	}
+	if st, _ := b.Status(ctx, lock.Pull, pull.Resource); st.QueueLength != 1 {
+		t.Fatalf("b left the line: %+v", st)
+	}
+	if _, err := a.Release(ctx, pull, held.Token, errors.New("failed")); err != nil {
+		t.Fatal(err)
+	}
+	res, lost, err := b.Await(ctx, pull)
+	if err != nil || !res.Acquired || lost == nil {
+		t.Fatalf("Await after the hand-off: %+v %v", res, err)
+	}
+	if _, err := b.Cancel(ctx, pull); err != nil {
+		t.Fatal(err)
+	}
+	if st, _ := b.Status(ctx, lock.Pull, pull.Resource); st.Holder != "" || st.QueueLength != 0 {
+		t.Fatalf("after b's Cancel: %+v", st)
+	}
+}

@@ -311,7 +311,7 @@ func (c *Client) Lock(ctx context.Context, req Request) (Result, error) {
 }
 
 func (c *Client) lock(ctx context.Context, req Request) (Result, error) {
-	res, sent, by, err := c.waitTurn(ctx, req)
+	res, sent, by, err := c.waitTurn(ctx, req, true)
 	switch {
 	case err != nil:
 		return Result{}, err
@@ -333,7 +333,22 @@ func (c *Client) Acquire(ctx context.Context, req Request) (res api.LockResponse
 	if err := c.prepare(req); err != nil {
 		return api.LockResponse{}, nil, err
 	}
-	res, sent, _, err := c.waitTurn(ctx, req)
+	return c.acquire(ctx, req, true)
+}
+
+// Await is Acquire for a caller that shares the node's place in line
+// among several waits of its own: when ctx ends, or when no answer comes,
+// it returns the error and leaves the node in line, with a grant that
+// raced it held, for the caller to Cancel, or to take by asking again.
+func (c *Client) Await(ctx context.Context, req Request) (res api.LockResponse, lost <-chan struct{}, err error) {
+	if err := c.prepare(req); err != nil {
+		return api.LockResponse{}, nil, err
+	}
+	return c.acquire(ctx, req, false)
+}
+
+func (c *Client) acquire(ctx context.Context, req Request, leave bool) (api.LockResponse, <-chan struct{}, error) {
+	res, sent, _, err := c.waitTurn(ctx, req, leave)
 	if err != nil || !res.Acquired {
 		return res, nil, err
 	}
@@ -343,8 +358,15 @@ func (c *Client) Acquire(ctx context.Context, req Request) (res api.LockResponse
 // waitTurn sends /lock and, while the node is queued, waits for the
 // stream's hints (or polls /status) until the answer is a grant, won by
 // the /lock sent at sent, or a skip, by skippedBy when known (res.Skip).
-func (c *Client) waitTurn(ctx context.Context, req Request) (res api.LockResponse, sent time.Time, skippedBy string, err error) {
+// leave: when ctx ends, or no answer comes, the node leaves the line
+// (abandon, lockFailed); else it stays, for the caller to leave.
+func (c *Client) waitTurn(ctx context.Context, req Request, leave bool) (res api.LockResponse, sent time.Time, skippedBy string, err error) {
 	k := req.key()
+	abandon, lockFailed := c.abandon, c.lockFailed
+	if !leave {
+		abandon = func(ctx context.Context, _ lock.Key) error { return context.Cause(ctx) }
+		lockFailed = func(_ lock.Key, err error) error { return err }
+	}
 	skip := func(by string) (api.LockResponse, time.Time, string, error) {
 		return api.LockResponse{Skip: true}, sent, by, nil
 	}
@@ -358,9 +380,9 @@ func (c *Client) waitTurn(ctx context.Context, req Request) (res api.LockRespons
 			// The caller gave up with the /lock on the wire: the server
 			// may have queued or granted it. Cancel, or the node keeps a
 			// place nobody waits on in front of the nodes behind it.
-			return res, sent, "", c.abandon(ctx, k)
+			return res, sent, "", abandon(ctx, k)
 		}
-		return res, sent, "", c.lockFailed(k, err)
+		return res, sent, "", lockFailed(k, err)
 	}
 	switch {
 	case res.Acquired:
@@ -404,7 +426,7 @@ func (c *Client) waitTurn(ctx context.Context, req Request) (res api.LockRespons
 				relock = true // not queued any more (lease ended, restart): ask again
 			}
 		case <-ctx.Done():
-			return res, sent, "", c.abandon(ctx, k)
+			return res, sent, "", abandon(ctx, k)
 		}
 		if !relock {
 			continue
@@ -413,9 +435,9 @@ func (c *Client) waitTurn(ctx context.Context, req Request) (res api.LockRespons
 		res, err = c.tryLock(ctx, req)
 		if err != nil {
 			if ctx.Err() != nil {
-				return res, sent, "", c.abandon(ctx, k)
+				return res, sent, "", abandon(ctx, k)
 			}
-			return res, sent, "", c.lockFailed(k, err)
+			return res, sent, "", lockFailed(k, err)
 		}
 		switch {
 		case res.Acquired:

@@ -77,6 +77,9 @@ type Store struct {
 	// and removed when that writer ends (claim).
 	pulls map[digest.Digest]chan struct{}
 	open  openBlobs // blobs being read
+	// lines counts, by blob, this node's waiting writers in its line
+	// (joinLine).
+	lines map[digest.Digest]int
 
 	// testHook, set by tests only, runs in held, before the check: a test
 	// stops a call there, between two of its steps.
@@ -162,7 +165,7 @@ func New(ctx context.Context, cfg Config) (*Store, error) {
 	s := &Store{
 		cfg: cfg, c: cfg.Client, log: cfg.Logger, root: root, ingestRel: ingestRel,
 		labels: &labelStore{root: root}, ingest: ingest, refs: make(map[digest.Digest]struct{}),
-		waits: make(map[digest.Digest]time.Time), pulls: make(map[digest.Digest]chan struct{}),
+		waits: make(map[digest.Digest]time.Time), pulls: make(map[digest.Digest]chan struct{}), lines: make(map[digest.Digest]int),
 		open: openBlobs{linger: time.Second, files: make(map[digest.Digest]*blobFile)},
 	}
 	s.ctx, s.cancel = context.WithCancel(context.Background())

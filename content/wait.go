@@ -48,6 +48,18 @@ type waitWriter struct {
 	size    int64   // its size, once done
 	updated time.Time
 	closed  bool
+	// inLine: counted among the node's writers in line for the blob
+	// (Store.joinLine), until it resolves or closes.
+	inLine bool
+}
+
+// leave takes the writer out of the node's line; giveUp when it leaves
+// unresolved, so that the last to leave takes the node out of the line.
+func (w *waitWriter) leave(giveUp bool) {
+	if w.inLine {
+		w.inLine = false
+		w.s.leaveLine(w.req, giveUp)
+	}
 }
 
 // errWaitEnded ends a wait whose writer was closed or whose store stopped.
@@ -82,7 +94,9 @@ func (w *waitWriter) wait() error {
 				return w.found()
 			}
 		}
-		res, lost, err := w.s.c.Acquire(ctx, w.req)
+		// Await, not Acquire: the node's place in line is shared by its
+		// writers of the blob, and the last to leave ends it (leaveLine).
+		res, lost, err := w.s.c.Await(ctx, w.req)
 		switch {
 		case ctx.Err() != nil:
 			return fmt.Errorf("content %v: waiting for another node's pull: %w: %w", w.dgst, context.Cause(ctx), errdefs.ErrUnavailable)
@@ -105,6 +119,7 @@ func (w *waitWriter) wait() error {
 			}
 			w.s.log.Debug("pull: handed over", "digest", w.dgst, "token", res.Token)
 			w.w = iw
+			w.leave(false)
 			return nil
 		case res.Skip:
 			if w.s.exists(w.dgst) {
@@ -123,6 +138,7 @@ func (w *waitWriter) found() error {
 		return err
 	}
 	w.done, w.size, w.updated = true, info.Size, time.Now()
+	w.leave(false)
 	w.s.log.Debug("pull: told done", "digest", w.dgst, "waited", time.Since(w.started).Round(time.Millisecond))
 	return nil
 }
@@ -197,15 +213,13 @@ func (w *waitWriter) Commit(ctx context.Context, size int64, expected digest.Dig
 	return nil
 }
 
-// Close of a writer still in line leaves the line: nobody waits there
-// any more.
+// Close of a writer still in line leaves the line; the node leaves it with
+// its last writer there.
 func (w *waitWriter) Close() error {
 	if w.w != nil {
 		return w.w.Close()
 	}
-	if !w.closed && !w.done {
-		w.s.cancelWait(w.req)
-	}
+	w.leave(!w.done)
 	w.closed = true
 	return nil
 }

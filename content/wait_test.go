@@ -83,8 +83,8 @@ func TestWaitWriterToldDone(t *testing.T) {
 	}
 }
 
-// TestWaitWriterLeaves: a waiting writer closed, or whose caller gives up,
-// or whose store closes, leaves the line.
+// TestWaitWriterLeaves: a waiting writer closed, or whose caller gives up
+// (and closes it), or whose store closes, leaves the line.
 func TestWaitWriterLeaves(t *testing.T) {
 	e := newStoreEnv(t, nil)
 	a, b := e.store("a"), e.store("b")
@@ -123,8 +123,9 @@ func TestWaitWriterLeaves(t *testing.T) {
 	if got := <-answer; !errors.Is(got.err, context.Canceled) || !errdefs.IsUnavailable(got.err) {
 		t.Fatalf("Status when containerd gives up: %v", got.err)
 	}
+	wb.Close() // as containerd does with a writer whose call failed
 	if n := queue(); n != 0 {
-		t.Fatalf("%d in line after containerd gave up", n)
+		t.Fatalf("%d in line after containerd gave up and closed the writer", n)
 	}
 
 	wb, err = writerFor(t.Context(), b, blobDigest)
@@ -192,4 +193,50 @@ func TestTwoWritersOfOneNode(t *testing.T) {
 	if h := e.holder(lock.Pull, blobDigest); h != "" {
 		t.Fatalf("lock held by %q after the commit", h)
 	}
+}
+
+// TestOneWriterGivesUpTheOtherWaits: two writers of one node wait in line
+// for a blob another node pulls (two pulls sharing a layer); containerd
+// gives up on one. The node keeps its place for the other, which is told
+// when the blob is done; the node leaves the line only with its last
+// writer there.
+func TestOneWriterGivesUpTheOtherWaits(t *testing.T) {
+	e := newStoreEnv(t, nil)
+	a, b := e.store("a"), e.store("b")
+	ctx := t.Context()
+	k := lock.Key{Type: lock.Pull, Resource: blobDigest.String()}
+	wa, err := writerFor(ctx, a, blobDigest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gone, giveUp := context.WithCancel(ctx)
+	w1, err := writerFor(gone, b, blobDigest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w2, err := writerFor(ctx, b, blobDigest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	first, second := statusOf(w1), statusOf(w2)
+	e.srv.WaitQueued(t, k, 1)
+	giveUp()
+	if got := <-first; !errors.Is(got.err, context.Canceled) {
+		t.Fatalf("the writer containerd gave up on: %v", got.err)
+	}
+	w1.Close()
+	if st, _ := e.srv.Backend.Status(ctx, lock.Pull, blobDigest.String(), "b"); st.Position != 1 {
+		t.Fatalf("b left the line with a writer still waiting: %+v", st)
+	}
+	wa.Write(blob)
+	if err := wa.Commit(ctx, int64(len(blob)), blobDigest); err != nil {
+		t.Fatal(err)
+	}
+	if got := <-second; got.err != nil || got.st.Offset != int64(len(blob)) {
+		t.Fatalf("the writer still waiting: %+v %v, want the write complete", got.st, got.err)
+	}
+	if err := w2.Commit(ctx, int64(len(blob)), blobDigest); err != nil {
+		t.Fatal(err)
+	}
+	w2.Close()
 }

@@ -68,12 +68,12 @@ func (s *Store) writer(ctx context.Context, quick int, opts ...content.WriterOpt
 		return nil, fmt.Errorf("content %v was just pulled: %w", dgst, errdefs.ErrUnavailable)
 	case !res.Acquired:
 		s.waitStarts(dgst, res.Holder, res.Position)
-		return &waitWriter{s: s, ctx: ctx, req: req, dgst: dgst, opts: wo, quick: quick, started: time.Now()}, nil
+		return s.inLine(ctx, req, dgst, wo, quick), nil
 	}
 	w, found, busy, err := s.take(ctx, req, dgst, wo, res.Token, lost)
 	switch {
 	case busy:
-		return &waitWriter{s: s, ctx: ctx, req: req, dgst: dgst, opts: wo, quick: quick, started: time.Now()}, nil
+		return s.inLine(ctx, req, dgst, wo, quick), nil
 	case found:
 		return nil, fmt.Errorf("content %v exists; look it up with Info: %w", dgst, errdefs.ErrUnavailable)
 	case err != nil:
@@ -84,6 +84,36 @@ func (s *Store) writer(ctx context.Context, quick int, opts ...content.WriterOpt
 	}
 	s.log.Debug("pull: downloading", "digest", dgst, "token", res.Token)
 	return w, nil
+}
+
+// inLine makes the waiting writer of a blob whose line this node is in.
+func (s *Store) inLine(ctx context.Context, req client.Request, dgst digest.Digest, wo content.WriterOpts, quick int) *waitWriter {
+	s.joinLine(dgst)
+	return &waitWriter{s: s, ctx: ctx, req: req, dgst: dgst, opts: wo, quick: quick, started: time.Now(), inLine: true}
+}
+
+// joinLine counts a writer of this node in line for a blob. The server
+// has one place in line per node, which all of them share: the last to
+// leave unresolved takes the node out (leaveLine), and one writer that
+// containerd gives up on leaves the others their place.
+func (s *Store) joinLine(dgst digest.Digest) {
+	s.mu.Lock()
+	s.lines[dgst]++
+	s.mu.Unlock()
+}
+
+func (s *Store) leaveLine(req client.Request, giveUp bool) {
+	dgst := digest.Digest(req.Resource)
+	s.mu.Lock()
+	s.lines[dgst]--
+	last := s.lines[dgst] <= 0
+	if last {
+		delete(s.lines, dgst)
+	}
+	s.mu.Unlock()
+	if last && giveUp {
+		s.cancelWait(req)
+	}
 }
 
 // take makes the writer of a blob whose pull lock this node was granted
