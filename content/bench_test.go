@@ -14,33 +14,16 @@ import (
 	"github.com/containerd/containerd/v2/core/metadata"
 	"github.com/containerd/containerd/v2/plugins/content/local"
 	bolt "go.etcd.io/bbolt"
+	"golang.org/x/time/rate"
 
 	"github.com/dlock/dlock/internal/dlocktest"
 )
 
-// throttle shares one bandwidth budget among every response it wraps: the
-// registry's uplink.
-type throttle struct {
-	mu   sync.Mutex
-	rate float64 // bytes per second
-	next time.Time
-}
-
-func (t *throttle) wait(n int) {
-	t.mu.Lock()
-	now := time.Now()
-	if t.next.Before(now) {
-		t.next = now
-	}
-	t.next = t.next.Add(time.Duration(float64(n) / t.rate * float64(time.Second)))
-	until := t.next
-	t.mu.Unlock()
-	time.Sleep(time.Until(until))
-}
-
+// throttledWriter writes a response through the registry's uplink, one
+// budget of bytes per second for every response it wraps.
 type throttledWriter struct {
 	http.ResponseWriter
-	t     *throttle
+	t     *rate.Limiter
 	bytes *int64
 	mu    *sync.Mutex
 }
@@ -49,7 +32,9 @@ func (w throttledWriter) Write(p []byte) (int, error) {
 	written := 0
 	for len(p) > 0 {
 		chunk := min(len(p), 32<<10)
-		w.t.wait(chunk)
+		if err := w.t.WaitN(context.Background(), chunk); err != nil {
+			return written, err
+		}
 		n, err := w.ResponseWriter.Write(p[:chunk])
 		written += n
 		w.mu.Lock()
@@ -71,7 +56,7 @@ func (w throttledWriter) Write(p []byte) (int, error) {
 //	go test -run '^$' -bench SharedPull -benchtime 1x -timeout 30m ./content
 func BenchmarkSharedPull(b *testing.B) {
 	reg := newRegistry()
-	thr := &throttle{rate: 4 << 20}
+	thr := rate.NewLimiter(4<<20, 32<<10)
 	var mu sync.Mutex
 	var served int64
 	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {

@@ -24,6 +24,7 @@ import (
 	"github.com/google/go-containerregistry/pkg/name"
 	"github.com/google/go-containerregistry/pkg/v1/random"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
+	"golang.org/x/time/rate"
 
 	"github.com/dlock/dlock/internal/dlocktest"
 	"github.com/dlock/dlock/internal/doctest"
@@ -301,7 +302,7 @@ func runPullBench(t testing.TB, cfg pullBenchConfig) *pullBenchResult {
 	}
 	registry := startRegistry(t, dir)
 	r.push(t, registry)
-	up := &uplink{rate: cfg.uplinkMiB * (1 << 20)}
+	up := newUplink(cfg.uplinkMiB * (1 << 20))
 	for _, mode := range cfg.modes {
 		m := r.run(t, mode, f, bin, registry, up, filepath.Join(dir, mode))
 		r.modes = append(r.modes, m)
@@ -344,7 +345,7 @@ func (r *pullBenchResult) push(t testing.TB, registry string) {
 // run starts mode's nodes, each behind its own listener of one registry
 // front, opens a barrier before every node's pull of every image at once,
 // and waits until all are done.
-func (r *pullBenchResult) run(t testing.TB, mode string, f flavour, bin, registry string, up *uplink, dir string) *modeResult {
+func (r *pullBenchResult) run(t testing.TB, mode string, f flavour, bin, registry string, up *rate.Limiter, dir string) *modeResult {
 	s := newScope(t)
 	defer s.close()
 	m := &modeResult{mode: mode, nodes: r.cfg.nodes}
@@ -470,25 +471,14 @@ func (s *scope) close() {
 	}
 }
 
-// uplink paces every blob body the registry serves, for every node
-// together, to one rate: the registry's uplink (as content's in-process
-// pull benchmark does).
-type uplink struct {
-	mu   sync.Mutex
-	rate float64 // bytes per second
-	next time.Time
-}
+// uplinkChunk is the pacing's unit: each blob body goes out in chunks of
+// this size, each waiting for the uplink.
+const uplinkChunk = 32 << 10
 
-func (u *uplink) wait(n int) {
-	u.mu.Lock()
-	now := time.Now()
-	if u.next.Before(now) {
-		u.next = now
-	}
-	u.next = u.next.Add(time.Duration(float64(n) / u.rate * float64(time.Second)))
-	until := u.next
-	u.mu.Unlock()
-	time.Sleep(time.Until(until))
+// newUplink paces every blob body the registry serves, for every node
+// together, to one rate in bytes per second: the registry's uplink.
+func newUplink(bytesPerSecond float64) *rate.Limiter {
+	return rate.NewLimiter(rate.Limit(bytesPerSecond), uplinkChunk)
 }
 
 // A blobRequest is one GET of a blob through the registry front.
@@ -506,7 +496,7 @@ type blobRequest struct {
 // for the blob bodies of all.
 type registryFront struct {
 	registry string
-	up       *uplink
+	up       *rate.Limiter
 	tr       *http.Transport
 
 	mu       sync.Mutex
@@ -563,7 +553,7 @@ func (f *registryFront) records() []blobRequest {
 // and notes when its last byte went out.
 type pacedWriter struct {
 	http.ResponseWriter
-	up     *uplink
+	up     *rate.Limiter
 	status int
 	n      int64
 	last   time.Time
@@ -582,8 +572,10 @@ func (w *pacedWriter) Write(p []byte) (int, error) {
 	}
 	written := 0
 	for len(p) > 0 {
-		chunk := min(len(p), 32<<10)
-		w.up.wait(chunk)
+		chunk := min(len(p), uplinkChunk)
+		if err := w.up.WaitN(context.Background(), chunk); err != nil {
+			return written, err
+		}
 		n, err := w.ResponseWriter.Write(p[:chunk])
 		written += n
 		w.n += int64(n)
