@@ -162,7 +162,10 @@ func TestToldDoneThenDeleted(t *testing.T) {
 // b and c takes the lock over and downloads; the other is told done once
 // the blob is there, never before.
 func TestHolderCutOffTwoWaiters(t *testing.T) {
-	e := newStoreEnv(t, func(c *memory.Config) { c.SessionGrace = 100 * time.Millisecond })
+	// A short grace ends a's session soon after its stream; not shorter:
+	// the grace is every session's, and the lease b or c is granted by it
+	// must outlast a loaded machine's pauses.
+	e := newStoreEnv(t, func(c *memory.Config) { c.SessionGrace = time.Second })
 	hole := newBlackHole(t, e.srv.Addr)
 	a := e.storeVia("a", hole.URL())
 	b, c := e.store("b"), e.store("c")
