@@ -49,7 +49,7 @@ func proxyReader(tb testing.TB) (content.ReaderAt, []byte) {
 	rand.Read(data)
 	d := digest.FromBytes(data)
 	desc := ocispec.Descriptor{Digest: d, Size: int64(len(data))}
-	if err := content.WriteBlob(ctx, cs, "layer-"+d.String(), bytesReader(data), desc); err != nil {
+	if err := content.WriteBlob(ctx, cs, "layer-"+d.String(), bytes.NewReader(data), desc); err != nil {
 		tb.Fatal(err)
 	}
 	ra, err := cs.ReaderAt(ctx, desc)
@@ -90,17 +90,4 @@ func BenchmarkProxyRead(b *testing.B) {
 	for b.Loop() {
 		readBy32K(b, ra, buf)
 	}
-}
-
-func bytesReader(p []byte) io.Reader { return &sliceReader{p: p} }
-
-type sliceReader struct{ p []byte }
-
-func (r *sliceReader) Read(b []byte) (int, error) {
-	if len(r.p) == 0 {
-		return 0, io.EOF
-	}
-	n := copy(b, r.p)
-	r.p = r.p[n:]
-	return n, nil
 }
