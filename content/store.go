@@ -70,16 +70,12 @@ type Store struct {
 	mu       sync.Mutex
 	refs     map[digest.Digest]struct{} // blobs this node has registered a reference for
 	refEpoch string                     // the server epoch refs belong to
-	// waits holds the blobs this node was told another node is pulling,
-	// and since when, until it finds them: the pull log's waits.
-	waits map[digest.Digest]time.Time
 	// pulls holds the blobs a writer of this node downloads, each closed
 	// and removed when that writer ends (claim).
 	pulls map[digest.Digest]chan struct{}
 	open  openBlobs // blobs being read
-	// lines counts, by blob, this node's waiting writers in its line
-	// (joinLine).
-	lines map[digest.Digest]int
+	// lines holds, by blob, this node's place in line (joinLine).
+	lines map[digest.Digest]*line
 
 	// testHook, set by tests only, runs in held, before the check: a test
 	// stops a call there, between two of its steps.
@@ -165,7 +161,7 @@ func New(ctx context.Context, cfg Config) (*Store, error) {
 	s := &Store{
 		cfg: cfg, c: cfg.Client, log: cfg.Logger, root: root, ingestRel: ingestRel,
 		labels: &labelStore{root: root}, ingest: ingest, refs: make(map[digest.Digest]struct{}),
-		waits: make(map[digest.Digest]time.Time), pulls: make(map[digest.Digest]chan struct{}), lines: make(map[digest.Digest]int),
+		pulls: make(map[digest.Digest]chan struct{}), lines: make(map[digest.Digest]*line),
 		open: openBlobs{linger: time.Second, files: make(map[digest.Digest]*blobFile)},
 	}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
@@ -279,29 +275,18 @@ func (s *Store) Info(ctx context.Context, dgst digest.Digest) (content.Info, err
 	return info, nil
 }
 
-// waitStarts logs, at debug level, that this node waits for a blob another
-// node pulls, the first time it is told so (docs/CONTAINERD.md, "The pull
-// log").
-func (s *Store) waitStarts(dgst digest.Digest, holder string, position int) {
-	s.mu.Lock()
-	_, known := s.waits[dgst]
-	if !known {
-		s.waits[dgst] = time.Now()
-	}
-	s.mu.Unlock()
-	if !known {
-		s.log.Debug("pull: waiting for another node", "digest", dgst, "holder", holder, "position", position)
-	}
-}
-
-// waitOver logs that containerd found a blob this node waited for.
+// waitOver ends the node's line for a blob its waiting writers were told
+// is done, once containerd finds the blob, and logs it.
 func (s *Store) waitOver(dgst digest.Digest) {
 	s.mu.Lock()
-	since, waited := s.waits[dgst]
-	delete(s.waits, dgst)
+	l := s.lines[dgst]
+	over := l != nil && l.writers == 0
+	if over {
+		delete(s.lines, dgst)
+	}
 	s.mu.Unlock()
-	if waited {
-		s.log.Debug("pull: found the blob another node pulled", "digest", dgst, "waited", time.Since(since).Round(time.Millisecond))
+	if over && l.behind {
+		s.log.Debug("pull: found the blob another node pulled", "digest", dgst, "waited", time.Since(l.since).Round(time.Millisecond))
 	}
 }
 
@@ -357,6 +342,11 @@ func (s *Store) Delete(ctx context.Context, dgst digest.Digest) error {
 	}
 	s.forget(dgst)
 	s.open.drop(dgst)
+	s.mu.Lock()
+	if l := s.lines[dgst]; l != nil && l.writers == 0 {
+		delete(s.lines, dgst) // told done, never found: containerd gave up
+	}
+	s.mu.Unlock()
 	cctx, cancel := s.call(ctx)
 	rc, err := s.c.ReleaseRef(cctx, dgst.String())
 	cancel()

@@ -53,12 +53,11 @@ type waitWriter struct {
 	inLine bool
 }
 
-// leave takes the writer out of the node's line; giveUp when it leaves
-// unresolved, so that the last to leave takes the node out of the line.
-func (w *waitWriter) leave(giveUp bool) {
+// leave takes the writer out of the node's line (leaveLine).
+func (w *waitWriter) leave(found, giveUp bool) {
 	if w.inLine {
 		w.inLine = false
-		w.s.leaveLine(w.req, giveUp)
+		w.s.leaveLine(w.req, found, giveUp)
 	}
 }
 
@@ -119,7 +118,7 @@ func (w *waitWriter) wait() error {
 			}
 			w.s.log.Debug("pull: handed over", "digest", w.dgst, "token", res.Token)
 			w.w = iw
-			w.leave(false)
+			w.leave(false, false)
 			return nil
 		case res.Skip:
 			if w.s.exists(w.dgst) {
@@ -138,7 +137,7 @@ func (w *waitWriter) found() error {
 		return err
 	}
 	w.done, w.size, w.updated = true, info.Size, time.Now()
-	w.leave(false)
+	w.leave(true, false)
 	w.s.log.Debug("pull: told done", "digest", w.dgst, "waited", time.Since(w.started).Round(time.Millisecond))
 	return nil
 }
@@ -219,7 +218,7 @@ func (w *waitWriter) Close() error {
 	if w.w != nil {
 		return w.w.Close()
 	}
-	w.leave(!w.done)
+	w.leave(false, !w.done)
 	w.closed = true
 	return nil
 }

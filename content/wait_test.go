@@ -127,6 +127,12 @@ func TestWaitWriterLeaves(t *testing.T) {
 	if n := queue(); n != 0 {
 		t.Fatalf("%d in line after containerd gave up and closed the writer", n)
 	}
+	b.mu.Lock()
+	left := len(b.lines)
+	b.mu.Unlock()
+	if left != 0 {
+		t.Fatalf("b keeps %d lines it left", left)
+	}
 
 	wb, err = writerFor(t.Context(), b, blobDigest)
 	if err != nil {

@@ -10,6 +10,7 @@ import (
 	"github.com/containerd/errdefs"
 	"github.com/opencontainers/go-digest"
 
+	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/client"
 	"github.com/dlock/dlock/lock"
 )
@@ -67,13 +68,12 @@ func (s *Store) writer(ctx context.Context, quick int, opts ...content.WriterOpt
 	case res.Skip:
 		return nil, fmt.Errorf("content %v was just pulled: %w", dgst, errdefs.ErrUnavailable)
 	case !res.Acquired:
-		s.waitStarts(dgst, res.Holder, res.Position)
-		return s.inLine(ctx, req, dgst, wo, quick), nil
+		return s.inLine(ctx, req, dgst, wo, quick, res), nil
 	}
 	w, found, busy, err := s.take(ctx, req, dgst, wo, res.Token, lost)
 	switch {
 	case busy:
-		return s.inLine(ctx, req, dgst, wo, quick), nil
+		return s.inLine(ctx, req, dgst, wo, quick, res), nil
 	case found:
 		return nil, fmt.Errorf("content %v exists; look it up with Info: %w", dgst, errdefs.ErrUnavailable)
 	case err != nil:
@@ -86,29 +86,58 @@ func (s *Store) writer(ctx context.Context, quick int, opts ...content.WriterOpt
 	return w, nil
 }
 
-// inLine makes the waiting writer of a blob whose line this node is in.
-func (s *Store) inLine(ctx context.Context, req client.Request, dgst digest.Digest, wo content.WriterOpts, quick int) *waitWriter {
-	s.joinLine(dgst)
+// inLine makes the waiting writer of a blob whose line this node is in;
+// res is the answer that put it there.
+func (s *Store) inLine(ctx context.Context, req client.Request, dgst digest.Digest, wo content.WriterOpts, quick int, res api.LockResponse) *waitWriter {
+	s.joinLine(dgst, res)
 	return &waitWriter{s: s, ctx: ctx, req: req, dgst: dgst, opts: wo, quick: quick, started: time.Now(), inLine: true}
 }
 
-// joinLine counts a writer of this node in line for a blob. The server
-// has one place in line per node, which all of them share: the last to
-// leave unresolved takes the node out (leaveLine), and one writer that
-// containerd gives up on leaves the others their place.
-func (s *Store) joinLine(dgst digest.Digest) {
-	s.mu.Lock()
-	s.lines[dgst]++
-	s.mu.Unlock()
+// line is this node's place in line for a blob. The server has one place
+// per node, which all the node's waiting writers of the blob share: the
+// last to leave unresolved takes the node out (leaveLine), and one writer
+// that containerd gives up on leaves the others their place. Once they are
+// told the blob is done, the line stays until containerd finds the blob
+// (waitOver), for the pull log (docs/CONTAINERD.md, "The pull log").
+type line struct {
+	writers int
+	since   time.Time // when the node joined it
+	behind  bool      // another node's pull, not this node's own writer
 }
 
-func (s *Store) leaveLine(req client.Request, giveUp bool) {
+// joinLine counts a writer of this node in the blob's line, and logs the
+// start of the node's wait behind another node (res names the holder; a
+// wait for this node's own writer is not logged).
+func (s *Store) joinLine(dgst digest.Digest, res api.LockResponse) {
+	s.mu.Lock()
+	l := s.lines[dgst]
+	if l == nil {
+		l = &line{since: time.Now()}
+		s.lines[dgst] = l
+	}
+	l.writers++
+	logged := !l.behind && !res.Acquired
+	l.behind = l.behind || !res.Acquired
+	s.mu.Unlock()
+	if logged {
+		s.log.Debug("pull: waiting for another node", "digest", dgst, "holder", res.Holder, "position", res.Position)
+	}
+}
+
+// leaveLine takes a writer out of the blob's line: told done (found), its
+// line stays for waitOver; given up by its last writer (giveUp), the node
+// leaves the server's line too.
+func (s *Store) leaveLine(req client.Request, found, giveUp bool) {
 	dgst := digest.Digest(req.Resource)
 	s.mu.Lock()
-	s.lines[dgst]--
-	last := s.lines[dgst] <= 0
-	if last {
-		delete(s.lines, dgst)
+	l := s.lines[dgst]
+	last := false
+	if l != nil {
+		l.writers--
+		last = l.writers <= 0
+		if last && !found {
+			delete(s.lines, dgst)
+		}
 	}
 	s.mu.Unlock()
 	if last && giveUp {
