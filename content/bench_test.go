@@ -14,39 +14,10 @@ import (
 	"github.com/containerd/containerd/v2/core/metadata"
 	"github.com/containerd/containerd/v2/plugins/content/local"
 	bolt "go.etcd.io/bbolt"
-	"golang.org/x/time/rate"
 
 	"github.com/dlock/dlock/internal/dlocktest"
+	"github.com/dlock/dlock/internal/dlocktest/kit"
 )
-
-// throttledWriter writes a response through the registry's uplink, one
-// budget of bytes per second for every response it wraps.
-type throttledWriter struct {
-	http.ResponseWriter
-	t     *rate.Limiter
-	bytes *int64
-	mu    *sync.Mutex
-}
-
-func (w throttledWriter) Write(p []byte) (int, error) {
-	written := 0
-	for len(p) > 0 {
-		chunk := min(len(p), 32<<10)
-		if err := w.t.WaitN(context.Background(), chunk); err != nil {
-			return written, err
-		}
-		n, err := w.ResponseWriter.Write(p[:chunk])
-		written += n
-		w.mu.Lock()
-		*w.bytes += int64(n)
-		w.mu.Unlock()
-		if err != nil {
-			return written, err
-		}
-		p = p[chunk:]
-	}
-	return written, nil
-}
 
 // BenchmarkSharedPull: N nodes pull one image of 8 × 8 MiB layers from a
 // registry whose uplink is 4 MiB/s, through dlock (one shared store) and
@@ -56,14 +27,19 @@ func (w throttledWriter) Write(p []byte) (int, error) {
 //	go test -run '^$' -bench SharedPull -benchtime 1x -timeout 30m ./content
 func BenchmarkSharedPull(b *testing.B) {
 	reg := newRegistry()
-	thr := rate.NewLimiter(4<<20, 32<<10)
+	uplink := kit.NewUplink(4 << 20)
 	var mu sync.Mutex
 	var served int64
 	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if strings.Contains(r.URL.Path, "/blobs/") && r.Method == http.MethodGet {
-			w = throttledWriter{ResponseWriter: w, t: thr, bytes: &served, mu: &mu}
+		if !strings.Contains(r.URL.Path, "/blobs/") || r.Method != http.MethodGet {
+			reg.ServeHTTP(w, r)
+			return
 		}
-		reg.ServeHTTP(w, r)
+		pw := &kit.PacedWriter{ResponseWriter: w, Uplink: uplink}
+		reg.ServeHTTP(pw, r)
+		mu.Lock()
+		served += pw.N
+		mu.Unlock()
 	})
 	rs := httptest.NewServer(h)
 	defer rs.Close()

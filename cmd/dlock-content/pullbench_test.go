@@ -27,6 +27,7 @@ import (
 	"golang.org/x/time/rate"
 
 	"github.com/dlock/dlock/internal/dlocktest"
+	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/internal/doctest"
 )
 
@@ -302,7 +303,7 @@ func runPullBench(t testing.TB, cfg pullBenchConfig) *pullBenchResult {
 	}
 	registry := startRegistry(t, dir)
 	r.push(t, registry)
-	up := newUplink(cfg.uplinkMiB * (1 << 20))
+	up := kit.NewUplink(cfg.uplinkMiB * (1 << 20))
 	for _, mode := range cfg.modes {
 		m := r.run(t, mode, f, bin, registry, up, filepath.Join(dir, mode))
 		r.modes = append(r.modes, m)
@@ -471,16 +472,6 @@ func (s *scope) close() {
 	}
 }
 
-// uplinkChunk is the pacing's unit: each blob body goes out in chunks of
-// this size, each waiting for the uplink.
-const uplinkChunk = 32 << 10
-
-// newUplink paces every blob body the registry serves, for every node
-// together, to one rate in bytes per second: the registry's uplink.
-func newUplink(bytesPerSecond float64) *rate.Limiter {
-	return rate.NewLimiter(rate.Limit(bytesPerSecond), uplinkChunk)
-}
-
 // A blobRequest is one GET of a blob through the registry front.
 type blobRequest struct {
 	node     string
@@ -518,12 +509,12 @@ func (f *registryFront) listen(t testing.TB, node string) string {
 			rp.ServeHTTP(w, r)
 			return
 		}
-		pw := &pacedWriter{ResponseWriter: w, up: f.up}
+		pw := &kit.PacedWriter{ResponseWriter: w, Uplink: f.up}
 		q := blobRequest{node: node, digest: r.URL.Path[i+len("/blobs/"):], arrived: time.Now()}
 		// Deferred: the reverse proxy panics with http.ErrAbortHandler
 		// when the node hangs up mid-body.
 		defer func() {
-			q.lastByte, q.bytes, q.status = pw.last, pw.n, pw.status
+			q.lastByte, q.bytes, q.status = pw.Last, pw.N, pw.Status
 			f.mu.Lock()
 			f.requests = append(f.requests, q)
 			f.mu.Unlock()
@@ -547,47 +538,6 @@ func (f *registryFront) records() []blobRequest {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return slices.Clone(f.requests)
-}
-
-// pacedWriter writes a blob body through the uplink, in chunks of 32 KiB,
-// and notes when its last byte went out.
-type pacedWriter struct {
-	http.ResponseWriter
-	up     *rate.Limiter
-	status int
-	n      int64
-	last   time.Time
-}
-
-func (w *pacedWriter) WriteHeader(code int) {
-	if w.status == 0 {
-		w.status = code
-	}
-	w.ResponseWriter.WriteHeader(code)
-}
-
-func (w *pacedWriter) Write(p []byte) (int, error) {
-	if w.status == 0 {
-		w.status = http.StatusOK
-	}
-	written := 0
-	for len(p) > 0 {
-		chunk := min(len(p), uplinkChunk)
-		if err := w.up.WaitN(context.Background(), chunk); err != nil {
-			return written, err
-		}
-		n, err := w.ResponseWriter.Write(p[:chunk])
-		written += n
-		w.n += int64(n)
-		if n > 0 {
-			w.last = time.Now()
-		}
-		if err != nil {
-			return written, err
-		}
-		p = p[chunk:]
-	}
-	return written, nil
 }
 
 // A pullEvent is one line of dlock-content's pull log (docs/CONTAINERD.md):
