@@ -53,11 +53,17 @@ var errCompact = errors.New("etcd backend: a cached record cut short")
 // in an allocation of its own.
 func compactRec(val []byte) []byte {
 	r, err := decodeKey(val)
+	return compactOf(val, &r, err)
+}
+
+// compactOf is compactRec(val) for a val decodeKey has read already, as r
+// or err: the watch reads each record once, for its tables and the cache.
+func compactOf(val []byte, r *keyRec, err error) []byte {
 	if err != nil || len(val) == 0 {
 		return append([]byte(nil), val...)
 	}
 	var buf [128]byte
-	b := appendCompact(buf[:0], &r)
+	b := appendCompact(buf[:0], r)
 	return append(make([]byte, 0, len(b)), b...)
 }
 
