@@ -149,10 +149,10 @@ func (b *Backend) Subscribe(ctx context.Context, req lock.SubscribeRequest) (loc
 		if req.HasLast && last <= counter {
 			if last >= s.dropped {
 				sub.ID = last
-				sub.Replay = s.after(req.Node, last)
+				sub.Replay = s.log.After(req.Node, last)
 			} else {
 				sub.ID, sub.Missed = s.dropped, true
-				sub.Replay = s.after(req.Node, 0)
+				sub.Replay = s.log.After(req.Node, 0)
 				b.replays.Add(1)
 			}
 		}

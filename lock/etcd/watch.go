@@ -184,7 +184,7 @@ func (w *watcher) setWarm(rev int64) {
 	if rev < w.warmTo {
 		// Not read up to the list: no session can replay from before it.
 		for _, s := range w.sessions {
-			s.forget()
+			s.log.Reset()
 			s.dropped = max(s.dropped, revID(w.warmTo+1)-1)
 		}
 	}
@@ -372,7 +372,7 @@ func (w *watcher) lost() {
 	w.mu.Lock()
 	floor := revID(w.processed+1) - 1
 	for _, s := range w.sessions {
-		s.forget()
+		s.log.Reset()
 		s.dropped = max(s.dropped, floor)
 	}
 	w.mu.Unlock()
@@ -775,6 +775,15 @@ func (w *watcher) deliverTo(c change, base uint64, rev int64, skipped []string, 
 		send(base+2+uint64(i), ev, []string{node}, false)
 	}
 	return released
+}
+
+// logEvent appends d to the replay log of node's session s within the
+// log's bounds (docs/DESIGN.md, "An etcd backend", "What a server keeps");
+// w.mu held.
+func (w *watcher) logEvent(s *sessInfo, node string, d lock.Delivery) {
+	if dropped := s.log.Append(node, d, w.b.cfg.SessionLog, w.b.cfg.SessionLogBytes); dropped > 0 {
+		s.dropped = dropped
+	}
 }
 
 // stats returns the cluster's gauges as the watch saw them.
