@@ -307,7 +307,7 @@ func (s *sessions) make(ctx context.Context, node string) (lease, rev int64, mad
 		select {
 		case <-ctx.Done():
 			return 0, 0, false, ctx.Err()
-		case <-time.After(10 * time.Millisecond):
+		case <-time.After(pressurePoll):
 		}
 	}
 	if err := b.roomForSession(); err != nil {
