@@ -154,10 +154,11 @@ func (c *recCache) group(key string, add bool) {
 
 // apply applies one revision's changes, as the watch delivers them, with
 // keys[i] the key of evs[i] (the watch's copy, which its own tables keep
-// too). An entry newer than the change (written through already) stays;
-// one of this very change, written through, takes the watch's copy of its
-// key, so that the cache and the watch keep one copy between them.
-func (c *recCache) apply(evs []*clientv3.Event, keys []string, rev int64) {
+// too) and vals[i] its value as the cache keeps it (cacheForm). An entry
+// newer than the change (written through already) stays; one of this very
+// change, written through, takes the watch's copy of its key, so that the
+// cache and the watch keep one copy between them.
+func (c *recCache) apply(evs []*clientv3.Event, keys []string, vals [][]byte, rev int64) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	for i, ev := range evs {
@@ -173,7 +174,7 @@ func (c *recCache) apply(evs []*clientv3.Event, keys []string, rev int64) {
 			c.m[key] = e // a Go map keeps the key last assigned
 			continue
 		}
-		c.put(key, ev.Kv.Value, rev)
+		c.put(key, vals[i], rev)
 	}
 	c.rev, c.watched = max(c.rev, rev), max(c.watched, rev)
 }
@@ -185,8 +186,8 @@ func (c *recCache) apply(evs []*clientv3.Event, keys []string, rev int64) {
 // written through out of order can do that until the watch passes them; a
 // guard then fails once.)
 func (c *recCache) writeThrough(ops []clientv3.Op, rev int64) {
-	// The keys are made strings before the lock, which every call's
-	// first read takes too.
+	// The keys are made strings, and the records as the cache keeps them,
+	// before the lock, which every call's first read takes too.
 	type change struct {
 		key, end string
 		val      []byte
@@ -194,8 +195,11 @@ func (c *recCache) writeThrough(ops []clientv3.Op, rev int64) {
 	}
 	changes := make([]change, 0, len(ops))
 	for _, op := range ops {
-		ch := change{key: string(op.KeyBytes()), end: string(op.RangeBytes()), val: op.ValueBytes(), put: op.IsPut()}
+		ch := change{key: string(op.KeyBytes()), end: string(op.RangeBytes()), put: op.IsPut()}
 		if (ch.put || op.IsDelete()) && c.holds(ch.key) {
+			if ch.put {
+				ch.val = c.cacheForm(ch.key, op.ValueBytes())
+			}
 			changes = append(changes, ch)
 		}
 	}
@@ -217,14 +221,21 @@ func (c *recCache) writeThrough(ops []clientv3.Op, rev int64) {
 	c.rev = max(c.rev, rev)
 }
 
-// put, del and delRange change entries older than rev; c.mu is held.
+// cacheForm is val, the value of key in etcd, as the cache keeps it: a
+// key's record compact (cacherec.go), anything else as it is.
+func (c *recCache) cacheForm(key string, val []byte) []byte {
+	if strings.HasPrefix(key, c.n.p) && strings.HasPrefix(key[len(c.n.p):], "k/") {
+		return compactRec(val)
+	}
+	return val
+}
+
+// put, del and delRange change entries older than rev, put with val as the
+// cache keeps it (cacheForm); c.mu is held.
 func (c *recCache) put(key string, val []byte, rev int64) {
 	e, ok := c.m[key]
 	if ok && e.mod >= rev {
 		return
-	}
-	if strings.HasPrefix(key[len(c.n.p):], "k/") {
-		val = compactRec(val)
 	}
 	c.m[key] = cEntry{val: val, mod: rev}
 	if !ok {

@@ -182,13 +182,16 @@ func (c *recCache) begin() view {
 	return view{rev: c.rev, ok: c.live}
 }
 
-// applyEvs is c.apply with the keys made strings, as the watch does.
+// applyEvs is c.apply with the keys made strings and the values as the
+// cache keeps them, as the watch does.
 func applyEvs(c *recCache, evs []*clientv3.Event, rev int64) {
 	keys := make([]string, len(evs))
+	vals := make([][]byte, len(evs))
 	for i, ev := range evs {
 		keys[i] = string(ev.Kv.Key)
+		vals[i] = c.cacheForm(keys[i], ev.Kv.Value)
 	}
-	c.apply(evs, keys, rev)
+	c.apply(evs, keys, vals, rev)
 }
 
 // TestCacheRecordCompact: the cache keeps a key's record compact and reads

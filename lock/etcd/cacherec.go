@@ -24,15 +24,15 @@ const (
 	cHolder = 1 << iota
 	cToken
 	cLease
-	cSLease
+	cSLease // the fixed-width ones (fixedFields), from here to cDelay
 	cAcquired
 	cTTL
 	cClaim
 	cMaxHold
-	cQueue
-	cSeq
 	cWaitTTL
 	cDelay
+	cQueue
+	cSeq
 	cDone
 )
 
@@ -53,34 +53,47 @@ var errCompact = errors.New("etcd backend: a cached record cut short")
 // in an allocation of its own.
 func compactRec(val []byte) []byte {
 	r, err := decodeKey(val)
+	return compactOf(val, &r, err)
+}
+
+// compactOf is compactRec(val) for a val decodeKey has read already, as r
+// or err: the watch reads each record once, for its tables and the cache.
+func compactOf(val []byte, r *keyRec, err error) []byte {
 	if err != nil || len(val) == 0 {
 		return append([]byte(nil), val...)
 	}
 	var buf [128]byte
-	b := appendCompact(buf[:0], &r)
+	b := appendCompact(buf[:0], r)
 	return append(make([]byte, 0, len(b)), b...)
 }
 
-func appendCompact(b []byte, r *keyRec) []byte {
-	var m uint64
-	set := func(bit uint64, on bool) {
-		if on {
-			m |= bit
-		}
+// fixedField is one of a record's lease ids and times, which take most of
+// their 64 bits: they are kept fixed-width.
+type fixedField struct {
+	bit uint64
+	v   *int64
+}
+
+// fixedFields are r's fixed-width fields, in the order they are kept.
+func fixedFields(r *keyRec) [7]fixedField {
+	return [...]fixedField{{cSLease, &r.SLease}, {cAcquired, &r.Acquired}, {cTTL, &r.TTL}, {cClaim, &r.Claim}, {cMaxHold, &r.MaxHold}, {cWaitTTL, &r.WaitTTL}, {cDelay, &r.Delay}}
+}
+
+// flag is bit if on, else 0.
+func flag(on bool, bit uint64) uint64 {
+	if on {
+		return bit
 	}
-	set(cHolder, r.Holder != "")
-	set(cToken, r.Token != 0)
-	set(cLease, r.Lease != 0)
-	set(cSLease, r.SLease != 0)
-	set(cAcquired, r.Acquired != 0)
-	set(cTTL, r.TTL != 0)
-	set(cClaim, r.Claim != 0)
-	set(cMaxHold, r.MaxHold != 0)
-	set(cQueue, r.Queue != 0)
-	set(cSeq, r.Seq != 0)
-	set(cWaitTTL, r.WaitTTL != 0)
-	set(cDelay, r.Delay != 0)
-	set(cDone, r.Done != nil)
+	return 0
+}
+
+func appendCompact(b []byte, r *keyRec) []byte {
+	fixed := fixedFields(r)
+	m := flag(r.Holder != "", cHolder) | flag(r.Token != 0, cToken) | flag(r.Lease != 0, cLease) |
+		flag(r.Queue != 0, cQueue) | flag(r.Seq != 0, cSeq) | flag(r.Done != nil, cDone)
+	for _, f := range fixed {
+		m |= flag(*f.v != 0, f.bit)
+	}
 	b = append(b, compactTag)
 	b = binary.AppendUvarint(b, m)
 	if m&cHolder != 0 {
@@ -92,50 +105,20 @@ func appendCompact(b []byte, r *keyRec) []byte {
 	if m&cLease != 0 {
 		b = append(b, r.Lease)
 	}
-	// Lease ids and times take most of their 64 bits: fixed width.
-	for _, f := range []struct {
-		bit uint64
-		v   int64
-	}{{cSLease, r.SLease}, {cAcquired, r.Acquired}, {cTTL, r.TTL}, {cClaim, r.Claim}, {cMaxHold, r.MaxHold}} {
+	for _, f := range fixed {
 		if m&f.bit != 0 {
-			b = binary.LittleEndian.AppendUint64(b, uint64(f.v))
+			b = binary.LittleEndian.AppendUint64(b, uint64(*f.v))
 		}
 	}
 	if m&cQueue != 0 {
-		b = binary.AppendVarint(b, int64(r.Queue))
+		b = binary.AppendUvarint(b, uint64(r.Queue)) // never below 0: one byte or two
 	}
 	if m&cSeq != 0 {
 		b = binary.AppendUvarint(b, r.Seq)
 	}
-	if m&cWaitTTL != 0 {
-		b = binary.LittleEndian.AppendUint64(b, uint64(r.WaitTTL))
-	}
-	if m&cDelay != 0 {
-		b = binary.LittleEndian.AppendUint64(b, uint64(r.Delay))
-	}
 	if d := r.Done; d != nil {
-		var dm uint64
-		if d.Node != "" {
-			dm |= dNode
-		}
-		if d.Token != 0 {
-			dm |= dToken
-		}
-		if d.OK {
-			dm |= dOK
-		}
-		if d.Err != "" {
-			dm |= dErr
-		}
-		if d.At != 0 {
-			dm |= dAt
-		}
-		if d.Next != "" {
-			dm |= dNext
-		}
-		if d.Unlock {
-			dm |= dUnlock
-		}
+		dm := flag(d.Node != "", dNode) | flag(d.Token != 0, dToken) | flag(d.OK, dOK) | flag(d.Err != "", dErr) |
+			flag(d.At != 0, dAt) | flag(d.Next != "", dNext) | flag(d.Unlock, dUnlock)
 		b = binary.AppendUvarint(b, dm)
 		if dm&dNode != 0 {
 			b = appendStr(b, d.Node)
@@ -175,25 +158,16 @@ func decodeCompact(b []byte) (keyRec, error) {
 	if m&cLease != 0 {
 		r.Lease = d.byte()
 	}
-	for _, f := range []struct {
-		bit uint64
-		v   *int64
-	}{{cSLease, &r.SLease}, {cAcquired, &r.Acquired}, {cTTL, &r.TTL}, {cClaim, &r.Claim}, {cMaxHold, &r.MaxHold}} {
+	for _, f := range fixedFields(&r) {
 		if m&f.bit != 0 {
 			*f.v = d.fixed()
 		}
 	}
 	if m&cQueue != 0 {
-		r.Queue = int(d.varint())
+		r.Queue = int(d.uvarint())
 	}
 	if m&cSeq != 0 {
 		r.Seq = d.uvarint()
-	}
-	if m&cWaitTTL != 0 {
-		r.WaitTTL = d.fixed()
-	}
-	if m&cDelay != 0 {
-		r.Delay = d.fixed()
 	}
 	if m&cDone != 0 {
 		dn := &done{}
@@ -236,9 +210,22 @@ func recJSON(b []byte) []byte {
 	return []byte(encode(&r))
 }
 
+// compactReader reads a compact record; a read past its end sets bad and
+// reads zeros from then on.
 type compactReader struct {
 	b   []byte
 	bad bool
+}
+
+// take is the next n bytes, nil (and bad) if there are fewer.
+func (d *compactReader) take(n uint64) []byte {
+	if n > uint64(len(d.b)) {
+		d.bad, d.b = true, nil
+		return nil
+	}
+	v := d.b[:n:n]
+	d.b = d.b[n:]
+	return v
 }
 
 func (d *compactReader) uvarint() uint64 {
@@ -251,43 +238,18 @@ func (d *compactReader) uvarint() uint64 {
 	return v
 }
 
-func (d *compactReader) varint() int64 {
-	v, n := binary.Varint(d.b)
-	if n <= 0 {
-		d.bad, d.b = true, nil
-		return 0
-	}
-	d.b = d.b[n:]
-	return v
-}
-
 func (d *compactReader) fixed() int64 {
-	if len(d.b) < 8 {
-		d.bad, d.b = true, nil
-		return 0
+	if v := d.take(8); v != nil {
+		return int64(binary.LittleEndian.Uint64(v))
 	}
-	v := binary.LittleEndian.Uint64(d.b)
-	d.b = d.b[8:]
-	return int64(v)
+	return 0
 }
 
 func (d *compactReader) byte() uint8 {
-	if len(d.b) < 1 {
-		d.bad = true
-		return 0
+	if v := d.take(1); v != nil {
+		return v[0]
 	}
-	v := d.b[0]
-	d.b = d.b[1:]
-	return v
+	return 0
 }
 
-func (d *compactReader) str() string {
-	n := d.uvarint()
-	if n > uint64(len(d.b)) {
-		d.bad, d.b = true, nil
-		return ""
-	}
-	s := string(d.b[:n])
-	d.b = d.b[n:]
-	return s
-}
+func (d *compactReader) str() string { return string(d.take(d.uvarint())) }

@@ -207,7 +207,10 @@ type grouper struct {
 
 func newGrouper(b *Backend) *grouper {
 	g := &grouper{b: b, signal: make(chan struct{}, groupFlight)}
-	lag := func(now time.Time) (time.Duration, time.Duration) { return b.keeper.lag(now), b.keeper.every }
+	lag := func(now time.Time) (time.Duration, time.Duration) {
+		lag, _ := b.keeper.lag(now)
+		return lag, b.keeper.every
+	}
 	g.lag.Store(&lag)
 	return g
 }

@@ -166,20 +166,6 @@ func (k *keeper) silence(now time.Time) (time.Duration, time.Duration, bool) {
 	return now.Sub(time.Unix(0, k.heard.Load())), ttl, true
 }
 
-// wait is how long the oldest keepalive on the streams has waited at now
-// for its answer.
-func (k *keeper) wait(now time.Time) time.Duration {
-	var d time.Duration
-	for _, l := range k.lanes {
-		l.mu.Lock()
-		if len(l.wire) > 0 {
-			d = max(d, now.Sub(l.wire[0].at))
-		}
-		l.mu.Unlock()
-	}
-	return d
-}
-
 // lag is how late etcd is with this server's keepalives at now: the
 // longest wait of a keepalive on the streams, or of a lane's last answered
 // one (or of the oldest on a stream etcd ended, its apply behind) within
@@ -189,19 +175,20 @@ func (k *keeper) wait(now time.Time) time.Duration {
 // the next answer shows etcd caught up. Writes are held back by it
 // (grouper.admit, sessions.make), so that the sessions that stand keep
 // their leases first (docs/DESIGN.md, "Leases" in "An etcd backend").
-func (k *keeper) lag(now time.Time) time.Duration {
-	var d time.Duration
+// wait is the wait on the streams alone: how long the oldest keepalive on
+// them has waited at now for its answer.
+func (k *keeper) lag(now time.Time) (lag, wait time.Duration) {
 	for _, l := range k.lanes {
 		l.mu.Lock()
 		if len(l.wire) > 0 {
-			d = max(d, now.Sub(l.wire[0].at))
+			wait = max(wait, now.Sub(l.wire[0].at))
 		}
 		if now.Sub(l.lastAt) < k.every {
-			d = max(d, l.lastWait)
+			lag = max(lag, l.lastWait)
 		}
 		l.mu.Unlock()
 	}
-	return d
+	return max(lag, wait), wait
 }
 
 // run keeps the leases alive until the backend closes, a lane a stream.

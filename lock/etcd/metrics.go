@@ -63,7 +63,8 @@ func (b *Backend) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descKeepalives, prometheus.CounterValue, float64(k.answers.Load()), "answered")
 	ch <- prometheus.MustNewConstMetric(descKeepalives, prometheus.CounterValue, float64(k.checked.Load()), "checked")
 	ch <- prometheus.MustNewConstMetric(descKeepaliveStuck, prometheus.CounterValue, float64(k.stuck.Load()))
-	ch <- prometheus.MustNewConstMetric(descKeepaliveWait, prometheus.GaugeValue, k.wait(time.Now()).Seconds())
+	_, wait := k.lag(time.Now())
+	ch <- prometheus.MustNewConstMetric(descKeepaliveWait, prometheus.GaugeValue, wait.Seconds())
 	ch <- prometheus.MustNewConstMetric(descStalled, prometheus.CounterValue, float64(b.g.stalled.Load()))
 	ch <- prometheus.MustNewConstMetric(descThrottled, prometheus.CounterValue, time.Duration(b.g.throttled.Load()).Seconds())
 }

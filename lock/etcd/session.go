@@ -149,10 +149,10 @@ func (b *Backend) Subscribe(ctx context.Context, req lock.SubscribeRequest) (loc
 		if req.HasLast && last <= counter {
 			if last >= s.dropped {
 				sub.ID = last
-				sub.Replay = s.after(req.Node, last)
+				sub.Replay = s.log.After(req.Node, last)
 			} else {
 				sub.ID, sub.Missed = s.dropped, true
-				sub.Replay = s.after(req.Node, 0)
+				sub.Replay = s.log.After(req.Node, 0)
 				b.replays.Add(1)
 			}
 		}
@@ -307,7 +307,7 @@ func (s *sessions) make(ctx context.Context, node string) (lease, rev int64, mad
 		select {
 		case <-ctx.Done():
 			return 0, 0, false, ctx.Err()
-		case <-time.After(10 * time.Millisecond):
+		case <-time.After(pressurePoll):
 		}
 	}
 	if err := b.roomForSession(); err != nil {

@@ -184,7 +184,7 @@ func (w *watcher) setWarm(rev int64) {
 	if rev < w.warmTo {
 		// Not read up to the list: no session can replay from before it.
 		for _, s := range w.sessions {
-			s.forget()
+			s.log.Reset()
 			s.dropped = max(s.dropped, revID(w.warmTo+1)-1)
 		}
 	}
@@ -212,13 +212,10 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 		// One copy of the key for the cache and the timers' table, and
 		// the record as the cache keeps it (cacherec.go).
 		key := string(kv.Key)
-		cached[key] = cEntry{val: compactRec(kv.Value), mod: kv.ModRevision}
-		k, ok := b.n.parseKey(key)
-		if !ok {
-			return
-		}
 		r, err := decodeKey(kv.Value)
-		if err != nil {
+		cached[key] = cEntry{val: compactOf(kv.Value, &r, err), mod: kv.ModRevision}
+		k, ok := b.n.parseKey(key)
+		if !ok || err != nil {
 			return
 		}
 		ki := info(&r, b.cfg.CompletedRetention)
@@ -375,7 +372,7 @@ func (w *watcher) lost() {
 	w.mu.Lock()
 	floor := revID(w.processed+1) - 1
 	for _, s := range w.sessions {
-		s.forget()
+		s.log.Reset()
 		s.dropped = max(s.dropped, floor)
 	}
 	w.mu.Unlock()
@@ -537,14 +534,31 @@ func (w *watcher) apply(evs []*clientv3.Event, rev int64) {
 	}
 	w.setWarm(rev)
 	// Each key made a string once: the cache and the watch's tables keep
-	// the same copy.
+	// the same copy. Each key record is read once, before the cache's
+	// lock and the watch's, for the watch's changes and as the cache
+	// keeps it (vals).
 	keys := make([]string, len(evs))
+	vals := make([][]byte, len(evs))
+	var changes []change
 	for i, ev := range evs {
-		keys[i] = string(ev.Kv.Key)
+		key := string(ev.Kv.Key)
+		keys[i], vals[i] = key, ev.Kv.Value
+		if !strings.HasPrefix(key, b.n.keys()) {
+			continue
+		}
+		c := change{deleted: ev.Type == mvccpb.DELETE}
+		var err error
+		if !c.deleted {
+			c.rec, err = decodeKey(ev.Kv.Value)
+			vals[i] = compactOf(ev.Kv.Value, &c.rec, err)
+		}
+		var ok bool
+		if c.k, ok = b.n.parseKey(key); ok && err == nil {
+			changes = append(changes, c)
+		}
 	}
-	b.rc.apply(evs, keys, rev)
+	b.rc.apply(evs, keys, vals, rev)
 	var (
-		changes []change
 		skipped map[lock.Key][]string
 		ended   []endedSession
 	)
@@ -552,20 +566,6 @@ func (w *watcher) apply(evs []*clientv3.Event, rev int64) {
 	for i, ev := range evs {
 		key := keys[i]
 		switch {
-		case strings.HasPrefix(key, b.n.keys()):
-			k, ok := b.n.parseKey(key)
-			if !ok {
-				continue
-			}
-			c := change{k: k, deleted: ev.Type == mvccpb.DELETE}
-			if !c.deleted {
-				r, err := decodeKey(ev.Kv.Value)
-				if err != nil {
-					continue
-				}
-				c.rec = r
-			}
-			changes = append(changes, c)
 		case strings.HasPrefix(key, b.n.p+"q/"):
 			if ev.Type != mvccpb.DELETE {
 				continue
@@ -775,6 +775,15 @@ func (w *watcher) deliverTo(c change, base uint64, rev int64, skipped []string, 
 		send(base+2+uint64(i), ev, []string{node}, false)
 	}
 	return released
+}
+
+// logEvent appends d to the replay log of node's session s within the
+// log's bounds (docs/DESIGN.md, "An etcd backend", "What a server keeps");
+// w.mu held.
+func (w *watcher) logEvent(s *sessInfo, node string, d lock.Delivery) {
+	if dropped := s.log.Append(node, d, w.b.cfg.SessionLog, w.b.cfg.SessionLogBytes); dropped > 0 {
+		s.dropped = dropped
+	}
 }
 
 // stats returns the cluster's gauges as the watch saw them.
