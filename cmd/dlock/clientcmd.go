@@ -42,13 +42,6 @@ type clientFlags struct {
 	defaultNode string
 }
 
-// newClientFlags is the client flags on a FlagSet of their own (tests).
-func newClientFlags(name, defaultNode string, stderr io.Writer) *clientFlags {
-	fs := pflag.NewFlagSet("dlock "+name, pflag.ContinueOnError)
-	fs.SetOutput(stderr)
-	return addClientFlags(fs, defaultNode)
-}
-
 func addClientFlags(fs *pflag.FlagSet, defaultNode string) *clientFlags {
 	f := &clientFlags{fs: fs, defaultNode: defaultNode}
 	fs.StringVar(&f.resource, "resource", "", "resource id, e.g. a blob digest")
@@ -68,17 +61,6 @@ func nodeDefaultText(defaultNode string) string {
 		return "HOST:PID"
 	}
 	return "the host name"
-}
-
-// parse parses args and checks them as check does (tests).
-func (f *clientFlags) parse(args []string, getenv func(string) string, needResource bool) (client.Request, error) {
-	if err := f.fs.Parse(args); err != nil {
-		return client.Request{}, usageError{err}
-	}
-	if err := applyEnv(f.fs, getenv); err != nil {
-		return client.Request{}, usageError{err}
-	}
-	return f.check(needResource)
 }
 
 // check validates the parsed flags (the environment applied) and returns
