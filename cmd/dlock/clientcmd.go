@@ -73,7 +73,7 @@ func (f *clientFlags) check(needResource bool) (client.Request, error) {
 	if needResource && f.resource == "" {
 		return client.Request{}, usageError{errors.New("--resource is required (or DLOCK_RESOURCE)")}
 	}
-	if err := checkServers(f.server, true); err != nil {
+	if err := checkServers(f.server); err != nil {
 		return client.Request{}, err
 	}
 	if f.fs.Changed("node") {
@@ -90,14 +90,10 @@ func (f *clientFlags) check(needResource bool) (client.Request, error) {
 	return client.Request{Type: t, Resource: f.resource}, nil
 }
 
-// checkServers checks --server: a URL, or with list a comma-separated
-// list of them. A host:port without a scheme is the likely mistake.
-func checkServers(list string, several bool) error {
-	servers := client.SplitServers(list)
-	if !several && len(servers) > 1 {
-		return usageError{fmt.Errorf("--server %s: bench measures one server, not a list", list)}
-	}
-	for _, s := range servers {
+// checkServers checks --server: a URL, or a comma-separated list of them.
+// A host:port without a scheme is the likely mistake.
+func checkServers(list string) error {
+	for _, s := range client.SplitServers(list) {
 		u, err := url.Parse(s)
 		if err == nil && (u.Scheme == "http" || u.Scheme == "https") && u.Host != "" {
 			continue
