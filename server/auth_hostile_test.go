@@ -533,31 +533,13 @@ func TestAuthHoldsHeaderTricks(t *testing.T) {
 	})
 }
 
-// sharedLog is a slog handler's buffer that goroutines share.
-type sharedLog struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (l *sharedLog) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *sharedLog) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
-
 // TestAuthHoldsNoTokenInLogs: with the log at debug, nothing a client
 // sends in a refused credential — unknown, malformed, Basic, on both
 // loops, HTTP/2 and a failed handshake — and nothing a broken token file
 // holds reaches the log, an answer or a reload's error.
 func TestAuthHoldsNoTokenInLogs(t *testing.T) {
 	const secret = "SECRETsecretSECRETsecret0123"
-	var logs sharedLog
+	var logs kit.Buffer
 	ae := newAuthEnvWith(t, authSetup{tokens: true, tls: true}, nil, func(o *Options) {
 		o.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	})

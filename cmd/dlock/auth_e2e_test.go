@@ -59,17 +59,14 @@ func startSecureServe(t *testing.T, nodes ...string) *secureServe {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	var logs strings.Builder
-	var logMu sync.Mutex
+	var logs kit.Buffer
 	done := make(chan struct{})
 	t.Cleanup(func() {
 		cmd.Process.Signal(syscall.SIGTERM)
 		cmd.Wait()
 		<-done
 		if t.Failed() {
-			logMu.Lock()
 			t.Logf("dlock serve:\n%s", logs.String())
-			logMu.Unlock()
 		}
 	})
 	addr := make(chan string, 1)
@@ -78,9 +75,7 @@ func startSecureServe(t *testing.T, nodes ...string) *secureServe {
 		defer close(done)
 		sc := bufio.NewScanner(stderr)
 		for sc.Scan() {
-			logMu.Lock()
-			logs.WriteString(sc.Text() + "\n")
-			logMu.Unlock()
+			logs.Write([]byte(sc.Text() + "\n"))
 			if m := re.FindStringSubmatch(sc.Text()); m != nil {
 				select {
 				case addr <- m[1]:

@@ -15,7 +15,6 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -23,6 +22,7 @@ import (
 
 	"github.com/dlock/dlock/internal/auth"
 	"github.com/dlock/dlock/internal/auth/authtest"
+	"github.com/dlock/dlock/internal/dlocktest/kit"
 )
 
 func TestParseServeCredentials(t *testing.T) {
@@ -141,8 +141,7 @@ func TestTokenNew(t *testing.T) {
 type proc struct {
 	cmd  *exec.Cmd
 	addr string
-	mu   sync.Mutex
-	log  bytes.Buffer
+	log  kit.Buffer
 	done chan struct{}
 }
 
@@ -165,9 +164,7 @@ func startServe(t *testing.T, args ...string) *proc {
 		sc := bufio.NewScanner(stderr)
 		re := regexp.MustCompile(`msg="dlock serving" addr=(\S+)`)
 		for sc.Scan() {
-			p.mu.Lock()
-			p.log.WriteString(sc.Text() + "\n")
-			p.mu.Unlock()
+			p.log.Write([]byte(sc.Text() + "\n"))
 			if m := re.FindStringSubmatch(sc.Text()); m != nil {
 				addr <- m[1]
 			}
@@ -188,11 +185,7 @@ func startServe(t *testing.T, args ...string) *proc {
 	return p
 }
 
-func (p *proc) logs() string {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.log.String()
-}
+func (p *proc) logs() string { return p.log.String() }
 
 // hup sends SIGHUP and waits until the process logged the reload of what.
 func (p *proc) hup(t *testing.T, what string) {

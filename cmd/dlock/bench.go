@@ -20,6 +20,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/dlock/dlock/client"
 	"github.com/dlock/dlock/internal/bench"
 	"github.com/dlock/dlock/internal/netfault"
 	"github.com/dlock/dlock/internal/rawhttp"
@@ -92,7 +93,10 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 		stdout, stderr := e.stdout, &syncWriter{w: e.stderr}
 		ctx, stop := signal.NotifyContext(e.ctx, syscall.SIGINT, syscall.SIGTERM)
 		defer stop()
-		if err := checkServers(*server, false); err != nil {
+		if len(client.SplitServers(*server)) > 1 {
+			return usageError{fmt.Errorf("--server %s: bench measures one server, not a list", *server)}
+		}
+		if err := checkServers(*server); err != nil {
 			return err
 		}
 		runs := strings.Split(*scenarios, ",")

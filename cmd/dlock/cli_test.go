@@ -7,7 +7,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"github.com/dlock/dlock/internal/doctest"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -118,10 +117,7 @@ func TestDocsCompletion(t *testing.T) {
 	if err != nil {
 		t.Skip("no bash")
 	}
-	marked := doctest.Marked(docBlocks(t, "docs/CLI.md"), "TestDocsCompletion")
-	if len(marked) != 1 {
-		t.Fatalf("docs/CLI.md: %d blocks marked TestDocsCompletion, want 1", len(marked))
-	}
+	marked := markedBlocks(t, "docs/CLI.md", 1)
 	m := regexp.MustCompile(`(?m)^\$ (.*dlock completion bash.*)$`).FindStringSubmatch(marked[0].Text)
 	if m == nil {
 		t.Fatal("docs/CLI.md shows no `$ … dlock completion bash` command")

@@ -42,13 +42,6 @@ type clientFlags struct {
 	defaultNode string
 }
 
-// newClientFlags is the client flags on a FlagSet of their own (tests).
-func newClientFlags(name, defaultNode string, stderr io.Writer) *clientFlags {
-	fs := pflag.NewFlagSet("dlock "+name, pflag.ContinueOnError)
-	fs.SetOutput(stderr)
-	return addClientFlags(fs, defaultNode)
-}
-
 func addClientFlags(fs *pflag.FlagSet, defaultNode string) *clientFlags {
 	f := &clientFlags{fs: fs, defaultNode: defaultNode}
 	fs.StringVar(&f.resource, "resource", "", "resource id, e.g. a blob digest")
@@ -70,17 +63,6 @@ func nodeDefaultText(defaultNode string) string {
 	return "the host name"
 }
 
-// parse parses args and checks them as check does (tests).
-func (f *clientFlags) parse(args []string, getenv func(string) string, needResource bool) (client.Request, error) {
-	if err := f.fs.Parse(args); err != nil {
-		return client.Request{}, usageError{err}
-	}
-	if err := applyEnv(f.fs, getenv); err != nil {
-		return client.Request{}, usageError{err}
-	}
-	return f.check(needResource)
-}
-
 // check validates the parsed flags (the environment applied) and returns
 // the request they name. Every fault is a bad command line.
 func (f *clientFlags) check(needResource bool) (client.Request, error) {
@@ -91,7 +73,7 @@ func (f *clientFlags) check(needResource bool) (client.Request, error) {
 	if needResource && f.resource == "" {
 		return client.Request{}, usageError{errors.New("--resource is required (or DLOCK_RESOURCE)")}
 	}
-	if err := checkServers(f.server, true); err != nil {
+	if err := checkServers(f.server); err != nil {
 		return client.Request{}, err
 	}
 	if f.fs.Changed("node") {
@@ -108,14 +90,10 @@ func (f *clientFlags) check(needResource bool) (client.Request, error) {
 	return client.Request{Type: t, Resource: f.resource}, nil
 }
 
-// checkServers checks --server: a URL, or with list a comma-separated
-// list of them. A host:port without a scheme is the likely mistake.
-func checkServers(list string, several bool) error {
-	servers := client.SplitServers(list)
-	if !several && len(servers) > 1 {
-		return usageError{fmt.Errorf("--server %s: bench measures one server, not a list", list)}
-	}
-	for _, s := range servers {
+// checkServers checks --server: a URL, or a comma-separated list of them.
+// A host:port without a scheme is the likely mistake.
+func checkServers(list string) error {
+	for _, s := range client.SplitServers(list) {
 		u, err := url.Parse(s)
 		if err == nil && (u.Scheme == "http" || u.Scheme == "https") && u.Host != "" {
 			continue

@@ -11,8 +11,6 @@ import (
 	"syscall"
 	"testing"
 	"time"
-
-	"github.com/dlock/dlock/internal/doctest"
 )
 
 // TestDocsCLIRace runs docs/CLI.md's eight racing `dlock run` as written,
@@ -21,11 +19,7 @@ import (
 // compares the lines they print with the page's, in any order and with
 // each node's HOST:PID as the page's.
 func TestDocsCLIRace(t *testing.T) {
-	all := docBlocks(t, "docs/CLI.md")
-	marked := doctest.Marked(all, "TestDocsCLIRace")
-	if len(marked) != 1 {
-		t.Fatalf("docs/CLI.md: %d blocks marked TestDocsCLIRace, want 1", len(marked))
-	}
+	marked := markedBlocks(t, "docs/CLI.md", 1)
 	steps := marked[0].Steps()
 	if len(steps) != 1 {
 		t.Fatalf("docs/CLI.md:%d: %d commands, want 1", marked[0].Line, len(steps))
@@ -68,10 +62,7 @@ func TestDocsPerformance(t *testing.T) {
 		}
 	}
 	needCurl(t)
-	marked := doctest.Marked(docBlocks(t, "docs/PERFORMANCE.md"), "TestDocsPerformance")
-	if len(marked) != 2 {
-		t.Fatalf("docs/PERFORMANCE.md: %d blocks marked TestDocsPerformance, want 2", len(marked))
-	}
+	marked := markedBlocks(t, "docs/PERFORMANCE.md", 2)
 	port := freePorts(t, 1)[0]
 	for _, b := range marked {
 		var script []string

@@ -35,6 +35,17 @@ func docBlocks(t *testing.T, page string) []doctest.Block {
 	return all
 }
 
+// markedBlocks returns the shell blocks of page whose marker names the
+// calling test, which wants n of them.
+func markedBlocks(t *testing.T, page string, n int) []doctest.Block {
+	t.Helper()
+	marked := doctest.Marked(docBlocks(t, page), t.Name())
+	if len(marked) != n {
+		t.Fatalf("%s: %d blocks marked %s, want %d", page, len(marked), t.Name(), n)
+	}
+	return marked
+}
+
 // shell runs script with bash, with the dlock binary first on PATH.
 func shell(t *testing.T, ctx context.Context, dir, script string, env ...string) *exec.Cmd {
 	t.Helper()
@@ -212,11 +223,7 @@ func TestREADMEWalkthrough(t *testing.T) {
 // DLOCK_DATA_DIR off the machine's), until it
 // answers; and `make test`, which is what CI runs: .ci/run must run it.
 func TestREADMEFirstCommands(t *testing.T) {
-	all := docBlocks(t, "README.md")
-	marked := doctest.Marked(all, "TestREADMEFirstCommands")
-	if len(marked) != 1 {
-		t.Fatalf("README.md: %d blocks marked TestREADMEFirstCommands, want 1", len(marked))
-	}
+	marked := markedBlocks(t, "README.md", 1)
 	var cmds []string
 	for _, l := range strings.Split(strings.TrimSpace(marked[0].Text), "\n") {
 		c, _, _ := strings.Cut(l, "#")
@@ -320,10 +327,7 @@ func TestDocsHA(t *testing.T) {
 	}
 	needCurl(t)
 	all := docBlocks(t, "docs/HA.md")
-	marked := doctest.Marked(all, "TestDocsHA")
-	if len(marked) != 1 {
-		t.Fatalf("docs/HA.md: %d blocks marked TestDocsHA, want 1", len(marked))
-	}
+	marked := markedBlocks(t, "docs/HA.md", 1)
 	var shown string // the plain block right after it: what it prints
 	for i, b := range all {
 		if b.Line == marked[0].Line && i+1 < len(all) && all[i+1].Lang == "" {

@@ -119,24 +119,6 @@ func serveFlags(fs *pflag.FlagSet) *serveConfig {
 	return c
 }
 
-// parseServe reads flags, with DLOCK_… environment variables as fallback
-// (a flag on the command line wins), as dlock serve does.
-func parseServe(args []string, getenv func(string) string, stderr io.Writer) (serveConfig, error) {
-	fs := pflag.NewFlagSet("dlock serve", pflag.ContinueOnError)
-	fs.SetOutput(stderr)
-	c := serveFlags(fs)
-	if err := fs.Parse(args); err != nil {
-		return *c, err
-	}
-	if fs.NArg() > 0 {
-		return *c, fmt.Errorf("serve takes no arguments, got %q", fs.Args())
-	}
-	if err := applyEnv(fs, getenv); err != nil {
-		return *c, err
-	}
-	return *c, c.check()
-}
-
 // check validates the flags, the environment applied.
 func (c *serveConfig) check() error {
 	if c.refcount != "off" && c.refcount != "server" {
