@@ -266,7 +266,7 @@ func (b *Backend) applyBatch(k lock.Key, calls []*call) []*call {
 			}
 			rev = r
 			b.committed(rev)
-			b.rc.writeThrough(t.ops, rev)
+			b.rc.writeThrough(t.ops, rev, t.recOp, t.recForm)
 		}
 		for _, o := range applied {
 			finish(o.c, rev, o.err)

@@ -184,8 +184,9 @@ func (c *recCache) apply(evs []*clientv3.Event, keys []string, vals [][]byte, re
 // the cache has that revision or a newer one, and an older write applied
 // now could bring back a record deleted since. (Two commits of this server
 // written through out of order can do that until the watch passes them; a
-// guard then fails once.)
-func (c *recCache) writeThrough(ops []clientv3.Op, rev int64) {
+// guard then fails once.) ops[recOp], if recOp >= 0, is the key record's
+// write, recForm its record as the cache keeps it.
+func (c *recCache) writeThrough(ops []clientv3.Op, rev int64, recOp int, recForm []byte) {
 	// The keys are made strings, and the records as the cache keeps them,
 	// before the lock, which every call's first read takes too.
 	type change struct {
@@ -194,10 +195,13 @@ func (c *recCache) writeThrough(ops []clientv3.Op, rev int64) {
 		put      bool
 	}
 	changes := make([]change, 0, len(ops))
-	for _, op := range ops {
+	for i, op := range ops {
 		ch := change{key: string(op.KeyBytes()), end: string(op.RangeBytes()), put: op.IsPut()}
 		if (ch.put || op.IsDelete()) && c.holds(ch.key) {
-			if ch.put {
+			switch {
+			case i == recOp:
+				ch.val = recForm
+			case ch.put:
 				ch.val = c.cacheForm(ch.key, op.ValueBytes())
 			}
 			changes = append(changes, ch)

@@ -1,6 +1,7 @@
 package etcd
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -29,7 +30,7 @@ func TestRecCacheOrder(t *testing.T) {
 	qa := n.queueNode(lock.Key{Type: lock.Pull, Resource: "r"}, "a")
 	qb := n.queueNode(lock.Key{Type: lock.Pull, Resource: "r"}, "b")
 	other := n.queueNode(lock.Key{Type: lock.Pull, Resource: "r2"}, "a")
-	c.writeThrough([]clientv3.Op{clientv3.OpPut(k, "v12"), clientv3.OpPut(qa, "1"), clientv3.OpPut(qb, "2"), clientv3.OpPut(other, "3"), clientv3.OpPut(n.p+"n/x/pull/r", "l")}, 12)
+	c.writeThrough([]clientv3.Op{clientv3.OpPut(k, "v12"), clientv3.OpPut(qa, "1"), clientv3.OpPut(qb, "2"), clientv3.OpPut(other, "3"), clientv3.OpPut(n.p+"n/x/pull/r", "l")}, 12, -1, nil)
 	if e, ok := c.get(k); !ok || string(e.val) != "v12" || e.mod != 12 {
 		t.Fatalf("written through: %+v %v", e, ok)
 	}
@@ -44,12 +45,12 @@ func TestRecCacheOrder(t *testing.T) {
 	}
 	// A commit the watch has passed already is left to it.
 	applyEvs(c, []*clientv3.Event{{Type: clientv3.EventTypePut, Kv: kvOf(k, "v14", 14)}}, 14)
-	c.writeThrough([]clientv3.Op{clientv3.OpPut(k, "v13")}, 13)
+	c.writeThrough([]clientv3.Op{clientv3.OpPut(k, "v13")}, 13, -1, nil)
 	if e, _ := c.get(k); string(e.val) != "v14" {
 		t.Fatalf("a passed commit was written through: %s", e.val)
 	}
 	// A success clears the queue's index with a prefix delete.
-	c.writeThrough([]clientv3.Op{clientv3.OpDelete(n.queueNodes(lock.Key{Type: lock.Pull, Resource: "r"}), clientv3.WithPrefix())}, 15)
+	c.writeThrough([]clientv3.Op{clientv3.OpDelete(n.queueNodes(lock.Key{Type: lock.Pull, Resource: "r"}), clientv3.WithPrefix())}, 15, -1, nil)
 	for _, q := range []string{qa, qb} {
 		if _, ok := c.get(q); ok {
 			t.Fatalf("%s outlived its queue's clearing", q)
@@ -239,6 +240,9 @@ func TestCacheRecordCompact(t *testing.T) {
 		c := compactRec(raw)
 		if c[0] != compactTag {
 			t.Fatalf("%s not made compact", raw)
+		}
+		if w := writtenForm(&r, raw); !bytes.Equal(w, c) {
+			t.Fatalf("%s written through as %x, read back as %x", raw, w, c)
 		}
 		got, err := decodeKey(c)
 		want, _ := decodeKey(raw) // a string that is not UTF-8 comes back changed

@@ -3,6 +3,7 @@ package etcd
 import (
 	"encoding/binary"
 	"errors"
+	"unicode/utf8"
 )
 
 // A key's record as the cache keeps it (docs/DESIGN.md, "An etcd backend",
@@ -62,6 +63,22 @@ func compactOf(val []byte, r *keyRec, err error) []byte {
 	if err != nil || len(val) == 0 {
 		return append([]byte(nil), val...)
 	}
+	return compactForm(r)
+}
+
+// writtenForm is compactRec(val) for val, the JSON of r that this server
+// writes, made from r without reading the JSON back (most of a
+// write-through's cost). JSON keeps every string of r but one that is not
+// UTF-8, which it changes: such a record is read back.
+func writtenForm(r *keyRec, val []byte) []byte {
+	if !utf8.ValidString(r.Holder) || r.Done != nil && !(utf8.ValidString(r.Done.Node) && utf8.ValidString(r.Done.Err) && utf8.ValidString(r.Done.Next)) {
+		return compactRec(val)
+	}
+	return compactForm(r)
+}
+
+// compactForm is r as the cache keeps it, in an allocation of its own.
+func compactForm(r *keyRec) []byte {
 	var buf [128]byte
 	b := appendCompact(buf[:0], r)
 	return append(make([]byte, 0, len(b)), b...)

@@ -35,6 +35,7 @@ type tx struct {
 	guarded map[string]bool
 	cache   map[string]*mvccpb.KeyValue // what load read besides the record; nil: absent
 	recOp   int                         // the index in ops of the record's write, -1 before it
+	recForm []byte                      // that write's record as the cache keeps it (cacherec.go)
 	// cached: the reads were served by the watch's cache (recCache), so
 	// an answer that writes nothing is confirmed by a transaction of the
 	// reads' guards alone before it is given.
@@ -162,7 +163,7 @@ func (b *Backend) attempt(ctx context.Context, k lock.Key, fn func(t *tx) error,
 		}
 		if ok {
 			b.committed(rev)
-			b.rc.writeThrough(t.ops, rev)
+			b.rc.writeThrough(t.ops, rev, t.recOp, t.recForm)
 			return rev, nil
 		}
 		b.conflicts.Add(1)
@@ -483,7 +484,11 @@ func (t *tx) put(x *trans) {
 		t.x = x
 	}
 	t.rec.X = t.x // a batch's transition stays when a later call of it writes the record
-	op := clientv3.OpPut(t.b.n.key(t.k), encode(&t.rec))
+	val := encode(&t.rec)
+	op := clientv3.OpPut(t.b.n.key(t.k), val)
+	// Made now, from the record the JSON was made of: the write-through
+	// then need not read the JSON back.
+	t.recForm = writtenForm(&t.rec, []byte(val))
 	if t.recOp >= 0 {
 		t.ops[t.recOp] = op // one write of a key per transaction
 		return
