@@ -182,6 +182,7 @@ func newPending(cmps []clientv3.Cmp, ops, els []clientv3.Op) *pending {
 // grouper queues transactions and sends them in groups.
 type grouper struct {
 	b      *Backend
+	kv     pb.KVClient   // b.cli's, for the requests groupRequest makes
 	signal chan struct{} // a request can go: something waits
 
 	// lag is how long this server's keepalives wait on etcd, and their
@@ -206,7 +207,7 @@ type grouper struct {
 }
 
 func newGrouper(b *Backend) *grouper {
-	g := &grouper{b: b, signal: make(chan struct{}, groupFlight)}
+	g := &grouper{b: b, kv: clientv3.RetryKVClient(b.cli), signal: make(chan struct{}, groupFlight)}
 	lag := func(now time.Time) (time.Duration, time.Duration) {
 		lag, _ := b.keeper.lag(now)
 		return lag, b.keeper.every
@@ -542,11 +543,17 @@ func (g *grouper) send(group []*pending) {
 	g.requests.Add(1)
 	g.txns.Add(uint64(len(group)))
 	g.grouped.Add(1)
-	nested := make([]clientv3.Op, len(group))
-	for i, p := range group {
-		nested[i] = clientv3.OpTxn(p.cmps, p.ops, p.els)
+	var resp *clientv3.TxnResponse
+	var err error
+	if req, ok := groupRequest(group); ok {
+		resp, err = sendRequest(ctx, b.cli, g.kv, req)
+	} else {
+		nested := make([]clientv3.Op, len(group))
+		for i, p := range group {
+			nested[i] = clientv3.OpTxn(p.cmps, p.ops, p.els)
+		}
+		resp, err = b.cli.Txn(ctx).Then(nested...).Commit()
 	}
-	resp, err := b.cli.Txn(ctx).Then(nested...).Commit()
 	if err != nil && group[0].leased && errors.Is(rpctypes.Error(err), rpctypes.ErrLeaseNotFound) {
 		// One of the leases is gone, and etcd wrote nothing: each goes
 		// alone, and only the one of that lease fails.
@@ -576,7 +583,13 @@ func (g *grouper) send(group []*pending) {
 func (g *grouper) sendOne(ctx context.Context, p *pending) {
 	g.requests.Add(1)
 	g.txns.Add(1)
-	resp, err := g.b.cli.Txn(ctx).If(p.cmps...).Then(p.ops...).Else(p.els...).Commit()
+	var resp *clientv3.TxnResponse
+	var err error
+	if req, ok := txnRequest(p); ok {
+		resp, err = sendRequest(ctx, g.b.cli, g.kv, req)
+	} else {
+		resp, err = g.b.cli.Txn(ctx).If(p.cmps...).Then(p.ops...).Else(p.els...).Commit()
+	}
 	if err = g.err(ctx, err); err != nil {
 		p.err = err
 	} else {
