@@ -163,6 +163,9 @@ func decodeKey(b []byte) (keyRec, error) {
 	if b[0] == compactTag {
 		return decodeCompact(b)
 	}
+	if r, ok := fastKey(b); ok {
+		return r, nil
+	}
 	if err := json.Unmarshal(b, &r); err != nil {
 		return r, fmt.Errorf("etcd backend: a key record that is not ours: %w", err)
 	}
