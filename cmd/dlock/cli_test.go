@@ -175,6 +175,8 @@ func TestUsageErrors(t *testing.T) {
 		{args: []string{"run", "--resource", "x", "--skip-exit-code", "300", "--", "true"}, want: "--skip-exit-code 300: an exit status is 0 to 255"},
 		{args: []string{"run", "--resource", "x", "--skip-exit-code", "-1", "--", "true"}, want: "--skip-exit-code -1"},
 		{args: []string{"run", "--renew-interval", "soon", "--resource", "x", "--", "true"}, want: `invalid argument "soon"`},
+		{args: []string{"run", "--renew-interval", "-5s", "--resource", "x", "--", "true"}, want: "--renew-interval must be positive, not -5s"},
+		{args: []string{"run", "--renew-interval", "0s", "--resource", "x", "--", "true"}, want: "--renew-interval must be positive"},
 		{args: []string{"refcount", "--add", "--release", "--resource", "x"}, want: "exclude each other"},
 		{args: []string{"refcount"}, want: "--resource is required"},
 		{args: []string{"lock", "--resource", "x"}, env: map[string]string{"DLOCK_HUMAN": "maybe"}, want: "DLOCK_HUMAN"},

@@ -84,6 +84,10 @@ type runOptions struct {
 
 func (f *clientFlags) run(ctx context.Context, o runOptions, argv []string, stdin io.Reader, stdout, stderr io.Writer) error {
 	always, skipCode, renew, killAfter, retries := o.always, o.skipCode, o.renew, o.killAfter, o.retries
+	if *renew <= 0 {
+		// The client would take it for its default: say so instead.
+		return usageError{fmt.Errorf("--renew-interval must be positive, not %v", *renew)}
+	}
 	req, err := f.check(true)
 	if err != nil {
 		return err
