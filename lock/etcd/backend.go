@@ -79,6 +79,7 @@ type Backend struct {
 
 	w      *watcher
 	rc     *recCache // the records calls read first (cache.go)
+	qs     *queues   // the queues of the keys with waiters, as the watch saw them (queues.go)
 	s      *sessions
 	keeper *keeper
 
@@ -146,6 +147,7 @@ func New(ctx context.Context, cli *clientv3.Client, cfg Config) (*Backend, error
 		seed:        maphash.MakeSeed(),
 	}
 	b.rc = newRecCache(b.n)
+	b.qs = newQueues(b.n)
 	for i := range b.stripes {
 		b.stripes[i] = make(chan struct{}, 1)
 	}

@@ -17,6 +17,8 @@ var (
 		"First attempts of a call: result=hit read the watch's cache, result=miss read etcd (a key of a kind the cache does not keep).", []string{"result"}, nil)
 	descCacheStale = prometheus.NewDesc("dlock_etcd_cache_stale_total",
 		"First attempts that read the cache and found, at their commit or confirmation, that a record had changed: a round trip more.", nil, nil)
+	descQueueReads = prometheus.NewDesc("dlock_etcd_queue_reads_total",
+		"Reads of a key's queue by this server's transactions (the next waiter of a hand-off, a waiter's place): source=watch the queue its watch keeps, as of the record the call read; source=etcd a read of etcd (the watch had not applied that record yet).", []string{"source"}, nil)
 	descRequests = prometheus.NewDesc("dlock_etcd_write_requests_total",
 		"etcd requests that carried this server's transactions (writes, and confirmations of answers read from the cache); grouped=true those that carried more than one.", []string{"grouped"}, nil)
 	descGroupedTxns = prometheus.NewDesc("dlock_etcd_write_transactions_total",
@@ -38,6 +40,7 @@ func (b *Backend) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descConflicts
 	ch <- descCacheReads
 	ch <- descCacheStale
+	ch <- descQueueReads
 	ch <- descRequests
 	ch <- descGroupedTxns
 	ch <- descKeepalives
@@ -54,6 +57,9 @@ func (b *Backend) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descCacheReads, prometheus.CounterValue, float64(hits), "hit")
 	ch <- prometheus.MustNewConstMetric(descCacheReads, prometheus.CounterValue, float64(misses), "miss")
 	ch <- prometheus.MustNewConstMetric(descCacheStale, prometheus.CounterValue, float64(b.cacheStale.Load()))
+	fromWatch, fromEtcd := b.qs.stats()
+	ch <- prometheus.MustNewConstMetric(descQueueReads, prometheus.CounterValue, float64(fromWatch), "watch")
+	ch <- prometheus.MustNewConstMetric(descQueueReads, prometheus.CounterValue, float64(fromEtcd), "etcd")
 	requests, grouped := b.g.requests.Load(), b.g.grouped.Load()
 	ch <- prometheus.MustNewConstMetric(descRequests, prometheus.CounterValue, float64(requests-grouped), "false")
 	ch <- prometheus.MustNewConstMetric(descRequests, prometheus.CounterValue, float64(grouped), "true")

@@ -26,9 +26,10 @@ type tx struct {
 	ctx context.Context
 	k   lock.Key
 
-	rec     keyRec
-	recRev  int64 // mod revision of the record, 0 when absent
-	readRev int64 // the revision the record was read at
+	rec       keyRec
+	recRev    int64 // mod revision of the record, 0 when absent
+	readRev   int64 // the revision the record was read at
+	readQueue int   // the waiters the record counted when read
 
 	cmps    []clientv3.Cmp
 	ops     []clientv3.Op
@@ -164,6 +165,7 @@ func (b *Backend) attempt(ctx context.Context, k lock.Key, fn func(t *tx) error,
 		if ok {
 			b.committed(rev)
 			b.rc.writeThrough(t.ops, rev, t.recOp, t.recForm)
+			b.qs.writeThrough(t, rev)
 			return rev, nil
 		}
 		b.conflicts.Add(1)
@@ -233,7 +235,7 @@ func (t *tx) loadCached(also ...string) bool {
 	t.cached = true
 	t.guarded[kk] = true
 	if ok {
-		t.rec, t.recRev = rec, e.mod
+		t.rec, t.recRev, t.readQueue = rec, e.mod, rec.Queue
 		// The queue is read at this revision (atRead): the record, hence
 		// its queue, is unchanged from its mod revision up to it if the
 		// record is still so at the commit, which the guard checks.
@@ -280,6 +282,7 @@ func (t *tx) load(also ...string) error {
 	t.recRev = kv.ModRevision
 	t.cmps = append(t.cmps, clientv3.Compare(clientv3.ModRevision(kk), "=", kv.ModRevision))
 	t.rec, err = decodeKey(kv.Value)
+	t.readQueue = t.rec.Queue
 	return err
 }
 
@@ -387,7 +390,18 @@ func (t *tx) session(node string) (int64, error) {
 // fail, or answer, on a queue that never was with that record. Read at the
 // record's revision, the queue and the record are one state; the commit
 // then fails if either changed since.
+//
+// The watch's queues (queues.go) serve these reads first: a queue it
+// keeps with the record's mod revision t.recRev is the queue etcd had at
+// every revision from t.recRev until the record changed, so it is the one
+// a read at t.readRev returns whenever the guard holds, and the guard
+// fails the transaction when it does not. The record may have come from
+// the cache or from etcd: the revision, not the source, is what ties the
+// two.
 func (t *tx) atRead() clientv3.OpOption { return clientv3.WithRev(t.readRev) }
+
+// queueID is the key's queue among the watch's (queues.go).
+func (t *tx) queueID() string { return t.b.qs.recID(t.b.n.key(t.k)) }
 
 // waiting returns node's seq in the queue.
 func (t *tx) waiting(node string) (uint64, bool, error) {
@@ -410,6 +424,9 @@ func (t *tx) waiting(node string) (uint64, bool, error) {
 // later, another server's dequeue could show a queue the record does not
 // describe (an entry the index names but is gone).
 func (t *tx) wait(seq uint64, node string) (waitRec, error) {
+	if w, ok := t.b.qs.wait(t.queueID(), t.recRev, seq, node); ok {
+		return w, nil
+	}
 	var w waitRec
 	resp, err := t.b.cli.Get(t.ctx, t.b.n.wait(t.k, seq, node), t.atRead())
 	if err != nil {
@@ -423,6 +440,9 @@ func (t *tx) wait(seq uint64, node string) (waitRec, error) {
 
 // position is the 1-based place of the waiter at seq.
 func (t *tx) position(seq uint64) (int, error) {
+	if pos, ok := t.b.qs.position(t.queueID(), t.recRev, seq); ok {
+		return pos, nil
+	}
 	resp, err := t.b.cli.Get(t.ctx, t.b.n.queue(t.k), clientv3.WithRange(t.b.n.waitSeq(t.k, seq+1)), clientv3.WithCountOnly(), t.atRead())
 	if err != nil {
 		return 0, t.readErr("counting the queue", err)
@@ -441,6 +461,9 @@ type seqWait struct {
 func (t *tx) head(n int) ([]seqWait, error) {
 	if t.rec.Queue == 0 {
 		return nil, nil
+	}
+	if ws, ok := t.b.qs.head(t.queueID(), t.recRev, n, t.removed); ok {
+		return ws, nil
 	}
 	opts := []clientv3.OpOption{clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend), t.atRead()}
 	if n > 0 {

@@ -205,6 +205,7 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 	var nKeys, nHeld, nQd, nDone int
 	var dl, dones deadlineHeap
 	cached := map[string]cEntry{}
+	queues := b.qs.list(rev)
 	keep := func(kv *mvccpb.KeyValue) {
 		cached[string(kv.Key)] = cEntry{val: kv.Value, mod: kv.ModRevision}
 	}
@@ -218,6 +219,7 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 		if !ok || err != nil {
 			return
 		}
+		queues.record(key, kv.ModRevision, &r)
 		ki := info(&r, b.cfg.CompletedRetention)
 		keys[k] = ki
 		nKeys, nHeld, nQd = nKeys+b2i(ki.kept), nHeld+b2i(ki.held), nQd+int(ki.queue)
@@ -254,6 +256,10 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 			return 0, err
 		}
 	}
+	if err := w.page(ctx, b.n.p+"q/", rev, queues.wait); err != nil {
+		return 0, err
+	}
+	b.qs.reset(queues)
 	b.rc.reset(rev, cached)
 	heap.Init(&dl)
 	heap.Init(&dones)
@@ -521,6 +527,7 @@ const progressEvery = 50 * time.Millisecond
 // change is one key's record as a revision left it.
 type change struct {
 	k       lock.Key
+	key     string // the record's etcd key
 	rec     keyRec
 	deleted bool
 }
@@ -546,7 +553,7 @@ func (w *watcher) apply(evs []*clientv3.Event, rev int64) {
 		if !strings.HasPrefix(key, b.n.keys()) {
 			continue
 		}
-		c := change{deleted: ev.Type == mvccpb.DELETE}
+		c := change{key: key, deleted: ev.Type == mvccpb.DELETE}
 		var err error
 		if !c.deleted {
 			c.rec, err = decodeKey(ev.Kv.Value)
@@ -557,6 +564,9 @@ func (w *watcher) apply(evs []*clientv3.Event, rev int64) {
 			changes = append(changes, c)
 		}
 	}
+	// The queues before the records: a call that finds a record of this
+	// revision in the cache finds its queue too.
+	b.qs.apply(evs, keys, changes, rev)
 	b.rc.apply(evs, keys, vals, rev)
 	var (
 		skipped map[lock.Key][]string
