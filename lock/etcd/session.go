@@ -2,11 +2,13 @@ package etcd
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 	"sync"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/dlock/dlock/lock"
@@ -327,6 +329,12 @@ func (s *sessions) make(ctx context.Context, node string) (lease, rev int64, mad
 		[]clientv3.Op{clientv3.OpGet(key)}, true)
 	if err != nil {
 		b.revokeLater(int64(g.ID))
+		if errors.Is(err, rpctypes.ErrLeaseNotFound) {
+			// Its lease ran out before its record could be written:
+			// etcd is a TTL behind, and nothing was written. The client
+			// is told to try again, as for any etcd that does not keep up.
+			return 0, 0, false, fmt.Errorf("%w: making a session: its new lease ran out before etcd wrote its record", lock.ErrUnavailable)
+		}
 		return 0, 0, false, fmt.Errorf("making a session: %w", err)
 	}
 	if !tr.Succeeded {
