@@ -352,6 +352,11 @@ func (w *watcher) follow(rev int64) {
 			if err == nil {
 				rev = r
 				w.lost()
+				// A warm-up cut short by it is over: the logs begin
+				// at the list (lost), and a watch from the list's
+				// revision, which etcd may not pass for a while, hears
+				// of no progress before then.
+				w.setWarm(r)
 				break
 			}
 			b.log.Warn("etcd backend: listing the lock state after a compacted watch", "err", err)
@@ -417,8 +422,14 @@ func (w *watcher) consume(ch clientv3.WatchChan, rev int64) (int64, bool) {
 			w.b.keeper.heardAt(time.Now())
 		}
 		if resp.CompactRevision > 0 {
+			// Only the history the list already holds (up to warmTo)
+			// may be passed over. A compaction past it took changes
+			// made after the list, which the watch must not go on
+			// without: the queues it keeps would take a later record
+			// for the queue of one it missed (queues.go), and their
+			// events would go untold (TestAttackWarmupCompactedPastList).
 			w.mu.Lock()
-			warming := !w.warm && rev < w.warmTo
+			warming := !w.warm && rev < w.warmTo && resp.CompactRevision <= w.warmTo+1
 			w.mu.Unlock()
 			if warming {
 				// The history to warm the logs with begins later: read

@@ -1,0 +1,397 @@
+package etcd
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"reflect"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+	"google.golang.org/grpc"
+
+	"github.com/dlock/dlock/internal/etcdtest"
+	"github.com/dlock/dlock/lock"
+)
+
+// watchKiller ends, on demand, the watch streams a client has open: the
+// client's watch then ends with an error, and the backend opens it again
+// from the revision after the last one it applied (watch.go follow).
+type watchKiller struct {
+	mu      sync.Mutex
+	cancels []context.CancelFunc
+}
+
+func (k *watchKiller) intercept(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+	if !strings.HasSuffix(method, "/Watch") {
+		return streamer(ctx, desc, cc, method, opts...)
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	k.mu.Lock()
+	k.cancels = append(k.cancels, cancel)
+	k.mu.Unlock()
+	return streamer(ctx, desc, cc, method, opts...)
+}
+
+func (k *watchKiller) kill() {
+	k.mu.Lock()
+	cancels := k.cancels
+	k.cancels = nil
+	k.mu.Unlock()
+	for _, c := range cancels {
+		c()
+	}
+}
+
+// relistCounter counts a backend's watches compacted past (each is
+// followed by a list of the state: watch.go follow).
+type relistCounter struct {
+	slog.Handler
+	n *atomic.Int64
+}
+
+func (h relistCounter) Handle(ctx context.Context, r slog.Record) error {
+	if strings.Contains(r.Message, "compacted past") {
+		h.n.Add(1)
+	}
+	return nil
+}
+
+func (h relistCounter) Enabled(context.Context, slog.Level) bool { return true }
+
+// checkKeptQueues checks every queue b's watch keeps for revision R (rev
+// above 0: offered to a transaction that read the key's record at R)
+// against etcd at R: the key's record was written at R, counts the kept
+// waiters, and the queue etcd had at R is the kept one, waiter for waiter
+// (docs/DESIGN.md, "One round trip for a warm call"). A revision etcd has
+// compacted since is skipped. It returns the number of queues checked.
+func checkKeptQueues(t *testing.T, ctx context.Context, cli *clientv3.Client, b *Backend, who string) int {
+	type kept struct {
+		id  string
+		rev int64
+		ws  []seqWait
+	}
+	var all []kept
+	b.qs.mu.RLock()
+	for id, e := range b.qs.m {
+		if e.rev > 0 {
+			all = append(all, kept{id, e.rev, slices.Clone(e.ws)})
+		}
+	}
+	b.qs.mu.RUnlock()
+	checked := 0
+	for _, k := range all {
+		rec, err := cli.Get(ctx, b.n.keys()+k.id, clientv3.WithRev(k.rev))
+		if errors.Is(err, rpctypes.ErrCompacted) {
+			continue
+		}
+		if err != nil {
+			if ctx.Err() != nil {
+				return checked
+			}
+			t.Errorf("%s: reading the record of %s at %d: %v", who, k.id, k.rev, err)
+			continue
+		}
+		q, err := cli.Get(ctx, b.qs.qp+k.id+"/", clientv3.WithPrefix(), clientv3.WithRev(k.rev), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend))
+		if errors.Is(err, rpctypes.ErrCompacted) {
+			continue
+		}
+		if err != nil {
+			if ctx.Err() != nil {
+				return checked
+			}
+			t.Errorf("%s: reading the queue of %s at %d: %v", who, k.id, k.rev, err)
+			continue
+		}
+		checked++
+		if len(rec.Kvs) == 0 || rec.Kvs[0].ModRevision != k.rev {
+			t.Errorf("%s: the queue of %s kept for revision %d, where its record was not written: %v", who, k.id, k.rev, rec.Kvs)
+			continue
+		}
+		r, err := decodeKey(rec.Kvs[0].Value)
+		if err != nil || r.Queue != len(k.ws) {
+			t.Errorf("%s: the queue of %s kept for revision %d has %d waiters, its record counts %d (%v)", who, k.id, k.rev, len(k.ws), r.Queue, err)
+		}
+		var want []string
+		for _, kv := range q.Kvs {
+			_, seq, _ := b.qs.waitOf(string(kv.Key))
+			want = append(want, fmt.Sprintf("%d=%s", seq, kv.Value))
+		}
+		var got []string
+		for _, w := range k.ws {
+			got = append(got, fmt.Sprintf("%d=%s", w.seq, encode(&w.waitRec)))
+		}
+		if !slices.Equal(got, want) {
+			t.Errorf("%s: the queue of %s kept for revision %d:\n  %v\netcd had:\n  %v", who, k.id, k.rev, got, want)
+		}
+	}
+	return checked
+}
+
+// TestAttackKeptQueues races nodes on a few keys through three servers of
+// one data set (ttl and session waiters that expire or are lost, cancels,
+// hand-offs, successes, refusals at promotion, transactions of several
+// keys in one request), while their watches are ended and etcd compacted
+// past them, so that they list the state again in the middle of the
+// servers' own write-throughs, and servers are replaced by new ones. All
+// along, every queue a server's watch offers as the queue of a record's
+// revision must be etcd's queue at that revision: the record's guard is
+// all that ties a hand-off to it (docs/DESIGN.md, "One round trip for a
+// warm call").
+func TestAttackKeptQueues(t *testing.T) {
+	srv := etcdtest.StartEmbedded(t)
+	p := etcdtest.Prefix(t)
+	cfg := DefaultConfig()
+	cfg.Prefix = p
+	cfg.RefCounting = true
+	cfg.LockTTL = time.Second
+	cfg.SessionGrace = time.Second
+	cfg.ClaimTimeout = 500 * time.Millisecond
+	cfg.CompletedRetention = time.Second
+	var relists atomic.Int64
+	cfg.Logger = slog.New(relistCounter{slog.DiscardHandler, &relists})
+
+	// A server, with a client whose watch streams the test can end.
+	type server struct {
+		b *Backend
+		k *watchKiller
+	}
+	open := func() *server {
+		k := &watchKiller{}
+		cli, err := clientv3.New(clientv3.Config{
+			Endpoints:   srv.Endpoints(),
+			DialTimeout: 5 * time.Second,
+			Logger:      zap.NewNop(),
+			DialOptions: []grpc.DialOption{grpc.WithChainStreamInterceptor(k.intercept)},
+		})
+		if err != nil {
+			t.Error(err)
+			return nil
+		}
+		t.Cleanup(func() { cli.Close() })
+		b, err := New(t.Context(), cli, cfg)
+		if err != nil {
+			t.Errorf("opening a server: %v", err)
+			return nil
+		}
+		t.Cleanup(func() { b.Close() })
+		HoldRequestsForTest(b, 2*time.Millisecond) // transactions of several keys share requests
+		return &server{b, k}
+	}
+	var mu sync.Mutex
+	servers := make([]*server, 3)
+	for i := range servers {
+		if servers[i] = open(); servers[i] == nil {
+			t.FailNow()
+		}
+	}
+	pick := func(r *rand.Rand) *server {
+		mu.Lock()
+		defer mu.Unlock()
+		return servers[r.IntN(len(servers))]
+	}
+	cli := srv.Client(t)
+	var keys []lock.Key
+	for _, res := range []string{"a", "b"} {
+		for _, typ := range []lock.Type{lock.Pull, lock.Update, lock.Delete} {
+			keys = append(keys, lock.Key{Type: typ, Resource: res})
+		}
+	}
+
+	ctx, stop := context.WithTimeout(t.Context(), 4*time.Second) // the run's length
+	defer stop()
+	var wg sync.WaitGroup
+	// The nodes.
+	const nodes = 12
+	for i := range nodes {
+		wg.Go(func() {
+			r := rand.New(rand.NewPCG(uint64(i), uint64(time.Now().UnixNano())))
+			node := fmt.Sprint("n", i)
+			for ctx.Err() == nil {
+				b := pick(r).b
+				k := keys[r.IntN(len(keys))]
+				var err error
+				switch op := r.IntN(100); {
+				case op < 40:
+					lease := lock.LeaseTTL
+					if r.IntN(4) == 0 {
+						lease = lock.LeaseSession // no stream keeps it: lost after its grace
+					}
+					_, err = b.TryLock(ctx, lock.LockRequest{Type: k.Type, Resource: k.Resource, Node: node, Lease: lease})
+				case op < 65:
+					_, err = b.Unlock(ctx, lock.UnlockRequest{Type: k.Type, Resource: k.Resource, Node: node, Success: r.IntN(3) == 0, Error: "boom"})
+				case op < 80:
+					_, err = b.Cancel(ctx, k.Type, k.Resource, node)
+				default:
+					_, err = b.Status(ctx, k.Type, k.Resource, node)
+				}
+				switch {
+				case err == nil, ctx.Err() != nil, errors.Is(err, lock.ErrClosed):
+				case errors.Is(err, lock.ErrNotHolder), errors.Is(err, lock.ErrInUse), errors.Is(err, lock.ErrDeleting),
+					errors.Is(err, lock.ErrUpdating), errors.Is(err, lock.ErrLockHeld):
+				default:
+					t.Errorf("%s on %v: %v", node, k, err)
+				}
+			}
+		})
+	}
+	// The watches ended, and etcd compacted past them before they open
+	// again (follow waits 100 ms): each server lists the state again.
+	// Now and then a server is replaced by a new one, which lists the
+	// state while the others change it.
+	wg.Go(func() {
+		r := rand.New(rand.NewPCG(99, uint64(time.Now().UnixNano())))
+		for ctx.Err() == nil {
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(time.Duration(100+r.IntN(300)) * time.Millisecond):
+			}
+			if r.IntN(3) == 0 {
+				i := r.IntN(len(servers))
+				mu.Lock()
+				old := servers[i]
+				mu.Unlock()
+				old.b.Close()
+				if nb := open(); nb != nil {
+					mu.Lock()
+					servers[i] = nb
+					mu.Unlock()
+				}
+			}
+			pick(r).k.kill()
+			for range 2 {
+				if _, err := cli.Put(ctx, p+"bump", ""); err != nil {
+					return
+				}
+			}
+			resp, err := cli.Get(ctx, p+"bump")
+			if err != nil {
+				return
+			}
+			if _, err := cli.Compact(ctx, resp.Header.Revision); err != nil && ctx.Err() == nil && !errors.Is(err, rpctypes.ErrCompacted) {
+				t.Errorf("compacting: %v", err)
+			}
+		}
+	})
+	// The checker.
+	var checked atomic.Int64
+	wg.Go(func() {
+		for ctx.Err() == nil {
+			mu.Lock()
+			now := slices.Clone(servers)
+			mu.Unlock()
+			for i, s := range now {
+				checked.Add(int64(checkKeptQueues(t, ctx, cli, s.b, fmt.Sprint("server ", i))))
+			}
+		}
+	})
+	wg.Wait()
+
+	var fromWatch uint64
+	for _, s := range servers {
+		w, _ := s.b.qs.stats()
+		fromWatch += w
+	}
+	t.Logf("%d relists, %d kept queues checked, %d queue reads served by the watches", relists.Load(), checked.Load(), fromWatch)
+	if relists.Load() == 0 || checked.Load() == 0 || fromWatch == 0 {
+		t.Fatal("the run exercised nothing: no relist, no kept queue checked, or none read")
+	}
+}
+
+// TestAttackBatchWriteThrough: many nodes queue for one key through one
+// server at once, so that their calls share transactions (batch.go) and
+// some, past batchOps, are put back for the next one (restore); half of
+// them make a session lease in the call (a leased transaction). What the
+// server writes through after each commit, the key's record in the cache
+// and its queue, must be what etcd has; the hand-offs that follow, made
+// through either server, go in the order of the places answered.
+func TestAttackBatchWriteThrough(t *testing.T) {
+	p := etcdtest.Prefix(t)
+	cfg := DefaultConfig()
+	b1, _ := countingBackend(t, p, cfg)
+	b2, _ := countingBackend(t, p, cfg)
+	HoldRequestsForTest(b1, 5*time.Millisecond)
+	ctx := t.Context()
+	cli := etcdtest.Shared(t).Client(t)
+	k := lock.Key{Type: lock.Pull, Resource: "sha256:batch"}
+	lockAs(t, b1, k, "h", "acquired")
+
+	const n = 120
+	places := make([]int, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			lease := lock.LeaseTTL
+			if i%2 == 0 {
+				lease = lock.LeaseSession
+			}
+			r, err := b1.TryLock(ctx, lock.LockRequest{Type: k.Type, Resource: k.Resource, Node: fmt.Sprint("w", i), Lease: lease})
+			if err != nil || !r.Queued {
+				t.Errorf("w%d: %+v %v", i, r, err)
+				return
+			}
+			places[i] = r.Position
+		})
+	}
+	wg.Wait()
+	if t.Failed() {
+		return
+	}
+	order := make([]string, n)
+	for i, pos := range places {
+		if pos < 1 || pos > n || order[pos-1] != "" {
+			t.Fatalf("w%d answered place %d: %v", i, pos, places)
+		}
+		order[pos-1] = fmt.Sprint("w", i)
+	}
+	kk := b1.n.key(k)
+	// What b1 wrote through, before its watch has the commits or after.
+	for _, when := range []string{"written through", "watched"} {
+		if when == "watched" {
+			caughtUp(t, b1)
+		}
+		resp, err := cli.Get(ctx, kk)
+		if err != nil || len(resp.Kvs) == 0 {
+			t.Fatal(resp, err)
+		}
+		want, err := decodeKey(resp.Kvs[0].Value)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want.X = nil
+		e := cachedCopy(b1, kk)
+		if e.mod == resp.Kvs[0].ModRevision {
+			got, err := decodeKey(e.val)
+			if err != nil || !reflect.DeepEqual(got, want) {
+				t.Errorf("%s: the cache has %+v (%v), etcd %+v", when, got, err, want)
+			}
+		}
+		if e := keptCopy(b1, b1.qs.recID(kk)); e == nil || e.rev != resp.Kvs[0].ModRevision {
+			t.Errorf("%s: no queue kept for the record at %d (%+v)", when, resp.Kvs[0].ModRevision, e)
+		}
+		checkKeptQueues(t, ctx, cli, b1, when)
+	}
+	holder := "h"
+	for i, next := range order {
+		b := []*Backend{b1, b2}[i%2]
+		res, err := b.Unlock(ctx, lock.UnlockRequest{Type: k.Type, Resource: k.Resource, Node: holder, Error: "failed"})
+		if err != nil || res.NextHolder != next {
+			t.Fatalf("hand-off %d from %s: %+v %v, want %s next", i, holder, res, err, next)
+		}
+		holder = next
+		if i%10 == 0 {
+			checkKeptQueues(t, ctx, cli, b1, "b1")
+			checkKeptQueues(t, ctx, cli, b2, "b2")
+		}
+	}
+}
