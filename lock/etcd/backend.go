@@ -159,13 +159,16 @@ func New(ctx context.Context, cli *clientv3.Client, cfg Config) (*Backend, error
 	b.s = newSessions(b)
 	b.keeper = newKeeper(b)
 	b.vw, b.ops.b, b.pres = newViewer(b), b, newPresence(b)
+	// The grouper is there before the watch starts: a session that ends
+	// while the watch warms up is ended through it (its runners start
+	// below, and its requests wait for them).
+	b.g = newGrouper(b)
 	b.w = newWatcher(b)
 	if err := b.w.start(ctx); err != nil {
 		b.cancel()
 		b.wg.Wait()
 		return nil, err
 	}
-	b.g = newGrouper(b)
 	b.lastQuorum.Store(time.Now().UnixNano()) // New read etcd just now
 	b.wg.Add(5 + groupFlight)
 	go b.probe()
