@@ -7,6 +7,9 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"os"
+	"runtime"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"sync"
@@ -17,6 +20,8 @@ import (
 	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/internal/rawhttp"
 	"github.com/dlock/dlock/lock/memory"
+	"golang.org/x/sync/errgroup"
+	"golang.org/x/sys/unix"
 )
 
 // benchServer runs a real server on a loopback listener, with the ping
@@ -184,4 +189,109 @@ func BenchmarkLeanLoopPairs(b *testing.B) {
 	b.ReportAllocs()
 	b.ResetTimer()
 	s.serveLean(lc, newPassListener(mc.LocalAddr()), &http.Server{}, handover{})
+}
+
+// BenchmarkMemoryStreams reports what one server keeps per idle session
+// stream (as `dlock bench --scenario memory`'s idle-sessions, on the
+// memory engine): its live heap, its goroutine stacks and its goroutines,
+// each a stream. The streams are opened from raw sockets, which keep
+// nothing on this process's heap. DLOCK_BENCH_STREAMS sets how many (5,000
+// by default); DLOCK_BENCH_HEAPPROFILE=FILE writes a heap profile, every
+// allocation sampled, while they are open.
+func BenchmarkMemoryStreams(b *testing.B) {
+	n := 5000
+	if v := os.Getenv("DLOCK_BENCH_STREAMS"); v != "" {
+		var err error
+		if n, err = strconv.Atoi(v); err != nil || n < 1 {
+			b.Fatalf("DLOCK_BENCH_STREAMS=%q: not a count", v)
+		}
+	}
+	profile := os.Getenv("DLOCK_BENCH_HEAPPROFILE")
+	if profile != "" {
+		defer func(rate int) { runtime.MemProfileRate = rate }(runtime.MemProfileRate)
+		runtime.MemProfileRate = 1
+	}
+	// The ping interval of a default dlock serve.
+	e := newEnvWith(b, envConfig{mod: func(c *memory.Config) { c.Rules.MaxSessions = n + 64 }, opts: Options{PingInterval: time.Second}})
+	addr := e.ts.Listener.Addr().(*net.TCPAddr)
+	// One stream first: the hub's writers and pinger, the pools, start
+	// with it and are not a stream's.
+	rawStreams(b, addr, "warm", 1)
+	before, stacksBefore, gBefore := liveMemory()
+	fds := rawStreams(b, addr, "idle", n)
+	after, stacks, g := liveMemory()
+	if profile != "" {
+		f, err := os.Create(profile)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer f.Close()
+		if err := pprof.Lookup("heap").WriteTo(f, 0); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ReportMetric(float64(int64(after)-int64(before))/float64(len(fds)), "heap-B/stream")
+	b.ReportMetric(float64(int64(stacks)-int64(stacksBefore))/float64(len(fds)), "stack-B/stream")
+	b.ReportMetric(float64(g-gBefore)/float64(len(fds)), "goroutines/stream")
+}
+
+// liveMemory is the heap in use after two collections (what is
+// reachable), the goroutine stacks in use and the goroutines.
+func liveMemory() (heap, stacks uint64, goroutines int) {
+	runtime.GC()
+	runtime.GC()
+	var m runtime.MemStats
+	runtime.ReadMemStats(&m)
+	return m.HeapAlloc, m.StackInuse, runtime.NumGoroutine()
+}
+
+// rawStreams opens n session streams on addr, for nodes prefix-i, each from
+// a socket of its own read up to its subscribed event, and closes them when
+// b ends. The sockets are raw descriptors, blocking, outside Go's netpoller.
+func rawStreams(b *testing.B, addr *net.TCPAddr, prefix string, n int) []int {
+	fds := make([]int, n)
+	for i := range fds {
+		fds[i] = -1
+	}
+	b.Cleanup(func() {
+		for _, fd := range fds {
+			if fd >= 0 {
+				unix.Close(fd)
+			}
+		}
+	})
+	sa := &unix.SockaddrInet4{Port: addr.Port}
+	copy(sa.Addr[:], addr.IP.To4())
+	var g errgroup.Group
+	g.SetLimit(8)
+	for i := range fds {
+		g.Go(func() error {
+			fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+			if err != nil {
+				return err
+			}
+			fds[i] = fd
+			if err := unix.Connect(fd, sa); err != nil {
+				return err
+			}
+			req := fmt.Appendf(nil, "GET /subscribe?node_id=%s-%d HTTP/1.1\r\nHost: %s\r\n\r\n", prefix, i, addr)
+			if _, err := unix.Write(fd, req); err != nil {
+				return err
+			}
+			var got []byte
+			buf := make([]byte, 1024)
+			for !bytes.Contains(got, []byte("event: subscribed\n")) {
+				m, err := unix.Read(fd, buf)
+				if err != nil || m == 0 {
+					return fmt.Errorf("stream %d: read %d bytes %q: %v", i, m, got, err)
+				}
+				got = append(got, buf[:m]...)
+			}
+			return nil
+		})
+	}
+	if err := g.Wait(); err != nil {
+		b.Fatal(err)
+	}
+	return fds
 }
