@@ -15,8 +15,10 @@ import (
 )
 
 // hub serves the event streams of connections taken over from net/http
-// (docs/DESIGN.md, "Event streams"). An idle stream holds one goroutine,
-// blocked reading so that it notices the peer leave, and no buffer. Events
+// (docs/DESIGN.md, "Event streams"). An idle stream holds no goroutine and
+// no buffer: one poller (hubpoll.go) notices the peers that leave every
+// plain-TCP stream; a TLS or in-memory stream has a goroutine blocked
+// reading it for that. Events
 // are written by a few writers, one per core: a feed that has events wakes
 // its stream, a writer encodes them into a pooled buffer and writes what
 // the socket takes without waiting. A socket that is full hands the rest
@@ -33,6 +35,7 @@ type hub struct {
 	stopped bool // drained: no stream is added any more
 	started bool
 	epoch   time.Time // of the streams' lastWrite clock
+	poll    *hubPoll  // nil: every stream has a reader goroutine
 }
 
 // Stream states, guarded by hub.mu.
@@ -58,8 +61,10 @@ type hubStream struct {
 	state  uint8
 	again  bool   // woken while busy: look again when the write is done
 	ping   bool   // quiet for half the ping interval: write a ping
-	ending bool   // shut: nothing more is written, the reader will end it
+	ending bool   // shut: nothing more is written, its reader or the poller will end it
 	closed bool   // ended: released, out of the hub
+	polled bool   // in the hub's poll set, which ends it; else its readLoop does
+	fd     int32  // its socket's descriptor, while polled
 	out    []byte // bytes to write before any event: the header and first
 
 	lastWrite atomic.Int64 // h.now() at the last write
@@ -123,15 +128,29 @@ func (h *hub) start(conn net.Conn, src source, first []byte, revoked context.Con
 		release := st.release
 		st.release = func() { stop(); release() }
 	}
-	go st.readLoop()
+	// Polled from here on, unless shut meanwhile: its socket is closed
+	// then, and a reader sees that at once.
+	h.mu.Lock()
+	st.polled = h.poll != nil && !st.ending && h.poll.add(st)
+	h.mu.Unlock()
+	if !st.polled {
+		go st.readLoop()
+	}
 	src.notify(st.wakeUp)
 	return st
 }
 
-// run starts the writers and the pinger, which stop once the server is
-// drained and every stream has ended; called with h.mu held.
+// run starts the writers, the pinger and the poller, which stop once the
+// server is drained and every stream has ended; called with h.mu held.
 func (h *hub) run() {
 	s := h.s
+	if h.poll = newHubPoll(h); h.poll != nil {
+		s.openStreams.Add(1)
+		go func() {
+			defer s.openStreams.Done()
+			h.poll.run()
+		}()
+	}
 	n := runtime.GOMAXPROCS(0)
 	s.openStreams.Add(n + 1)
 	for range n {
@@ -336,12 +355,19 @@ func giveBack(bp *[]byte, b []byte) {
 // its transport closes at once; its reader then sees the end and releases
 // it. A TLS connection's Close would first send close_notify, which waits
 // (for a blocked write, then up to 5 s) on a socket its peer does not
-// read: that wait must hold neither a writer nor Drain.
+// read: that wait must hold neither a writer nor Drain. A polled socket
+// is shut down instead, both ways, which the poller sees: closed, it
+// would leave the set without a word.
 func (st *hubStream) shut() {
 	h := st.h
 	h.mu.Lock()
 	st.ending = true
+	polled := st.polled
 	h.mu.Unlock()
+	if polled {
+		_ = st.raw.Control(func(fd uintptr) { _ = unix.Shutdown(int(fd), unix.SHUT_RDWR) })
+		return
+	}
 	_ = transport(st.conn).Close()
 }
 
@@ -385,9 +411,15 @@ func (st *hubStream) end() {
 	h.mu.Lock()
 	st.closed = true
 	st.out = nil
+	if st.polled {
+		h.poll.remove(st)
+	}
 	delete(h.all, st)
 	if h.stopped && len(h.all) == 0 {
 		h.wake.Broadcast()
+		if h.poll != nil {
+			h.poll.wake()
+		}
 	}
 	h.mu.Unlock()
 	st.conn.Close()
@@ -434,6 +466,9 @@ func (h *hub) stop() {
 		all = append(all, st)
 	}
 	h.wake.Broadcast()
+	if h.poll != nil {
+		h.poll.wake()
+	}
 	h.mu.Unlock()
 	for _, st := range all {
 		st.shut()
