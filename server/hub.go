@@ -53,8 +53,8 @@ type hubStream struct {
 	// in-memory connection): every write then takes the slow path.
 	raw syscall.RawConn
 	src source
-	// release runs once the stream has ended: the feed's Close and what
-	// the request held.
+	// release, if not nil, runs once the stream has ended, before the
+	// source's close: what the stream holds besides.
 	release func()
 
 	// Guarded by hub.mu.
@@ -70,14 +70,22 @@ type hubStream struct {
 	lastWrite atomic.Int64 // h.now() at the last write
 }
 
-// source is what an event stream writes: a lock feed's items, encoded.
-type source struct {
-	ready  <-chan struct{}
-	done   <-chan struct{}
-	notify func(func())
+// source is what an event stream writes: a lock feed's items, encoded
+// (feedSource, sse.go).
+type source interface {
+	// notify is the feed's Notify.
+	notify(f func())
 	// fill appends the frames of the waiting items to b. Calls are never
 	// concurrent.
-	fill func(b []byte) []byte
+	fill(b []byte) []byte
+	// ended reports whether the feed has ended.
+	ended() bool
+	// channels are the feed's Ready and Done, for a stream served from a
+	// goroutine that waits on them (streamLoop).
+	channels() (ready, done <-chan struct{})
+	// close ends the feed and lets go what its request held; called
+	// once, when the stream has ended.
+	close()
 }
 
 func newHub(s *Server) *hub {
@@ -104,8 +112,9 @@ func (h *hub) admit() bool {
 // start serves conn as an event stream of src; first (response header and
 // the first events) goes out before anything else. The stream ends when
 // revoked (if not nil) is done: the credential that opened it is gone
-// (docs/SECURITY.md). start returns nil when the server is draining: the
-// caller then closes conn and releases.
+// (docs/SECURITY.md). release (if not nil) and src's close run once it has
+// ended. start returns nil when the server is draining: the caller then
+// closes conn, and calls release and src's close.
 func (h *hub) start(conn net.Conn, src source, first []byte, revoked context.Context, release func()) *hubStream {
 	st := &hubStream{h: h, conn: conn, raw: rawConn(conn), src: src, release: release, out: first}
 	st.lastWrite.Store(h.now())
@@ -126,7 +135,12 @@ func (h *hub) start(conn net.Conn, src source, first []byte, revoked context.Con
 	if revoked != nil {
 		stop := context.AfterFunc(revoked, st.shut)
 		release := st.release
-		st.release = func() { stop(); release() }
+		st.release = func() {
+			stop()
+			if release != nil {
+				release()
+			}
+		}
 	}
 	// Polled from here on, unless shut meanwhile: its socket is closed
 	// then, and a reader sees that at once.
@@ -245,14 +259,11 @@ func (st *hubStream) write() {
 	ping := st.ping
 	st.ping = false
 	h.mu.Unlock()
-	ended := false
-	select {
-	case <-st.src.done:
-		// The feed ended (too slow, or the backend closed): the response
-		// ends, after its first bytes if they are not out yet, and the
-		// client reconnects with Last-Event-ID.
-		ended = true
-	default:
+	// A feed that ended (too slow, or the backend closed) ends the
+	// response, after its first bytes if they are not out yet, and the
+	// client reconnects with Last-Event-ID.
+	ended := st.src.ended()
+	if !ended {
 		b = st.src.fill(b)
 		if len(b) == 0 && ping {
 			b = append(b, ": ping\n\n"...)
@@ -423,7 +434,10 @@ func (st *hubStream) end() {
 	}
 	h.mu.Unlock()
 	st.conn.Close()
-	st.release()
+	if st.release != nil {
+		st.release()
+	}
+	st.src.close()
 	h.s.metrics.streams.Dec()
 	h.s.openStreams.Done()
 }

@@ -194,40 +194,53 @@ func (f *fakeFeed) hold() *fillGate {
 	return g
 }
 
-func (f *fakeFeed) source() source {
-	return source{
-		ready: make(chan struct{}),
-		done:  f.done,
-		notify: func(fn func()) {
-			f.mu.Lock()
-			f.notify = fn
-			now := len(f.queue) > 0 || f.ended
-			f.mu.Unlock()
-			if now {
-				fn()
-			}
-		},
-		fill: func(b []byte) []byte {
-			f.fills.Add(1)
-			if f.panics {
-				panic("hub attack: fill panics")
-			}
-			f.mu.Lock()
-			q := f.queue
-			f.queue = nil
-			g := f.gate
-			f.gate = nil
-			f.mu.Unlock()
-			if g != nil {
-				close(g.in)
-				<-g.out
-			}
-			for _, s := range q {
-				b = append(b, "data: "+s+"\n\n"...)
-			}
-			return b
-		},
+func (f *fakeFeed) source() source { return fakeSource{f} }
+
+// fakeSource is a fakeFeed as the hub sees it.
+type fakeSource struct{ f *fakeFeed }
+
+func (s fakeSource) notify(fn func()) {
+	f := s.f
+	f.mu.Lock()
+	f.notify = fn
+	now := len(f.queue) > 0 || f.ended
+	f.mu.Unlock()
+	if now {
+		fn()
 	}
+}
+
+func (s fakeSource) ended() bool {
+	f := s.f
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.ended
+}
+
+func (s fakeSource) channels() (ready, done <-chan struct{}) { return make(chan struct{}), s.f.done }
+
+func (s fakeSource) close() {}
+
+func (s fakeSource) fill(b []byte) []byte {
+	f := s.f
+	f.fills.Add(1)
+	if f.panics {
+		panic("hub attack: fill panics")
+	}
+	f.mu.Lock()
+	q := f.queue
+	f.queue = nil
+	g := f.gate
+	f.gate = nil
+	f.mu.Unlock()
+	if g != nil {
+		close(g.in)
+		<-g.out
+	}
+	for _, s := range q {
+		b = append(b, "data: "+s+"\n\n"...)
+	}
+	return b
 }
 
 // startRaw hands conn to e's hub as an event stream of src that writes out
