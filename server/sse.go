@@ -4,6 +4,7 @@ import (
 	"context"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -15,7 +16,9 @@ import (
 // key as Server-Sent Events.
 func (s *Server) handleSubscribe(w http.ResponseWriter, r *http.Request) error {
 	q := r.URL.Query()
-	node := q.Get("node_id")
+	// Copies: a node id or resource cut from the request line would keep
+	// all of that line for as long as the stream, or the session, lasts.
+	node := strings.Clone(q.Get("node_id"))
 	var observe *lock.Key
 	if q.Has("type") || q.Has("resource_id") {
 		t, err := lock.ParseType(q.Get("type"))
@@ -25,7 +28,7 @@ func (s *Server) handleSubscribe(w http.ResponseWriter, r *http.Request) error {
 		if err := lock.ValidateResource(q.Get("resource_id")); err != nil {
 			return err
 		}
-		observe = &lock.Key{Type: t, Resource: q.Get("resource_id")}
+		observe = &lock.Key{Type: t, Resource: strings.Clone(q.Get("resource_id"))}
 	}
 	if s.draining.Load() {
 		return api.ErrUnavailable
