@@ -12,6 +12,7 @@ import (
 	"runtime/pprof"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -194,10 +195,12 @@ func BenchmarkLeanLoopPairs(b *testing.B) {
 // BenchmarkMemoryStreams reports what one server keeps per idle session
 // stream (as `dlock bench --scenario memory`'s idle-sessions, on the
 // memory engine): its live heap, its goroutine stacks and its goroutines,
-// each a stream. The streams are opened from raw sockets, which keep
-// nothing on this process's heap. DLOCK_BENCH_STREAMS sets how many (5,000
-// by default); DLOCK_BENCH_HEAPPROFILE=FILE writes a heap profile, every
-// allocation sampled, while they are open.
+// each a stream. "event loop" serves connections as dlock serve does on
+// the memory engine, "goroutines" as it does on etcd (no event loop). The
+// streams are opened from raw sockets, which keep nothing on this
+// process's heap. DLOCK_BENCH_STREAMS sets how many (5,000 by default);
+// DLOCK_BENCH_HEAPPROFILE=FILE writes a heap profile, every allocation
+// sampled, to FILE.event-loop and FILE.goroutines while they are open.
 func BenchmarkMemoryStreams(b *testing.B) {
 	n := 5000
 	if v := os.Getenv("DLOCK_BENCH_STREAMS"); v != "" {
@@ -211,28 +214,33 @@ func BenchmarkMemoryStreams(b *testing.B) {
 		defer func(rate int) { runtime.MemProfileRate = rate }(runtime.MemProfileRate)
 		runtime.MemProfileRate = 1
 	}
-	// The ping interval of a default dlock serve.
-	e := newEnvWith(b, envConfig{mod: func(c *memory.Config) { c.Rules.MaxSessions = n + 64 }, opts: Options{PingInterval: time.Second}})
-	addr := e.ts.Listener.Addr().(*net.TCPAddr)
-	// One stream first: the hub's writers and pinger, the pools, start
-	// with it and are not a stream's.
-	rawStreams(b, addr, "warm", 1)
-	before, stacksBefore, gBefore := liveMemory()
-	fds := rawStreams(b, addr, "idle", n)
-	after, stacks, g := liveMemory()
-	if profile != "" {
-		f, err := os.Create(profile)
-		if err != nil {
-			b.Fatal(err)
-		}
-		defer f.Close()
-		if err := pprof.Lookup("heap").WriteTo(f, 0); err != nil {
-			b.Fatal(err)
-		}
+	for _, loop := range loops {
+		b.Run(strings.ReplaceAll(loop.name, " ", "-"), func(b *testing.B) {
+			// The ping interval of a default dlock serve.
+			e := newEnvWith(b, envConfig{mod: func(c *memory.Config) { c.Rules.MaxSessions = n + 64 },
+				goroutines: loop.goroutines, opts: Options{PingInterval: time.Second}})
+			addr := e.ts.Listener.Addr().(*net.TCPAddr)
+			// One stream first: the hub's writers, pinger and poller, the
+			// pools, start with it and are not a stream's.
+			rawStreams(b, addr, "warm", 1)
+			before, stacksBefore, gBefore := liveMemory()
+			fds := rawStreams(b, addr, "idle", n)
+			after, stacks, g := liveMemory()
+			if profile != "" {
+				f, err := os.Create(profile + "." + strings.ReplaceAll(loop.name, " ", "-"))
+				if err != nil {
+					b.Fatal(err)
+				}
+				defer f.Close()
+				if err := pprof.Lookup("heap").WriteTo(f, 0); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.ReportMetric(float64(int64(after)-int64(before))/float64(len(fds)), "heap-B/stream")
+			b.ReportMetric(float64(int64(stacks)-int64(stacksBefore))/float64(len(fds)), "stack-B/stream")
+			b.ReportMetric(float64(g-gBefore)/float64(len(fds)), "goroutines/stream")
+		})
 	}
-	b.ReportMetric(float64(int64(after)-int64(before))/float64(len(fds)), "heap-B/stream")
-	b.ReportMetric(float64(int64(stacks)-int64(stacksBefore))/float64(len(fds)), "stack-B/stream")
-	b.ReportMetric(float64(g-gBefore)/float64(len(fds)), "goroutines/stream")
 }
 
 // liveMemory is the heap in use after two collections (what is
