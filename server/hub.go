@@ -5,6 +5,8 @@ import (
 	"crypto/tls"
 	"errors"
 	"net"
+	"net/netip"
+	"os"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -16,9 +18,9 @@ import (
 
 // hub serves the event streams of connections taken over from net/http
 // (docs/DESIGN.md, "Event streams"). An idle stream holds no goroutine and
-// no buffer: one poller (hubpoll.go) notices the peers that leave every
-// plain-TCP stream; a TLS or in-memory stream has a goroutine blocked
-// reading it for that. Events
+// no buffer: a plain-TCP stream is a descriptor in one poller's epoll set
+// (hubpoll.go), which notices the peers that leave; a TLS or in-memory
+// stream keeps its connection, and a goroutine blocked reading it. Events
 // are written by a few writers, one per core: a feed that has events wakes
 // its stream, a writer encodes them into a pooled buffer and writes what
 // the socket takes without waiting. A socket that is full hands the rest
@@ -45,10 +47,11 @@ const (
 	streamBusy   // a writer, or its own slow-write goroutine, has it
 )
 
-// hubStream is one event stream of the hub.
+// hubStream is one event stream of the hub: a socket the poller took
+// (fd), or a connection with a reader goroutine (conn).
 type hubStream struct {
 	h    *hub
-	conn net.Conn
+	conn net.Conn // nil once the poller took the socket
 	// raw writes to conn without waiting; nil when conn cannot (TLS, an
 	// in-memory connection): every write then takes the slow path.
 	raw syscall.RawConn
@@ -57,15 +60,22 @@ type hubStream struct {
 	// source's close: what the stream holds besides.
 	release func()
 
+	// fd is the socket's descriptor once the poller took it (else -1);
+	// set before the stream is in the hub and not changed after. It is
+	// closed (fdClosed) once the stream has ended and no writer has it:
+	// a number closed under a writer could be a new connection's by its
+	// write (letGo).
+	fd int32
+
 	// Guarded by hub.mu.
-	state  uint8
-	again  bool   // woken while busy: look again when the write is done
-	ping   bool   // quiet for half the ping interval: write a ping
-	ending bool   // shut: nothing more is written, its reader or the poller will end it
-	closed bool   // ended: released, out of the hub
-	polled bool   // in the hub's poll set, which ends it; else its readLoop does
-	fd     int32  // its socket's descriptor, while polled
-	out    []byte // bytes to write before any event: the header and first
+	state    uint8
+	again    bool   // woken while busy: look again when the write is done
+	ping     bool   // quiet for half the ping interval: write a ping
+	ending   bool   // shut: nothing more is written, its reader or the poller will end it
+	closed   bool   // ended: released, out of the hub
+	counted  bool   // fd carries the connection's count in Server.conns
+	fdClosed bool   // fd is closed
+	out      []byte // bytes to write before any event: the header and first
 
 	lastWrite atomic.Int64 // h.now() at the last write
 }
@@ -116,38 +126,39 @@ func (h *hub) admit() bool {
 // ended. start returns nil when the server is draining: the caller then
 // closes conn, and calls release and src's close.
 func (h *hub) start(conn net.Conn, src source, first []byte, revoked context.Context, release func()) *hubStream {
-	st := &hubStream{h: h, conn: conn, raw: rawConn(conn), src: src, release: release, out: first}
+	st := &hubStream{h: h, conn: conn, raw: rawConn(conn), src: src, release: release, out: first, fd: -1}
 	st.lastWrite.Store(h.now())
+	// Set before the stream is in the hub, where the poller may end it at
+	// once. Revoked meanwhile, it is shut before it is served, and ends.
+	var stopShut func() bool
+	if revoked != nil {
+		stopShut = context.AfterFunc(revoked, st.shut)
+		st.release = func() {
+			stopShut()
+			if release != nil {
+				release()
+			}
+		}
+	}
 	h.mu.Lock()
 	if h.stopped {
 		h.mu.Unlock()
+		if stopShut != nil {
+			stopShut()
+		}
 		return nil
 	}
 	if !h.started {
 		h.started = true
 		h.run()
 	}
+	polled := h.poll != nil && !st.ending && h.poll.take(st)
 	h.all[st] = struct{}{}
 	st.state = streamQueued
 	h.queue = append(h.queue, st)
 	h.wake.Signal()
 	h.mu.Unlock()
-	if revoked != nil {
-		stop := context.AfterFunc(revoked, st.shut)
-		release := st.release
-		st.release = func() {
-			stop()
-			if release != nil {
-				release()
-			}
-		}
-	}
-	// Polled from here on, unless shut meanwhile: its socket is closed
-	// then, and a reader sees that at once.
-	h.mu.Lock()
-	st.polled = h.poll != nil && !st.ending && h.poll.add(st)
-	h.mu.Unlock()
-	if !st.polled {
+	if !polled {
 		go st.readLoop()
 	}
 	src.notify(st.wakeUp)
@@ -219,7 +230,7 @@ func (h *hub) writer() {
 func (st *hubStream) writeOne() {
 	defer func() {
 		if p := recover(); p != nil {
-			st.h.s.panicked(p, st.conn.RemoteAddr().String())
+			st.h.s.panicked(p, st.remote())
 			st.shut()
 			st.idle()
 		}
@@ -250,6 +261,7 @@ func (st *hubStream) write() {
 	h.mu.Lock()
 	if st.closed || st.ending {
 		st.state = streamIdle
+		st.letGo()
 		h.mu.Unlock()
 		return
 	}
@@ -271,7 +283,7 @@ func (st *hubStream) write() {
 	}
 	n, err := st.writeNow(b)
 	if err == nil && n < len(b) {
-		if st.raw != nil {
+		if st.raw != nil || st.fd >= 0 {
 			h.s.metrics.fullSockets.Inc()
 		}
 		// The socket is full: this stream's own goroutine waits for it,
@@ -293,15 +305,29 @@ func (st *hubStream) write() {
 }
 
 // writeSlow writes b[n:] waiting as long as the write timeout allows, then
-// makes st idle again, or ends it when its feed had ended.
+// makes st idle again, or ends it when its feed had ended. A socket the
+// poller took is written through a connection of its own for the while,
+// on a duplicate of its descriptor in Go's netpoller; without a descriptor
+// to spare for that (EMFILE), the stream ends as on a failed write.
 func (st *hubStream) writeSlow(bp *[]byte, b []byte, n int, ended bool) {
 	defer st.h.s.openStreams.Done()
-	_ = st.conn.SetWriteDeadline(time.Now().Add(st.h.s.writeTimeout))
-	_, err := st.conn.Write(b[n:])
+	c := st.conn
+	var err error
+	if c == nil {
+		c, err = dupConn(int(st.fd))
+	}
 	if err == nil {
-		// A deadline left behind would fail the writers' next write on
-		// this socket once it passed.
-		_ = st.conn.SetWriteDeadline(time.Time{})
+		_ = c.SetWriteDeadline(time.Now().Add(st.h.s.writeTimeout))
+		_, err = c.Write(b[n:])
+		if st.conn == nil {
+			c.Close()
+		} else if err == nil {
+			// A deadline left behind would fail the writers' next write
+			// on this socket once it passed.
+			_ = c.SetWriteDeadline(time.Time{})
+		}
+	}
+	if err == nil {
 		st.lastWrite.Store(st.h.now())
 	}
 	giveBack(bp, b)
@@ -313,28 +339,40 @@ func (st *hubStream) writeSlow(bp *[]byte, b []byte, n int, ended bool) {
 
 // writeNow writes as much of b as the socket takes without waiting.
 func (st *hubStream) writeNow(b []byte) (int, error) {
-	if st.raw == nil || len(b) == 0 {
+	if len(b) == 0 {
+		return 0, nil
+	}
+	if st.fd >= 0 {
+		return writeFD(int(st.fd), b)
+	}
+	if st.raw == nil {
 		return 0, nil
 	}
 	var n int
 	var werr error
 	err := st.raw.Write(func(fd uintptr) bool {
-		for n < len(b) {
-			m, err := unix.Write(int(fd), b[n:])
-			if err == unix.EINTR {
-				continue
-			}
-			if err != nil {
-				if err != unix.EAGAIN {
-					werr = err
-				}
-				break
-			}
-			n += m
-		}
+		n, werr = writeFD(int(fd), b)
 		return true // never wait here
 	})
 	return n, errors.Join(err, werr)
+}
+
+// writeFD writes as much of b as the non-blocking socket fd takes.
+func writeFD(fd int, b []byte) (n int, err error) {
+	for n < len(b) {
+		m, err := unix.Write(fd, b[n:])
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			if err != unix.EAGAIN {
+				return n, err
+			}
+			break
+		}
+		n += m
+	}
+	return n, nil
 }
 
 // idle ends st's turn: queued again when it was woken meanwhile.
@@ -344,6 +382,7 @@ func (st *hubStream) idle() {
 	switch {
 	case st.closed || st.ending:
 		st.state = streamIdle
+		st.letGo()
 	case st.again || st.ping:
 		st.again = false
 		st.state = streamQueued
@@ -366,20 +405,67 @@ func giveBack(bp *[]byte, b []byte) {
 // its transport closes at once; its reader then sees the end and releases
 // it. A TLS connection's Close would first send close_notify, which waits
 // (for a blocked write, then up to 5 s) on a socket its peer does not
-// read: that wait must hold neither a writer nor Drain. A polled socket
-// is shut down instead, both ways, which the poller sees: closed, it
-// would leave the set without a word.
+// read: that wait must hold neither a writer nor Drain. A socket the
+// poller took is shut down instead, both ways, which the poller sees:
+// closed, it would leave the set without a word. Under h.mu, which its
+// close takes too.
 func (st *hubStream) shut() {
 	h := st.h
 	h.mu.Lock()
 	st.ending = true
-	polled := st.polled
-	h.mu.Unlock()
-	if polled {
-		_ = st.raw.Control(func(fd uintptr) { _ = unix.Shutdown(int(fd), unix.SHUT_RDWR) })
+	if st.fd >= 0 {
+		if !st.fdClosed {
+			_ = unix.Shutdown(int(st.fd), unix.SHUT_RDWR)
+		}
+		h.mu.Unlock()
 		return
 	}
-	_ = transport(st.conn).Close()
+	c := st.conn
+	h.mu.Unlock()
+	_ = transport(c).Close()
+}
+
+// letGo closes the socket the poller took once st has ended and no
+// writer has it; h.mu is held.
+func (st *hubStream) letGo() {
+	if st.fd < 0 || st.fdClosed || !st.closed || st.state == streamBusy {
+		return
+	}
+	st.fdClosed = true
+	unix.Close(int(st.fd))
+	if st.counted {
+		st.h.s.conns.Add(-1)
+	}
+}
+
+// remote is st's peer address, for a log line.
+func (st *hubStream) remote() string {
+	if st.conn != nil {
+		return st.conn.RemoteAddr().String()
+	}
+	sa, err := unix.Getpeername(int(st.fd))
+	if err != nil {
+		return "?"
+	}
+	switch a := sa.(type) {
+	case *unix.SockaddrInet4:
+		return netip.AddrPortFrom(netip.AddrFrom4(a.Addr), uint16(a.Port)).String()
+	case *unix.SockaddrInet6:
+		return netip.AddrPortFrom(netip.AddrFrom16(a.Addr), uint16(a.Port)).String()
+	}
+	return "?"
+}
+
+// dupConn is a connection on a duplicate of the socket fd, in Go's
+// netpoller: closing it leaves fd open.
+func dupConn(fd int) (net.Conn, error) {
+	d, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	f := os.NewFile(uintptr(d), "")
+	defer f.Close()
+	return net.FileConn(f)
 }
 
 // transport is the connection under c's TLS, or c.
@@ -404,7 +490,7 @@ func (st *hubStream) readLoop() {
 	s := st.h.s
 	defer func() {
 		if p := recover(); p != nil {
-			s.panicked(p, st.conn.RemoteAddr().String())
+			s.panicked(p, st.remote())
 		}
 		st.end()
 	}()
@@ -416,15 +502,17 @@ func (st *hubStream) readLoop() {
 	}
 }
 
-// end closes st's connection and releases what it held, once.
+// end closes st's connection and releases what it held, once: from its
+// reader, or the poller's loop.
 func (st *hubStream) end() {
 	h := st.h
 	h.mu.Lock()
 	st.closed = true
 	st.out = nil
-	if st.polled {
+	if st.fd >= 0 && h.poll != nil {
 		h.poll.remove(st)
 	}
+	st.letGo()
 	delete(h.all, st)
 	if h.stopped && len(h.all) == 0 {
 		h.wake.Broadcast()
@@ -433,7 +521,9 @@ func (st *hubStream) end() {
 		}
 	}
 	h.mu.Unlock()
-	st.conn.Close()
+	if st.conn != nil {
+		st.conn.Close()
+	}
 	if st.release != nil {
 		st.release()
 	}

@@ -265,7 +265,7 @@ func (e *env) hubStreamOf(addr string) *hubStream {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	for st := range h.all {
-		if st.conn.RemoteAddr().String() == addr {
+		if st.remote() == addr {
 			return st
 		}
 	}
@@ -326,11 +326,7 @@ func (e *env) stallSmall(node string) net.Conn {
 		st = e.hubStreamOf(c.LocalAddr().String())
 		return st != nil
 	})
-	if err := socketOf(e.t, st.conn).Control(func(fd uintptr) {
-		_ = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_SNDBUF, 4096)
-	}); err != nil {
-		e.t.Fatal(err)
-	}
+	e.onSocket(st, func(fd int) { _ = unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_SNDBUF, 4096) })
 	full := testutil.ToFloat64(e.srv.metrics.fullSockets)
 	for i := 0; testutil.ToFloat64(e.srv.metrics.fullSockets) == full; i++ {
 		if i == 100_000 {
@@ -689,6 +685,25 @@ func TestHubAttackTLSStreamHasNoRawSocket(t *testing.T) {
 	}
 	if line := s.Line(t); line != ": ping\n" {
 		t.Fatalf("got %q, want a ping", line)
+	}
+}
+
+// onSocket calls f with the descriptor of the server side's TCP socket
+// under st: the one the poller took, or the one under st's connection.
+func (e *env) onSocket(st *hubStream, f func(fd int)) {
+	e.t.Helper()
+	h := e.srv.hub
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if st.fd >= 0 {
+		if st.fdClosed {
+			e.t.Fatal("the stream's socket is closed")
+		}
+		f(int(st.fd))
+		return
+	}
+	if err := socketOf(e.t, st.conn).Control(func(fd uintptr) { f(int(fd)) }); err != nil {
+		e.t.Fatal(err)
 	}
 }
 

@@ -2,6 +2,7 @@ package server
 
 import (
 	"encoding/binary"
+	"net"
 
 	"golang.org/x/sys/unix"
 )
@@ -16,10 +17,14 @@ import (
 // that are read and dropped, as the reader did; the set is level-triggered,
 // so what one read does not take is reported again.
 //
-// A socket stays in Go's netpoller too, for the writers' waits: a socket
-// may be in several epoll sets. The set reports a stream by its
-// descriptor; a report read before the stream ended and its descriptor
-// went to a new stream costs that stream one read that finds nothing.
+// The poller takes the socket itself, as a descriptor, out of its
+// connection: net/http's wrappers, the net package's descriptor and its
+// addresses, and Go's netpoller's entry with its two deadline timers were
+// some 650 bytes more a stream. The writers write the descriptor; a write
+// that has to wait goes through a connection made for it (dupConn). The
+// set reports a stream by its descriptor; a report read before the stream
+// ended and its descriptor went to a new stream costs that stream one
+// read that finds nothing.
 type hubPoll struct {
 	h      *hub
 	epfd   int
@@ -54,42 +59,66 @@ func newHubPoll(h *hub) *hubPoll {
 	return &hubPoll{h: h, epfd: epfd, wakefd: wakefd}
 }
 
-// add puts st's socket in the set; false when it is not a plain socket,
-// or is closed already, or the set takes no more (ENOSPC at
-// max_user_watches, ENOMEM): st then needs a reader of its own. h.mu is
-// held.
-func (p *hubPoll) add(st *hubStream) bool {
-	if st.raw == nil {
+// take takes st's socket into the set, out of its connection, which
+// closes; st keeps a duplicate of its descriptor, and the connection's
+// count in Server.conns. It reports false, leaving st as it was, when the
+// connection is not a plain TCP socket (TLS, in memory) or is closed
+// already, or the set takes no more (ENOSPC at max_user_watches, ENOMEM):
+// st then needs a reader of its own. h.mu is held.
+func (p *hubPoll) take(st *hubStream) bool {
+	c, counted := st.conn, false
+	for {
+		if pc, ok := c.(*passedConn); ok {
+			c = pc.Conn
+			continue
+		}
+		if tc, ok := c.(*trackedConn); ok {
+			c, counted = tc.Conn, true
+			continue
+		}
+		break
+	}
+	tc, ok := c.(*net.TCPConn)
+	if !ok {
+		return false
+	}
+	raw, err := tc.SyscallConn()
+	if err != nil {
 		return false
 	}
 	fd := -1
-	var err error
-	if cerr := st.raw.Control(func(s uintptr) {
-		fd = int(s)
-		ev := unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLRDHUP, Fd: int32(fd)}
-		err = unix.EpollCtl(p.epfd, unix.EPOLL_CTL_ADD, fd, &ev)
+	if cerr := raw.Control(func(s uintptr) {
+		fd, err = unix.FcntlInt(s, unix.F_DUPFD_CLOEXEC, 0)
 	}); cerr != nil || err != nil {
 		return false
 	}
+	ev := unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLRDHUP, Fd: int32(fd)}
+	if unix.EpollCtl(p.epfd, unix.EPOLL_CTL_ADD, fd, &ev) != nil {
+		unix.Close(fd)
+		return false
+	}
+	// The socket stays open through fd. The trackedConn around tc is not
+	// closed: its count goes with fd (letGo).
+	tc.Close()
+	st.conn, st.raw, st.fd, st.counted = nil, nil, int32(fd), counted
 	if fd >= len(p.streams) {
 		p.streams = append(p.streams, make([]*hubStream, fd+1-len(p.streams))...)
 	}
 	p.streams[fd] = st
-	st.fd = int32(fd)
 	return true
 }
 
 // remove takes st's socket out of the set before st closes it: closed
 // alone, it would stay in the set while a copy of the socket is open
-// elsewhere (a child forked just then), reported under a number a new
-// stream may get. h.mu is held.
+// elsewhere (a child forked just then, a slow write's connection),
+// reported under a number a new stream may get. h.mu is held.
 func (p *hubPoll) remove(st *hubStream) {
 	if int(st.fd) < len(p.streams) && p.streams[st.fd] == st {
 		p.streams[st.fd] = nil
 	}
-	_ = st.raw.Control(func(s uintptr) {
-		_ = unix.EpollCtl(p.epfd, unix.EPOLL_CTL_DEL, int(s), nil)
-	})
+	if !p.closed {
+		_ = unix.EpollCtl(p.epfd, unix.EPOLL_CTL_DEL, int(st.fd), nil)
+	}
 }
 
 // wake makes the loop look whether the hub has stopped. h.mu is held:
@@ -112,7 +141,7 @@ func (p *hubPoll) run() {
 	for {
 		n, err := epollWait(p.epfd, events, -1)
 		if err != nil && err != unix.EINTR {
-			h.s.log.Error("epoll_wait failed; the event streams get a reader goroutine each", "err", err)
+			h.s.log.Error("epoll_wait failed; the event streams it waited on are ended, and new ones get a reader goroutine each", "err", err)
 			p.abandon()
 			return
 		}
@@ -143,24 +172,25 @@ func (p *hubPoll) run() {
 	}
 }
 
-// abandon gives every stream in the set a reader of its own, and new
-// streams too: the set cannot be waited on any more.
+// abandon ends every stream in the set (their clients open new ones, and
+// replay what they missed), and gives new streams a reader of their own:
+// the set cannot be waited on any more.
 func (p *hubPoll) abandon() {
 	h := p.h
 	h.mu.Lock()
 	h.poll = nil
-	var moved []*hubStream
+	var ending []*hubStream
 	for _, st := range p.streams {
 		if st != nil {
-			st.polled = false
-			moved = append(moved, st)
+			ending = append(ending, st)
 		}
 	}
 	p.streams = nil
 	p.close()
 	h.mu.Unlock()
-	for _, st := range moved {
-		go st.readLoop()
+	for _, st := range ending {
+		st.shut()
+		st.end()
 	}
 }
 
@@ -175,24 +205,20 @@ func (p *hubPoll) close() {
 var epollWait = unix.EpollWait
 
 // peerLeft reads what st's peer sent, without waiting, and reports
-// whether the peer has left: the read ended the stream (EOF), failed, or
-// found the socket closed.
+// whether the peer has left: the read ended the stream (EOF) or failed.
+// Only the poller's loop calls it, and only it ends a stream it took: fd
+// is open.
 func (st *hubStream) peerLeft(buf []byte) bool {
-	var n int
-	var rerr error
-	err := st.raw.Read(func(fd uintptr) bool {
-		for {
-			n, rerr = unix.Read(int(fd), buf)
-			if rerr != unix.EINTR {
-				return true // never wait here
-			}
+	for {
+		// MSG_DONTWAIT: never wait, even on a socket that someone set
+		// blocking (the poller waits for every stream).
+		n, _, err := unix.Recvfrom(int(st.fd), buf, unix.MSG_DONTWAIT)
+		switch err {
+		case unix.EINTR:
+			continue
+		case unix.EAGAIN:
+			return false // an old report: nothing to read
 		}
-	})
-	if err != nil {
-		return true
+		return err != nil || n == 0
 	}
-	if rerr == unix.EAGAIN {
-		return false // an old report: nothing to read
-	}
-	return rerr != nil || n == 0
 }

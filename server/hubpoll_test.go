@@ -6,9 +6,11 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"os"
 	"runtime"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -52,7 +54,7 @@ func (e *env) polled() (streams, polled int) {
 	defer h.mu.Unlock()
 	for st := range h.all {
 		streams++
-		if st.polled {
+		if st.fd >= 0 {
 			polled++
 		}
 	}
@@ -69,12 +71,35 @@ func (e *env) waitStreams(n int) {
 	})
 }
 
+// openFDs is the number of this process's open descriptors.
+func openFDs(t *testing.T) int {
+	t.Helper()
+	fds, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(fds)
+}
+
 // TestHubPollIdleStreamsHoldNoGoroutine: plain-TCP streams are in the
-// hub's poll set, with no goroutine of their own, and each one still ends
-// when its peer leaves, whichever way: a close, a reset, a half-close.
+// hub's poll set, with no goroutine of their own, each still counted as
+// an open connection (--max-conns), and each one still ends when its peer
+// leaves, whichever way: a close, a reset, a half-close. Its socket closes
+// then, and its count goes.
 func TestHubPollIdleStreamsHoldNoGoroutine(t *testing.T) {
-	e := newEnv(t, nil)
+	for _, loop := range loops {
+		t.Run(loop.name, func(t *testing.T) {
+			testIdleStreamsPolled(t, newEnvWith(t, envConfig{goroutines: loop.goroutines}))
+		})
+	}
+}
+
+func testIdleStreamsPolled(t *testing.T, e *env) {
 	const n = 12
+	warm, _ := e.openPlain("warm") // the hub's goroutines and epoll set start with it
+	warm.Close()
+	e.waitStreams(0)
+	fds := openFDs(t)
 	conns := make([]net.Conn, n)
 	for i := range conns {
 		conns[i], _ = e.openPlain(fmt.Sprintf("n%d", i))
@@ -85,6 +110,13 @@ func TestHubPollIdleStreamsHoldNoGoroutine(t *testing.T) {
 	}
 	if r := readers(); r != 0 {
 		t.Fatalf("%d goroutines reading idle plain-TCP streams, want none", r)
+	}
+	if c := e.srv.conns.Load(); c != n {
+		t.Fatalf("%d connections counted open with %d streams", c, n)
+	}
+	// Each stream, and each of this test's clients, has one descriptor.
+	if got := openFDs(t) - fds; got != 2*n {
+		t.Fatalf("%d descriptors more with %d streams open, want %d", got, n, 2*n)
 	}
 	for i, c := range conns {
 		switch i % 3 {
@@ -98,11 +130,45 @@ func TestHubPollIdleStreamsHoldNoGoroutine(t *testing.T) {
 				t.Fatal(err)
 			}
 			waitClosed(t, c, "a half-closed stream")
+			c.Close()
 		}
 		node := fmt.Sprintf("n%d", i)
 		kit.WaitFor(t, node+"'s stream to end", func() bool { return e.sessionStreams(node) == 0 })
 	}
 	e.waitStreams(0)
+	kit.WaitFor(t, "no connection counted", func() bool { return e.srv.conns.Load() == 0 })
+	kit.Await(t, "the streams' descriptors closed", func() error {
+		if got := openFDs(t); got != fds {
+			return fmt.Errorf("%d descriptors open, %d before", got, fds)
+		}
+		return nil
+	})
+}
+
+// TestHubPollPeerLeavesDuringSlowWrite: a peer that leaves while a write
+// to its full socket waits ends its stream; the socket closes once that
+// write has failed, not under it, and its count goes.
+func TestHubPollPeerLeavesDuringSlowWrite(t *testing.T) {
+	e := newEnvWith(t, envConfig{mod: stallConfig, opts: Options{WriteTimeout: time.Hour}})
+	warm, _ := e.openPlain("warm")
+	warm.Close()
+	e.waitStreams(0)
+	fds := openFDs(t)
+	c := e.stallSmall("a")
+	st := e.hubStreamOf(c.LocalAddr().String())
+	kit.WaitFor(t, "a's slow write in flight", func() bool { return e.stateOf(st) == streamBusy })
+	_ = c.(*net.TCPConn).SetLinger(0)
+	c.Close()
+	kit.WaitFor(t, "a's stream to end", func() bool { return e.sessionStreams("a") == 0 })
+	e.waitStreams(0)
+	kit.WaitFor(t, "no connection counted", func() bool { return e.srv.conns.Load() == 0 })
+	kit.WaitFor(t, "a's descriptor closed", func() bool { return openFDs(t) == fds })
+	e.srv.hub.mu.Lock()
+	closed := st.fdClosed
+	e.srv.hub.mu.Unlock()
+	if !closed {
+		t.Fatal("the stream's socket was left open")
+	}
 }
 
 // TestHubPollBytesFromPeerDropped: what a client sends after its request
@@ -145,12 +211,13 @@ func TestHubPollOldReportLeavesStreamOpen(t *testing.T) {
 	l.waitData(t, "still-open")
 }
 
-// TestHubPollFailureGivesReaders: when the poll set cannot be waited on
-// (epoll_wait fails), every stream in it gets a reader goroutine, and so
-// do the streams opened after: their peers leaving still ends them, and
-// Drain still waits for all of it (goleak checks the goroutines at the
-// end of the package).
-func TestHubPollFailureGivesReaders(t *testing.T) {
+// TestHubPollFailureEndsItsStreams: when the poll set cannot be waited on
+// (epoll_wait fails), every stream in it ends (its client opens a new one
+// and replays what it missed), and the streams opened after get a reader
+// goroutine each: their peers leaving still ends them, and Drain still
+// waits for all of it (goleak checks the goroutines at the end of the
+// package).
+func TestHubPollFailureEndsItsStreams(t *testing.T) {
 	var fail atomic.Bool
 	epollWait = func(epfd int, events []unix.EpollEvent, msec int) (int, error) {
 		if fail.Load() {
@@ -161,30 +228,32 @@ func TestHubPollFailureGivesReaders(t *testing.T) {
 	t.Cleanup(func() { epollWait = unix.EpollWait }) // after the server's cleanup
 	e := newEnv(t, nil)
 	a, _ := e.openPlain("a")
-	_, lb := e.openPlain("b")
+	b, _ := e.openPlain("b")
 	e.waitStreams(2)
 	fail.Store(true)
 	h := e.srv.hub
 	h.mu.Lock()
 	h.poll.wake()
 	h.mu.Unlock()
-	kit.WaitFor(t, "the poll set abandoned", func() bool {
-		h.mu.Lock()
-		defer h.mu.Unlock()
-		return h.poll == nil
-	})
-	if _, p := e.polled(); p != 0 {
-		t.Fatalf("%d streams still polled", p)
+	waitClosed(t, a, "a's stream, when the poll set failed")
+	waitClosed(t, b, "b's stream, when the poll set failed")
+	e.waitStreams(0)
+	h.mu.Lock()
+	gone := h.poll == nil
+	h.mu.Unlock()
+	if !gone {
+		t.Fatal("the hub kept the poll set that failed")
 	}
-	kit.WaitFor(t, "a reader for each stream", func() bool { return readers() == 2 })
-	e.grant("b", "after-failure")
-	lb.waitData(t, "after-failure")
-	a.Close()
-	kit.WaitFor(t, "a's stream to end", func() bool { return e.sessionStreams("a") == 0 })
-	_, _ = e.openPlain("c")
+	c, lc := e.openPlain("c")
+	e.openPlain("d")
 	e.waitStreams(2)
 	if _, p := e.polled(); p != 0 {
 		t.Fatal("a stream opened after the failure was polled")
 	}
 	kit.WaitFor(t, "a reader for each stream", func() bool { return readers() == 2 })
+	e.grant("c", "after-failure")
+	lc.waitData(t, "after-failure")
+	c.Close()
+	kit.WaitFor(t, "c's stream to end", func() bool { return e.sessionStreams("c") == 0 })
+	e.waitStreams(1)
 }
