@@ -37,7 +37,12 @@ type hub struct {
 	stopped bool // drained: no stream is added any more
 	started bool
 	epoch   time.Time // of the streams' lastWrite clock
-	poll    *hubPoll  // nil: every stream has a reader goroutine
+	// poll is the poller, started with the first plain-TCP stream (a
+	// goroutine waiting in epoll_wait is one that testing/synctest cannot
+	// wait for: the tests that stream over in-memory connections inside
+	// it must not get one); nil: every stream has a reader goroutine.
+	poll      *hubPoll
+	pollTried bool // the poller was started, or could not be
 }
 
 // Stream states, guarded by hub.mu.
@@ -152,7 +157,14 @@ func (h *hub) start(conn net.Conn, src source, first []byte, revoked context.Con
 		h.started = true
 		h.run()
 	}
-	polled := h.poll != nil && !st.ending && h.poll.take(st)
+	polled := false
+	if tc, counted := plainTCP(conn); tc != nil && !st.ending {
+		if !h.pollTried {
+			h.pollTried = true
+			h.startPoll()
+		}
+		polled = h.poll != nil && h.poll.take(st, tc, counted)
+	}
 	h.all[st] = struct{}{}
 	st.state = streamQueued
 	h.queue = append(h.queue, st)
@@ -165,17 +177,22 @@ func (h *hub) start(conn net.Conn, src source, first []byte, revoked context.Con
 	return st
 }
 
-// run starts the writers, the pinger and the poller, which stop once the
-// server is drained and every stream has ended; called with h.mu held.
-func (h *hub) run() {
-	s := h.s
+// startPoll starts the poller, which stops once the server is drained and
+// every stream has ended; called with h.mu held.
+func (h *hub) startPoll() {
 	if h.poll = newHubPoll(h); h.poll != nil {
-		s.openStreams.Add(1)
+		h.s.openStreams.Add(1)
 		go func() {
-			defer s.openStreams.Done()
+			defer h.s.openStreams.Done()
 			h.poll.run()
 		}()
 	}
+}
+
+// run starts the writers and the pinger, which stop once the server is
+// drained and every stream has ended; called with h.mu held.
+func (h *hub) run() {
+	s := h.s
 	n := runtime.GOMAXPROCS(0)
 	s.openStreams.Add(n + 1)
 	for range n {

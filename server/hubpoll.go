@@ -59,29 +59,31 @@ func newHubPoll(h *hub) *hubPoll {
 	return &hubPoll{h: h, epfd: epfd, wakefd: wakefd}
 }
 
-// take takes st's socket into the set, out of its connection, which
-// closes; st keeps a duplicate of its descriptor, and the connection's
-// count in Server.conns. It reports false, leaving st as it was, when the
-// connection is not a plain TCP socket (TLS, in memory) or is closed
-// already, or the set takes no more (ENOSPC at max_user_watches, ENOMEM):
-// st then needs a reader of its own. h.mu is held.
-func (p *hubPoll) take(st *hubStream) bool {
-	c, counted := st.conn, false
+// plainTCP is the TCP connection under c's wrappers (the lean loop's and
+// the connection count's, counted), or nil when c is not one (TLS, in
+// memory).
+func plainTCP(c net.Conn) (tc *net.TCPConn, counted bool) {
 	for {
-		if pc, ok := c.(*passedConn); ok {
-			c = pc.Conn
-			continue
+		switch v := c.(type) {
+		case *passedConn:
+			c = v.Conn
+		case *trackedConn:
+			c, counted = v.Conn, true
+		case *net.TCPConn:
+			return v, counted
+		default:
+			return nil, false
 		}
-		if tc, ok := c.(*trackedConn); ok {
-			c, counted = tc.Conn, true
-			continue
-		}
-		break
 	}
-	tc, ok := c.(*net.TCPConn)
-	if !ok {
-		return false
-	}
+}
+
+// take takes st's socket, that of tc, the TCP connection under st's
+// (plainTCP), into the set; tc closes, and st keeps a duplicate of its
+// descriptor and, when counted, the connection's count in Server.conns.
+// It reports false, leaving st as it was, when tc is closed already, or
+// the set takes no more (ENOSPC at max_user_watches, ENOMEM): st then
+// needs a reader of its own. h.mu is held.
+func (p *hubPoll) take(st *hubStream, tc *net.TCPConn, counted bool) bool {
 	raw, err := tc.SyscallConn()
 	if err != nil {
 		return false
