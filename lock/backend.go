@@ -110,6 +110,9 @@ type Feed[T any] interface {
 	// Done is closed when the feed ended: by Close, by the backend's Close,
 	// or because it did not keep up.
 	Done() <-chan struct{}
+	// Ended reports whether the feed ended: Done is closed. It makes no
+	// channel, as Done may (a server with Notify needs none).
+	Ended() bool
 	// Slow reports whether the feed was closed for not keeping up.
 	Slow() bool
 	// Notify makes the feed also call f whenever items start waiting and

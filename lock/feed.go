@@ -10,32 +10,68 @@ import (
 // what their Close must undo. It holds at most limit items: Offer refuses
 // one more, and the owner ends the feed as slow (docs/DESIGN.md, "Slow
 // streams"). The queue is a slice, not a buffered channel, so that an idle
-// feed of the thousands a server keeps costs a few bytes, not limit slots.
+// feed of the thousands a server keeps costs a few bytes, not limit slots;
+// and its channels are made when first asked for: a server that takes
+// items through Notify and looks at Ended (docs/DESIGN.md, "Event
+// streams") never asks, and a channel is some 100 bytes.
 // The zero value is not usable: call Init first.
 type FeedQueue[T any] struct {
 	limit int
-	ready chan struct{} // holds a token while queue is not empty
-	done  chan struct{}
 	slow  atomic.Bool
 
 	mu     sync.Mutex
+	ready  chan struct{} // nil until Ready; holds a token while queue is not empty
+	done   chan struct{} // nil until Done; closed by End
 	queue  []T
 	notify func() // Notify's f
-	ended  bool   // done is closed
+	ended  bool   // End was called
 }
+
+// closedChan is the Done of every feed that ended before Done was asked
+// for.
+var closedChan = func() chan struct{} {
+	c := make(chan struct{})
+	close(c)
+	return c
+}()
 
 // Init readies q to hold at most limit items.
 func (q *FeedQueue[T]) Init(limit int) {
 	q.limit = limit
-	q.ready = make(chan struct{}, 1)
-	q.done = make(chan struct{})
 }
 
 // Ready receives when items are waiting to be taken.
-func (q *FeedQueue[T]) Ready() <-chan struct{} { return q.ready }
+func (q *FeedQueue[T]) Ready() <-chan struct{} {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.ready == nil {
+		q.ready = make(chan struct{}, 1)
+		if len(q.queue) > 0 {
+			q.ready <- struct{}{}
+		}
+	}
+	return q.ready
+}
 
 // Done is closed when the feed ended (End).
-func (q *FeedQueue[T]) Done() <-chan struct{} { return q.done }
+func (q *FeedQueue[T]) Done() <-chan struct{} {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.done == nil {
+		if q.ended {
+			return closedChan
+		}
+		q.done = make(chan struct{})
+	}
+	return q.done
+}
+
+// Ended reports whether the feed ended (End): Done is closed.
+func (q *FeedQueue[T]) Ended() bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.ended
+}
 
 // Slow reports whether the feed was marked as not keeping up.
 func (q *FeedQueue[T]) Slow() bool { return q.slow.Load() }
@@ -84,10 +120,13 @@ func (q *FeedQueue[T]) Offer(v T) bool {
 	if len(q.queue) == 1 {
 		notify = q.notify
 	}
+	ready := q.ready
 	q.mu.Unlock()
-	select {
-	case q.ready <- struct{}{}:
-	default:
+	if ready != nil {
+		select {
+		case ready <- struct{}{}:
+		default:
+		}
 	}
 	if notify != nil {
 		notify()
@@ -109,7 +148,9 @@ func (q *FeedQueue[T]) End() bool {
 	}
 	q.ended = true
 	notify := q.notify
-	close(q.done)
+	if q.done != nil {
+		close(q.done)
+	}
 	q.mu.Unlock()
 	if notify != nil {
 		notify()

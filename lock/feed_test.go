@@ -98,3 +98,55 @@ func TestFeedQueueEndAndSlow(t *testing.T) {
 		t.Fatalf("an ended feed queued %v", got)
 	}
 }
+
+// TestFeedQueueChannelsOnDemand: a feed taken through Notify, Take and
+// Ended, as a server takes thousands of idle ones, makes no channel; one
+// asked for later behaves as if it had been there from Init.
+func TestFeedQueueChannelsOnDemand(t *testing.T) {
+	var q FeedQueue[int]
+	q.Init(10)
+	calls := 0
+	q.Notify(func() { calls++ })
+	q.Offer(1)
+	if got := q.Take(nil); !slices.Equal(got, []int{1}) {
+		t.Fatalf("Take = %v", got)
+	}
+	if q.Ended() {
+		t.Fatal("Ended before End")
+	}
+	q.End()
+	if !q.Ended() || calls != 2 {
+		t.Fatalf("after End: Ended %v, f called %d times, want true and 2", q.Ended(), calls)
+	}
+	if q.ready != nil || q.done != nil {
+		t.Fatal("a feed taken through Notify, Take and Ended made a channel")
+	}
+	select {
+	case <-q.Done():
+	default:
+		t.Fatal("Done asked for after End is not closed")
+	}
+
+	var r FeedQueue[int]
+	r.Init(10)
+	r.Offer(1)
+	if !ready(&r) {
+		t.Fatal("Ready asked for with an item waiting has no token")
+	}
+	if ready(&r) {
+		t.Fatal("Ready holds a second token for one item")
+	}
+	r.Take(nil)
+	r.Offer(2)
+	if !ready(&r) {
+		t.Fatal("Ready has no token for an item offered after it was made")
+	}
+	done := r.Done()
+	select {
+	case <-done:
+		t.Fatal("Done closed before End")
+	default:
+	}
+	r.End()
+	<-done
+}

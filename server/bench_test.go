@@ -3,12 +3,17 @@ package server
 import (
 	"bytes"
 	"context"
+	"flag"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"os"
+	"runtime"
+	"runtime/pprof"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -17,6 +22,8 @@ import (
 	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/internal/rawhttp"
 	"github.com/dlock/dlock/lock/memory"
+	"golang.org/x/sync/errgroup"
+	"golang.org/x/sys/unix"
 )
 
 // benchServer runs a real server on a loopback listener, with the ping
@@ -184,4 +191,148 @@ func BenchmarkLeanLoopPairs(b *testing.B) {
 	b.ReportAllocs()
 	b.ResetTimer()
 	s.serveLean(lc, newPassListener(mc.LocalAddr()), &http.Server{}, handover{})
+}
+
+// BenchmarkMemoryStreams reports what one server keeps per idle session
+// stream (as `dlock bench --scenario memory`'s idle-sessions, on the
+// memory engine): its live heap, its goroutine stacks and its goroutines,
+// each a stream. "event loop" serves connections as dlock serve does on
+// the memory engine, "goroutines" as it does on etcd (no event loop). The
+// streams are opened from raw sockets, which keep nothing on this
+// process's heap. DLOCK_BENCH_STREAMS sets how many (5,000 by default);
+// DLOCK_BENCH_HEAPPROFILE=FILE writes a heap profile, every allocation
+// sampled, to FILE.event-loop and FILE.goroutines while they are open.
+func BenchmarkMemoryStreams(b *testing.B) {
+	n := 5000
+	if v := os.Getenv("DLOCK_BENCH_STREAMS"); v != "" {
+		var err error
+		if n, err = strconv.Atoi(v); err != nil || n < 1 {
+			b.Fatalf("DLOCK_BENCH_STREAMS=%q: not a count", v)
+		}
+	}
+	profile := os.Getenv("DLOCK_BENCH_HEAPPROFILE")
+	if profile != "" {
+		defer func(rate int) { runtime.MemProfileRate = rate }(runtime.MemProfileRate)
+		runtime.MemProfileRate = 1
+	}
+	for _, loop := range loops {
+		name := strings.ReplaceAll(loop.name, " ", "-")
+		b.Run(name, func(b *testing.B) {
+			profile := profile
+			if profile != "" {
+				profile += "." + name
+			}
+			memoryStreams(b, n, loop.goroutines, profile)
+		})
+	}
+}
+
+// memoryStreams is BenchmarkMemoryStreams on one server, with or without
+// the event loop, writing a heap profile to profile unless it is "".
+func memoryStreams(b *testing.B, n int, goroutines bool, profile string) {
+	// The ping interval of a default dlock serve.
+	e := newEnvWith(b, envConfig{mod: func(c *memory.Config) { c.Rules.MaxSessions = n + 64 },
+		goroutines: goroutines, opts: Options{PingInterval: time.Second}})
+	addr := e.ts.Listener.Addr().(*net.TCPAddr)
+	// One stream first: the hub's writers, pinger and poller, the pools,
+	// start with it and are not a stream's.
+	rawStreams(b, addr, "warm", 1)
+	before, stacksBefore, gBefore := liveMemory()
+	fds := rawStreams(b, addr, "idle", n)
+	after, stacks, g := liveMemory()
+	if profile != "" {
+		f, err := os.Create(profile)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer f.Close()
+		if err := pprof.Lookup("heap").WriteTo(f, 0); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ReportMetric(float64(int64(after)-int64(before))/float64(len(fds)), "heap-B/stream")
+	b.ReportMetric(float64(int64(stacks)-int64(stacksBefore))/float64(len(fds)), "stack-B/stream")
+	b.ReportMetric(float64(g-gBefore)/float64(len(fds)), "goroutines/stream")
+}
+
+// TestMemoryStreamsBenchmarkRuns runs BenchmarkMemoryStreams small, as
+// docs/BENCHMARKS.md shows it run: each way must measure and report, and
+// an idle plain-TCP stream must keep no goroutine.
+func TestMemoryStreamsBenchmarkRuns(t *testing.T) {
+	// Once each, as -benchtime 1x: a benchmark that takes under the
+	// default second would be run again with a larger b.N, which this
+	// one does not use.
+	old := flag.Lookup("test.benchtime").Value.String()
+	if err := flag.Set("test.benchtime", "1x"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = flag.Set("test.benchtime", old) })
+	for _, loop := range loops {
+		r := testing.Benchmark(func(b *testing.B) { memoryStreams(b, 20, loop.goroutines, "") })
+		_, heap := r.Extra["heap-B/stream"]
+		if g, ok := r.Extra["goroutines/stream"]; r.N != 1 || !heap || !ok || g != 0 {
+			t.Errorf("%s: %d runs, metrics %v; want one run reporting heap-B/stream, and 0 goroutines/stream", loop.name, r.N, r.Extra)
+		}
+	}
+}
+
+// liveMemory is the heap in use after two collections (what is
+// reachable), the goroutine stacks in use and the goroutines.
+func liveMemory() (heap, stacks uint64, goroutines int) {
+	runtime.GC()
+	runtime.GC()
+	var m runtime.MemStats
+	runtime.ReadMemStats(&m)
+	return m.HeapAlloc, m.StackInuse, runtime.NumGoroutine()
+}
+
+// rawStreams opens n session streams on addr, for nodes prefix-i, each from
+// a socket of its own read up to its subscribed event, and closes them when
+// b ends. The sockets are raw descriptors, blocking, outside Go's netpoller.
+func rawStreams(b *testing.B, addr *net.TCPAddr, prefix string, n int) []int {
+	fds := make([]int, n)
+	for i := range fds {
+		fds[i] = -1
+	}
+	b.Cleanup(func() {
+		for _, fd := range fds {
+			if fd >= 0 {
+				unix.Close(fd)
+			}
+		}
+	})
+	var ip [4]byte
+	copy(ip[:], addr.IP.To4())
+	var g errgroup.Group
+	g.SetLimit(8)
+	for i := range fds {
+		g.Go(func() error {
+			fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+			if err != nil {
+				return err
+			}
+			fds[i] = fd
+			if err := unix.Connect(fd, &unix.SockaddrInet4{Port: addr.Port, Addr: ip}); err != nil {
+				return err
+			}
+			req := fmt.Appendf(nil, "GET /subscribe?node_id=%s-%d HTTP/1.1\r\nHost: %s\r\n\r\n", prefix, i, addr)
+			if _, err := unix.Write(fd, req); err != nil {
+				return err
+			}
+			var got []byte
+			buf := make([]byte, 1024)
+			for !bytes.Contains(got, []byte("event: subscribed\n")) {
+				m, err := unix.Read(fd, buf)
+				if err != nil || m == 0 {
+					return fmt.Errorf("stream %d: read %d bytes %q: %v", i, m, got, err)
+				}
+				got = append(got, buf[:m]...)
+			}
+			return nil
+		})
+	}
+	if err := g.Wait(); err != nil {
+		b.Fatal(err)
+	}
+	return fds
 }

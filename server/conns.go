@@ -111,7 +111,8 @@ func (s *Server) configure(hs *http.Server) {
 
 // trackedConn is a connection counted in Server.conns from accept until it
 // is closed, whoever serves it then: the lean loop, net/http, or an event
-// stream that took it over.
+// stream that took it over (the hub's poller carries the count on with the
+// socket it takes, hubpoll.go).
 type trackedConn struct {
 	net.Conn
 	open *atomic.Int64

@@ -5,6 +5,8 @@ import (
 	"crypto/tls"
 	"errors"
 	"net"
+	"net/netip"
+	"os"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -15,8 +17,10 @@ import (
 )
 
 // hub serves the event streams of connections taken over from net/http
-// (docs/DESIGN.md, "Event streams"). An idle stream holds one goroutine,
-// blocked reading so that it notices the peer leave, and no buffer. Events
+// (docs/DESIGN.md, "Event streams"). An idle stream holds no goroutine and
+// no buffer: a plain-TCP stream is a descriptor in one poller's epoll set
+// (hubpoll.go), which notices the peers that leave; a TLS or in-memory
+// stream keeps its connection, and a goroutine blocked reading it. Events
 // are written by a few writers, one per core: a feed that has events wakes
 // its stream, a writer encodes them into a pooled buffer and writes what
 // the socket takes without waiting. A socket that is full hands the rest
@@ -33,6 +37,12 @@ type hub struct {
 	stopped bool // drained: no stream is added any more
 	started bool
 	epoch   time.Time // of the streams' lastWrite clock
+	// poll is the poller, started with the first plain-TCP stream (a
+	// goroutine waiting in epoll_wait is one that testing/synctest cannot
+	// wait for: the tests that stream over in-memory connections inside
+	// it must not get one); nil: every stream has a reader goroutine.
+	poll      *hubPoll
+	pollTried bool // the poller was started, or could not be
 }
 
 // Stream states, guarded by hub.mu.
@@ -42,37 +52,55 @@ const (
 	streamBusy   // a writer, or its own slow-write goroutine, has it
 )
 
-// hubStream is one event stream of the hub.
+// hubStream is one event stream of the hub: a socket the poller took
+// (fd), or a connection with a reader goroutine (conn).
 type hubStream struct {
 	h    *hub
-	conn net.Conn
+	conn net.Conn // nil once the poller took the socket
 	// raw writes to conn without waiting; nil when conn cannot (TLS, an
 	// in-memory connection): every write then takes the slow path.
 	raw syscall.RawConn
 	src source
-	// release runs once the stream has ended: the feed's Close and what
-	// the request held.
+	// release, if not nil, runs once the stream has ended, before the
+	// source's close: what the stream holds besides.
 	release func()
 
+	// fd is the socket's descriptor once the poller took it (else -1);
+	// set before the stream is in the hub and not changed after. It is
+	// closed (fdClosed) once the stream has ended and no writer has it:
+	// a number closed under a writer could be a new connection's by its
+	// write (letGo).
+	fd int32
+
 	// Guarded by hub.mu.
-	state  uint8
-	again  bool   // woken while busy: look again when the write is done
-	ping   bool   // quiet for half the ping interval: write a ping
-	ending bool   // shut: nothing more is written, the reader will end it
-	closed bool   // ended: released, out of the hub
-	out    []byte // bytes to write before any event: the header and first
+	state    uint8
+	again    bool   // woken while busy: look again when the write is done
+	ping     bool   // quiet for half the ping interval: write a ping
+	ending   bool   // shut: nothing more is written, its reader or the poller will end it
+	closed   bool   // ended: released, out of the hub
+	counted  bool   // fd carries the connection's count in Server.conns
+	fdClosed bool   // fd is closed
+	out      []byte // bytes to write before any event: the header and first
 
 	lastWrite atomic.Int64 // h.now() at the last write
 }
 
-// source is what an event stream writes: a lock feed's items, encoded.
-type source struct {
-	ready  <-chan struct{}
-	done   <-chan struct{}
-	notify func(func())
+// source is what an event stream writes: a lock feed's items, encoded
+// (feedSource, sse.go).
+type source interface {
+	// notify is the feed's Notify.
+	notify(f func())
 	// fill appends the frames of the waiting items to b. Calls are never
 	// concurrent.
-	fill func(b []byte) []byte
+	fill(b []byte) []byte
+	// ended reports whether the feed has ended.
+	ended() bool
+	// channels are the feed's Ready and Done, for a stream served from a
+	// goroutine that waits on them (streamLoop).
+	channels() (ready, done <-chan struct{})
+	// close ends the feed and lets go what its request held; called
+	// once, when the stream has ended.
+	close()
 }
 
 func newHub(s *Server) *hub {
@@ -99,33 +127,66 @@ func (h *hub) admit() bool {
 // start serves conn as an event stream of src; first (response header and
 // the first events) goes out before anything else. The stream ends when
 // revoked (if not nil) is done: the credential that opened it is gone
-// (docs/SECURITY.md). start returns nil when the server is draining: the
-// caller then closes conn and releases.
+// (docs/SECURITY.md). release (if not nil) and src's close run once it has
+// ended. start returns nil when the server is draining: the caller then
+// closes conn, and calls release and src's close.
 func (h *hub) start(conn net.Conn, src source, first []byte, revoked context.Context, release func()) *hubStream {
-	st := &hubStream{h: h, conn: conn, raw: rawConn(conn), src: src, release: release, out: first}
+	st := &hubStream{h: h, conn: conn, raw: rawConn(conn), src: src, release: release, out: first, fd: -1}
 	st.lastWrite.Store(h.now())
+	// Set before the stream is in the hub, where the poller may end it at
+	// once. Revoked meanwhile, it is shut before it is served, and ends.
+	var stopShut func() bool
+	if revoked != nil {
+		stopShut = context.AfterFunc(revoked, st.shut)
+		st.release = func() {
+			stopShut()
+			if release != nil {
+				release()
+			}
+		}
+	}
 	h.mu.Lock()
 	if h.stopped {
 		h.mu.Unlock()
+		if stopShut != nil {
+			stopShut()
+		}
 		return nil
 	}
 	if !h.started {
 		h.started = true
 		h.run()
 	}
+	polled := false
+	if tc, counted := plainTCP(conn); tc != nil && !st.ending {
+		if !h.pollTried {
+			h.pollTried = true
+			h.startPoll()
+		}
+		polled = h.poll != nil && h.poll.take(st, tc, counted)
+	}
 	h.all[st] = struct{}{}
 	st.state = streamQueued
 	h.queue = append(h.queue, st)
 	h.wake.Signal()
 	h.mu.Unlock()
-	if revoked != nil {
-		stop := context.AfterFunc(revoked, st.shut)
-		release := st.release
-		st.release = func() { stop(); release() }
+	if !polled {
+		go st.readLoop()
 	}
-	go st.readLoop()
 	src.notify(st.wakeUp)
 	return st
+}
+
+// startPoll starts the poller, which stops once the server is drained and
+// every stream has ended; called with h.mu held.
+func (h *hub) startPoll() {
+	if h.poll = newHubPoll(h); h.poll != nil {
+		h.s.openStreams.Add(1)
+		go func() {
+			defer h.s.openStreams.Done()
+			h.poll.run()
+		}()
+	}
 }
 
 // run starts the writers and the pinger, which stop once the server is
@@ -186,7 +247,7 @@ func (h *hub) writer() {
 func (st *hubStream) writeOne() {
 	defer func() {
 		if p := recover(); p != nil {
-			st.h.s.panicked(p, st.conn.RemoteAddr().String())
+			st.h.s.panicked(p, st.remote())
 			st.shut()
 			st.idle()
 		}
@@ -217,6 +278,7 @@ func (st *hubStream) write() {
 	h.mu.Lock()
 	if st.closed || st.ending {
 		st.state = streamIdle
+		st.letGo()
 		h.mu.Unlock()
 		return
 	}
@@ -226,14 +288,11 @@ func (st *hubStream) write() {
 	ping := st.ping
 	st.ping = false
 	h.mu.Unlock()
-	ended := false
-	select {
-	case <-st.src.done:
-		// The feed ended (too slow, or the backend closed): the response
-		// ends, after its first bytes if they are not out yet, and the
-		// client reconnects with Last-Event-ID.
-		ended = true
-	default:
+	// A feed that ended (too slow, or the backend closed) ends the
+	// response, after its first bytes if they are not out yet, and the
+	// client reconnects with Last-Event-ID.
+	ended := st.src.ended()
+	if !ended {
 		b = st.src.fill(b)
 		if len(b) == 0 && ping {
 			b = append(b, ": ping\n\n"...)
@@ -241,7 +300,7 @@ func (st *hubStream) write() {
 	}
 	n, err := st.writeNow(b)
 	if err == nil && n < len(b) {
-		if st.raw != nil {
+		if st.raw != nil || st.fd >= 0 {
 			h.s.metrics.fullSockets.Inc()
 		}
 		// The socket is full: this stream's own goroutine waits for it,
@@ -263,15 +322,29 @@ func (st *hubStream) write() {
 }
 
 // writeSlow writes b[n:] waiting as long as the write timeout allows, then
-// makes st idle again, or ends it when its feed had ended.
+// makes st idle again, or ends it when its feed had ended. A socket the
+// poller took is written through a connection of its own for the while,
+// on a duplicate of its descriptor in Go's netpoller; without a descriptor
+// to spare for that (EMFILE), the stream ends as on a failed write.
 func (st *hubStream) writeSlow(bp *[]byte, b []byte, n int, ended bool) {
 	defer st.h.s.openStreams.Done()
-	_ = st.conn.SetWriteDeadline(time.Now().Add(st.h.s.writeTimeout))
-	_, err := st.conn.Write(b[n:])
+	c := st.conn
+	var err error
+	if c == nil {
+		c, err = dupConn(int(st.fd))
+	}
 	if err == nil {
-		// A deadline left behind would fail the writers' next write on
-		// this socket once it passed.
-		_ = st.conn.SetWriteDeadline(time.Time{})
+		_ = c.SetWriteDeadline(time.Now().Add(st.h.s.writeTimeout))
+		_, err = c.Write(b[n:])
+		if st.conn == nil {
+			c.Close()
+		} else if err == nil {
+			// A deadline left behind would fail the writers' next write
+			// on this socket once it passed.
+			_ = c.SetWriteDeadline(time.Time{})
+		}
+	}
+	if err == nil {
 		st.lastWrite.Store(st.h.now())
 	}
 	giveBack(bp, b)
@@ -283,28 +356,40 @@ func (st *hubStream) writeSlow(bp *[]byte, b []byte, n int, ended bool) {
 
 // writeNow writes as much of b as the socket takes without waiting.
 func (st *hubStream) writeNow(b []byte) (int, error) {
-	if st.raw == nil || len(b) == 0 {
+	if len(b) == 0 {
+		return 0, nil
+	}
+	if st.fd >= 0 {
+		return writeFD(int(st.fd), b)
+	}
+	if st.raw == nil {
 		return 0, nil
 	}
 	var n int
 	var werr error
 	err := st.raw.Write(func(fd uintptr) bool {
-		for n < len(b) {
-			m, err := unix.Write(int(fd), b[n:])
-			if err == unix.EINTR {
-				continue
-			}
-			if err != nil {
-				if err != unix.EAGAIN {
-					werr = err
-				}
-				break
-			}
-			n += m
-		}
+		n, werr = writeFD(int(fd), b)
 		return true // never wait here
 	})
 	return n, errors.Join(err, werr)
+}
+
+// writeFD writes as much of b as the non-blocking socket fd takes.
+func writeFD(fd int, b []byte) (n int, err error) {
+	for n < len(b) {
+		m, err := unix.Write(fd, b[n:])
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			if err != unix.EAGAIN {
+				return n, err
+			}
+			break
+		}
+		n += m
+	}
+	return n, nil
 }
 
 // idle ends st's turn: queued again when it was woken meanwhile.
@@ -314,6 +399,7 @@ func (st *hubStream) idle() {
 	switch {
 	case st.closed || st.ending:
 		st.state = streamIdle
+		st.letGo()
 	case st.again || st.ping:
 		st.again = false
 		st.state = streamQueued
@@ -336,13 +422,67 @@ func giveBack(bp *[]byte, b []byte) {
 // its transport closes at once; its reader then sees the end and releases
 // it. A TLS connection's Close would first send close_notify, which waits
 // (for a blocked write, then up to 5 s) on a socket its peer does not
-// read: that wait must hold neither a writer nor Drain.
+// read: that wait must hold neither a writer nor Drain. A socket the
+// poller took is shut down instead, both ways, which the poller sees:
+// closed, it would leave the set without a word. Under h.mu, which its
+// close takes too.
 func (st *hubStream) shut() {
 	h := st.h
 	h.mu.Lock()
 	st.ending = true
+	if st.fd >= 0 {
+		if !st.fdClosed {
+			_ = unix.Shutdown(int(st.fd), unix.SHUT_RDWR)
+		}
+		h.mu.Unlock()
+		return
+	}
+	c := st.conn
 	h.mu.Unlock()
-	_ = transport(st.conn).Close()
+	_ = transport(c).Close()
+}
+
+// letGo closes the socket the poller took once st has ended and no
+// writer has it; h.mu is held.
+func (st *hubStream) letGo() {
+	if st.fd < 0 || st.fdClosed || !st.closed || st.state == streamBusy {
+		return
+	}
+	st.fdClosed = true
+	unix.Close(int(st.fd))
+	if st.counted {
+		st.h.s.conns.Add(-1)
+	}
+}
+
+// remote is st's peer address, for a log line.
+func (st *hubStream) remote() string {
+	if st.conn != nil {
+		return st.conn.RemoteAddr().String()
+	}
+	sa, err := unix.Getpeername(int(st.fd))
+	if err != nil {
+		return "?"
+	}
+	switch a := sa.(type) {
+	case *unix.SockaddrInet4:
+		return netip.AddrPortFrom(netip.AddrFrom4(a.Addr), uint16(a.Port)).String()
+	case *unix.SockaddrInet6:
+		return netip.AddrPortFrom(netip.AddrFrom16(a.Addr), uint16(a.Port)).String()
+	}
+	return "?"
+}
+
+// dupConn is a connection on a duplicate of the socket fd, in Go's
+// netpoller: closing it leaves fd open.
+func dupConn(fd int) (net.Conn, error) {
+	d, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	f := os.NewFile(uintptr(d), "")
+	defer f.Close()
+	return net.FileConn(f)
 }
 
 // transport is the connection under c's TLS, or c.
@@ -367,7 +507,7 @@ func (st *hubStream) readLoop() {
 	s := st.h.s
 	defer func() {
 		if p := recover(); p != nil {
-			s.panicked(p, st.conn.RemoteAddr().String())
+			s.panicked(p, st.remote())
 		}
 		st.end()
 	}()
@@ -379,19 +519,32 @@ func (st *hubStream) readLoop() {
 	}
 }
 
-// end closes st's connection and releases what it held, once.
+// end closes st's connection and releases what it held, once: from its
+// reader, or the poller's loop.
 func (st *hubStream) end() {
 	h := st.h
 	h.mu.Lock()
 	st.closed = true
 	st.out = nil
+	if st.fd >= 0 && h.poll != nil {
+		h.poll.remove(st)
+	}
+	st.letGo()
 	delete(h.all, st)
 	if h.stopped && len(h.all) == 0 {
 		h.wake.Broadcast()
+		if h.poll != nil {
+			h.poll.wake()
+		}
 	}
 	h.mu.Unlock()
-	st.conn.Close()
-	st.release()
+	if st.conn != nil {
+		st.conn.Close()
+	}
+	if st.release != nil {
+		st.release()
+	}
+	st.src.close()
 	h.s.metrics.streams.Dec()
 	h.s.openStreams.Done()
 }
@@ -434,6 +587,9 @@ func (h *hub) stop() {
 		all = append(all, st)
 	}
 	h.wake.Broadcast()
+	if h.poll != nil {
+		h.poll.wake()
+	}
 	h.mu.Unlock()
 	for _, st := range all {
 		st.shut()

@@ -194,40 +194,53 @@ func (f *fakeFeed) hold() *fillGate {
 	return g
 }
 
-func (f *fakeFeed) source() source {
-	return source{
-		ready: make(chan struct{}),
-		done:  f.done,
-		notify: func(fn func()) {
-			f.mu.Lock()
-			f.notify = fn
-			now := len(f.queue) > 0 || f.ended
-			f.mu.Unlock()
-			if now {
-				fn()
-			}
-		},
-		fill: func(b []byte) []byte {
-			f.fills.Add(1)
-			if f.panics {
-				panic("hub attack: fill panics")
-			}
-			f.mu.Lock()
-			q := f.queue
-			f.queue = nil
-			g := f.gate
-			f.gate = nil
-			f.mu.Unlock()
-			if g != nil {
-				close(g.in)
-				<-g.out
-			}
-			for _, s := range q {
-				b = append(b, "data: "+s+"\n\n"...)
-			}
-			return b
-		},
+func (f *fakeFeed) source() source { return fakeSource{f} }
+
+// fakeSource is a fakeFeed as the hub sees it.
+type fakeSource struct{ f *fakeFeed }
+
+func (s fakeSource) notify(fn func()) {
+	f := s.f
+	f.mu.Lock()
+	f.notify = fn
+	now := len(f.queue) > 0 || f.ended
+	f.mu.Unlock()
+	if now {
+		fn()
 	}
+}
+
+func (s fakeSource) ended() bool {
+	f := s.f
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.ended
+}
+
+func (s fakeSource) channels() (ready, done <-chan struct{}) { return make(chan struct{}), s.f.done }
+
+func (s fakeSource) close() {}
+
+func (s fakeSource) fill(b []byte) []byte {
+	f := s.f
+	f.fills.Add(1)
+	if f.panics {
+		panic("hub attack: fill panics")
+	}
+	f.mu.Lock()
+	q := f.queue
+	f.queue = nil
+	g := f.gate
+	f.gate = nil
+	f.mu.Unlock()
+	if g != nil {
+		close(g.in)
+		<-g.out
+	}
+	for _, s := range q {
+		b = append(b, "data: "+s+"\n\n"...)
+	}
+	return b
 }
 
 // startRaw hands conn to e's hub as an event stream of src that writes out
@@ -252,7 +265,7 @@ func (e *env) hubStreamOf(addr string) *hubStream {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	for st := range h.all {
-		if st.conn.RemoteAddr().String() == addr {
+		if st.remote() == addr {
 			return st
 		}
 	}
@@ -313,11 +326,7 @@ func (e *env) stallSmall(node string) net.Conn {
 		st = e.hubStreamOf(c.LocalAddr().String())
 		return st != nil
 	})
-	if err := socketOf(e.t, st.conn).Control(func(fd uintptr) {
-		_ = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_SNDBUF, 4096)
-	}); err != nil {
-		e.t.Fatal(err)
-	}
+	e.onSocket(st, func(fd int) { _ = unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_SNDBUF, 4096) })
 	full := testutil.ToFloat64(e.srv.metrics.fullSockets)
 	for i := 0; testutil.ToFloat64(e.srv.metrics.fullSockets) == full; i++ {
 		if i == 100_000 {
@@ -676,6 +685,25 @@ func TestHubAttackTLSStreamHasNoRawSocket(t *testing.T) {
 	}
 	if line := s.Line(t); line != ": ping\n" {
 		t.Fatalf("got %q, want a ping", line)
+	}
+}
+
+// onSocket calls f with the descriptor of the server side's TCP socket
+// under st: the one the poller took, or the one under st's connection.
+func (e *env) onSocket(st *hubStream, f func(fd int)) {
+	e.t.Helper()
+	h := e.srv.hub
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if st.fd >= 0 {
+		if st.fdClosed {
+			e.t.Fatal("the stream's socket is closed")
+		}
+		f(int(st.fd))
+		return
+	}
+	if err := socketOf(e.t, st.conn).Control(func(fd uintptr) { f(int(fd)) }); err != nil {
+		e.t.Fatal(err)
 	}
 }
 

@@ -15,8 +15,8 @@ import (
 // stream sends a ping at least every ping, and TCP_USER_TIMEOUT drops a
 // connection whose sent data stays unacknowledged for deadPeer; TCP
 // keepalive probes, every ping after ping of silence, do the same for an
-// idle request connection. A stream's clean close is noticed at once,
-// through the request context.
+// idle request connection. A stream's clean close is noticed at once: its
+// socket becomes readable (hub.go).
 func Listen(ctx context.Context, addr string, ping, deadPeer time.Duration) (net.Listener, error) {
 	userTimeout := int(deadPeer.Milliseconds())
 	lc := net.ListenConfig{

@@ -4,6 +4,7 @@ import (
 	"context"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -15,7 +16,9 @@ import (
 // key as Server-Sent Events.
 func (s *Server) handleSubscribe(w http.ResponseWriter, r *http.Request) error {
 	q := r.URL.Query()
-	node := q.Get("node_id")
+	// Copies: a node id or resource cut from the request line would keep
+	// all of that line for as long as the stream, or the session, lasts.
+	node := strings.Clone(q.Get("node_id"))
 	var observe *lock.Key
 	if q.Has("type") || q.Has("resource_id") {
 		t, err := lock.ParseType(q.Get("type"))
@@ -25,7 +28,7 @@ func (s *Server) handleSubscribe(w http.ResponseWriter, r *http.Request) error {
 		if err := lock.ValidateResource(q.Get("resource_id")); err != nil {
 			return err
 		}
-		observe = &lock.Key{Type: t, Resource: q.Get("resource_id")}
+		observe = &lock.Key{Type: t, Resource: strings.Clone(q.Get("resource_id"))}
 	}
 	if s.draining.Load() {
 		return api.ErrUnavailable
@@ -43,7 +46,7 @@ func (s *Server) handleSubscribe(w http.ResponseWriter, r *http.Request) error {
 			lastID, hasLast = id, true
 		}
 	}
-	releaseSlot := func() {}
+	var releaseSlot func()
 	if observe != nil {
 		var err error
 		if releaseSlot, err = s.observerSlot(r.Context()); err != nil {
@@ -52,7 +55,9 @@ func (s *Server) handleSubscribe(w http.ResponseWriter, r *http.Request) error {
 	}
 	st, sub, err := s.b.Subscribe(r.Context(), lock.SubscribeRequest{Node: node, Observe: observe, LastID: lastID, HasLast: hasLast})
 	if err != nil {
-		releaseSlot()
+		if releaseSlot != nil {
+			releaseSlot()
+		}
 		return err
 	}
 	first := make([]byte, 0, 512)
@@ -62,41 +67,59 @@ func (s *Server) handleSubscribe(w http.ResponseWriter, r *http.Request) error {
 	for _, d := range sub.Replay {
 		first = appendDelivery(first, d)
 	}
-	return s.eventStream(w, r, first, deliveries(st), func() { st.Close(); releaseSlot() })
+	return s.eventStream(w, r, first, &feedSource[lock.Delivery]{f: st, appendItem: appendDelivery, release: releaseSlot})
 }
 
-// deliveries is the source of a session stream or key observer.
-func deliveries(st lock.Stream) source { return feedSource(st, appendDelivery) }
+// feedSource is the source of a feed whose items appendItem encodes. One
+// allocation a stream: an idle server keeps thousands.
+type feedSource[T any] struct {
+	f          lock.Feed[T]
+	appendItem func([]byte, T) []byte
+	// release, if not nil, lets go what the request held besides the
+	// feed (an observer's slot), after the feed's Close.
+	release func()
+	pending []T // fill's, between its calls
+}
 
-// feedSource is the source of a feed whose items appendItem encodes.
-func feedSource[T any](f lock.Feed[T], appendItem func([]byte, T) []byte) source {
-	var pending []T
-	return source{ready: f.Ready(), done: f.Done(), notify: f.Notify, fill: func(b []byte) []byte {
-		pending = f.Take(pending[:0])
-		for _, it := range pending {
-			b = appendItem(b, it)
-		}
-		clear(pending)
-		if cap(pending) > 64 {
-			pending = nil // let a burst's backing array go
-		}
-		return b
-	}}
+func (fs *feedSource[T]) notify(f func()) { fs.f.Notify(f) }
+func (fs *feedSource[T]) ended() bool     { return fs.f.Ended() }
+
+func (fs *feedSource[T]) channels() (ready, done <-chan struct{}) {
+	return fs.f.Ready(), fs.f.Done()
+}
+
+func (fs *feedSource[T]) close() {
+	fs.f.Close()
+	if fs.release != nil {
+		fs.release()
+	}
+}
+
+func (fs *feedSource[T]) fill(b []byte) []byte {
+	fs.pending = fs.f.Take(fs.pending[:0])
+	for _, it := range fs.pending {
+		b = fs.appendItem(b, it)
+	}
+	clear(fs.pending)
+	if cap(fs.pending) > 64 {
+		fs.pending = nil // let a burst's backing array go
+	}
+	return b
 }
 
 // eventStream serves a Server-Sent Events response: first, then src's
 // events and a ping when it has been quiet, until src, the peer or the
-// server ends; release is called once the stream has ended. /subscribe and
-// /ui/events both use it.
+// server ends; src's close is called once the stream has ended.
+// /subscribe and /ui/events both use it.
 //
 // On HTTP/1.1 the connection is taken over and handed to the hub
 // (hub.go): net/http's goroutine and buffers go away, and an idle stream
 // keeps one small goroutine, which matters with thousands of idle
 // sessions. Other protocols (HTTP/2 behind TLS) stream through the
 // ResponseWriter, from the handler's goroutine.
-func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byte, src source, release func()) error {
+func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byte, src source) error {
 	if !s.hub.admit() {
-		release()
+		src.close()
 		return api.ErrUnavailable // draining
 	}
 	s.metrics.streams.Inc()
@@ -114,10 +137,15 @@ func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byt
 		out = append(out, "\r\n\r\n"...)
 		out = append(out, first...)
 		revoked, stop := s.revocation(r.Context())
-		if s.hub.start(conn, src, out, revoked, func() { stop(); release() }) == nil {
+		if revoked == nil {
+			stop = nil // nothing to stop: no closure kept a stream
+		}
+		if s.hub.start(conn, src, out, revoked, stop) == nil {
 			conn.Close()
-			stop()
-			release()
+			if stop != nil {
+				stop()
+			}
+			src.close()
 			s.metrics.streams.Dec()
 			s.openStreams.Done()
 		}
@@ -125,7 +153,7 @@ func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byt
 	}
 	defer s.openStreams.Done()
 	defer s.metrics.streams.Dec()
-	defer release()
+	defer src.close()
 	rc := http.NewResponseController(w)
 	h := w.Header()
 	h.Set("Content-Type", "text/event-stream")
@@ -180,10 +208,11 @@ func (s *Server) streamLoop(src source, first []byte, gone <-chan struct{}, writ
 	}
 	ping := time.NewTicker(s.ping)
 	defer ping.Stop()
+	ready, done := src.channels()
 	var buf []byte
 	for {
 		select {
-		case <-src.ready:
+		case <-ready:
 			// Everything waiting goes out in one write: a fan-out of many
 			// events costs one syscall, not one each.
 			buf = src.fill(buf[:0])
@@ -198,7 +227,7 @@ func (s *Server) streamLoop(src source, first []byte, gone <-chan struct{}, writ
 			if err := write(append(buf[:0], ": ping\n\n"...)); err != nil {
 				return
 			}
-		case <-src.done:
+		case <-done:
 			// Closed by the backend, too slow for example: end the
 			// response so the client reconnects with Last-Event-ID and
 			// replays.

@@ -231,11 +231,8 @@ func (s *Server) handleUIEvents(w http.ResponseWriter, r *http.Request) error {
 		return err
 	}
 	first := fmt.Appendf(nil, "retry: 1000\nevent: subscribed\ndata: {\"event\":\"subscribed\",\"epoch\":%q}\n\n", s.info.Epoch)
-	return s.eventStream(w, r, first, opEvents(st), st.Close)
+	return s.eventStream(w, r, first, &feedSource[lock.OpEvent]{f: st, appendItem: appendOpEvent})
 }
-
-// opEvents is the source of an operator feed.
-func opEvents(st lock.OpStream) source { return feedSource(st, appendOpEvent) }
 
 // appendOpEvent appends one SSE frame. Lock events carry the data session
 // streams get (encoded once for all); queue and session events have
