@@ -41,19 +41,8 @@ const pollBatch = 128
 // newHubPoll opens a hubPoll; nil when epoll is not there to use (the
 // streams then keep a reader goroutine each).
 func newHubPoll(h *hub) *hubPoll {
-	epfd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
-	if err != nil {
-		return nil
-	}
-	wakefd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
-	if err != nil {
-		unix.Close(epfd)
-		return nil
-	}
-	ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(wakefd)}
-	if err := unix.EpollCtl(epfd, unix.EPOLL_CTL_ADD, wakefd, &ev); err != nil {
-		unix.Close(epfd)
-		unix.Close(wakefd)
+	epfd, wakefd, ok := openEpoll()
+	if !ok {
 		return nil
 	}
 	return &hubPoll{h: h, epfd: epfd, wakefd: wakefd}

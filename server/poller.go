@@ -73,22 +73,32 @@ func (c *pollConn) RemoteAddr() net.Addr { return c.remote }
 
 // newPoller opens a poller; nil when epoll is not there to use.
 func newPoller(s *Server) *poller {
-	epfd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
-	if err != nil {
+	epfd, wakefd, ok := openEpoll()
+	if !ok {
 		return nil
 	}
-	wakefd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+	return &poller{s: s, epfd: epfd, wakefd: wakefd, start: time.Now(), every: time.Second}
+}
+
+// openEpoll opens an epoll set with an eventfd in it, which a write to
+// wakes; ok false when either cannot be had (nothing is left open).
+func openEpoll() (epfd, wakefd int, ok bool) {
+	epfd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	if err != nil {
+		return -1, -1, false
+	}
+	wakefd, err = unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
 	if err != nil {
 		unix.Close(epfd)
-		return nil
+		return -1, -1, false
 	}
 	ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(wakefd)}
 	if err := unix.EpollCtl(epfd, unix.EPOLL_CTL_ADD, wakefd, &ev); err != nil {
 		unix.Close(epfd)
 		unix.Close(wakefd)
-		return nil
+		return -1, -1, false
 	}
-	return &poller{s: s, epfd: epfd, wakefd: wakefd, start: time.Now(), every: time.Second}
+	return epfd, wakefd, true
 }
 
 // adopt takes a new plain-TCP connection into the poller, or reports
