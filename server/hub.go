@@ -529,6 +529,13 @@ func (st *hubStream) end() {
 	if st.fd >= 0 && h.poll != nil {
 		h.poll.remove(st)
 	}
+	if st.fd >= 0 && !st.fdClosed && st.state == streamBusy {
+		// A writer has the socket, maybe blocked on a peer that left
+		// without reading (a half-close): shut down, its write fails
+		// now, and the socket and its count go, as a connection's close
+		// let them go, not at the write timeout.
+		_ = unix.Shutdown(int(st.fd), unix.SHUT_RDWR)
+	}
 	st.letGo()
 	delete(h.all, st)
 	if h.stopped && len(h.all) == 0 {
