@@ -1,12 +1,21 @@
 package server
 
 import (
+	"bytes"
+	"context"
+	"fmt"
 	"net"
+	"os"
+	"regexp"
+	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/dlock/dlock/internal/dlocktest/kit"
+	"github.com/dlock/dlock/lock"
 )
 
 // blockedStream starts a hub stream on the server side of a loopback TCP
@@ -62,4 +71,295 @@ func TestHubPollAttackHalfCloseDuringSlowWrite(t *testing.T) {
 	kit.WaitFor(t, "the stream to end", func() bool { return released.Load() == 1 })
 	kit.WaitFor(t, "the stream's socket closed", func() bool { return e.fdClosedOf(st) })
 	kit.WaitFor(t, "its slow write to return", func() bool { return e.stateOf(st) != streamBusy })
+}
+
+// churnStream opens node's session stream on a new plain TCP connection,
+// waits for its subscribed event, and reads everything after into got
+// until the connection ends. It reports instead of failing: it runs in
+// the test's workers.
+func (e *env) churnStream(node string) (c *net.TCPConn, got func() []byte, err error) {
+	nc, err := net.Dial("tcp", e.addr())
+	if err != nil {
+		return nil, nil, err
+	}
+	c = nc.(*net.TCPConn)
+	_ = c.SetDeadline(time.Now().Add(kit.Patience))
+	if _, err := fmt.Fprintf(c, "GET /subscribe?node_id=%s HTTP/1.1\r\nHost: x\r\n\r\n", node); err != nil {
+		c.Close()
+		return nil, nil, err
+	}
+	var buf []byte
+	b := make([]byte, 4096)
+	for !bytes.Contains(buf, []byte(`"subscribed"`)) {
+		n, err := c.Read(b)
+		buf = append(buf, b[:n]...)
+		if err != nil {
+			c.Close()
+			return nil, nil, fmt.Errorf("%s before its subscribed event: %w (%q)", node, err, buf)
+		}
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			n, err := c.Read(b)
+			buf = append(buf, b[:n]...)
+			if err != nil {
+				return
+			}
+		}
+	}()
+	return c, func() []byte { <-done; return buf }, nil
+}
+
+// TestHubPollAttackChurnNoCrossedWrites: streams open and end in every way
+// (close, reset, half-close, server-side end) while events are written to
+// them and other sockets and files open and close around them, so that a
+// descriptor number a stream had is soon another's, and stale poll
+// reports name it. No byte meant for one stream may reach another (a
+// write after close landing on a reused descriptor, or a report read for
+// the wrong stream), and at the end every stream has ended, every
+// descriptor is closed and no connection is counted.
+func TestHubPollAttackChurnNoCrossedWrites(t *testing.T) {
+	e := newEnv(t, nil)
+	warm, _ := e.openPlain("warm")
+	warm.Close()
+	e.waitStreams(0)
+	kit.WaitFor(t, "no connection counted", func() bool { return e.srv.conns.Load() == 0 })
+	fds := openFDs(t)
+	const workers, rounds, events = 6, 25, 6
+	stop := make(chan struct{})
+	var churn sync.WaitGroup
+	churn.Go(func() {
+		// Descriptors opened and closed between the streams' ends and
+		// starts: in this process (a file, a connection to the server
+		// that idles and closes) and so in the server's, the same one.
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			f, err := os.Open("/dev/null")
+			if err == nil {
+				f.Close()
+			}
+			if c, err := net.Dial("tcp", e.addr()); err == nil {
+				if i%2 == 0 {
+					_, _ = c.Write([]byte("GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"))
+				}
+				c.Close()
+			}
+		}
+	})
+	errs := make(chan error, workers*rounds*events)
+	var seen atomic.Int64
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Go(func() {
+			ctx := context.Background()
+			for r := range rounds {
+				node := fmt.Sprintf("w%d-r%d", w, r)
+				c, got, err := e.churnStream(node)
+				if err != nil {
+					errs <- err
+					return
+				}
+				var granting sync.WaitGroup
+				granting.Go(func() {
+					for k := range events {
+						res := fmt.Sprintf("res-%s-%d", node, k)
+						if _, err := e.m.TryLock(ctx, lock.LockRequest{Type: lock.Pull, Resource: res, Node: node}); err != nil {
+							errs <- err
+							return
+						}
+						if _, err := e.m.Unlock(ctx, lock.UnlockRequest{Type: lock.Pull, Resource: res, Node: node, Success: true}); err != nil {
+							errs <- err
+							return
+						}
+					}
+				})
+				if r%8 >= 4 {
+					granting.Wait() // its events are being written as it ends
+				}
+				switch r % 4 {
+				case 0:
+					c.Close()
+				case 1:
+					_ = c.SetLinger(0)
+					c.Close()
+				case 2:
+					_ = c.CloseWrite()
+				case 3:
+					// The server ends it, as a revoked credential or a
+					// draining server does, while events are written.
+					if st := e.hubStreamOf(c.LocalAddr().String()); st != nil {
+						st.shut()
+					} else {
+						errs <- fmt.Errorf("%s's stream not in the hub", node)
+					}
+				}
+				granting.Wait()
+				buf := got()
+				c.Close()
+				for _, m := range regexp.MustCompile(`res-[a-z0-9-]+?-\d+"`).FindAll(buf, -1) {
+					seen.Add(1)
+					if !bytes.HasPrefix(m, []byte("res-"+node+"-")) {
+						errs <- fmt.Errorf("%s's stream got %s, another stream's", node, m)
+					}
+				}
+				for _, m := range regexp.MustCompile(`"node_id":"[^"]*"`).FindAll(buf, -1) {
+					if string(m) != `"node_id":"`+node+`"` {
+						errs <- fmt.Errorf("%s's stream got %s", node, m)
+					}
+				}
+			}
+		})
+	}
+	wg.Wait()
+	close(stop)
+	churn.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	if seen.Load() == 0 {
+		t.Error("no stream got any of its events: the test tests nothing")
+	}
+	t.Logf("%d events read", seen.Load())
+	e.waitStreams(0)
+	kit.WaitFor(t, "no connection counted", func() bool { return e.srv.conns.Load() == 0 })
+	kit.Await(t, "every descriptor closed", func() error {
+		if got := openFDs(t); got != fds {
+			return fmt.Errorf("%d descriptors open, %d before", got, fds)
+		}
+		return nil
+	})
+}
+
+// TestHubPollAttackShutdownManyStreams: Shutdown with a thousand idle
+// plain-TCP streams, a few writes blocked on clients that do not read and
+// events being written to the rest: it returns within its deadline, every
+// client sees its connection end, the poller stops and closes its set,
+// no connection is counted, and every descriptor the server had is
+// closed (goleak checks the goroutines at the end of the package).
+func TestHubPollAttackShutdownManyStreams(t *testing.T) {
+	e := newEnvWith(t, envConfig{mod: stallConfig, opts: Options{WriteTimeout: time.Hour}})
+	warm, _ := e.openPlain("warm")
+	warm.Close()
+	e.waitStreams(0)
+	kit.WaitFor(t, "no connection counted", func() bool { return e.srv.conns.Load() == 0 })
+	fds := openFDs(t)
+	before := fdTable(t)
+	const n, stalled = 1000, 3
+	clients := make([]net.Conn, 0, n+stalled)
+	for i := range stalled {
+		c := e.stallSmall(fmt.Sprintf("stalled-%d", i))
+		clients = append(clients, c)
+	}
+	var ends []func() []byte
+	for i := range n {
+		c, got, err := e.churnStream(fmt.Sprintf("n%d", i))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		clients = append(clients, c)
+		ends = append(ends, got)
+	}
+	e.waitStreams(n + stalled)
+	if _, p := e.polled(); p != n+stalled {
+		t.Fatalf("%d of %d plain-TCP streams polled", p, n+stalled)
+	}
+	// A stream's socket and its client's, and a duplicate for each write
+	// that waits.
+	if got := openFDs(t) - fds; got < 2*len(clients) || got > 2*len(clients)+stalled {
+		t.Fatalf("%d descriptors more with %d streams open, want %d and one a waiting write", got, len(clients), 2*len(clients))
+	}
+	stop := make(chan struct{})
+	var granting sync.WaitGroup
+	granting.Go(func() {
+		ctx := context.Background()
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			node := fmt.Sprintf("n%d", i%n)
+			res := fmt.Sprintf("shut-%d", i)
+			if _, err := e.m.TryLock(ctx, lock.LockRequest{Type: lock.Pull, Resource: res, Node: node}); err != nil {
+				return
+			}
+			_, _ = e.m.Unlock(ctx, lock.UnlockRequest{Type: lock.Pull, Resource: res, Node: node, Success: true})
+		}
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), kit.Patience)
+	defer cancel()
+	if err := e.srv.Shutdown(ctx); err != nil {
+		t.Fatalf("Shutdown: %v", err)
+	}
+	close(stop)
+	granting.Wait()
+	for _, got := range ends {
+		got() // each client sees its connection end
+	}
+	e.waitStreams(0)
+	h := e.srv.hub
+	h.mu.Lock()
+	stopped := h.poll != nil && h.poll.closed
+	h.mu.Unlock()
+	if !stopped {
+		t.Fatal("the poller's set is still open after Shutdown")
+	}
+	kit.WaitFor(t, "no connection counted", func() bool { return e.srv.conns.Load() == 0 })
+	mine := make(map[int]bool)
+	for _, c := range clients {
+		e.onConn(c, func(fd int) { mine[fd] = true })
+	}
+	kit.Await(t, "the server's descriptors closed", func() error {
+		var left []string
+		for fd, what := range fdTable(t) {
+			if !mine[fd] && before[fd] != what {
+				left = append(left, fmt.Sprintf("%d: %s", fd, what))
+			}
+		}
+		if len(left) > 0 {
+			return fmt.Errorf("%d descriptors open that were not before and are not this test's clients': %v", len(left), left[:min(len(left), 10)])
+		}
+		return nil
+	})
+}
+
+// fdTable is this process's open descriptors, each with what it is
+// (a socket's inode, a file's path).
+func fdTable(t *testing.T) map[int]string {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := make(map[int]string, len(ents))
+	for _, ent := range ents {
+		fd, err := strconv.Atoi(ent.Name())
+		if err != nil {
+			continue
+		}
+		if what, err := os.Readlink("/proc/self/fd/" + ent.Name()); err == nil {
+			m[fd] = what
+		}
+	}
+	return m
+}
+
+// onConn calls f with the descriptor of c, a TCP connection.
+func (e *env) onConn(c net.Conn, f func(fd int)) {
+	e.t.Helper()
+	rc, err := c.(*net.TCPConn).SyscallConn()
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	if err := rc.Control(func(fd uintptr) { f(int(fd)) }); err != nil {
+		e.t.Fatal(err)
+	}
 }
