@@ -1,10 +1,12 @@
 package server
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"fmt"
 	"net"
+	"net/http"
 	"os"
 	"regexp"
 	"strconv"
@@ -362,4 +364,65 @@ func (e *env) onConn(c net.Conn, f func(fd int)) {
 	if err := rc.Control(func(fd uintptr) { f(int(fd)) }); err != nil {
 		e.t.Fatal(err)
 	}
+}
+
+// TestHubPollAttackWriteTimeoutFreesSocket: a client that never reads:
+// the write timeout ends the blocked write, the stream ends, and its
+// socket and the duplicate the write had are both closed.
+func TestHubPollAttackWriteTimeoutFreesSocket(t *testing.T) {
+	e := newEnvWith(t, envConfig{opts: Options{WriteTimeout: 200 * time.Millisecond}})
+	warm, _ := e.openPlain("warm")
+	warm.Close()
+	e.waitStreams(0)
+	fds := openFDs(t)
+	client, st, released := e.blockedStream(t)
+	kit.WaitFor(t, "the stream to end at the write timeout", func() bool { return released.Load() == 1 })
+	kit.WaitFor(t, "the stream's socket closed", func() bool { return e.fdClosedOf(st) })
+	client.Close()
+	kit.WaitFor(t, "the socket and its write's duplicate closed", func() bool { return openFDs(t) == fds })
+}
+
+// TestHubPollAttackMaxConnsExact: --max-conns counts polled streams
+// exactly through every way they end (close, reset, half-close,
+// half-close under a blocked write, the server's end): after each round
+// the limit admits as many streams again, and refuses one more.
+func TestHubPollAttackMaxConnsExact(t *testing.T) {
+	const limit = 5
+	e := newEnvWith(t, envConfig{mod: stallConfig, opts: Options{MaxConns: limit, WriteTimeout: time.Hour}})
+	for round := range 3 {
+		kit.WaitFor(t, "no connection counted", func() bool { return e.srv.conns.Load() == 0 })
+		var cs []net.Conn
+		for i := range limit - 1 {
+			c, _ := e.openPlain(fmt.Sprintf("r%d-n%d", round, i))
+			cs = append(cs, c)
+		}
+		stalled := e.stallSmall(fmt.Sprintf("r%d-stalled", round))
+		st := e.hubStreamOf(stalled.LocalAddr().String())
+		kit.WaitFor(t, "the stalled stream's write in flight", func() bool { return e.stateOf(st) == streamBusy })
+		if got := e.srv.conns.Load(); got != limit {
+			t.Fatalf("round %d: %d connections counted with %d streams open", round, got, limit)
+		}
+		over := e.dial()
+		resp, err := http.ReadResponse(bufio.NewReader(over), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusServiceUnavailable {
+			t.Fatalf("round %d: a connection over the limit got %d", round, resp.StatusCode)
+		}
+		over.Close()
+		cs[0].Close()
+		_ = cs[1].(*net.TCPConn).SetLinger(0)
+		cs[1].Close()
+		_ = cs[2].(*net.TCPConn).CloseWrite()
+		waitClosed(t, cs[2], "a half-closed stream")
+		if s := e.hubStreamOf(cs[3].LocalAddr().String()); s != nil {
+			s.shut()
+		}
+		waitClosed(t, cs[3], "a stream the server ended")
+		_ = stalled.(*net.TCPConn).CloseWrite()
+		e.waitStreams(0)
+	}
+	kit.WaitFor(t, "no connection counted", func() bool { return e.srv.conns.Load() == 0 })
 }
