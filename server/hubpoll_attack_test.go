@@ -18,6 +18,7 @@ import (
 
 	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/lock"
+	"golang.org/x/sys/unix"
 )
 
 // blockedStream starts a hub stream on the server side of a loopback TCP
@@ -123,7 +124,14 @@ func (e *env) churnStream(node string) (c *net.TCPConn, got func() []byte, err e
 // the wrong stream), and at the end every stream has ended, every
 // descriptor is closed and no connection is counted.
 func TestHubPollAttackChurnNoCrossedWrites(t *testing.T) {
-	e := newEnv(t, nil)
+	for _, loop := range loops {
+		t.Run(loop.name, func(t *testing.T) {
+			testChurnNoCrossedWrites(t, newEnvWith(t, envConfig{goroutines: loop.goroutines}))
+		})
+	}
+}
+
+func testChurnNoCrossedWrites(t *testing.T, e *env) {
 	warm, _ := e.openPlain("warm")
 	warm.Close()
 	e.waitStreams(0)
@@ -425,4 +433,45 @@ func TestHubPollAttackMaxConnsExact(t *testing.T) {
 		e.waitStreams(0)
 	}
 	kit.WaitFor(t, "no connection counted", func() bool { return e.srv.conns.Load() == 0 })
+}
+
+// TestHubPollAttackFloodingClientShut: a client that sends bytes without
+// end after its request, and a server that ends its stream (a revoked
+// credential, a drain): the poller reads and drops what comes, but the
+// stream must still end; a shut socket that kept reporting data would
+// never read as closed.
+func TestHubPollAttackFloodingClientShut(t *testing.T) {
+	e := newEnv(t, nil)
+	client, server := tcpPair(t)
+	f := newFakeFeed()
+	released := e.startRaw(server, f.source(), "HEAD\n\n")
+	var st *hubStream
+	kit.WaitFor(t, "the stream in the hub", func() bool {
+		e.srv.hub.mu.Lock()
+		defer e.srv.hub.mu.Unlock()
+		for s := range e.srv.hub.all {
+			st = s
+		}
+		return st != nil
+	})
+	var flooding sync.WaitGroup
+	flooding.Go(func() {
+		junk := bytes.Repeat([]byte("j"), 64<<10)
+		for {
+			if _, err := client.Write(junk); err != nil {
+				return
+			}
+		}
+	})
+	// Some of the flood has arrived: the poller is reading it.
+	kit.WaitFor(t, "the flood to flow", func() bool {
+		var n int
+		e.onSocket(st, func(fd int) { n, _ = unix.IoctlGetInt(fd, unix.SIOCINQ) })
+		return n > 0
+	})
+	st.shut()
+	kit.WaitFor(t, "the flooded stream to end", func() bool { return released.Load() == 1 })
+	kit.WaitFor(t, "its socket closed", func() bool { return e.fdClosedOf(st) })
+	client.Close()
+	flooding.Wait()
 }
