@@ -475,3 +475,52 @@ func TestHubPollAttackFloodingClientShut(t *testing.T) {
 	client.Close()
 	flooding.Wait()
 }
+
+// TestHubPollAttackNoDescriptorForSlowWrite: out of descriptors (EMFILE)
+// when a write has to wait: the write gets no duplicate to wait on, and
+// the stream ends as on a failed write, its socket closed, rather than
+// wait without a deadline or leave the write half done and the stream
+// open.
+func TestHubPollAttackNoDescriptorForSlowWrite(t *testing.T) {
+	e := newEnvWith(t, envConfig{opts: Options{WriteTimeout: time.Hour}})
+	client, server := tcpPair(t)
+	_ = client.(*net.TCPConn).SetReadBuffer(4096)
+	_ = server.(*net.TCPConn).SetWriteBuffer(4096)
+	var lim unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+		t.Fatal(err)
+	}
+	// The stream's own descriptor (the poller's duplicate) and a few
+	// for the runtime; none for the write's duplicate once the fillers
+	// below took the rest.
+	low := lim
+	low.Cur = uint64(openFDs(t) + 64)
+	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &low); err != nil {
+		t.Fatal(err)
+	}
+	var fillers []*os.File
+	restore := func() {
+		for _, f := range fillers {
+			f.Close()
+		}
+		fillers = nil
+		_ = unix.Setrlimit(unix.RLIMIT_NOFILE, &lim)
+	}
+	t.Cleanup(restore)
+	f := newFakeFeed()
+	f.offer(strings.Repeat("x", 1<<20))
+	gate := f.hold() // the writer waits in fill, after the poller took the socket
+	released := e.startRaw(server, f.source(), "HEAD\n\n")
+	<-gate.in
+	for {
+		fl, err := os.Open("/dev/null")
+		if err != nil {
+			break
+		}
+		fillers = append(fillers, fl)
+	}
+	close(gate.out)
+	kit.WaitFor(t, "the stream to end", func() bool { return released.Load() == 1 })
+	restore()
+	waitClosed(t, client, "a stream whose write found no descriptor")
+}
