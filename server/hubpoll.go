@@ -73,14 +73,8 @@ func plainTCP(c net.Conn) (tc *net.TCPConn, counted bool) {
 // the set takes no more (ENOSPC at max_user_watches, ENOMEM): st then
 // needs a reader of its own. h.mu is held.
 func (p *hubPoll) take(st *hubStream, tc *net.TCPConn, counted bool) bool {
-	raw, err := tc.SyscallConn()
-	if err != nil {
-		return false
-	}
-	fd := -1
-	if cerr := raw.Control(func(s uintptr) {
-		fd, err = unix.FcntlInt(s, unix.F_DUPFD_CLOEXEC, 0)
-	}); cerr != nil || err != nil {
+	fd, ok := dupFD(tc)
+	if !ok {
 		return false
 	}
 	ev := unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLRDHUP, Fd: int32(fd)}

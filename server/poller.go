@@ -80,6 +80,22 @@ func newPoller(s *Server) *poller {
 	return &poller{s: s, epfd: epfd, wakefd: wakefd, start: time.Now(), every: time.Second}
 }
 
+// dupFD is a duplicate of tc's descriptor (close-on-exec), which outlives
+// tc's close; ok false when tc is closed already.
+func dupFD(tc *net.TCPConn) (int, bool) {
+	raw, err := tc.SyscallConn()
+	if err != nil {
+		return -1, false
+	}
+	fd := -1
+	if cerr := raw.Control(func(s uintptr) {
+		fd, err = unix.FcntlInt(s, unix.F_DUPFD_CLOEXEC, 0)
+	}); cerr != nil || err != nil {
+		return -1, false
+	}
+	return fd, true
+}
+
 // openEpoll opens an epoll set with an eventfd in it, which a write to
 // wakes; ok false when either cannot be had (nothing is left open).
 func openEpoll() (epfd, wakefd int, ok bool) {
@@ -112,14 +128,8 @@ func (p *poller) adopt(c net.Conn, pass *passListener, hs *http.Server) bool {
 	if !ok || closed {
 		return false
 	}
-	raw, err := tc.SyscallConn()
-	if err != nil {
-		return false
-	}
-	fd := -1
-	if cerr := raw.Control(func(s uintptr) {
-		fd, err = unix.FcntlInt(s, unix.F_DUPFD_CLOEXEC, 0)
-	}); cerr != nil || err != nil {
+	fd, ok := dupFD(tc)
+	if !ok {
 		return false
 	}
 	pc := &pollConn{fd: fd, remote: tc.RemoteAddr(), pass: pass, hs: hs, idle: idleTimeout(hs)}
