@@ -90,6 +90,19 @@ func (q *queues) waitOf(key string) (string, uint64, bool) {
 // reader sees the queue of a key either before the revision, with the
 // record's revision before, or after it, with rev.
 func (q *queues) apply(evs []*clientv3.Event, keys []string, changes []change, rev int64) {
+	// The waiters put are decoded before the lock, which the calls' reads
+	// of the queues take too.
+	var puts []decodedWait
+	for i, ev := range evs {
+		if ev.Type != mvccpb.DELETE {
+			if _, _, ok := q.waitOf(keys[i]); ok {
+				if puts == nil {
+					puts = make([]decodedWait, len(evs))
+				}
+				puts[i].ok = jsonUnmarshal(ev.Kv.Value, &puts[i].w) == nil
+			}
+		}
+	}
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	q.watched = max(q.watched, rev)
@@ -126,12 +139,11 @@ func (q *queues) apply(evs []*clientv3.Event, keys []string, changes []change, r
 			q.m[strings.Clone(id)] = e
 		}
 		q.touch(e, rev)
-		var w waitRec
-		if jsonUnmarshal(ev.Kv.Value, &w) != nil {
+		if !puts[i].ok {
 			e.rev = -1
 			continue
 		}
-		e.put(seqWait{seq, w})
+		e.put(seqWait{seq, puts[i].w})
 	}
 	for i := range changes {
 		c := &changes[i]
@@ -158,6 +170,12 @@ func (q *queues) apply(evs []*clientv3.Event, keys []string, changes []change, r
 		}
 		q.touched[i] = nil
 	}
+}
+
+// decodedWait is a waiter's record as apply decoded it; ok false: not one.
+type decodedWait struct {
+	w  waitRec
+	ok bool
 }
 
 // drop forgets the queue of id, left empty at rev, unless it was written
