@@ -63,11 +63,14 @@ type Backend struct {
 	log         *slog.Logger
 	refCounting bool
 	epoch       string
-	graceTTL    int64 // the session lease's TTL in seconds
-	seed        maphash.Seed
-	stripes     [256]chan struct{} // a mutex per stripe of resources that a context can give up on
-	comb        combiner
-	g           *grouper // sends the transactions of a moment together (group.go)
+	// versionsChecked is closed once checkVersions has asked every
+	// member's version (version.go).
+	versionsChecked chan struct{}
+	graceTTL        int64 // the session lease's TTL in seconds
+	seed            maphash.Seed
+	stripes         [256]chan struct{} // a mutex per stripe of resources that a context can give up on
+	comb            combiner
+	g               *grouper // sends the transactions of a moment together (group.go)
 
 	ctx    context.Context // ends at Close
 	cancel context.CancelFunc
@@ -145,6 +148,8 @@ func New(ctx context.Context, cli *clientv3.Client, cfg Config) (*Backend, error
 		refCounting: cfg.RefCounting,
 		graceTTL:    max(1, int64(math.Ceil(cfg.SessionGrace.Seconds()))),
 		seed:        maphash.MakeSeed(),
+
+		versionsChecked: make(chan struct{}),
 	}
 	b.rc = newRecCache(b.n)
 	b.qs = newQueues(b.n)
@@ -179,8 +184,9 @@ func New(ctx context.Context, cli *clientv3.Client, cfg Config) (*Backend, error
 	go b.timers()
 	go b.sweepOrphans()
 	go b.health()
-	b.wg.Add(1)
+	b.wg.Add(2)
 	go b.pres.run()
+	go b.checkVersions()
 	return b, nil
 }
 
