@@ -1,7 +1,7 @@
 GO ?= go
 STATICCHECK ?= honnef.co/go/tools/cmd/staticcheck@v0.8.2
 
-.PHONY: packagemap test deps vet lint bench bench-etcd bench-pull fuzz build containerd2 image
+.PHONY: packagemap test deps vet lint bench bench-etcd bench-pull fuzz build containerd2 image etcd
 
 # test is what CI runs (.ci/run): the test dependencies, formatting, vet,
 # staticcheck, then every test with the race detector.
@@ -114,6 +114,13 @@ bench-etcd: build
 	  echo "Machine: $$(nproc) cores ($$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')), $$(free -g | awk '/Mem:/{print $$2}') GiB, $$(go version | cut -d' ' -f3)."; echo; \
 	  echo "\`dlock bench --backend etcd --scenario pairs,handoff,fanout,failover --waiters $(BENCH_ETCD_WAITERS) --compare etcd\`:"; echo; } >> $$out; \
 	bin/dlock bench --backend etcd --scenario pairs,handoff,fanout,failover --waiters $(BENCH_ETCD_WAITERS) --compare etcd --markdown >> $$out
+
+# etcd builds etcd's own server, at the version go.mod pins (the embedded
+# test servers' own), into bin/etcd: for `dlock bench --etcd bin/etcd` on an
+# etcd newer than Debian's 3.4, whose keepalives cost a fleet far more
+# (docs/PERFORMANCE.md, "On etcd").
+etcd:
+	$(GO) build -o bin/etcd ./internal/etcdtest/etcd
 
 # bench-pull measures shared pulls with real daemons, as root: Debian's
 # containerd 1.6 pulling random images from docker-registry through one

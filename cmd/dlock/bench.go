@@ -70,6 +70,7 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 	pingWindow := fs.Duration("ping-window", 10*time.Second, "pings: the shortest window measured on each server, made a whole number of intervals, two at least")
 	memoryServer := fs.String("memory-server", "", "memory: measure this server (with the same credentials) instead of a fresh dlock serve for each measurement")
 	compare := fs.String("compare", "", "also run pairs and handoff against: redis, etcd (comma-separated; started on 127.0.0.1)")
+	etcdBin := fs.String("etcd", "", "the etcd binary that --backend etcd and --compare etcd start (default: etcd in PATH; make etcd builds the etcd of go.mod into bin/etcd)")
 	backend := fs.String("backend", "", "etcd: instead of measuring --server, start an etcd on 127.0.0.1 and dlock serve --backend etcd on it, and measure that (--compare etcd then measures the same etcd)")
 	servers := fs.Int("servers", 3, "failover: dlock servers on the one etcd, one SIGKILLed each round; fleet: the servers the nodes are spread over, one SIGKILLed")
 	fleetNodes := fs.Int("nodes", 10000, "fleet: nodes, each with its session stream open, spread over --servers")
@@ -106,6 +107,11 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 			}
 		}
 		serverSet := fs.Changed("server")
+		if *etcdBin != "" {
+			if _, err := exec.LookPath(*etcdBin); err != nil {
+				return usageError{fmt.Errorf("--etcd: %w", err)}
+			}
+		}
 		switch *backend {
 		case "":
 			for _, s := range []string{"failover", "fleet"} {
@@ -120,8 +126,10 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 			if serverSet {
 				return usageError{errors.New("--backend etcd measures the server it starts: no --server")}
 			}
-			if _, err := exec.LookPath("etcd"); err != nil {
-				return fmt.Errorf("--backend etcd: etcd is not installed (Debian: apt-get install etcd-server)")
+			if *etcdBin == "" {
+				if _, err := exec.LookPath("etcd"); err != nil {
+					return fmt.Errorf("--backend etcd: etcd is not installed (Debian: apt-get install etcd-server; or --etcd)")
+				}
 			}
 		default:
 			return usageError{fmt.Errorf("--backend: %q is not etcd", *backend)}
@@ -149,6 +157,9 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 				bin := map[string]string{"redis": "redis-server", "etcd": "etcd"}[o]
 				if bin == "" {
 					return usageError{fmt.Errorf("--compare: unknown system %q (redis, etcd)", o)}
+				}
+				if o == "etcd" && *etcdBin != "" {
+					continue
 				}
 				if _, err := exec.LookPath(bin); err != nil {
 					return fmt.Errorf("--compare %s: %s is not installed (Debian: apt-get install %s)", o, bin, map[string]string{"redis": "redis-server", "etcd": "etcd-server"}[o])
@@ -195,7 +206,7 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 			}
 		}
 		if *backend == "etcd" {
-			etcdServer, err = bench.LaunchEtcd()
+			etcdServer, err = bench.LaunchEtcd(*etcdBin)
 			if err != nil {
 				return fmt.Errorf("--backend etcd: %w", err)
 			}
@@ -434,7 +445,7 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 					// The same etcd as dlock's backend: a fair comparison.
 					addr, stop = etcdServer.Endpoint, func() {}
 				} else {
-					addr, stop, err = bench.StartEtcd()
+					addr, stop, err = bench.StartEtcd(*etcdBin)
 				}
 				pairs, handoff = bench.EtcdPairs, bench.EtcdHandoff
 				oo.ServerCPU = bench.MetricsCPU(addr, rawhttp.Dialer{})

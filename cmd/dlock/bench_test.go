@@ -12,6 +12,7 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"regexp"
 	"slices"
 	"strings"
@@ -297,7 +298,13 @@ func TestBenchFleet(t *testing.T) {
 		t.Fatal("etcd is not installed: `make test` installs it")
 	}
 	useBinary(t)
-	out, errOut, st := inProcess(t, nil, "bench", "--backend", "etcd", "--scenario", "fleet", "--nodes", "30", "--holders", "6",
+	// --etcd names the etcd bench starts: here the one in PATH, by its path,
+	// which the setup then names.
+	etcdBin, err := exec.LookPath("etcd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, errOut, st := inProcess(t, nil, "bench", "--backend", "etcd", "--etcd", etcdBin, "--scenario", "fleet", "--nodes", "30", "--holders", "6",
 		"--fleet-held", "90", "--idle", "1s", "--recheck", "6s", "--concurrency", "2", "--serve-flags", "--session-grace 10s", "--json")
 	var res struct {
 		Results []bench.Result
@@ -324,7 +331,8 @@ func TestBenchFleet(t *testing.T) {
 		}
 		delete(want, r.Scenario)
 	}
-	if len(want) > 0 || len(res.Setup) != 2 || !strings.Contains(res.Setup[1], "3 `dlock serve --backend etcd --etcd-endpoints ") ||
+	if len(want) > 0 || len(res.Setup) != 2 || !strings.Contains(res.Setup[0], " ("+etcdBin+"), one member") ||
+		!strings.Contains(res.Setup[1], "3 `dlock serve --backend etcd --etcd-endpoints ") ||
 		!strings.Contains(res.Setup[1], " --session-grace 10s`") {
 		t.Errorf("missing %v; setup %q", want, res.Setup)
 	}
@@ -340,6 +348,7 @@ func TestBenchFleet(t *testing.T) {
 		{"--scenario", "fleet"},
 		{"--backend", "etcd", "--scenario", "fleet", "--nodes", "2"},
 		{"--backend", "etcd", "--scenario", "fleet", "--nodes", "10", "--holders", "11"},
+		{"--backend", "etcd", "--etcd", filepath.Join(t.TempDir(), "no-etcd"), "--scenario", "fleet"},
 	} {
 		if _, errOut, st := inProcess(t, nil, append([]string{"bench"}, args...)...); st != 2 {
 			t.Errorf("bench %q: exit %d, want 2 (usage): %s", args, st, errOut)

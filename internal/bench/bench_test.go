@@ -65,7 +65,7 @@ func TestCompare(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer stop()
-	ep, stopEtcd, err := StartEtcd()
+	ep, stopEtcd, err := StartEtcd("")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -22,10 +22,11 @@ import (
 	"go.uber.org/zap"
 )
 
-// StartEtcd runs a one-member etcd on free 127.0.0.1 ports, with its data in
-// a temporary directory, until stop is called.
-func StartEtcd() (endpoint string, stop func(), err error) {
-	e, err := LaunchEtcd()
+// StartEtcd runs a one-member etcd (bin, or etcd in PATH when bin is empty)
+// on free 127.0.0.1 ports, with its data in a temporary directory, until
+// stop is called.
+func StartEtcd(bin string) (endpoint string, stop func(), err error) {
+	e, err := LaunchEtcd(bin)
 	if err != nil {
 		return "", nil, err
 	}
@@ -60,7 +61,7 @@ func (e *Etcd) String() string {
 
 // LaunchEtcd runs a one-member etcd on free 127.0.0.1 ports, with its data
 // in a temporary directory, until its Stop.
-func LaunchEtcd() (*Etcd, error) {
+func LaunchEtcd(bin string) (*Etcd, error) {
 	client, err := freeAddr()
 	if err != nil {
 		return nil, err
@@ -69,9 +70,10 @@ func LaunchEtcd() (*Etcd, error) {
 	if err != nil {
 		return nil, err
 	}
-	bin, err := exec.LookPath("etcd")
-	if err != nil {
-		return nil, err
+	if bin == "" {
+		if bin, err = exec.LookPath("etcd"); err != nil {
+			return nil, err
+		}
 	}
 	dir, err := os.MkdirTemp("", "dlock-bench-etcd")
 	if err != nil {
