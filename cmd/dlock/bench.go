@@ -166,6 +166,11 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 				}
 			}
 		}
+		// --etcd alone would measure the --server given and start no etcd:
+		// a run that seems to be on that etcd and is not.
+		if *etcdBin != "" && *backend != "etcd" && !slices.Contains(others, "etcd") {
+			return usageError{errors.New("--etcd needs --backend etcd or --compare etcd: it names the etcd they start")}
+		}
 		if *concurrency < 1 || *waiters < 1 || *duration <= 0 || *heldN < 0 || *sessionsN < 0 || *heldNodes < 1 {
 			return usageError{errors.New("--concurrency, --waiters, --held-nodes and --duration must be positive, --held and --sessions not negative")}
 		}

@@ -298,10 +298,15 @@ func TestBenchFleet(t *testing.T) {
 		t.Fatal("etcd is not installed: `make test` installs it")
 	}
 	useBinary(t)
-	// --etcd names the etcd bench starts: here the one in PATH, by its path,
-	// which the setup then names.
-	etcdBin, err := exec.LookPath("etcd")
+	// --etcd names the etcd bench starts: here the one in PATH under a name
+	// of its own, which the setup then names (the path of etcd in PATH
+	// would be named by a bench that ignored --etcd too).
+	inPath, err := exec.LookPath("etcd")
 	if err != nil {
+		t.Fatal(err)
+	}
+	etcdBin := filepath.Join(t.TempDir(), "etcd-by-flag")
+	if err := os.Symlink(inPath, etcdBin); err != nil {
 		t.Fatal(err)
 	}
 	out, errOut, st := inProcess(t, nil, "bench", "--backend", "etcd", "--etcd", etcdBin, "--scenario", "fleet", "--nodes", "30", "--holders", "6",

@@ -186,6 +186,8 @@ func TestUsageErrors(t *testing.T) {
 		{args: []string{"bench", "--bogus"}, want: "unknown flag: --bogus"},
 		{args: []string{"bench", "extra"}, want: `got "extra"`},
 		{args: []string{"bench", "--server", "127.0.0.1:7380"}, want: "--server wants a URL"},
+		{args: []string{"bench", "--server", "http://127.0.0.1:1", "--etcd", "/bin/true"}, want: "--etcd needs --backend etcd or --compare etcd"},
+		{args: []string{"bench", "--server", "http://127.0.0.1:1", "--compare", "redis", "--etcd", "/bin/true"}, want: "--etcd needs --backend etcd or --compare etcd"},
 		{args: []string{"token"}, want: "dlock token new NODE_ID"},
 		{args: []string{"token", "old"}, want: `unknown subcommand "old"`},
 		{args: []string{"token", "new"}, want: "one NODE_ID"},
