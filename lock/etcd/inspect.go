@@ -309,7 +309,7 @@ func (b *Backend) RecentCompletions(ctx context.Context, q lock.KeyQuery) ([]loc
 	// for w.mu while they hold theirs.
 	w.mu.Lock()
 	b.rc.mu.RLock()
-	for k, ki := range w.keys {
+	for k, ki := range w.keys.notPlain() {
 		at := ki.doneAt
 		if at == 0 || at <= oldest || (q.Resource != "" && !strings.Contains(k.Resource, q.Resource)) {
 			continue
@@ -350,7 +350,7 @@ func (b *Backend) recentCompletionsOf(q lock.KeyQuery) ([]lock.CompletionView, e
 	w := b.w
 	w.mu.Lock()
 	cands := make([]cand, 0, w.nDone)
-	for k, ki := range w.keys {
+	for k, ki := range w.keys.notPlain() {
 		if at := ki.doneAt; at != 0 && at > oldest && (q.Resource == "" || strings.Contains(k.Resource, q.Resource)) {
 			cands = append(cands, cand{at, k})
 		}

@@ -102,9 +102,10 @@ func (v *viewer) stop() {
 
 // index returns the index of the listed keys, built from the watch's table
 // if there is none: once per look, and again after a relist. The keys are
-// copied under the watcher's mutex and sorted without it, so that the
-// watch does not wait for the sort (tens of milliseconds for 100,000
-// keys); what it changed meanwhile is applied before the index is used.
+// copied under the watcher's mutex, the plainly held ones as their etcd
+// keys (keytable.go), and read back and sorted without it, so that the
+// watch does not wait for either (tens of milliseconds for 100,000 keys);
+// what it changed meanwhile is applied before the index is used.
 func (v *viewer) index() *keyIndex {
 	v.idxMu.Lock()
 	x := v.idx
@@ -123,20 +124,29 @@ func (v *viewer) index() *keyIndex {
 	w := v.b.w
 	w.mu.Lock()
 	keys := make([]lock.Key, 0, w.nHeld)
-	for k, ki := range w.keys {
+	for k, ki := range w.keys.notPlain() {
 		if ki.held || ki.queue > 0 {
 			keys = append(keys, k)
 		}
 	}
+	plain := make([]string, 0, len(w.keys.plain))
+	for key := range w.keys.plainKeys() {
+		plain = append(plain, key)
+	}
 	gen := v.gen
 	v.growing, v.pending = true, nil
 	w.mu.Unlock()
+	for _, key := range plain {
+		if k, ok := v.b.n.parseKey(key); ok {
+			keys = append(keys, k)
+		}
+	}
 	x = newKeyIndex(keys)
 	v.built.Add(1)
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	for _, k := range v.pending {
-		ki := w.keys[k]
+		ki, _ := w.keys.getKey(k)
 		x.set(k, ki.held || ki.queue > 0)
 	}
 	v.growing, v.pending = false, nil
@@ -193,7 +203,7 @@ func (v *viewer) revision(evs []*clientv3.Event, rev int64) {
 			}
 			switch {
 			case x != nil:
-				ki := w.keys[k]
+				ki, _ := w.keys.get(k, key)
 				v.idxMu.Lock()
 				x.set(k, ki.held || ki.queue > 0)
 				v.idxMu.Unlock()

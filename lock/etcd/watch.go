@@ -72,7 +72,7 @@ type watcher struct {
 	warm             bool
 	watchCtx         context.Context
 
-	keys              map[lock.Key]keyInfo
+	keys              keyTable // by key: a set for the plainly held (keytable.go)
 	nKeys, nHeld, nQd int
 	deadlines         deadlineHeap
 	nDone             int          // keys with a completion record
@@ -88,8 +88,9 @@ type watcher struct {
 	asked atomic.Int64 // when caughtUp last asked for progress (unix ns)
 }
 
-// keyInfo is what the timers and counts need of a key, 24 bytes: its
-// record is in the cache (cache.go).
+// keyInfo is what the timers and counts need of a key, 24 bytes (none for
+// a key held and nothing more, keytable.go): its record is in the cache
+// (cache.go).
 type keyInfo struct {
 	deadline   int64
 	doneAt     int64 // the completion record's time, 0 for none
@@ -109,7 +110,7 @@ func newWatcher(b *Backend) *watcher {
 	return &watcher{
 		b:         b,
 		advanced:  make(chan struct{}),
-		keys:      map[lock.Key]keyInfo{},
+		keys:      newKeyTable(b.n),
 		wake:      make(chan struct{}, 1),
 		sessions:  map[string]*sessInfo{},
 		streams:   map[string][]*feed{},
@@ -201,7 +202,7 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 		return 0, b.etcdErr("listing", err)
 	}
 	rev := resp.Header.Revision
-	keys := map[lock.Key]keyInfo{}
+	keys := newKeyTable(b.n)
 	var nKeys, nHeld, nQd, nDone int
 	var dl, dones deadlineHeap
 	cached := map[string]cEntry{}
@@ -221,7 +222,7 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 		}
 		queues.record(key, kv.ModRevision, &r)
 		ki := info(&r, b.cfg.CompletedRetention)
-		keys[k] = ki
+		keys.set(k, key, ki)
 		nKeys, nHeld, nQd = nKeys+b2i(ki.kept), nHeld+b2i(ki.held), nQd+int(ki.queue)
 		if ki.deadline != 0 {
 			dl = append(dl, deadline{at: ki.deadline, k: k})
@@ -694,7 +695,7 @@ type endedSession struct {
 
 // track updates the counts and deadlines for a key's new record; w.mu held.
 func (w *watcher) track(c change) {
-	old := w.keys[c.k]
+	old, _ := w.keys.get(c.k, c.key)
 	var ki keyInfo
 	if !c.deleted {
 		ki = info(&c.rec, w.b.cfg.CompletedRetention)
@@ -707,10 +708,10 @@ func (w *watcher) track(c change) {
 		heap.Push(&w.dones, deadline{at: ki.doneAt, k: c.k})
 	}
 	if c.deleted {
-		delete(w.keys, c.k)
+		w.keys.del(c.k, c.key)
 		return
 	}
-	w.keys[c.k] = ki
+	w.keys.set(c.k, c.key, ki)
 	// A key that completes again and again leaves one stale entry a time,
 	// which oldestPastCap drops only past the cap.
 	if len(w.dones) > 2*w.nDone+1024 {
@@ -718,7 +719,7 @@ func (w *watcher) track(c change) {
 	}
 	if ki.deadline != 0 && ki.deadline != old.deadline {
 		heap.Push(&w.deadlines, deadline{at: ki.deadline, k: c.k})
-		if len(w.deadlines) > 2*len(w.keys)+1024 {
+		if len(w.deadlines) > 2*w.keys.len()+1024 {
 			w.compactDeadlines()
 		}
 	}
@@ -868,7 +869,7 @@ func (w *watcher) next() (lock.Key, int64, bool) {
 	defer w.mu.Unlock()
 	for w.deadlines.Len() > 0 {
 		d := w.deadlines[0]
-		if ki, ok := w.keys[d.k]; !ok || ki.deadline != d.at {
+		if ki, ok := w.keys.timed(d.k); !ok || ki.deadline != d.at {
 			heap.Pop(&w.deadlines) // stale
 			continue
 		}
@@ -887,7 +888,7 @@ func (w *watcher) oldestPastCap() (lock.Key, int64, bool) {
 	}
 	for w.dones.Len() > 0 {
 		d := w.dones[0]
-		if ki, ok := w.keys[d.k]; ok && ki.doneAt == d.at {
+		if ki, ok := w.keys.timed(d.k); ok && ki.doneAt == d.at {
 			return d.k, d.at, true
 		}
 		heap.Pop(&w.dones) // stale
@@ -908,9 +909,9 @@ func (w *watcher) forgetDone(k lock.Key, at int64) {
 func (w *watcher) postpone(k lock.Key, at int64) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if ki, ok := w.keys[k]; ok && ki.deadline != 0 && ki.deadline < at {
+	if ki, ok := w.keys.timed(k); ok && ki.deadline != 0 && ki.deadline < at {
 		ki.deadline = at
-		w.keys[k] = ki
+		w.keys.set(k, w.b.n.key(k), ki)
 		heap.Push(&w.deadlines, deadline{at: at, k: k})
 	}
 }
@@ -920,7 +921,7 @@ func (w *watcher) postpone(k lock.Key, at int64) {
 func (w *watcher) compactDeadlines() {
 	h := w.deadlines[:0]
 	for _, d := range w.deadlines {
-		if ki, ok := w.keys[d.k]; ok && ki.deadline == d.at {
+		if ki, ok := w.keys.timed(d.k); ok && ki.deadline == d.at {
 			h = append(h, d)
 		}
 	}
@@ -934,7 +935,7 @@ func (w *watcher) compactDeadlines() {
 func (w *watcher) compactDones() {
 	h := w.dones[:0]
 	for _, d := range w.dones {
-		if ki, ok := w.keys[d.k]; ok && ki.doneAt == d.at {
+		if ki, ok := w.keys.timed(d.k); ok && ki.doneAt == d.at {
 			h = append(h, d)
 		}
 	}
