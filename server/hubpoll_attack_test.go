@@ -132,11 +132,7 @@ func TestHubPollAttackChurnNoCrossedWrites(t *testing.T) {
 }
 
 func testChurnNoCrossedWrites(t *testing.T, e *env) {
-	warm, _ := e.openPlain("warm")
-	warm.Close()
-	e.waitStreams(0)
-	kit.WaitFor(t, "no connection counted", func() bool { return e.srv.conns.Load() == 0 })
-	fds := openFDs(t)
+	fds := e.settledFDs()
 	const workers, rounds, events = 6, 25, 6
 	stop := make(chan struct{})
 	var churn sync.WaitGroup
@@ -237,14 +233,7 @@ func testChurnNoCrossedWrites(t *testing.T, e *env) {
 		t.Error("no stream got any of its events: the test tests nothing")
 	}
 	t.Logf("%d events read", seen.Load())
-	e.waitStreams(0)
-	kit.WaitFor(t, "no connection counted", func() bool { return e.srv.conns.Load() == 0 })
-	kit.Await(t, "every descriptor closed", func() error {
-		if got := openFDs(t); got != fds {
-			return fmt.Errorf("%d descriptors open, %d before", got, fds)
-		}
-		return nil
-	})
+	e.awaitFDs(fds, "every descriptor closed")
 }
 
 // TestHubPollAttackShutdownManyStreams: Shutdown with a thousand idle
@@ -255,11 +244,7 @@ func testChurnNoCrossedWrites(t *testing.T, e *env) {
 // closed (goleak checks the goroutines at the end of the package).
 func TestHubPollAttackShutdownManyStreams(t *testing.T) {
 	e := newEnvWith(t, envConfig{mod: stallConfig, opts: Options{WriteTimeout: time.Hour}})
-	warm, _ := e.openPlain("warm")
-	warm.Close()
-	e.waitStreams(0)
-	kit.WaitFor(t, "no connection counted", func() bool { return e.srv.conns.Load() == 0 })
-	fds := openFDs(t)
+	fds := e.settledFDs()
 	before := fdTable(t)
 	const n, stalled = 1000, 3
 	clients := make([]net.Conn, 0, n+stalled)
@@ -379,10 +364,7 @@ func (e *env) onConn(c net.Conn, f func(fd int)) {
 // socket and the duplicate the write had are both closed.
 func TestHubPollAttackWriteTimeoutFreesSocket(t *testing.T) {
 	e := newEnvWith(t, envConfig{opts: Options{WriteTimeout: 200 * time.Millisecond}})
-	warm, _ := e.openPlain("warm")
-	warm.Close()
-	e.waitStreams(0)
-	fds := openFDs(t)
+	fds := e.settledFDs()
 	client, st, released := e.blockedStream(t)
 	kit.WaitFor(t, "the stream to end at the write timeout", func() bool { return released.Load() == 1 })
 	kit.WaitFor(t, "the stream's socket closed", func() bool { return e.fdClosedOf(st) })

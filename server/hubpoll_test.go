@@ -73,13 +73,40 @@ func (e *env) waitStreams(n int) {
 }
 
 // openFDs is the number of this process's open descriptors.
-func openFDs(t *testing.T) int {
+func openFDs(t testing.TB) int {
 	t.Helper()
 	fds, err := os.ReadDir("/proc/self/fd")
 	if err != nil {
 		t.Fatal(err)
 	}
 	return len(fds)
+}
+
+// settledFDs opens and closes one stream (the hub's goroutines and epoll
+// set start with the first), waits until no stream and no connection is
+// counted, and returns how many descriptors are open then: the number every
+// stream opened after it must give back.
+func (e *env) settledFDs() int {
+	e.t.Helper()
+	warm, _ := e.openPlain("warm")
+	warm.Close()
+	e.waitStreams(0)
+	kit.WaitFor(e.t, "no connection counted", func() bool { return e.srv.conns.Load() == 0 })
+	return openFDs(e.t)
+}
+
+// awaitFDs waits until no stream and no connection is counted and the
+// descriptors open are fds again: what settledFDs returned.
+func (e *env) awaitFDs(fds int, what string) {
+	e.t.Helper()
+	e.waitStreams(0)
+	kit.WaitFor(e.t, "no connection counted", func() bool { return e.srv.conns.Load() == 0 })
+	kit.Await(e.t, what, func() error {
+		if got := openFDs(e.t); got != fds {
+			return fmt.Errorf("%d descriptors open, %d before", got, fds)
+		}
+		return nil
+	})
 }
 
 // TestHubPollIdleStreamsHoldNoGoroutine: plain-TCP streams are in the
@@ -97,10 +124,7 @@ func TestHubPollIdleStreamsHoldNoGoroutine(t *testing.T) {
 
 func testIdleStreamsPolled(t *testing.T, e *env) {
 	const n = 12
-	warm, _ := e.openPlain("warm") // the hub's goroutines and epoll set start with it
-	warm.Close()
-	e.waitStreams(0)
-	fds := openFDs(t)
+	fds := e.settledFDs()
 	conns := make([]net.Conn, n)
 	for i := range conns {
 		conns[i], _ = e.openPlain(fmt.Sprintf("n%d", i))
@@ -135,14 +159,7 @@ func testIdleStreamsPolled(t *testing.T, e *env) {
 		node := fmt.Sprintf("n%d", i)
 		kit.WaitFor(t, node+"'s stream to end", func() bool { return e.sessionStreams(node) == 0 })
 	}
-	e.waitStreams(0)
-	kit.WaitFor(t, "no connection counted", func() bool { return e.srv.conns.Load() == 0 })
-	kit.Await(t, "the streams' descriptors closed", func() error {
-		if got := openFDs(t); got != fds {
-			return fmt.Errorf("%d descriptors open, %d before", got, fds)
-		}
-		return nil
-	})
+	e.awaitFDs(fds, "the streams' descriptors closed")
 }
 
 // TestHubPollPeerLeavesDuringSlowWrite: a peer that leaves while a write
@@ -150,19 +167,14 @@ func testIdleStreamsPolled(t *testing.T, e *env) {
 // write has failed, not under it, and its count goes.
 func TestHubPollPeerLeavesDuringSlowWrite(t *testing.T) {
 	e := newEnvWith(t, envConfig{mod: stallConfig, opts: Options{WriteTimeout: time.Hour}})
-	warm, _ := e.openPlain("warm")
-	warm.Close()
-	e.waitStreams(0)
-	fds := openFDs(t)
+	fds := e.settledFDs()
 	c := e.stallSmall("a")
 	st := e.hubStreamOf(c.LocalAddr().String())
 	kit.WaitFor(t, "a's slow write in flight", func() bool { return e.stateOf(st) == streamBusy })
 	_ = c.(*net.TCPConn).SetLinger(0)
 	c.Close()
 	kit.WaitFor(t, "a's stream to end", func() bool { return e.sessionStreams("a") == 0 })
-	e.waitStreams(0)
-	kit.WaitFor(t, "no connection counted", func() bool { return e.srv.conns.Load() == 0 })
-	kit.WaitFor(t, "a's descriptor closed", func() bool { return openFDs(t) == fds })
+	e.awaitFDs(fds, "a's descriptor closed")
 	e.srv.hub.mu.Lock()
 	closed := st.fdClosed
 	e.srv.hub.mu.Unlock()
