@@ -71,6 +71,9 @@ type hubStream struct {
 	// a number closed under a writer could be a new connection's by its
 	// write (letGo).
 	fd int32
+	// input counts the bytes the client sent after its request; only the
+	// stream's one reader (its goroutine or the poller's loop) touches it.
+	input int32
 
 	// Guarded by hub.mu.
 	state    uint8
@@ -511,12 +514,28 @@ func (st *hubStream) readLoop() {
 		}
 		st.end()
 	}()
-	var b [16]byte
+	var b [512]byte
 	for {
-		if _, err := st.conn.Read(b[:]); err != nil {
+		n, err := st.conn.Read(b[:])
+		if err != nil || st.tooMuchInput(n) {
 			return
 		}
 	}
+}
+
+// maxStreamInput bounds what a stream's client may send after its request.
+// The protocol has it send nothing, so a client past this is broken or
+// hostile, and its stream ends (docs/DESIGN.md, "Event streams") rather
+// than keep its reader dropping bytes without end. A variable for the test
+// of a flood that goes on while the server ends the stream for its own
+// reasons.
+var maxStreamInput int32 = 64 << 10
+
+// tooMuchInput counts n more bytes from st's client and reports whether
+// they passed maxStreamInput. Only st's one reader calls it.
+func (st *hubStream) tooMuchInput(n int) bool {
+	st.input += int32(n) // at most maxStreamInput plus one read: no overflow
+	return st.input > maxStreamInput
 }
 
 // end closes st's connection and releases what it held, once: from its

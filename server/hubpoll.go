@@ -14,8 +14,8 @@ import (
 // stream kept for nothing else. The client sends nothing after its
 // request, so a stream's socket becomes readable only when the peer closes
 // (or half-closes), resets or times out (TCP_USER_TIMEOUT), or sends bytes
-// that are read and dropped, as the reader did; the set is level-triggered,
-// so what one read does not take is reported again.
+// that are read and dropped, as the reader does, up to maxStreamInput; the
+// set is level-triggered, so what one read does not take is reported again.
 //
 // The poller takes the socket itself, as a descriptor, out of its
 // connection: net/http's wrappers, the net package's descriptor and its
@@ -190,9 +190,9 @@ func (p *hubPoll) close() {
 var epollWait = unix.EpollWait
 
 // peerLeft reads what st's peer sent, without waiting, and reports
-// whether the peer has left: the read ended the stream (EOF) or failed.
-// Only the poller's loop calls it, and only it ends a stream it took: fd
-// is open.
+// whether the peer has left: the read ended the stream (EOF) or failed,
+// or the peer sent more than maxStreamInput in all. Only the poller's loop
+// calls it, and only it ends a stream it took: fd is open.
 func (st *hubStream) peerLeft(buf []byte) bool {
 	for {
 		// MSG_DONTWAIT: never wait, even on a socket that someone set
@@ -204,6 +204,6 @@ func (st *hubStream) peerLeft(buf []byte) bool {
 		case unix.EAGAIN:
 			return false // an old report: nothing to read
 		}
-		return err != nil || n == 0
+		return err != nil || n == 0 || st.tooMuchInput(n)
 	}
 }

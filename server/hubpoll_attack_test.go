@@ -5,6 +5,8 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"io"
+	"math"
 	"net"
 	"net/http"
 	"os"
@@ -423,6 +425,11 @@ func TestHubPollAttackMaxConnsExact(t *testing.T) {
 // stream must still end; a shut socket that kept reporting data would
 // never read as closed.
 func TestHubPollAttackFloodingClientShut(t *testing.T) {
+	// The flood must outlast the shut, not end the stream itself.
+	// Restored after the server's cleanup, which runs before this one.
+	n := maxStreamInput
+	t.Cleanup(func() { maxStreamInput = n })
+	maxStreamInput = math.MaxInt32 - 1<<20
 	e := newEnv(t, nil)
 	client, server := tcpPair(t)
 	f := newFakeFeed()
@@ -505,4 +512,58 @@ func TestHubPollAttackNoDescriptorForSlowWrite(t *testing.T) {
 	kit.WaitFor(t, "the stream to end", func() bool { return released.Load() == 1 })
 	restore()
 	waitClosed(t, client, "a stream whose write found no descriptor")
+}
+
+// TestHubAttackFloodingClientEnded: a client that sends bytes without end
+// after its request (the protocol has it send nothing) has its stream
+// ended once it passed maxStreamInput, on the poller's path (plain TCP)
+// and on a reader goroutine's (here an in-memory connection, as TLS), so
+// that no reader drops bytes for it forever; a client that sends a little
+// keeps its stream.
+func TestHubAttackFloodingClientEnded(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		pair func(t *testing.T) (client, server net.Conn)
+	}{
+		{"polled", tcpPair},
+		{"reader", func(*testing.T) (net.Conn, net.Conn) { return net.Pipe() }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			e := newEnv(t, nil)
+			client, server := c.pair(t)
+			defer client.Close()
+			f := newFakeFeed()
+			released := e.startRaw(server, f.source(), "HEAD\n\n")
+			head := make([]byte, len("HEAD\n\n"))
+			if _, err := io.ReadFull(client, head); err != nil {
+				t.Fatal(err)
+			}
+			// A little is read and dropped; the stream stays.
+			if _, err := client.Write(bytes.Repeat([]byte("x"), 1024)); err != nil {
+				t.Fatal(err)
+			}
+			f.offer("after-a-little")
+			buf := make([]byte, len("data: after-a-little\n\n"))
+			if _, err := io.ReadFull(client, buf); err != nil || string(buf) != "data: after-a-little\n\n" {
+				t.Fatalf("the stream after 1 KiB from its client: %q %v", buf, err)
+			}
+			if released.Load() != 0 {
+				t.Fatal("a stream ended for 1 KiB from its client")
+			}
+			// 16 times the bound, then no more: a stream that is not ended
+			// for it stays open, and the wait below fails.
+			var flooding sync.WaitGroup
+			flooding.Go(func() {
+				junk := bytes.Repeat([]byte("j"), 16<<10)
+				for range 16 * int(maxStreamInput) / len(junk) {
+					if _, err := client.Write(junk); err != nil {
+						return
+					}
+				}
+			})
+			kit.WaitFor(t, "the flooded stream to end", func() bool { return released.Load() == 1 })
+			client.Close()
+			flooding.Wait()
+		})
+	}
 }

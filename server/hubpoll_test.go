@@ -184,12 +184,13 @@ func TestHubPollPeerLeavesDuringSlowWrite(t *testing.T) {
 }
 
 // TestHubPollBytesFromPeerDropped: what a client sends after its request
-// is read and dropped, as a reader goroutine dropped it, however much:
-// the stream goes on, and ends when the client leaves.
+// is read and dropped, as a reader goroutine drops it, up to
+// maxStreamInput (TestHubAttackFloodingClientEnded: past it): the stream
+// goes on, and ends when the client leaves.
 func TestHubPollBytesFromPeerDropped(t *testing.T) {
 	e := newEnv(t, nil)
 	c, l := e.openPlain("a")
-	junk := bytes.Repeat([]byte("x"), 256<<10) // many reads of the poller's buffer
+	junk := bytes.Repeat([]byte("x"), int(maxStreamInput)/2) // many reads of the poller's buffer
 	if _, err := c.Write(junk); err != nil {
 		t.Fatal(err)
 	}
