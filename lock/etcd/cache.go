@@ -28,6 +28,11 @@ type recCache struct {
 
 	mu sync.RWMutex
 	m  map[string]cEntry
+	// gone holds the marks (cEntry.plain) of keys whose entry a
+	// write-through or a delete took out while the watch still had the
+	// key plainly held: the watch's view outlives the cache's entry until
+	// the watch applies that change itself.
+	gone map[string]struct{}
 	// queues groups the queue indexes' entries by their key's P/qn/
 	// prefix, which a success clears with one prefix delete.
 	queues map[string]map[string]struct{}
@@ -42,14 +47,28 @@ type recCache struct {
 	hits, misses atomic.Uint64
 }
 
-// cEntry is one record as of its mod revision.
+// cEntry is one record as of its mod revision. modp is that revision and,
+// in plainMark, the watch's mark of a key held and nothing more, which the
+// watch's table of keys keeps here rather than in a set of its own
+// (keytable.go): the mark costs no byte, where a set's slot cost 16 and
+// its share of the set's slack (docs/DESIGN.md, "What a server keeps").
+// Only the watch sets or clears a mark; the cache's own changes carry it
+// over. etcd's revisions stay far below the bit.
 type cEntry struct {
-	val []byte
-	mod int64
+	val  []byte
+	modp int64
 }
 
+const plainMark = int64(1) << 62
+
+// mod is the entry's mod revision.
+func (e cEntry) mod() int64 { return e.modp &^ plainMark }
+
+// plain reports whether the watch has the key plainly held.
+func (e cEntry) plain() bool { return e.modp&plainMark != 0 }
+
 func newRecCache(n names) *recCache {
-	return &recCache{n: n, m: map[string]cEntry{}, queues: map[string]map[string]struct{}{}}
+	return &recCache{n: n, m: map[string]cEntry{}, gone: map[string]struct{}{}, queues: map[string]map[string]struct{}{}}
 }
 
 // holds reports whether key is of a kind the cache keeps.
@@ -83,7 +102,7 @@ func (c *recCache) kvLocked(key string) *mvccpb.KeyValue {
 	if !ok {
 		return nil
 	}
-	return &mvccpb.KeyValue{Value: e.val, ModRevision: e.mod}
+	return &mvccpb.KeyValue{Value: e.val, ModRevision: e.mod()}
 }
 
 // first is a call's first read (tx.loadCached), under one read lock: the
@@ -118,13 +137,14 @@ func (c *recCache) count(hit bool) {
 	}
 }
 
-// reset replaces the whole cache with a list made at rev. Used at once:
-// a snapshot of etcd at rev, behind by what changed since, which the
-// guards catch.
+// reset replaces the whole cache with a list made at rev, its entries
+// marked as the list's table of keys has them. Used at once: a snapshot of
+// etcd at rev, behind by what changed since, which the guards catch.
 func (c *recCache) reset(rev int64, m map[string]cEntry) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.m, c.rev, c.watched, c.live = m, rev, rev, true
+	c.gone = map[string]struct{}{}
 	c.queues = map[string]map[string]struct{}{}
 	for key := range m {
 		c.group(key, true)
@@ -170,7 +190,7 @@ func (c *recCache) apply(evs []*clientv3.Event, keys []string, vals [][]byte, re
 			c.del(key, rev)
 			continue
 		}
-		if e, ok := c.m[key]; ok && e.mod == rev {
+		if e, ok := c.m[key]; ok && e.mod() == rev {
 			c.m[key] = e // a Go map keeps the key last assigned
 			continue
 		}
@@ -235,22 +255,35 @@ func (c *recCache) cacheForm(key string, val []byte) []byte {
 }
 
 // put, del and delRange change entries older than rev, put with val as the
-// cache keeps it (cacheForm); c.mu is held.
+// cache keeps it (cacheForm), each keeping the key's mark; c.mu is held.
 func (c *recCache) put(key string, val []byte, rev int64) {
 	e, ok := c.m[key]
-	if ok && e.mod >= rev {
+	if ok && e.mod() >= rev {
 		return
 	}
-	c.m[key] = cEntry{val: val, mod: rev}
+	mark := e.modp & plainMark
 	if !ok {
 		c.group(key, true)
+		if _, g := c.gone[key]; g {
+			delete(c.gone, key)
+			mark = plainMark
+		}
 	}
+	c.m[key] = cEntry{val: val, modp: rev | mark}
 }
 
 func (c *recCache) del(key string, rev int64) {
-	if e, ok := c.m[key]; ok && e.mod <= rev {
-		delete(c.m, key)
-		c.group(key, false)
+	if e, ok := c.m[key]; ok && e.mod() <= rev {
+		c.remove(key, e)
+	}
+}
+
+// remove takes out key's entry e, keeping its mark in gone; c.mu is held.
+func (c *recCache) remove(key string, e cEntry) {
+	delete(c.m, key)
+	c.group(key, false)
+	if e.plain() {
+		c.gone[key] = struct{}{}
 	}
 }
 
@@ -265,19 +298,77 @@ func (c *recCache) delRange(from, end string, rev int64) {
 		// Not a whole queue: no transaction writes one; forget what the
 		// range may hold rather than keep it wrong.
 		for key, e := range c.m {
-			if key >= from && key < end && e.mod <= rev {
-				delete(c.m, key)
-				c.group(key, false)
+			if key >= from && key < end && e.mod() <= rev {
+				c.remove(key, e)
 			}
 		}
 		return
 	}
 	for key := range c.queues[from] {
-		if e := c.m[key]; e.mod <= rev {
-			delete(c.m, key)
-			c.group(key, false)
+		if e := c.m[key]; e.mod() <= rev {
+			c.remove(key, e)
 		}
 	}
+}
+
+// mark sets (on) or clears key's mark, whether key has an entry or not,
+// and reports whether it was set: the watch's table of keys (keytable.go)
+// and nothing else calls it.
+func (c *recCache) mark(key string, on bool) (was bool) {
+	c.mu.RLock()
+	was = c.markedLocked(key)
+	c.mu.RUnlock()
+	if was == on {
+		return was // most calls change nothing: the read lock only
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	was = c.markedLocked(key)
+	e, ok := c.m[key]
+	switch {
+	case ok && on:
+		e.modp |= plainMark
+		c.m[key] = e
+	case ok:
+		e.modp &^= plainMark
+		c.m[key] = e
+	case on:
+		c.gone[key] = struct{}{}
+	}
+	if !on {
+		delete(c.gone, key)
+	}
+	return was
+}
+
+// marked reports whether key is marked.
+func (c *recCache) marked(key string) bool {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	return c.markedLocked(key)
+}
+
+func (c *recCache) markedLocked(key string) bool {
+	if e, ok := c.m[key]; ok {
+		return e.plain()
+	}
+	_, ok := c.gone[key]
+	return ok
+}
+
+// appendMarked appends the marked keys to dst.
+func (c *recCache) appendMarked(dst []string) []string {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	for key, e := range c.m {
+		if e.plain() {
+			dst = append(dst, key)
+		}
+	}
+	for key := range c.gone {
+		dst = append(dst, key)
+	}
+	return dst
 }
 
 // stats returns the hits and misses so far.

@@ -31,7 +31,7 @@ func TestRecCacheOrder(t *testing.T) {
 	qb := n.queueNode(lock.Key{Type: lock.Pull, Resource: "r"}, "b")
 	other := n.queueNode(lock.Key{Type: lock.Pull, Resource: "r2"}, "a")
 	c.writeThrough([]clientv3.Op{clientv3.OpPut(k, "v12"), clientv3.OpPut(qa, "1"), clientv3.OpPut(qb, "2"), clientv3.OpPut(other, "3"), clientv3.OpPut(n.p+"n/x/pull/r", "l")}, 12, -1, nil)
-	if e, ok := c.get(k); !ok || string(e.val) != "v12" || e.mod != 12 {
+	if e, ok := c.get(k); !ok || string(e.val) != "v12" || e.mod() != 12 {
 		t.Fatalf("written through: %+v %v", e, ok)
 	}
 	if _, ok := c.get(n.p + "n/x/pull/r"); ok {
@@ -113,7 +113,7 @@ func TestCacheStaleNeverAnswers(t *testing.T) {
 	held := resp.Kvs[0].ModRevision
 	kit.WaitFor(t, "a's cache to see the hold", func() bool {
 		e, ok := a.rc.get(kk)
-		return ok && e.mod >= held
+		return ok && e.mod() >= held
 	})
 	// stale sets a's entry back, once a's watch has applied every change
 	// made so far: a change still on its way would overwrite the stale
@@ -134,7 +134,7 @@ func TestCacheStaleNeverAnswers(t *testing.T) {
 			return a.rc.watched >= now
 		})
 		a.rc.mu.Lock()
-		a.rc.m[kk] = cEntry{val: []byte(encode(&keyRec{Token: 1})), mod: 1}
+		a.rc.m[kk] = cEntry{val: []byte(encode(&keyRec{Token: 1})), modp: 1 | a.rc.m[kk].modp&plainMark}
 		a.rc.mu.Unlock()
 	}
 	before := a.cacheStale.Load()

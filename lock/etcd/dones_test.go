@@ -12,7 +12,9 @@ import (
 // months would have held every completion it ever saw), and the live
 // record stays in it.
 func TestDonesStayBounded(t *testing.T) {
-	w := newWatcher(&Backend{cfg: DefaultConfig()})
+	b := &Backend{cfg: DefaultConfig()}
+	b.rc = newRecCache(b.n)
+	w := newWatcher(b)
 	k := lock.Key{Type: lock.Pull, Resource: "sha256:hot"}
 	const n = 20000
 	for i := range n {

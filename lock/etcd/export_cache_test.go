@@ -36,7 +36,7 @@ func StaleCacheForTest(b *Backend, r *rand.Rand) {
 	}
 	for key, e := range c.m {
 		vs := h.vers[key]
-		if len(vs) == 0 || vs[len(vs)-1].mod != e.mod {
+		if len(vs) == 0 || vs[len(vs)-1].mod() != e.mod() {
 			if len(vs) == 8 {
 				vs = vs[1:]
 			}
@@ -60,15 +60,21 @@ func StaleCacheForTest(b *Backend, r *rand.Rand) {
 		}
 		key := keys[r.IntN(len(keys))]
 		vs := h.vers[key]
+		// The watch's mark is its own view, which no staleness of the
+		// cache's record changes: the entry keeps the mark it has now.
 		e := vs[r.IntN(len(vs))]
+		e.modp = e.mod()
+		if c.markedLocked(key) {
+			e.modp |= plainMark
+		}
 		if _, ok := c.m[key]; !ok {
 			c.group(key, true)
+			delete(c.gone, key)
 		}
 		c.m[key] = e
 	case 1: // not yet seen
-		for key := range c.m {
-			delete(c.m, key)
-			c.group(key, false)
+		for key, e := range c.m {
+			c.remove(key, e)
 			return
 		}
 	default: // a revision the cache had

@@ -11,32 +11,39 @@ import (
 // what the timers and counts need of each (docs/DESIGN.md, "What a server
 // keeps"). Most keys of a busy data set are held and nothing more: no
 // deadline (a session lease's hold), no completion record, no waiters.
-// Such a key is a slot in a set of etcd keys, 16 bytes, the watch's copy
-// of its etcd key that the cache keeps too; any other key is a slot of
-// 48 bytes in the table, its lock.Key and its keyInfo. A key is in one of
-// the two or in neither, and get gives back exactly what set stored, so
-// track's previous state, and with it every count, is what one map gave.
+// Such a key is a mark on its entry in the record cache (cEntry.plain),
+// which costs no byte; any other key is a slot of 48 bytes in the table,
+// its lock.Key and its keyInfo. A key is in one of the two or in neither,
+// and get gives back exactly what set stored, so track's previous state,
+// and with it every count, is what one map gave.
 //
-// A key is in the set only under its etcd key as this server names it
+// The cache is written ahead of the watch by this server's own commits,
+// so its entries are not the watch's view; the mark is. Only the table
+// sets or clears a mark, the cache's own changes carry it over, and a
+// mark whose entry a write-through deleted stays in the cache's gone set
+// until the watch applies that delete (cache.go).
+//
+// A key is marked only under its etcd key as this server names it
 // (names.key). A record under another spelling of the same key (one no
 // server writes: "%61" for "a") stays in the table, where it shares the
 // key's entry as it always did.
 type keyTable struct {
 	n     names
+	c     *recCache
 	info  map[lock.Key]keyInfo // every key but the plainly held
-	plain map[string]struct{}  // the plainly held, by etcd key
+	plain int                  // the plainly held: the keys marked in c
 }
 
 // plainHeld is the keyInfo of a key held and nothing more.
 var plainHeld = keyInfo{held: true, kept: true}
 
-func newKeyTable(n names) keyTable {
-	return keyTable{n: n, info: map[lock.Key]keyInfo{}, plain: map[string]struct{}{}}
+func newKeyTable(n names, c *recCache) keyTable {
+	return keyTable{n: n, c: c, info: map[lock.Key]keyInfo{}}
 }
 
-// plainKey is the etcd key under which k is in the set: key, the record's
+// plainKey is the etcd key under which k is marked: key, the record's
 // etcd key as the watch has it, when it is k's own (no copy is made);
-// else k's, made anew (never a set's key: a lookup or a delete).
+// else k's, made anew (never a mark's key: a lookup or a clear).
 func (t *keyTable) plainKey(k lock.Key, key string) (string, bool) {
 	if t.n.isKey(key, k) {
 		return key, true
@@ -51,7 +58,7 @@ func (t *keyTable) get(k lock.Key, key string) (keyInfo, bool) {
 		return ki, true
 	}
 	pk, _ := t.plainKey(k, key)
-	if _, ok := t.plain[pk]; ok {
+	if t.c.marked(pk) {
 		return plainHeld, true
 	}
 	return keyInfo{}, false
@@ -72,10 +79,14 @@ func (t *keyTable) set(k lock.Key, key string, ki keyInfo) {
 	pk, own := t.plainKey(k, key)
 	if ki == plainHeld && own {
 		delete(t.info, k)
-		t.plain[pk] = struct{}{}
+		if !t.c.mark(pk, true) {
+			t.plain++
+		}
 		return
 	}
-	delete(t.plain, pk)
+	if t.c.mark(pk, false) {
+		t.plain--
+	}
 	t.info[k] = ki
 }
 
@@ -83,11 +94,13 @@ func (t *keyTable) set(k lock.Key, key string, ki keyInfo) {
 func (t *keyTable) del(k lock.Key, key string) {
 	pk, _ := t.plainKey(k, key)
 	delete(t.info, k)
-	delete(t.plain, pk)
+	if t.c.mark(pk, false) {
+		t.plain--
+	}
 }
 
 // len is the number of keys with a record.
-func (t *keyTable) len() int { return len(t.info) + len(t.plain) }
+func (t *keyTable) len() int { return len(t.info) + t.plain }
 
 // notPlain yields the keys that are not plainly held and their keyInfo:
 // the keys with a deadline, a completion record or waiters are among them.
@@ -101,17 +114,9 @@ func (t *keyTable) notPlain() iter.Seq2[lock.Key, keyInfo] {
 	}
 }
 
-// plainKeys yields the etcd keys of the plainly held keys (names.parseKey
-// reads each back).
-func (t *keyTable) plainKeys() iter.Seq[string] {
-	return func(yield func(string) bool) {
-		for key := range t.plain {
-			if !yield(key) {
-				return
-			}
-		}
-	}
-}
+// plainKeys returns the etcd keys of the plainly held keys (names.parseKey
+// reads each back), appended to dst.
+func (t *keyTable) plainKeys(dst []string) []string { return t.c.appendMarked(dst) }
 
 // isKey reports whether etcdKey is k's record's etcd key as n names it
 // (n.key(k)), without making that string.

@@ -201,8 +201,8 @@ func TestHandoffStaleQueue(t *testing.T) {
 			caughtUp(t, b1)
 			id, kk := b1.qs.recID(b1.n.key(k)), b1.n.key(k)
 			oldQueue, oldRec := keptCopy(b1, id), cachedCopy(b1, kk)
-			if oldQueue == nil || len(oldQueue.ws) != 2 || oldQueue.rev != oldRec.mod {
-				t.Fatalf("the kept queue %+v, the record at %d: want w1 and w2 at the record's revision", oldQueue, oldRec.mod)
+			if oldQueue == nil || len(oldQueue.ws) != 2 || oldQueue.rev != oldRec.mod() {
+				t.Fatalf("the kept queue %+v, the record at %d: want w1 and w2 at the record's revision", oldQueue, oldRec.mod())
 			}
 
 			if _, err := b2.Cancel(ctx, k.Type, k.Resource, "w1"); err != nil {

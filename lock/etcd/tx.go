@@ -235,12 +235,12 @@ func (t *tx) loadCached(also ...string) bool {
 	t.cached = true
 	t.guarded[kk] = true
 	if ok {
-		t.rec, t.recRev, t.readQueue = rec, e.mod, rec.Queue
+		t.rec, t.recRev, t.readQueue = rec, e.mod(), rec.Queue
 		// The queue is read at this revision (atRead): the record, hence
 		// its queue, is unchanged from its mod revision up to it if the
 		// record is still so at the commit, which the guard checks.
-		t.readRev = max(v.rev, e.mod)
-		t.cmps = append(t.cmps, clientv3.Compare(clientv3.ModRevision(kk), "=", e.mod))
+		t.readRev = max(v.rev, e.mod())
+		t.cmps = append(t.cmps, clientv3.Compare(clientv3.ModRevision(kk), "=", e.mod()))
 	} else {
 		t.readRev = v.rev
 		t.absent(kk)

@@ -129,10 +129,7 @@ func (v *viewer) index() *keyIndex {
 			keys = append(keys, k)
 		}
 	}
-	plain := make([]string, 0, len(w.keys.plain))
-	for key := range w.keys.plainKeys() {
-		plain = append(plain, key)
-	}
+	plain := w.keys.plainKeys(make([]string, 0, w.keys.plain))
 	gen := v.gen
 	v.growing, v.pending = true, nil
 	w.mu.Unlock()

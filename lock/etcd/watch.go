@@ -110,7 +110,7 @@ func newWatcher(b *Backend) *watcher {
 	return &watcher{
 		b:         b,
 		advanced:  make(chan struct{}),
-		keys:      newKeyTable(b.n),
+		keys:      newKeyTable(b.n, b.rc),
 		wake:      make(chan struct{}, 1),
 		sessions:  map[string]*sessInfo{},
 		streams:   map[string][]*feed{},
@@ -202,20 +202,23 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 		return 0, b.etcdErr("listing", err)
 	}
 	rev := resp.Header.Revision
-	keys := newKeyTable(b.n)
+	// The list's table marks the entries of a cache of its own, which
+	// replaces the server's whole.
+	fresh := newRecCache(b.n)
+	cached := fresh.m
+	keys := newKeyTable(b.n, fresh)
 	var nKeys, nHeld, nQd, nDone int
 	var dl, dones deadlineHeap
-	cached := map[string]cEntry{}
 	queues := b.qs.list(rev)
 	keep := func(kv *mvccpb.KeyValue) {
-		cached[string(kv.Key)] = cEntry{val: kv.Value, mod: kv.ModRevision}
+		cached[string(kv.Key)] = cEntry{val: kv.Value, modp: kv.ModRevision}
 	}
 	err = w.page(ctx, b.n.keys(), rev, func(kv *mvccpb.KeyValue) {
 		// One copy of the key for the cache and the timers' table, and
 		// the record as the cache keeps it (cacherec.go).
 		key := string(kv.Key)
 		r, err := decodeKey(kv.Value)
-		cached[key] = cEntry{val: compactOf(kv.Value, &r, err), mod: kv.ModRevision}
+		cached[key] = cEntry{val: compactOf(kv.Value, &r, err), modp: kv.ModRevision}
 		k, ok := b.n.parseKey(key)
 		if !ok || err != nil {
 			return
@@ -261,10 +264,13 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 		return 0, err
 	}
 	b.qs.reset(queues)
-	b.rc.reset(rev, cached)
 	heap.Init(&dl)
 	heap.Init(&dones)
 	w.mu.Lock()
+	// The cache takes the list's marks and the watch its table in one
+	// step for whoever reads the table under w.mu (the viewer).
+	b.rc.reset(rev, cached)
+	keys.c = b.rc
 	w.keys, w.nKeys, w.nHeld, w.nQd, w.deadlines = keys, nKeys, nHeld, nQd, dl
 	w.nDone, w.dones = nDone, dones
 	for node, s := range sessions {
