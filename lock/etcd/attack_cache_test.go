@@ -165,7 +165,7 @@ func TestAttackCacheReadsOnce(t *testing.T) {
 		t.Fatalf("a delete of a referenced resource: %v, want in_use", err)
 	}
 	// The relist's reset lands between the two reads.
-	b.rc.reset(listRev, listed)
+	b.rc.reset(listRev, listed, nil)
 	err = tr.refConflict()
 	if !errors.Is(err, lock.ErrInUse) {
 		resp, cerr := b.cli.Txn(ctx).If(tr.cmps...).Commit()

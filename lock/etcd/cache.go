@@ -138,13 +138,16 @@ func (c *recCache) count(hit bool) {
 }
 
 // reset replaces the whole cache with a list made at rev, its entries
-// marked as the list's table of keys has them. Used at once: a snapshot of
-// etcd at rev, behind by what changed since, which the guards catch.
-func (c *recCache) reset(rev int64, m map[string]cEntry) {
+// marked as the list's table of keys has them, and gone the marks of keys
+// without an entry (nil: none). Used at once: a snapshot of etcd at rev,
+// behind by what changed since, which the guards catch.
+func (c *recCache) reset(rev int64, m map[string]cEntry, gone map[string]struct{}) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	c.m, c.rev, c.watched, c.live = m, rev, rev, true
-	c.gone = map[string]struct{}{}
+	if gone == nil {
+		gone = map[string]struct{}{}
+	}
+	c.m, c.gone, c.rev, c.watched, c.live = m, gone, rev, rev, true
 	c.queues = map[string]map[string]struct{}{}
 	for key := range m {
 		c.group(key, true)

@@ -25,7 +25,7 @@ import (
 func TestRecCacheOrder(t *testing.T) {
 	n := names{p: "/t/"}
 	c := newRecCache(n)
-	c.reset(10, map[string]cEntry{})
+	c.reset(10, map[string]cEntry{}, nil)
 	k := n.key(lock.Key{Type: lock.Pull, Resource: "r"})
 	qa := n.queueNode(lock.Key{Type: lock.Pull, Resource: "r"}, "a")
 	qb := n.queueNode(lock.Key{Type: lock.Pull, Resource: "r"}, "b")

@@ -29,7 +29,7 @@ type marksWorld struct {
 
 func newMarksWorld(t *testing.T, n names, keys []lock.Key) *marksWorld {
 	c := newRecCache(n)
-	c.reset(1, map[string]cEntry{})
+	c.reset(1, map[string]cEntry{}, nil)
 	return &marksWorld{t: t, n: n, b: &Backend{n: n, rc: c}, c: c, tab: newKeyTable(n, c), keys: keys,
 		model: map[lock.Key]keyInfo{}, marked: map[lock.Key]bool{}}
 }
@@ -65,7 +65,7 @@ func (m *marksWorld) relist() {
 		tab.set(k, key, ki)
 		m.marked[k] = ki == plainHeld
 	}
-	m.c.reset(rev, fresh.m)
+	m.c.reset(rev, fresh.m, fresh.gone)
 	tab.c = m.c
 	m.tab = tab
 }

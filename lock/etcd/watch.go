@@ -203,7 +203,7 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 	}
 	rev := resp.Header.Revision
 	// The list's table marks the entries of a cache of its own, which
-	// replaces the server's whole.
+	// replaces the server's whole, its marks with it (reset).
 	fresh := newRecCache(b.n)
 	cached := fresh.m
 	keys := newKeyTable(b.n, fresh)
@@ -269,7 +269,7 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 	w.mu.Lock()
 	// The cache takes the list's marks and the watch its table in one
 	// step for whoever reads the table under w.mu (the viewer).
-	b.rc.reset(rev, cached)
+	b.rc.reset(rev, cached, fresh.gone)
 	keys.c = b.rc
 	w.keys, w.nKeys, w.nHeld, w.nQd, w.deadlines = keys, nKeys, nHeld, nQd, dl
 	w.nDone, w.dones = nDone, dones
