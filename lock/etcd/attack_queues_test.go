@@ -16,7 +16,6 @@ import (
 
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
-	"go.uber.org/zap"
 	"google.golang.org/grpc"
 
 	"github.com/dlock/dlock/internal/etcdtest"
@@ -160,45 +159,7 @@ func TestAttackKeptQueues(t *testing.T) {
 	var relists atomic.Int64
 	cfg.Logger = slog.New(relistCounter{slog.DiscardHandler, &relists})
 
-	// A server, with a client whose watch streams the test can end.
-	type server struct {
-		b *Backend
-		k *watchKiller
-	}
-	open := func() *server {
-		k := &watchKiller{}
-		cli, err := clientv3.New(clientv3.Config{
-			Endpoints:   srv.Endpoints(),
-			DialTimeout: 5 * time.Second,
-			Logger:      zap.NewNop(),
-			DialOptions: []grpc.DialOption{grpc.WithChainStreamInterceptor(k.intercept)},
-		})
-		if err != nil {
-			t.Error(err)
-			return nil
-		}
-		t.Cleanup(func() { cli.Close() })
-		b, err := New(t.Context(), cli, cfg)
-		if err != nil {
-			t.Errorf("opening a server: %v", err)
-			return nil
-		}
-		t.Cleanup(func() { b.Close() })
-		HoldRequestsForTest(b, 2*time.Millisecond) // transactions of several keys share requests
-		return &server{b, k}
-	}
-	var mu sync.Mutex
-	servers := make([]*server, 3)
-	for i := range servers {
-		if servers[i] = open(); servers[i] == nil {
-			t.FailNow()
-		}
-	}
-	pick := func(r *rand.Rand) *server {
-		mu.Lock()
-		defer mu.Unlock()
-		return servers[r.IntN(len(servers))]
-	}
+	g := newRelistRig(t, srv, cfg, nil)
 	cli := srv.Client(t)
 	var keys []lock.Key
 	for _, res := range []string{"a", "b"} {
@@ -217,7 +178,7 @@ func TestAttackKeptQueues(t *testing.T) {
 			r := rand.New(rand.NewPCG(uint64(i), uint64(time.Now().UnixNano())))
 			node := fmt.Sprint("n", i)
 			for ctx.Err() == nil {
-				b := pick(r).b
+				b := g.pick(r).b
 				k := keys[r.IntN(len(keys))]
 				var err error
 				switch op := r.IntN(100); {
@@ -234,11 +195,7 @@ func TestAttackKeptQueues(t *testing.T) {
 				default:
 					_, err = b.Status(ctx, k.Type, k.Resource, node)
 				}
-				switch {
-				case err == nil, ctx.Err() != nil, errors.Is(err, lock.ErrClosed):
-				case errors.Is(err, lock.ErrNotHolder), errors.Is(err, lock.ErrInUse), errors.Is(err, lock.ErrDeleting),
-					errors.Is(err, lock.ErrUpdating), errors.Is(err, lock.ErrLockHeld):
-				default:
+				if !racingErr(ctx, err) {
 					t.Errorf("%s on %v: %v", node, k, err)
 				}
 			}
@@ -248,49 +205,12 @@ func TestAttackKeptQueues(t *testing.T) {
 	// again (follow waits 100 ms): each server lists the state again.
 	// Now and then a server is replaced by a new one, which lists the
 	// state while the others change it.
-	wg.Go(func() {
-		r := rand.New(rand.NewPCG(99, uint64(time.Now().UnixNano())))
-		for ctx.Err() == nil {
-			select {
-			case <-ctx.Done():
-				return
-			case <-time.After(time.Duration(100+r.IntN(300)) * time.Millisecond):
-			}
-			if r.IntN(3) == 0 {
-				i := r.IntN(len(servers))
-				mu.Lock()
-				old := servers[i]
-				mu.Unlock()
-				old.b.Close()
-				if nb := open(); nb != nil {
-					mu.Lock()
-					servers[i] = nb
-					mu.Unlock()
-				}
-			}
-			pick(r).k.kill()
-			for range 2 {
-				if _, err := cli.Put(ctx, p+"bump", ""); err != nil {
-					return
-				}
-			}
-			resp, err := cli.Get(ctx, p+"bump")
-			if err != nil {
-				return
-			}
-			if _, err := cli.Compact(ctx, resp.Header.Revision); err != nil && ctx.Err() == nil && !errors.Is(err, rpctypes.ErrCompacted) {
-				t.Errorf("compacting: %v", err)
-			}
-		}
-	})
+	wg.Go(func() { g.relist(ctx, cli, p, 3) })
 	// The checker.
 	var checked atomic.Int64
 	wg.Go(func() {
 		for ctx.Err() == nil {
-			mu.Lock()
-			now := slices.Clone(servers)
-			mu.Unlock()
-			for i, s := range now {
+			for i, s := range g.now() {
 				checked.Add(int64(checkKeptQueues(t, ctx, cli, s.b, fmt.Sprint("server ", i))))
 			}
 		}
@@ -298,7 +218,7 @@ func TestAttackKeptQueues(t *testing.T) {
 	wg.Wait()
 
 	var fromWatch uint64
-	for _, s := range servers {
+	for _, s := range g.now() {
 		w, _ := s.b.qs.stats()
 		fromWatch += w
 	}

@@ -15,7 +15,6 @@ import (
 
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
-	"go.uber.org/zap"
 	"google.golang.org/grpc"
 
 	"github.com/dlock/dlock/internal/dlocktest/kit"
@@ -145,45 +144,9 @@ func TestAttackMarksMatchEtcd(t *testing.T) {
 	var relists atomic.Int64
 	cfg.Logger = slog.New(relistCounter{slog.DiscardHandler, &relists})
 
-	type server struct {
-		b *Backend
-		k *watchKiller
-	}
-	open := func() *server {
-		k := &watchKiller{}
-		cli, err := clientv3.New(clientv3.Config{
-			Endpoints:   srv.Endpoints(),
-			DialTimeout: 5 * time.Second,
-			Logger:      zap.NewNop(),
-			DialOptions: []grpc.DialOption{grpc.WithChainStreamInterceptor(k.intercept, laggingWatch{5 * time.Millisecond}.intercept)},
-		})
-		if err != nil {
-			t.Error(err)
-			return nil
-		}
-		t.Cleanup(func() { cli.Close() })
-		b, err := New(t.Context(), cli, cfg)
-		if err != nil {
-			t.Errorf("opening a server: %v", err)
-			return nil
-		}
-		t.Cleanup(func() { b.Close() })
+	g := newRelistRig(t, srv, cfg, func(b *Backend) {
 		t.Cleanup(func() { staleHists.Delete(b) })
-		HoldRequestsForTest(b, 2*time.Millisecond)
-		return &server{b, k}
-	}
-	var mu sync.Mutex
-	servers := make([]*server, 3)
-	for i := range servers {
-		if servers[i] = open(); servers[i] == nil {
-			t.FailNow()
-		}
-	}
-	pick := func(r *rand.Rand) *server {
-		mu.Lock()
-		defer mu.Unlock()
-		return servers[r.IntN(len(servers))]
-	}
+	}, laggingWatch{5 * time.Millisecond}.intercept)
 	cli := srv.Client(t)
 	var keys []lock.Key
 	for _, res := range []string{"a", "b", "c/d", "e", "f", "g", "h", "i%j"} {
@@ -201,7 +164,7 @@ func TestAttackMarksMatchEtcd(t *testing.T) {
 			r := rand.New(rand.NewPCG(uint64(i), uint64(time.Now().UnixNano())))
 			node := fmt.Sprint("n", i)
 			for ctx.Err() == nil {
-				b := pick(r).b
+				b := g.pick(r).b
 				k := keys[r.IntN(len(keys))]
 				var err error
 				switch op := r.IntN(100); {
@@ -225,58 +188,17 @@ func TestAttackMarksMatchEtcd(t *testing.T) {
 				default:
 					_, err = b.InspectKeys(ctx, lock.KeyQuery{})
 				}
-				switch {
-				case err == nil, ctx.Err() != nil, errors.Is(err, lock.ErrClosed):
-				case errors.Is(err, lock.ErrNotHolder), errors.Is(err, lock.ErrInUse), errors.Is(err, lock.ErrDeleting),
-					errors.Is(err, lock.ErrUpdating), errors.Is(err, lock.ErrLockHeld):
-				default:
+				if !racingErr(ctx, err) {
 					t.Errorf("%s on %v: %v", node, k, err)
 				}
 			}
 		})
 	}
-	wg.Go(func() {
-		r := rand.New(rand.NewPCG(99, uint64(time.Now().UnixNano())))
-		for ctx.Err() == nil {
-			select {
-			case <-ctx.Done():
-				return
-			case <-time.After(time.Duration(100+r.IntN(300)) * time.Millisecond):
-			}
-			if r.IntN(4) == 0 {
-				i := r.IntN(len(servers))
-				mu.Lock()
-				old := servers[i]
-				mu.Unlock()
-				old.b.Close()
-				if nb := open(); nb != nil {
-					mu.Lock()
-					servers[i] = nb
-					mu.Unlock()
-				}
-			}
-			pick(r).k.kill()
-			for range 2 {
-				if _, err := cli.Put(ctx, p+"bump", ""); err != nil {
-					return
-				}
-			}
-			resp, err := cli.Get(ctx, p+"bump")
-			if err != nil {
-				return
-			}
-			if _, err := cli.Compact(ctx, resp.Header.Revision); err != nil && ctx.Err() == nil && !errors.Is(err, rpctypes.ErrCompacted) {
-				t.Errorf("compacting: %v", err)
-			}
-		}
-	})
+	wg.Go(func() { g.relist(ctx, cli, p, 4) })
 	var checked, marked atomic.Int64
 	wg.Go(func() {
 		for ctx.Err() == nil {
-			mu.Lock()
-			now := slices.Clone(servers)
-			mu.Unlock()
-			for i, s := range now {
+			for i, s := range g.now() {
 				if n := checkWatchView(t, ctx, cli, s.b, keys, fmt.Sprint("server ", i)); n >= 0 {
 					checked.Add(1)
 					marked.Add(int64(n))
@@ -286,7 +208,7 @@ func TestAttackMarksMatchEtcd(t *testing.T) {
 	})
 	wg.Wait()
 	// A watch the last compaction passed lists the state again first.
-	for i, s := range servers {
+	for i, s := range g.now() {
 		kit.WaitFor(t, fmt.Sprint("server ", i, "'s watch to pass the last compaction"), func() bool {
 			return checkWatchView(t, t.Context(), cli, s.b, keys, fmt.Sprint("server ", i, " at the end")) >= 0
 		})
