@@ -26,6 +26,7 @@ import (
 	"github.com/dlock/dlock/internal/rawhttp"
 	"github.com/dlock/dlock/lock"
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 )
 
 // benchScenarios are the scenarios bench runs; the top-level usage names
@@ -58,34 +59,7 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 		},
 	}
 	fs := cmd.Flags()
-	server := fs.String("server", "http://127.0.0.1:7380", "dlock server URL (one: bench measures a server)")
-	scenarios := fs.String("scenario", "pairs,handoff,fanout,sessions", "scenarios to run: pairs, handoff, fanout (and its floor), sessions, memory, pings, failover and fleet (--backend etcd), cutoff (as root; its etcd cases with --backend etcd)")
-	duration := fs.Duration("duration", 10*time.Second, "how long each scenario runs")
-	concurrency := fs.Int("concurrency", 32, "connections (pairs, sessions, memory) or nodes on the key (handoff)")
-	waiters := fs.Int("waiters", 1000, "fanout: waiters, each with its own session, queued on one key (and the floor's loopback sockets)")
-	heldN := fs.Int("held", 100000, "memory: locks to hold while the server's RSS is read (held-ttl, held-session; 0: neither)")
-	heldNodes := fs.Int("held-nodes", 100, "memory: nodes, each with a session stream, that hold the held-session locks")
-	sessionsN := fs.Int("sessions", 10000, "memory: session streams to keep open while the server's RSS is read (idle-sessions; 0: not run); pings: idle session streams on each server")
-	pingIntervals := fs.String("ping-intervals", "250ms,1s,5s,15s", "pings: the --ping-interval of each fresh dlock serve measured, comma-separated (10ms to 1m)")
-	pingWindow := fs.Duration("ping-window", 10*time.Second, "pings: the shortest window measured on each server, made a whole number of intervals, two at least")
-	memoryServer := fs.String("memory-server", "", "memory: measure this server (with the same credentials) instead of a fresh dlock serve for each measurement")
-	compare := fs.String("compare", "", "also run pairs and handoff against: redis, etcd (comma-separated; started on 127.0.0.1)")
-	etcdBin := fs.String("etcd", "", "the etcd binary that --backend etcd and --compare etcd start (default: etcd in PATH; make etcd builds the etcd of go.mod into bin/etcd)")
-	backend := fs.String("backend", "", "etcd: instead of measuring --server, start an etcd on 127.0.0.1 and dlock serve --backend etcd on it, and measure that (--compare etcd then measures the same etcd)")
-	servers := fs.Int("servers", 3, "failover: dlock servers on the one etcd, one SIGKILLed each round; fleet: the servers the nodes are spread over, one SIGKILLed")
-	fleetNodes := fs.Int("nodes", 10000, "fleet: nodes, each with its session stream open, spread over --servers")
-	fleetHolders := fs.Int("holders", 1000, "fleet: nodes that hold a session-leased lock when a server is killed")
-	fleetHeld := fs.Int("fleet-held", 100000, "fleet: locks the nodes then hold with session leases, for the servers' RSS and etcd's database size (0: not measured)")
-	fleetIdle := fs.Duration("idle", 10*time.Second, "fleet: how long etcd's and the servers' CPU is read while the sessions idle (0: not read)")
-	fleetOpening := fs.Int("opening", 256, "fleet: session streams opening at once")
-	rounds := fs.Int("rounds", 5, "failover, cutoff: rounds (cutoff: of each case)")
-	cutoffCases := fs.String("cutoff", "", "cutoff: the cases to run, comma-separated (default: the memory engine's, and with --backend etcd the etcd engine's): "+strings.Join(bench.CutoffScenarios, ", "))
-	rawNode := fs.Bool("failover-raw", false, "failover: the node is raw HTTP that tries the other servers in turn, not client.Client with every server")
-	recheck := fs.Duration("recheck", 6*time.Second, "failover: check the hold again this long after the kill, past the servers' --session-grace (0: only at once)")
-	serveFlags := fs.String("serve-flags", "", "more flags for the dlock serve processes bench starts, space-separated (e.g. --debug-listen 127.0.0.1:6060)")
-	asJSON := fs.Bool("json", false, "print the results as JSON")
-	asMarkdown := fs.Bool("markdown", false, "print the results as a Markdown table (make bench appends it to docs/BENCHMARKS.md)")
-	cred := credentialFlags(fs)
+	bo := benchFlags(fs)
 	cmd.RunE = e.action(func(cmd *cobra.Command, args []string) error {
 		if len(args) == 1 {
 			return bench.ServeFloor(e.stdin, e.stdout)
@@ -94,25 +68,25 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 		stdout, stderr := e.stdout, &syncWriter{w: e.stderr}
 		ctx, stop := signal.NotifyContext(e.ctx, syscall.SIGINT, syscall.SIGTERM)
 		defer stop()
-		if len(client.SplitServers(*server)) > 1 {
-			return usageError{fmt.Errorf("--server %s: bench measures one server, not a list", *server)}
+		if len(client.SplitServers(bo.server)) > 1 {
+			return usageError{fmt.Errorf("--server %s: bench measures one server, not a list", bo.server)}
 		}
-		if err := checkServers(*server); err != nil {
+		if err := checkServers(bo.server); err != nil {
 			return err
 		}
-		runs := strings.Split(*scenarios, ",")
+		runs := strings.Split(bo.scenarios, ",")
 		for _, s := range runs {
 			if !slices.Contains(benchScenarios, s) {
 				return usageError{fmt.Errorf("unknown scenario %q: the scenarios are %s", s, strings.Join(benchScenarios, ", "))}
 			}
 		}
 		serverSet := fs.Changed("server")
-		if *etcdBin != "" {
-			if _, err := exec.LookPath(*etcdBin); err != nil {
+		if bo.etcdBin != "" {
+			if _, err := exec.LookPath(bo.etcdBin); err != nil {
 				return usageError{fmt.Errorf("--etcd: %w", err)}
 			}
 		}
-		switch *backend {
+		switch bo.backend {
 		case "":
 			for _, s := range []string{"failover", "fleet"} {
 				if slices.Contains(runs, s) {
@@ -126,39 +100,39 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 			if serverSet {
 				return usageError{errors.New("--backend etcd measures the server it starts: no --server")}
 			}
-			if *etcdBin == "" {
+			if bo.etcdBin == "" {
 				if _, err := exec.LookPath("etcd"); err != nil {
 					return fmt.Errorf("--backend etcd: etcd is not installed (Debian: apt-get install etcd-server; or --etcd)")
 				}
 			}
 		default:
-			return usageError{fmt.Errorf("--backend: %q is not etcd", *backend)}
+			return usageError{fmt.Errorf("--backend: %q is not etcd", bo.backend)}
 		}
-		if *servers < 2 || *rounds < 1 {
+		if bo.servers < 2 || bo.rounds < 1 {
 			return usageError{errors.New("--servers must be at least 2 and --rounds at least 1")}
 		}
 		var cutoffs []string
 		if slices.Contains(runs, "cutoff") {
 			var err error
-			if cutoffs, err = cutoffList(*cutoffCases, *backend == "etcd"); err != nil {
+			if cutoffs, err = cutoffList(bo.cutoffCases, bo.backend == "etcd"); err != nil {
 				return usageError{err}
 			}
 			// Faults are iptables rules: without root, nothing to measure.
 			if err := cutoffUsable(); err != nil {
 				return fmt.Errorf("the cutoff scenario cannot run: %w", err)
 			}
-		} else if *cutoffCases != "" {
+		} else if bo.cutoffCases != "" {
 			return usageError{errors.New("--cutoff needs --scenario cutoff")}
 		}
 		var others []string
-		if *compare != "" {
-			others = strings.Split(*compare, ",")
+		if bo.compare != "" {
+			others = strings.Split(bo.compare, ",")
 			for _, o := range others {
 				bin := map[string]string{"redis": "redis-server", "etcd": "etcd"}[o]
 				if bin == "" {
 					return usageError{fmt.Errorf("--compare: unknown system %q (redis, etcd)", o)}
 				}
-				if o == "etcd" && *etcdBin != "" {
+				if o == "etcd" && bo.etcdBin != "" {
 					continue
 				}
 				if _, err := exec.LookPath(bin); err != nil {
@@ -168,30 +142,30 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 		}
 		// --etcd alone would measure the --server given and start no etcd:
 		// a run that seems to be on that etcd and is not.
-		if *etcdBin != "" && *backend != "etcd" && !slices.Contains(others, "etcd") {
+		if bo.etcdBin != "" && bo.backend != "etcd" && !slices.Contains(others, "etcd") {
 			return usageError{errors.New("--etcd needs --backend etcd or --compare etcd: it names the etcd they start")}
 		}
-		if *concurrency < 1 || *waiters < 1 || *duration <= 0 || *heldN < 0 || *sessionsN < 0 || *heldNodes < 1 {
+		if bo.concurrency < 1 || bo.waiters < 1 || bo.duration <= 0 || bo.held < 0 || bo.sessions < 0 || bo.heldNodes < 1 {
 			return usageError{errors.New("--concurrency, --waiters, --held-nodes and --duration must be positive, --held and --sessions not negative")}
 		}
-		if *fleetNodes < *servers || *fleetHolders < 0 || *fleetHolders > *fleetNodes || *fleetHeld < 0 || *fleetIdle < 0 || *fleetOpening < 1 {
+		if bo.nodes < bo.servers || bo.holders < 0 || bo.holders > bo.nodes || bo.fleetHeld < 0 || bo.idle < 0 || bo.opening < 1 {
 			return usageError{errors.New("--nodes must be at least --servers, --holders at most --nodes, --opening positive, --fleet-held and --idle not negative")}
 		}
 		var intervals []time.Duration
 		if slices.Contains(runs, "pings") {
 			var err error
-			if intervals, err = bench.ParsePingIntervals(*pingIntervals); err != nil {
+			if intervals, err = bench.ParsePingIntervals(bo.pingIntervals); err != nil {
 				return usageError{fmt.Errorf("--ping-intervals: %w", err)}
 			}
-			if *sessionsN < 1 || *pingWindow <= 0 {
+			if bo.sessions < 1 || bo.pingWindow <= 0 {
 				return usageError{errors.New("--scenario pings needs --sessions and --ping-window above 0")}
 			}
 		}
-		tlsConfig, token, err := loadCredentials(cred, *server)
+		tlsConfig, token, err := loadCredentials(bo.cred, bo.server)
 		if err != nil {
 			return err
 		}
-		if err := ensureFileLimit(benchFiles(runs, *waiters, *sessionsN, *heldNodes, *concurrency, *fleetNodes, *servers)); err != nil {
+		if err := ensureFileLimit(benchFiles(runs, bo.waiters, bo.sessions, bo.heldNodes, bo.concurrency, bo.nodes, bo.servers)); err != nil {
 			return err
 		}
 		dialer := rawhttp.Dialer{TLS: tlsConfig, Token: token}
@@ -199,7 +173,7 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 		// the results (docs/BENCHMARKS.md, "dlock on etcd").
 		var setup []string
 		var etcdServer *bench.Etcd
-		extraServe := strings.Fields(*serveFlags)
+		extraServe := strings.Fields(bo.serveFlags)
 		startOnEtcd := func(prefix func() string) bench.StartServer {
 			return func(ctx context.Context) (string, func(), error) {
 				bin, err := benchServerBinary()
@@ -210,8 +184,8 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 				return freshServer(bin, flags, stderr)(ctx)
 			}
 		}
-		if *backend == "etcd" {
-			etcdServer, err = bench.LaunchEtcd(*etcdBin)
+		if bo.backend == "etcd" {
+			etcdServer, err = bench.LaunchEtcd(bo.etcdBin)
 			if err != nil {
 				return fmt.Errorf("--backend etcd: %w", err)
 			}
@@ -225,14 +199,14 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 					return fmt.Errorf("--backend etcd: starting dlock serve: %w", err)
 				}
 				defer stop()
-				*server = base
+				bo.server = base
 				dialer = rawhttp.Dialer{}
 				args := append([]string{"dlock serve --backend etcd --etcd-endpoints", etcdServer.Endpoint, "--etcd-prefix", prefix}, extraServe...)
 				setup = append(setup, fmt.Sprintf("dlock: one `%s` at %s, started by bench, on that etcd", strings.Join(args, " "), base))
 			}
 		}
-		opts := bench.Options{Duration: *duration, Concurrency: *concurrency, Waiters: *waiters, Dialer: dialer,
-			ServerCPU: bench.MetricsCPU(*server, dialer)}
+		opts := bench.Options{Duration: bo.duration, Concurrency: bo.concurrency, Waiters: bo.waiters, Dialer: dialer,
+			ServerCPU: bench.MetricsCPU(bo.server, dialer)}
 		// withEtcdCalls counts, on an etcd in play, the calls its server
 		// answered per op of f's run.
 		withEtcdCalls := func(endpoint string, f func(context.Context, bench.Options) (bench.Result, error)) func(context.Context, bench.Options) (bench.Result, error) {
@@ -284,13 +258,13 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 				if err != nil {
 					return fmt.Errorf("pings: the dlock binary to serve: %w", err)
 				}
-				po := bench.PingOptions{Intervals: intervals, Sessions: *sessionsN, Window: *pingWindow,
+				po := bench.PingOptions{Intervals: intervals, Sessions: bo.sessions, Window: bo.pingWindow,
 					Start: func(ctx context.Context, ping time.Duration) (string, func(), error) {
-						flags := append(append(freshServerFlags(*sessionsN, 0), extraServe...), "--ping-interval", ping.String())
+						flags := append(append(freshServerFlags(bo.sessions, 0), extraServe...), "--ping-interval", ping.String())
 						return freshServer(bin, flags, stderr)(ctx)
 					},
 					Opened: func(ping, took time.Duration) {
-						fmt.Fprintf(stderr, "pings %v: %d streams open in %.1fs, measuring %v\n", ping, *sessionsN, took.Seconds(), bench.PingWindow(ping, *pingWindow))
+						fmt.Fprintf(stderr, "pings %v: %d streams open in %.1fs, measuring %v\n", ping, bo.sessions, took.Seconds(), bench.PingWindow(ping, bo.pingWindow))
 					},
 					Done: func(r bench.PingResult) {
 						fmt.Fprintf(stderr, "pings %v: %.0f pings/s (%.0f expected), server CPU %.2f%%\n", msDuration(r.IntervalMS), r.Rate, r.Expected, r.ServerCPU)
@@ -300,7 +274,7 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 					return fmt.Errorf("pings: %w", err)
 				}
 				pings = append(pings, rs...)
-				setup = append(setup, fmt.Sprintf("pings: a fresh `dlock serve --ping-interval …` for each interval, started by bench, %d idle session streams on it read by bench over 127.0.0.1; CPU in %% of one core; bytes are the streams' payload (no TCP/IP headers or ACKs); a ping is %q", *sessionsN, bench.PingFrame))
+				setup = append(setup, fmt.Sprintf("pings: a fresh `dlock serve --ping-interval …` for each interval, started by bench, %d idle session streams on it read by bench over 127.0.0.1; CPU in %% of one core; bytes are the streams' payload (no TCP/IP headers or ACKs); a ping is %q", bo.sessions, bench.PingFrame))
 				continue
 			}
 			if s == "cutoff" {
@@ -319,7 +293,7 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 				}
 				for _, c := range cutoffs {
 					var outcomes []bench.CutoffOutcome
-					for round := 1; round <= *rounds; round++ {
+					for round := 1; round <= bo.rounds; round++ {
 						o, err := bench.RunCutoff(ctx, env, c)
 						if err != nil {
 							return fmt.Errorf("cutoff %s, round %d: %w", c, round, err)
@@ -329,21 +303,21 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 					}
 					cutoffSums = append(cutoffSums, bench.SummarizeCutoff(c, outcomes))
 				}
-				setup = append(setup, fmt.Sprintf("cutoff: per case and round, fresh `dlock serve` processes (memory: one, --session-grace 3s; etcd: three on one data set of the etcd above, --session-grace 5s; --ping-interval 1s --dead-peer-timeout 3s) and two `dlock run` on one key, the holder dialing from a loopback address of its own; faults by iptables, SIGSTOP and black-holing proxies; %d rounds each", *rounds))
+				setup = append(setup, fmt.Sprintf("cutoff: per case and round, fresh `dlock serve` processes (memory: one, --session-grace 3s; etcd: three on one data set of the etcd above, --session-grace 5s; --ping-interval 1s --dead-peer-timeout 3s) and two `dlock run` on one key, the holder dialing from a loopback address of its own; faults by iptables, SIGSTOP and black-holing proxies; %d rounds each", bo.rounds))
 				continue
 			}
 			if s == "memory" {
-				mo := bench.MemoryOptions{Held: *heldN, HeldNodes: *heldNodes, Sessions: *sessionsN, Conns: *concurrency,
+				mo := bench.MemoryOptions{Held: bo.held, HeldNodes: bo.heldNodes, Sessions: bo.sessions, Conns: bo.concurrency,
 					Done: func(r bench.Result) { fmt.Fprintf(stderr, "memory %s: %s\n", r.Scenario, r.Note) }}
-				if *memoryServer != "" {
+				if bo.memoryServer != "" {
 					mo.Dialer = dialer
-					mo.Start = func(context.Context) (string, func(), error) { return *memoryServer, func() {}, nil }
+					mo.Start = func(context.Context) (string, func(), error) { return bo.memoryServer, func() {}, nil }
 				} else {
 					bin, err := benchServerBinary()
 					if err != nil {
 						return fmt.Errorf("memory: the dlock binary to serve: %w", err)
 					}
-					mo.Start = freshServer(bin, append(freshServerFlags(*sessionsN+*heldNodes, *heldN), extraServe...), stderr)
+					mo.Start = freshServer(bin, append(freshServerFlags(bo.sessions+bo.heldNodes, bo.held), extraServe...), stderr)
 					if etcdServer != nil {
 						n := 0
 						mo.Start = startOnEtcd(func() string { n++; return fmt.Sprintf("/dlock-bench-memory-%d-%d/", time.Now().UnixNano(), n) })
@@ -358,7 +332,7 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 			}
 			if s == "failover" {
 				prefix := fmt.Sprintf("/dlock-bench-failover-%d/", time.Now().UnixNano())
-				fo := bench.FailoverOptions{Servers: *servers, Rounds: *rounds, Recheck: *recheck, Client: !*rawNode, Start: startOnEtcd(func() string { return prefix }),
+				fo := bench.FailoverOptions{Servers: bo.servers, Rounds: bo.rounds, Recheck: bo.recheck, Client: !bo.failoverRaw, Start: startOnEtcd(func() string { return prefix }),
 					Round: func(r bench.FailoverRound) {
 						fmt.Fprintf(stderr, "failover round: next lock %v, stream resumed %v, hold kept %v, next grant delivered %v %s\n", r.Lock, r.Stream, r.Kept, r.Replayed, r.Problem)
 					}}
@@ -372,10 +346,10 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 					return fmt.Errorf("failover: %w", err)
 				}
 				nodeText := "client.Client given every server"
-				if *rawNode {
+				if bo.failoverRaw {
 					nodeText = "raw HTTP"
 				}
-				setup = append(setup, fmt.Sprintf("failover: %d `dlock serve --backend etcd --etcd-prefix %s` on that etcd, started by bench; the node: %s", *servers, prefix, nodeText))
+				setup = append(setup, fmt.Sprintf("failover: %d `dlock serve --backend etcd --etcd-prefix %s` on that etcd, started by bench; the node: %s", bo.servers, prefix, nodeText))
 				results = append(results, r)
 				continue
 			}
@@ -386,9 +360,9 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 					return fmt.Errorf("fleet: the dlock binary to serve: %w", err)
 				}
 				flags := append(append([]string{"--backend", "etcd", "--etcd-endpoints", etcdServer.Endpoint, "--etcd-prefix", prefix},
-					freshServerFlags(*fleetNodes, *fleetHeld+*fleetHolders+64)...), extraServe...)
-				fo := bench.FleetOptions{Servers: *servers, Nodes: *fleetNodes, Holders: *fleetHolders, Held: *fleetHeld,
-					Opening: *fleetOpening, Conns: *concurrency, Idle: *fleetIdle, Recheck: *recheck,
+					freshServerFlags(bo.nodes, bo.fleetHeld+bo.holders+64)...), extraServe...)
+				fo := bench.FleetOptions{Servers: bo.servers, Nodes: bo.nodes, Holders: bo.holders, Held: bo.fleetHeld,
+					Opening: bo.opening, Conns: bo.concurrency, Idle: bo.idle, Recheck: bo.recheck,
 					Start: freshServer(bin, flags, stderr), EtcdEndpoint: etcdServer.Endpoint, EtcdCPU: bench.ProcCPU(etcdServer.PID),
 					Log: func(l string) { fmt.Fprintln(stderr, l) }}
 				rs, err := bench.Fleet(ctx, fo)
@@ -397,7 +371,7 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 				}
 				results = append(results, rs...)
 				setup = append(setup, fmt.Sprintf("fleet: %d `dlock serve %s` on that etcd, started by bench; %d nodes, node i's session stream on server i mod %d, read by a goroutine each; locks and waiters over %d connections to each server; etcd's CPU from /proc/%d/stat, the servers' from their /metrics",
-					*servers, strings.Join(flags, " "), *fleetNodes, *servers, *concurrency, etcdServer.PID))
+					bo.servers, strings.Join(flags, " "), bo.nodes, bo.servers, bo.concurrency, etcdServer.PID))
 				continue
 			}
 			var f func(context.Context, string, bench.Options) (bench.Result, error)
@@ -411,7 +385,7 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 			case "sessions":
 				f = bench.Sessions
 			}
-			r, err := run(s+" dlock", opts, withEtcdCalls(backendEtcd, func(ctx context.Context, o bench.Options) (bench.Result, error) { return f(ctx, *server, o) }))
+			r, err := run(s+" dlock", opts, withEtcdCalls(backendEtcd, func(ctx context.Context, o bench.Options) (bench.Result, error) { return f(ctx, bo.server, o) }))
 			if err != nil {
 				return fmt.Errorf("%s: %w", s, err)
 			}
@@ -450,7 +424,7 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 					// The same etcd as dlock's backend: a fair comparison.
 					addr, stop = etcdServer.Endpoint, func() {}
 				} else {
-					addr, stop, err = bench.StartEtcd(*etcdBin)
+					addr, stop, err = bench.StartEtcd(bo.etcdBin)
 				}
 				pairs, handoff = bench.EtcdPairs, bench.EtcdHandoff
 				oo.ServerCPU = bench.MetricsCPU(addr, rawhttp.Dialer{})
@@ -480,7 +454,7 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 			}
 		}
 		ratios := benchRatios(results)
-		if *asJSON {
+		if bo.asJSON {
 			enc := json.NewEncoder(stdout)
 			enc.SetIndent("", "  ")
 			out := map[string]any{"results": results, "ratios": ratios}
@@ -502,7 +476,7 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 		for _, k := range slices.Sorted(maps.Keys(ratios)) {
 			lines = append(lines, fmt.Sprintf("%s = %.2f", k, ratios[k]))
 		}
-		if *asMarkdown {
+		if bo.asMarkdown {
 			if len(pings) > 0 {
 				fmt.Fprintln(stdout, "| "+strings.Join(pingColumns, " | ")+" |")
 				fmt.Fprintln(stdout, strings.Repeat("| --- ", len(pingColumns))+"|")
@@ -558,6 +532,68 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 		return cutoffFailed(cutoffSums)
 	})
 	return cmd
+}
+
+// benchOptions is everything `dlock bench` can be told: its flags.
+type benchOptions struct {
+	server    string // --server, the one measured
+	scenarios string // comma-separated, in the order they run
+	backend   string // "" or etcd
+	etcdBin   string // --etcd
+	compare   string // comma-separated: redis, etcd
+	cred      *client.CredentialFiles
+
+	duration             time.Duration
+	concurrency, waiters int
+	held, heldNodes      int // memory
+	sessions             int // memory, pings
+	memoryServer         string
+	pingIntervals        string
+	pingWindow           time.Duration
+	servers, rounds      int           // servers: failover, fleet; rounds: failover, cutoff
+	recheck              time.Duration // failover, fleet
+	failoverRaw          bool
+	nodes, holders       int // fleet
+	fleetHeld, opening   int
+	idle                 time.Duration
+	cutoffCases          string // --cutoff
+	serveFlags           string // --serve-flags, for every dlock serve bench starts
+	asJSON, asMarkdown   bool
+}
+
+// benchFlags defines dlock bench's flags on fs, bound to the returned
+// options.
+func benchFlags(fs *pflag.FlagSet) *benchOptions {
+	o := &benchOptions{}
+	fs.StringVar(&o.server, "server", "http://127.0.0.1:7380", "dlock server URL (one: bench measures a server)")
+	fs.StringVar(&o.scenarios, "scenario", "pairs,handoff,fanout,sessions", "scenarios to run: pairs, handoff, fanout (and its floor), sessions, memory, pings, failover and fleet (--backend etcd), cutoff (as root; its etcd cases with --backend etcd)")
+	fs.DurationVar(&o.duration, "duration", 10*time.Second, "how long each scenario runs")
+	fs.IntVar(&o.concurrency, "concurrency", 32, "connections (pairs, sessions, memory) or nodes on the key (handoff)")
+	fs.IntVar(&o.waiters, "waiters", 1000, "fanout: waiters, each with its own session, queued on one key (and the floor's loopback sockets)")
+	fs.IntVar(&o.held, "held", 100000, "memory: locks to hold while the server's RSS is read (held-ttl, held-session; 0: neither)")
+	fs.IntVar(&o.heldNodes, "held-nodes", 100, "memory: nodes, each with a session stream, that hold the held-session locks")
+	fs.IntVar(&o.sessions, "sessions", 10000, "memory: session streams to keep open while the server's RSS is read (idle-sessions; 0: not run); pings: idle session streams on each server")
+	fs.StringVar(&o.pingIntervals, "ping-intervals", "250ms,1s,5s,15s", "pings: the --ping-interval of each fresh dlock serve measured, comma-separated (10ms to 1m)")
+	fs.DurationVar(&o.pingWindow, "ping-window", 10*time.Second, "pings: the shortest window measured on each server, made a whole number of intervals, two at least")
+	fs.StringVar(&o.memoryServer, "memory-server", "", "memory: measure this server (with the same credentials) instead of a fresh dlock serve for each measurement")
+	fs.StringVar(&o.compare, "compare", "", "also run pairs and handoff against: redis, etcd (comma-separated; started on 127.0.0.1)")
+	fs.StringVar(&o.etcdBin, "etcd", "", "the etcd binary that --backend etcd and --compare etcd start (default: etcd in PATH; make etcd builds the etcd of go.mod into bin/etcd)")
+	fs.StringVar(&o.backend, "backend", "", "etcd: instead of measuring --server, start an etcd on 127.0.0.1 and dlock serve --backend etcd on it, and measure that (--compare etcd then measures the same etcd)")
+	fs.IntVar(&o.servers, "servers", 3, "failover: dlock servers on the one etcd, one SIGKILLed each round; fleet: the servers the nodes are spread over, one SIGKILLed")
+	fs.IntVar(&o.nodes, "nodes", 10000, "fleet: nodes, each with its session stream open, spread over --servers")
+	fs.IntVar(&o.holders, "holders", 1000, "fleet: nodes that hold a session-leased lock when a server is killed")
+	fs.IntVar(&o.fleetHeld, "fleet-held", 100000, "fleet: locks the nodes then hold with session leases, for the servers' RSS and etcd's database size (0: not measured)")
+	fs.DurationVar(&o.idle, "idle", 10*time.Second, "fleet: how long etcd's and the servers' CPU is read while the sessions idle (0: not read)")
+	fs.IntVar(&o.opening, "opening", 256, "fleet: session streams opening at once")
+	fs.IntVar(&o.rounds, "rounds", 5, "failover, cutoff: rounds (cutoff: of each case)")
+	fs.StringVar(&o.cutoffCases, "cutoff", "", "cutoff: the cases to run, comma-separated (default: the memory engine's, and with --backend etcd the etcd engine's): "+strings.Join(bench.CutoffScenarios, ", "))
+	fs.BoolVar(&o.failoverRaw, "failover-raw", false, "failover: the node is raw HTTP that tries the other servers in turn, not client.Client with every server")
+	fs.DurationVar(&o.recheck, "recheck", 6*time.Second, "failover: check the hold again this long after the kill, past the servers' --session-grace (0: only at once)")
+	fs.StringVar(&o.serveFlags, "serve-flags", "", "more flags for the dlock serve processes bench starts, space-separated (e.g. --debug-listen 127.0.0.1:6060)")
+	fs.BoolVar(&o.asJSON, "json", false, "print the results as JSON")
+	fs.BoolVar(&o.asMarkdown, "markdown", false, "print the results as a Markdown table (make bench appends it to docs/BENCHMARKS.md)")
+	o.cred = credentialFlags(fs)
+	return o
 }
 
 // cutoffUsable says whether the cutoff scenario can make its faults:
