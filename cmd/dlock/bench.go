@@ -68,99 +68,11 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 		stdout, stderr := e.stdout, &syncWriter{w: e.stderr}
 		ctx, stop := signal.NotifyContext(e.ctx, syscall.SIGINT, syscall.SIGTERM)
 		defer stop()
-		if len(client.SplitServers(bo.server)) > 1 {
-			return usageError{fmt.Errorf("--server %s: bench measures one server, not a list", bo.server)}
-		}
-		if err := checkServers(bo.server); err != nil {
+		plan, err := bo.validate(fs.Changed("server"))
+		if err != nil {
 			return err
 		}
-		runs := strings.Split(bo.scenarios, ",")
-		for _, s := range runs {
-			if !slices.Contains(benchScenarios, s) {
-				return usageError{fmt.Errorf("unknown scenario %q: the scenarios are %s", s, strings.Join(benchScenarios, ", "))}
-			}
-		}
-		serverSet := fs.Changed("server")
-		if bo.etcdBin != "" {
-			if _, err := exec.LookPath(bo.etcdBin); err != nil {
-				return usageError{fmt.Errorf("--etcd: %w", err)}
-			}
-		}
-		switch bo.backend {
-		case "":
-			for _, s := range []string{"failover", "fleet"} {
-				if slices.Contains(runs, s) {
-					return usageError{fmt.Errorf("--scenario %s needs --backend etcd: servers that share their lock state, started by bench", s)}
-				}
-			}
-		case "etcd":
-			if slices.Contains(runs, "pings") {
-				return usageError{errors.New("--scenario pings measures fresh memory servers: no --backend")}
-			}
-			if serverSet {
-				return usageError{errors.New("--backend etcd measures the server it starts: no --server")}
-			}
-			if bo.etcdBin == "" {
-				if _, err := exec.LookPath("etcd"); err != nil {
-					return fmt.Errorf("--backend etcd: etcd is not installed (Debian: apt-get install etcd-server; or --etcd)")
-				}
-			}
-		default:
-			return usageError{fmt.Errorf("--backend: %q is not etcd", bo.backend)}
-		}
-		if bo.servers < 2 || bo.rounds < 1 {
-			return usageError{errors.New("--servers must be at least 2 and --rounds at least 1")}
-		}
-		var cutoffs []string
-		if slices.Contains(runs, "cutoff") {
-			var err error
-			if cutoffs, err = cutoffList(bo.cutoffCases, bo.backend == "etcd"); err != nil {
-				return usageError{err}
-			}
-			// Faults are iptables rules: without root, nothing to measure.
-			if err := cutoffUsable(); err != nil {
-				return fmt.Errorf("the cutoff scenario cannot run: %w", err)
-			}
-		} else if bo.cutoffCases != "" {
-			return usageError{errors.New("--cutoff needs --scenario cutoff")}
-		}
-		var others []string
-		if bo.compare != "" {
-			others = strings.Split(bo.compare, ",")
-			for _, o := range others {
-				bin := map[string]string{"redis": "redis-server", "etcd": "etcd"}[o]
-				if bin == "" {
-					return usageError{fmt.Errorf("--compare: unknown system %q (redis, etcd)", o)}
-				}
-				if o == "etcd" && bo.etcdBin != "" {
-					continue
-				}
-				if _, err := exec.LookPath(bin); err != nil {
-					return fmt.Errorf("--compare %s: %s is not installed (Debian: apt-get install %s)", o, bin, map[string]string{"redis": "redis-server", "etcd": "etcd-server"}[o])
-				}
-			}
-		}
-		// --etcd alone would measure the --server given and start no etcd:
-		// a run that seems to be on that etcd and is not.
-		if bo.etcdBin != "" && bo.backend != "etcd" && !slices.Contains(others, "etcd") {
-			return usageError{errors.New("--etcd needs --backend etcd or --compare etcd: it names the etcd they start")}
-		}
-		if bo.concurrency < 1 || bo.waiters < 1 || bo.duration <= 0 || bo.held < 0 || bo.sessions < 0 || bo.heldNodes < 1 {
-			return usageError{errors.New("--concurrency, --waiters, --held-nodes and --duration must be positive, --held and --sessions not negative")}
-		}
-		if bo.nodes < bo.servers || bo.holders < 0 || bo.holders > bo.nodes || bo.fleetHeld < 0 || bo.idle < 0 || bo.opening < 1 {
-			return usageError{errors.New("--nodes must be at least --servers, --holders at most --nodes, --opening positive, --fleet-held and --idle not negative")}
-		}
-		var intervals []time.Duration
-		if slices.Contains(runs, "pings") {
-			var err error
-			if intervals, err = bench.ParsePingIntervals(bo.pingIntervals); err != nil {
-				return usageError{fmt.Errorf("--ping-intervals: %w", err)}
-			}
-			if bo.sessions < 1 || bo.pingWindow <= 0 {
-				return usageError{errors.New("--scenario pings needs --sessions and --ping-window above 0")}
-			}
-		}
+		runs, cutoffs, others, intervals := plan.runs, plan.cutoffs, plan.others, plan.intervals
 		tlsConfig, token, err := loadCredentials(bo.cred, bo.server)
 		if err != nil {
 			return err
@@ -594,6 +506,141 @@ func benchFlags(fs *pflag.FlagSet) *benchOptions {
 	fs.BoolVar(&o.asMarkdown, "markdown", false, "print the results as a Markdown table (make bench appends it to docs/BENCHMARKS.md)")
 	o.cred = credentialFlags(fs)
 	return o
+}
+
+// benchPlan is what the flags ask for, read and checked by validate.
+type benchPlan struct {
+	runs      []string        // the scenarios, in the order they run
+	cutoffs   []string        // the cutoff scenario's cases
+	others    []string        // --compare's systems, in order
+	intervals []time.Duration // the pings scenario's
+}
+
+// validate checks the flags in a fixed order, so that a command line with
+// several faults is told of the same one each time: most are usage errors
+// (exit status 2); a missing etcd or redis-server, or a cutoff scenario
+// without root, is not. serverSet says whether --server was given.
+func (o *benchOptions) validate(serverSet bool) (benchPlan, error) {
+	var p benchPlan
+	if len(client.SplitServers(o.server)) > 1 {
+		return p, usageError{fmt.Errorf("--server %s: bench measures one server, not a list", o.server)}
+	}
+	if err := checkServers(o.server); err != nil {
+		return p, err
+	}
+	p.runs = strings.Split(o.scenarios, ",")
+	for _, s := range p.runs {
+		if !slices.Contains(benchScenarios, s) {
+			return p, usageError{fmt.Errorf("unknown scenario %q: the scenarios are %s", s, strings.Join(benchScenarios, ", "))}
+		}
+	}
+	if err := o.validateBackend(p.runs, serverSet); err != nil {
+		return p, err
+	}
+	if o.servers < 2 || o.rounds < 1 {
+		return p, usageError{errors.New("--servers must be at least 2 and --rounds at least 1")}
+	}
+	var err error
+	if p.cutoffs, err = o.cutoffPlan(p.runs); err != nil {
+		return p, err
+	}
+	if p.others, err = o.compareSystems(); err != nil {
+		return p, err
+	}
+	// --etcd alone would measure the --server given and start no etcd:
+	// a run that seems to be on that etcd and is not.
+	if o.etcdBin != "" && o.backend != "etcd" && !slices.Contains(p.others, "etcd") {
+		return p, usageError{errors.New("--etcd needs --backend etcd or --compare etcd: it names the etcd they start")}
+	}
+	if o.concurrency < 1 || o.waiters < 1 || o.duration <= 0 || o.held < 0 || o.sessions < 0 || o.heldNodes < 1 {
+		return p, usageError{errors.New("--concurrency, --waiters, --held-nodes and --duration must be positive, --held and --sessions not negative")}
+	}
+	if o.nodes < o.servers || o.holders < 0 || o.holders > o.nodes || o.fleetHeld < 0 || o.idle < 0 || o.opening < 1 {
+		return p, usageError{errors.New("--nodes must be at least --servers, --holders at most --nodes, --opening positive, --fleet-held and --idle not negative")}
+	}
+	if slices.Contains(p.runs, "pings") {
+		if p.intervals, err = bench.ParsePingIntervals(o.pingIntervals); err != nil {
+			return p, usageError{fmt.Errorf("--ping-intervals: %w", err)}
+		}
+		if o.sessions < 1 || o.pingWindow <= 0 {
+			return p, usageError{errors.New("--scenario pings needs --sessions and --ping-window above 0")}
+		}
+	}
+	return p, nil
+}
+
+// validateBackend checks --etcd and --backend against the scenarios and
+// --server.
+func (o *benchOptions) validateBackend(runs []string, serverSet bool) error {
+	if o.etcdBin != "" {
+		if _, err := exec.LookPath(o.etcdBin); err != nil {
+			return usageError{fmt.Errorf("--etcd: %w", err)}
+		}
+	}
+	switch o.backend {
+	case "":
+		for _, s := range []string{"failover", "fleet"} {
+			if slices.Contains(runs, s) {
+				return usageError{fmt.Errorf("--scenario %s needs --backend etcd: servers that share their lock state, started by bench", s)}
+			}
+		}
+	case "etcd":
+		if slices.Contains(runs, "pings") {
+			return usageError{errors.New("--scenario pings measures fresh memory servers: no --backend")}
+		}
+		if serverSet {
+			return usageError{errors.New("--backend etcd measures the server it starts: no --server")}
+		}
+		if o.etcdBin == "" {
+			if _, err := exec.LookPath("etcd"); err != nil {
+				return fmt.Errorf("--backend etcd: etcd is not installed (Debian: apt-get install etcd-server; or --etcd)")
+			}
+		}
+	default:
+		return usageError{fmt.Errorf("--backend: %q is not etcd", o.backend)}
+	}
+	return nil
+}
+
+// cutoffPlan is the cutoff scenario's cases, when runs has it.
+func (o *benchOptions) cutoffPlan(runs []string) ([]string, error) {
+	if !slices.Contains(runs, "cutoff") {
+		if o.cutoffCases != "" {
+			return nil, usageError{errors.New("--cutoff needs --scenario cutoff")}
+		}
+		return nil, nil
+	}
+	cutoffs, err := cutoffList(o.cutoffCases, o.backend == "etcd")
+	if err != nil {
+		return nil, usageError{err}
+	}
+	// Faults are iptables rules: without root, nothing to measure.
+	if err := cutoffUsable(); err != nil {
+		return nil, fmt.Errorf("the cutoff scenario cannot run: %w", err)
+	}
+	return cutoffs, nil
+}
+
+// compareSystems is --compare's systems, each installed (an etcd named by
+// --etcd is checked by validateBackend).
+func (o *benchOptions) compareSystems() ([]string, error) {
+	if o.compare == "" {
+		return nil, nil
+	}
+	others := strings.Split(o.compare, ",")
+	for _, sys := range others {
+		bin := map[string]string{"redis": "redis-server", "etcd": "etcd"}[sys]
+		if bin == "" {
+			return nil, usageError{fmt.Errorf("--compare: unknown system %q (redis, etcd)", sys)}
+		}
+		if sys == "etcd" && o.etcdBin != "" {
+			continue
+		}
+		if _, err := exec.LookPath(bin); err != nil {
+			return nil, fmt.Errorf("--compare %s: %s is not installed (Debian: apt-get install %s)", sys, bin, map[string]string{"redis": "redis-server", "etcd": "etcd-server"}[sys])
+		}
+	}
+	return others, nil
 }
 
 // cutoffUsable says whether the cutoff scenario can make its faults:
