@@ -365,83 +365,11 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 				setup = append(setup, "etcd's concurrency.Mutex (--compare etcd): on the same etcd")
 			}
 		}
-		ratios := benchRatios(results)
-		if bo.asJSON {
-			enc := json.NewEncoder(stdout)
-			enc.SetIndent("", "  ")
-			out := map[string]any{"results": results, "ratios": ratios}
-			if len(setup) > 0 {
-				out["setup"] = setup
-			}
-			if len(pings) > 0 {
-				out["pings"] = pings
-			}
-			if len(cutoffSums) > 0 {
-				out["cutoff"] = cutoffSums
-			}
-			if err := enc.Encode(out); err != nil {
-				return err
-			}
-			return cutoffFailed(cutoffSums)
+		rep := benchReport{setup: setup, results: results, pings: pings, cutoff: cutoffSums}
+		if err := rep.write(stdout, bo.asJSON, bo.asMarkdown); err != nil {
+			return err
 		}
-		lines := append(setup, cpuLines(results)...)
-		for _, k := range slices.Sorted(maps.Keys(ratios)) {
-			lines = append(lines, fmt.Sprintf("%s = %.2f", k, ratios[k]))
-		}
-		if bo.asMarkdown {
-			if len(pings) > 0 {
-				fmt.Fprintln(stdout, "| "+strings.Join(pingColumns, " | ")+" |")
-				fmt.Fprintln(stdout, strings.Repeat("| --- ", len(pingColumns))+"|")
-				for _, r := range pings {
-					fmt.Fprintln(stdout, "| "+strings.Join(pingRow(r), " | ")+" |")
-				}
-				fmt.Fprintln(stdout)
-			}
-			if len(results) > 0 {
-				fmt.Fprintln(stdout, "| scenario | system | concurrency | ops/s | p50 | p90 | p99 | max | one op | server CPU/op | server RSS |")
-				fmt.Fprintln(stdout, "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-				for _, r := range results {
-					fmt.Fprintf(stdout, "| %s | %s | %d | %.0f | %s | %s | %s | %s | %s | %s | %s |\n", r.Scenario, r.System, r.Concurrency, r.Rate, us(r.P50), us(r.P90), us(r.P99), us(r.Max), r.Unit, cpuText(r.ServerCPUPerOp), rssText(r))
-				}
-				fmt.Fprintln(stdout)
-			}
-			printCutoff(stdout, cutoffSums, true)
-			for _, r := range results {
-				if r.Note != "" {
-					fmt.Fprintf(stdout, "- %s %s: %s\n", r.Scenario, r.System, r.Note)
-				}
-			}
-			for _, l := range lines {
-				fmt.Fprintf(stdout, "- %s\n", l)
-			}
-			return cutoffFailed(cutoffSums)
-		}
-		if len(pings) > 0 {
-			tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
-			fmt.Fprintln(tw, strings.Join(pingColumns, "\t")+"\t")
-			for _, r := range pings {
-				fmt.Fprintln(tw, strings.Join(pingRow(r), "\t")+"\t")
-			}
-			tw.Flush()
-		}
-		if len(results) > 0 || (len(pings) == 0 && len(cutoffSums) == 0) {
-			tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
-			fmt.Fprintln(tw, "scenario\tsystem\tconcurrency\tops/s\tp50\tp90\tp99\tmax\tone op\tserver CPU/op\tserver RSS\t")
-			for _, r := range results {
-				fmt.Fprintf(tw, "%s\t%s\t%d\t%.0f\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", r.Scenario, r.System, r.Concurrency, r.Rate, us(r.P50), us(r.P90), us(r.P99), us(r.Max), r.Unit, cpuText(r.ServerCPUPerOp), rssText(r))
-			}
-			tw.Flush()
-		}
-		printCutoff(stdout, cutoffSums, false)
-		for _, r := range results {
-			if r.Note != "" {
-				fmt.Fprintf(stdout, "%s %s: %s\n", r.Scenario, r.System, r.Note)
-			}
-		}
-		for _, l := range lines {
-			fmt.Fprintln(stdout, l)
-		}
-		return cutoffFailed(cutoffSums)
+		return cutoffFailed(rep.cutoff)
 	})
 	return cmd
 }
@@ -641,6 +569,112 @@ func (o *benchOptions) compareSystems() ([]string, error) {
 		}
 	}
 	return others, nil
+}
+
+// benchReport is what a run of bench measured, and what it started to
+// measure it, to print once every scenario ran.
+type benchReport struct {
+	// setup says what was measured, when bench started it: printed with
+	// the results (docs/BENCHMARKS.md, "dlock on etcd").
+	setup   []string
+	results []bench.Result
+	pings   []bench.PingResult
+	cutoff  []bench.CutoffSummary
+}
+
+// write prints the report to w: as JSON, as Markdown tables and lists, or
+// as aligned tables and lines.
+func (rep *benchReport) write(w io.Writer, asJSON, asMarkdown bool) error {
+	ratios := benchRatios(rep.results)
+	if asJSON {
+		return rep.writeJSON(w, ratios)
+	}
+	lines := append(rep.setup, cpuLines(rep.results)...)
+	for _, k := range slices.Sorted(maps.Keys(ratios)) {
+		lines = append(lines, fmt.Sprintf("%s = %.2f", k, ratios[k]))
+	}
+	if asMarkdown {
+		rep.writeMarkdown(w, lines)
+	} else {
+		rep.writeText(w, lines)
+	}
+	return nil
+}
+
+func (rep *benchReport) writeJSON(w io.Writer, ratios map[string]float64) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	out := map[string]any{"results": rep.results, "ratios": ratios}
+	if len(rep.setup) > 0 {
+		out["setup"] = rep.setup
+	}
+	if len(rep.pings) > 0 {
+		out["pings"] = rep.pings
+	}
+	if len(rep.cutoff) > 0 {
+		out["cutoff"] = rep.cutoff
+	}
+	return enc.Encode(out)
+}
+
+// writeMarkdown prints the tables and then the notes and lines as a list
+// (make bench appends them to docs/BENCHMARKS.md).
+func (rep *benchReport) writeMarkdown(w io.Writer, lines []string) {
+	if len(rep.pings) > 0 {
+		fmt.Fprintln(w, "| "+strings.Join(pingColumns, " | ")+" |")
+		fmt.Fprintln(w, strings.Repeat("| --- ", len(pingColumns))+"|")
+		for _, r := range rep.pings {
+			fmt.Fprintln(w, "| "+strings.Join(pingRow(r), " | ")+" |")
+		}
+		fmt.Fprintln(w)
+	}
+	if len(rep.results) > 0 {
+		fmt.Fprintln(w, "| scenario | system | concurrency | ops/s | p50 | p90 | p99 | max | one op | server CPU/op | server RSS |")
+		fmt.Fprintln(w, "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+		for _, r := range rep.results {
+			fmt.Fprintf(w, "| %s | %s | %d | %.0f | %s | %s | %s | %s | %s | %s | %s |\n", r.Scenario, r.System, r.Concurrency, r.Rate, us(r.P50), us(r.P90), us(r.P99), us(r.Max), r.Unit, cpuText(r.ServerCPUPerOp), rssText(r))
+		}
+		fmt.Fprintln(w)
+	}
+	printCutoff(w, rep.cutoff, true)
+	for _, r := range rep.results {
+		if r.Note != "" {
+			fmt.Fprintf(w, "- %s %s: %s\n", r.Scenario, r.System, r.Note)
+		}
+	}
+	for _, l := range lines {
+		fmt.Fprintf(w, "- %s\n", l)
+	}
+}
+
+// writeText prints the tables aligned, then the notes and lines; the
+// results' table, if empty, when nothing else was measured either.
+func (rep *benchReport) writeText(w io.Writer, lines []string) {
+	if len(rep.pings) > 0 {
+		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+		fmt.Fprintln(tw, strings.Join(pingColumns, "\t")+"\t")
+		for _, r := range rep.pings {
+			fmt.Fprintln(tw, strings.Join(pingRow(r), "\t")+"\t")
+		}
+		tw.Flush()
+	}
+	if len(rep.results) > 0 || (len(rep.pings) == 0 && len(rep.cutoff) == 0) {
+		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+		fmt.Fprintln(tw, "scenario\tsystem\tconcurrency\tops/s\tp50\tp90\tp99\tmax\tone op\tserver CPU/op\tserver RSS\t")
+		for _, r := range rep.results {
+			fmt.Fprintf(tw, "%s\t%s\t%d\t%.0f\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", r.Scenario, r.System, r.Concurrency, r.Rate, us(r.P50), us(r.P90), us(r.P99), us(r.Max), r.Unit, cpuText(r.ServerCPUPerOp), rssText(r))
+		}
+		tw.Flush()
+	}
+	printCutoff(w, rep.cutoff, false)
+	for _, r := range rep.results {
+		if r.Note != "" {
+			fmt.Fprintf(w, "%s %s: %s\n", r.Scenario, r.System, r.Note)
+		}
+	}
+	for _, l := range lines {
+		fmt.Fprintln(w, l)
+	}
 }
 
 // cutoffUsable says whether the cutoff scenario can make its faults:
