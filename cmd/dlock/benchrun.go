@@ -2,15 +2,23 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
+	"net"
+	"net/http"
 	"os"
+	"os/exec"
 	"slices"
+	"strconv"
 	"strings"
+	"sync"
+	"syscall"
 	"time"
 
 	"github.com/dlock/dlock/internal/bench"
 	"github.com/dlock/dlock/internal/rawhttp"
+	"github.com/dlock/dlock/lock"
 )
 
 // benchRun is one run of dlock bench: the servers it started, what its
@@ -413,4 +421,171 @@ func (b *benchRun) compare(ctx context.Context, sys string) error {
 		b.report.setup = append(b.report.setup, "etcd's concurrency.Mutex (--compare etcd): on the same etcd")
 	}
 	return nil
+}
+
+// cutoffRoundText is one round's outcome in a progress line.
+func cutoffRoundText(o bench.CutoffOutcome) string {
+	var t string
+	if o.Kept {
+		t = fmt.Sprintf("holder kept its hold; next holder ran %s after the cut", secs(o.Next))
+	} else {
+		t = fmt.Sprintf("cut → holder stopped %s, cut → next holder running %s", secs(o.Stopped), secs(o.Next))
+	}
+	t += fmt.Sprintf(", overlap %s", secs(o.Overlap))
+	for _, p := range o.Problems {
+		t += "; " + p
+	}
+	return t
+}
+
+func secs(d time.Duration) string { return fmt.Sprintf("%.2f s", d.Seconds()) }
+
+// benchFiles is the file descriptors the scenarios open in this process
+// (and in the floor's writers, which inherit the limit): a stream per
+// fan-out waiter or per floor reader, the memory scenario's idle-sessions
+// and the pings scenario's --sessions streams, plus a reserve for
+// everything else.
+func benchFiles(runs []string, waiters, sessions, heldNodes, conns, nodes, servers int) uint64 {
+	need := conns + heldNodes
+	if slices.Contains(runs, "fleet") {
+		// The nodes' streams, and a connection per worker to each server.
+		need = max(need, nodes+conns*servers)
+	}
+	if slices.Contains(runs, "fanout") {
+		need = max(need, waiters+32)
+	}
+	if slices.Contains(runs, "memory") || slices.Contains(runs, "pings") {
+		need = max(need, sessions+conns)
+	}
+	return uint64(need) + 256
+}
+
+// ensureFileLimit raises this process's open-file limit to need if it is
+// lower: the soft limit up to the hard one, and the hard one too where
+// that is allowed (root). The servers bench starts inherit it.
+func ensureFileLimit(need uint64) error {
+	var lim syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+		return fmt.Errorf("reading the open-file limit: %w", err)
+	}
+	if lim.Cur >= need {
+		return nil
+	}
+	want := syscall.Rlimit{Cur: need, Max: max(lim.Max, need)}
+	if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &want); err != nil {
+		return fmt.Errorf("these scenarios open about %d files in this process, over the open-file limit of %d (hard %d) that cannot be raised (%v): fewer --waiters or --sessions, or a higher ulimit -n",
+			need, lim.Cur, lim.Max, err)
+	}
+	return nil
+}
+
+// benchServerBinary is the dlock that the memory scenario runs as its fresh
+// servers, and the fan-out floor as its writers: this one (tests: the one
+// they built).
+var benchServerBinary = os.Executable
+
+// freshServerFlags are the `dlock serve` flags a fresh server needs past
+// its defaults to hold sessions streams and keys locks.
+func freshServerFlags(sessions, keys int) []string {
+	var flags []string
+	def := lock.DefaultRules()
+	if need := sessions + 64; def.MaxSessions > 0 && need > def.MaxSessions {
+		flags = append(flags, "--max-sessions", strconv.Itoa(need))
+	}
+	if need := keys + 64; def.MaxKeys > 0 && need > def.MaxKeys {
+		flags = append(flags, "--max-keys", strconv.Itoa(need))
+	}
+	return flags
+}
+
+// freshServer starts `bin serve` on a free 127.0.0.1 port, with flags,
+// for each call, and stops it (SIGKILL: nothing of it needs to last) with
+// the func returned. Its log goes to stderr at level warn.
+func freshServer(bin string, flags []string, stderr io.Writer) bench.StartServer {
+	return func(ctx context.Context) (string, func(), error) {
+		var err error
+		// A free port can be taken between its finding and the server's
+		// listen: try again then.
+		for range 3 {
+			var base string
+			var stop func()
+			base, stop, err = startFresh(ctx, bin, flags, stderr)
+			if err == nil {
+				return base, stop, nil
+			}
+			if !errors.Is(err, errExited) {
+				break
+			}
+		}
+		return "", nil, err
+	}
+}
+
+type syncWriter struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+func (s *syncWriter) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.w.Write(p)
+}
+
+var errExited = errors.New("dlock serve exited")
+
+func startFresh(ctx context.Context, bin string, flags []string, stderr io.Writer) (string, func(), error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", nil, err
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	// No data dir: a fresh server shares no state, and takes no lock on
+	// the default one that a real server may hold.
+	args := append([]string{"serve", "--listen", addr, "--data-dir", "", "--log-level", "warn"}, flags...)
+	cmd := exec.Command(bin, args...)
+	// The environment's DLOCK_* settings (a token file, TLS) are for the
+	// servers under test, not for a default fresh one.
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "DLOCK_") {
+			cmd.Env = append(cmd.Env, kv)
+		}
+	}
+	cmd.Stdout, cmd.Stderr = stderr, stderr
+	if err := cmd.Start(); err != nil {
+		return "", nil, err
+	}
+	exited := make(chan struct{})
+	var waitErr error
+	go func() { waitErr = cmd.Wait(); close(exited) }()
+	stop := func() {
+		cmd.Process.Kill()
+		<-exited
+	}
+	base := "http://" + addr
+	hc := &http.Client{Timeout: time.Second}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		resp, err := hc.Get(base + "/healthz")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				hc.CloseIdleConnections()
+				return base, stop, nil
+			}
+		}
+		select {
+		case <-exited:
+			return "", nil, fmt.Errorf("%w: %v", errExited, waitErr)
+		case <-ctx.Done():
+			stop()
+			return "", nil, ctx.Err()
+		case <-time.After(20 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			stop()
+			return "", nil, fmt.Errorf("dlock serve on %s did not answer /healthz within 30 s", addr)
+		}
+	}
 }
