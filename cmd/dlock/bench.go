@@ -1,31 +1,20 @@
 package main
 
 import (
-	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
-	"maps"
-	"net"
-	"net/http"
-	"os"
 	"os/exec"
 	"os/signal"
 	"slices"
-	"strconv"
 	"strings"
-	"sync"
 	"syscall"
-	"text/tabwriter"
 	"time"
 
 	"github.com/dlock/dlock/client"
 	"github.com/dlock/dlock/internal/bench"
 	"github.com/dlock/dlock/internal/netfault"
-	"github.com/dlock/dlock/internal/rawhttp"
-	"github.com/dlock/dlock/lock"
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 )
 
 // benchScenarios are the scenarios bench runs; the top-level usage names
@@ -58,506 +47,217 @@ Scenarios: ` + strings.Join(benchScenarios, ", ") + ` (the default: pairs,handof
 		},
 	}
 	fs := cmd.Flags()
-	server := fs.String("server", "http://127.0.0.1:7380", "dlock server URL (one: bench measures a server)")
-	scenarios := fs.String("scenario", "pairs,handoff,fanout,sessions", "scenarios to run: pairs, handoff, fanout (and its floor), sessions, memory, pings, failover and fleet (--backend etcd), cutoff (as root; its etcd cases with --backend etcd)")
-	duration := fs.Duration("duration", 10*time.Second, "how long each scenario runs")
-	concurrency := fs.Int("concurrency", 32, "connections (pairs, sessions, memory) or nodes on the key (handoff)")
-	waiters := fs.Int("waiters", 1000, "fanout: waiters, each with its own session, queued on one key (and the floor's loopback sockets)")
-	heldN := fs.Int("held", 100000, "memory: locks to hold while the server's RSS is read (held-ttl, held-session; 0: neither)")
-	heldNodes := fs.Int("held-nodes", 100, "memory: nodes, each with a session stream, that hold the held-session locks")
-	sessionsN := fs.Int("sessions", 10000, "memory: session streams to keep open while the server's RSS is read (idle-sessions; 0: not run); pings: idle session streams on each server")
-	pingIntervals := fs.String("ping-intervals", "250ms,1s,5s,15s", "pings: the --ping-interval of each fresh dlock serve measured, comma-separated (10ms to 1m)")
-	pingWindow := fs.Duration("ping-window", 10*time.Second, "pings: the shortest window measured on each server, made a whole number of intervals, two at least")
-	memoryServer := fs.String("memory-server", "", "memory: measure this server (with the same credentials) instead of a fresh dlock serve for each measurement")
-	compare := fs.String("compare", "", "also run pairs and handoff against: redis, etcd (comma-separated; started on 127.0.0.1)")
-	etcdBin := fs.String("etcd", "", "the etcd binary that --backend etcd and --compare etcd start (default: etcd in PATH; make etcd builds the etcd of go.mod into bin/etcd)")
-	backend := fs.String("backend", "", "etcd: instead of measuring --server, start an etcd on 127.0.0.1 and dlock serve --backend etcd on it, and measure that (--compare etcd then measures the same etcd)")
-	servers := fs.Int("servers", 3, "failover: dlock servers on the one etcd, one SIGKILLed each round; fleet: the servers the nodes are spread over, one SIGKILLed")
-	fleetNodes := fs.Int("nodes", 10000, "fleet: nodes, each with its session stream open, spread over --servers")
-	fleetHolders := fs.Int("holders", 1000, "fleet: nodes that hold a session-leased lock when a server is killed")
-	fleetHeld := fs.Int("fleet-held", 100000, "fleet: locks the nodes then hold with session leases, for the servers' RSS and etcd's database size (0: not measured)")
-	fleetIdle := fs.Duration("idle", 10*time.Second, "fleet: how long etcd's and the servers' CPU is read while the sessions idle (0: not read)")
-	fleetOpening := fs.Int("opening", 256, "fleet: session streams opening at once")
-	rounds := fs.Int("rounds", 5, "failover, cutoff: rounds (cutoff: of each case)")
-	cutoffCases := fs.String("cutoff", "", "cutoff: the cases to run, comma-separated (default: the memory engine's, and with --backend etcd the etcd engine's): "+strings.Join(bench.CutoffScenarios, ", "))
-	rawNode := fs.Bool("failover-raw", false, "failover: the node is raw HTTP that tries the other servers in turn, not client.Client with every server")
-	recheck := fs.Duration("recheck", 6*time.Second, "failover: check the hold again this long after the kill, past the servers' --session-grace (0: only at once)")
-	serveFlags := fs.String("serve-flags", "", "more flags for the dlock serve processes bench starts, space-separated (e.g. --debug-listen 127.0.0.1:6060)")
-	asJSON := fs.Bool("json", false, "print the results as JSON")
-	asMarkdown := fs.Bool("markdown", false, "print the results as a Markdown table (make bench appends it to docs/BENCHMARKS.md)")
-	cred := credentialFlags(fs)
+	o := benchFlags(fs)
 	cmd.RunE = e.action(func(cmd *cobra.Command, args []string) error {
 		if len(args) == 1 {
 			return bench.ServeFloor(e.stdin, e.stdout)
 		}
-		// The fresh servers' logs share stderr with the progress lines.
-		stdout, stderr := e.stdout, &syncWriter{w: e.stderr}
 		ctx, stop := signal.NotifyContext(e.ctx, syscall.SIGINT, syscall.SIGTERM)
 		defer stop()
-		if len(client.SplitServers(*server)) > 1 {
-			return usageError{fmt.Errorf("--server %s: bench measures one server, not a list", *server)}
-		}
-		if err := checkServers(*server); err != nil {
-			return err
-		}
-		runs := strings.Split(*scenarios, ",")
-		for _, s := range runs {
-			if !slices.Contains(benchScenarios, s) {
-				return usageError{fmt.Errorf("unknown scenario %q: the scenarios are %s", s, strings.Join(benchScenarios, ", "))}
-			}
-		}
-		serverSet := fs.Changed("server")
-		if *etcdBin != "" {
-			if _, err := exec.LookPath(*etcdBin); err != nil {
-				return usageError{fmt.Errorf("--etcd: %w", err)}
-			}
-		}
-		switch *backend {
-		case "":
-			for _, s := range []string{"failover", "fleet"} {
-				if slices.Contains(runs, s) {
-					return usageError{fmt.Errorf("--scenario %s needs --backend etcd: servers that share their lock state, started by bench", s)}
-				}
-			}
-		case "etcd":
-			if slices.Contains(runs, "pings") {
-				return usageError{errors.New("--scenario pings measures fresh memory servers: no --backend")}
-			}
-			if serverSet {
-				return usageError{errors.New("--backend etcd measures the server it starts: no --server")}
-			}
-			if *etcdBin == "" {
-				if _, err := exec.LookPath("etcd"); err != nil {
-					return fmt.Errorf("--backend etcd: etcd is not installed (Debian: apt-get install etcd-server; or --etcd)")
-				}
-			}
-		default:
-			return usageError{fmt.Errorf("--backend: %q is not etcd", *backend)}
-		}
-		if *servers < 2 || *rounds < 1 {
-			return usageError{errors.New("--servers must be at least 2 and --rounds at least 1")}
-		}
-		var cutoffs []string
-		if slices.Contains(runs, "cutoff") {
-			var err error
-			if cutoffs, err = cutoffList(*cutoffCases, *backend == "etcd"); err != nil {
-				return usageError{err}
-			}
-			// Faults are iptables rules: without root, nothing to measure.
-			if err := cutoffUsable(); err != nil {
-				return fmt.Errorf("the cutoff scenario cannot run: %w", err)
-			}
-		} else if *cutoffCases != "" {
-			return usageError{errors.New("--cutoff needs --scenario cutoff")}
-		}
-		var others []string
-		if *compare != "" {
-			others = strings.Split(*compare, ",")
-			for _, o := range others {
-				bin := map[string]string{"redis": "redis-server", "etcd": "etcd"}[o]
-				if bin == "" {
-					return usageError{fmt.Errorf("--compare: unknown system %q (redis, etcd)", o)}
-				}
-				if o == "etcd" && *etcdBin != "" {
-					continue
-				}
-				if _, err := exec.LookPath(bin); err != nil {
-					return fmt.Errorf("--compare %s: %s is not installed (Debian: apt-get install %s)", o, bin, map[string]string{"redis": "redis-server", "etcd": "etcd-server"}[o])
-				}
-			}
-		}
-		// --etcd alone would measure the --server given and start no etcd:
-		// a run that seems to be on that etcd and is not.
-		if *etcdBin != "" && *backend != "etcd" && !slices.Contains(others, "etcd") {
-			return usageError{errors.New("--etcd needs --backend etcd or --compare etcd: it names the etcd they start")}
-		}
-		if *concurrency < 1 || *waiters < 1 || *duration <= 0 || *heldN < 0 || *sessionsN < 0 || *heldNodes < 1 {
-			return usageError{errors.New("--concurrency, --waiters, --held-nodes and --duration must be positive, --held and --sessions not negative")}
-		}
-		if *fleetNodes < *servers || *fleetHolders < 0 || *fleetHolders > *fleetNodes || *fleetHeld < 0 || *fleetIdle < 0 || *fleetOpening < 1 {
-			return usageError{errors.New("--nodes must be at least --servers, --holders at most --nodes, --opening positive, --fleet-held and --idle not negative")}
-		}
-		var intervals []time.Duration
-		if slices.Contains(runs, "pings") {
-			var err error
-			if intervals, err = bench.ParsePingIntervals(*pingIntervals); err != nil {
-				return usageError{fmt.Errorf("--ping-intervals: %w", err)}
-			}
-			if *sessionsN < 1 || *pingWindow <= 0 {
-				return usageError{errors.New("--scenario pings needs --sessions and --ping-window above 0")}
-			}
-		}
-		tlsConfig, token, err := loadCredentials(cred, *server)
+		plan, err := o.validate(fs.Changed("server"))
 		if err != nil {
 			return err
 		}
-		if err := ensureFileLimit(benchFiles(runs, *waiters, *sessionsN, *heldNodes, *concurrency, *fleetNodes, *servers)); err != nil {
-			return err
-		}
-		dialer := rawhttp.Dialer{TLS: tlsConfig, Token: token}
-		// setup says what was measured, when bench started it: printed with
-		// the results (docs/BENCHMARKS.md, "dlock on etcd").
-		var setup []string
-		var etcdServer *bench.Etcd
-		extraServe := strings.Fields(*serveFlags)
-		startOnEtcd := func(prefix func() string) bench.StartServer {
-			return func(ctx context.Context) (string, func(), error) {
-				bin, err := benchServerBinary()
-				if err != nil {
-					return "", nil, err
-				}
-				flags := append([]string{"--backend", "etcd", "--etcd-endpoints", etcdServer.Endpoint, "--etcd-prefix", prefix()}, extraServe...)
-				return freshServer(bin, flags, stderr)(ctx)
-			}
-		}
-		if *backend == "etcd" {
-			etcdServer, err = bench.LaunchEtcd(*etcdBin)
-			if err != nil {
-				return fmt.Errorf("--backend etcd: %w", err)
-			}
-			defer etcdServer.Stop()
-			fmt.Fprintf(stderr, "%s\n", etcdServer)
-			setup = append(setup, "etcd: "+etcdServer.String())
-			if slices.ContainsFunc(runs, func(s string) bool { return s != "memory" && s != "failover" && s != "fleet" && s != "cutoff" }) {
-				prefix := fmt.Sprintf("/dlock-bench-%d/", time.Now().UnixNano())
-				base, stop, err := startOnEtcd(func() string { return prefix })(ctx)
-				if err != nil {
-					return fmt.Errorf("--backend etcd: starting dlock serve: %w", err)
-				}
-				defer stop()
-				*server = base
-				dialer = rawhttp.Dialer{}
-				args := append([]string{"dlock serve --backend etcd --etcd-endpoints", etcdServer.Endpoint, "--etcd-prefix", prefix}, extraServe...)
-				setup = append(setup, fmt.Sprintf("dlock: one `%s` at %s, started by bench, on that etcd", strings.Join(args, " "), base))
-			}
-		}
-		opts := bench.Options{Duration: *duration, Concurrency: *concurrency, Waiters: *waiters, Dialer: dialer,
-			ServerCPU: bench.MetricsCPU(*server, dialer)}
-		// withEtcdCalls counts, on an etcd in play, the calls its server
-		// answered per op of f's run.
-		withEtcdCalls := func(endpoint string, f func(context.Context, bench.Options) (bench.Result, error)) func(context.Context, bench.Options) (bench.Result, error) {
-			if endpoint == "" {
-				return f
-			}
-			return func(ctx context.Context, o bench.Options) (bench.Result, error) {
-				cpu := bench.MetricsCPU(endpoint, rawhttp.Dialer{})
-				before, berr := bench.EtcdCalls(endpoint)
-				cpu0, cerr := cpu()
-				r, err := f(ctx, o)
-				cpu1, cerr1 := cpu()
-				after, aerr := bench.EtcdCalls(endpoint)
-				if err != nil || berr != nil || aerr != nil || r.Ops == 0 {
-					return r, err
-				}
-				r.EtcdCallsPerOp = bench.EtcdCallsPerOp(before, after, r.Ops)
-				if r.Note != "" {
-					r.Note += "; "
-				}
-				r.Note += "etcd per " + r.Unit + ": " + bench.EtcdCallsText(r.EtcdCallsPerOp)
-				if r.System == "dlock" && cerr == nil && cerr1 == nil {
-					// The dlock server's CPU is its column; etcd's, under it,
-					// here: together what the service costs.
-					r.Note += fmt.Sprintf(", etcd's CPU %s", cpuText(float64((cpu1-cpu0).Nanoseconds())/1e3/float64(r.Ops)))
-				}
-				return r, nil
-			}
-		}
-		backendEtcd := ""
-		if etcdServer != nil {
-			backendEtcd = etcdServer.Endpoint
-		}
-		run := func(label string, o bench.Options, f func(context.Context, bench.Options) (bench.Result, error)) (bench.Result, error) {
-			start := time.Now()
-			o.Progress = func(ops int64) {
-				fmt.Fprintf(stderr, "\r%-22s %10d ops %10.0f/s", label, ops, float64(ops)/time.Since(start).Seconds())
-			}
-			r, err := f(ctx, o)
-			fmt.Fprintf(stderr, "\r%-22s done%40s\n", label, "")
-			return r, err
-		}
-		var results []bench.Result
-		var pings []bench.PingResult
-		var cutoffSums []bench.CutoffSummary
-		for _, s := range runs {
-			if s == "pings" {
-				bin, err := benchServerBinary()
-				if err != nil {
-					return fmt.Errorf("pings: the dlock binary to serve: %w", err)
-				}
-				po := bench.PingOptions{Intervals: intervals, Sessions: *sessionsN, Window: *pingWindow,
-					Start: func(ctx context.Context, ping time.Duration) (string, func(), error) {
-						flags := append(append(freshServerFlags(*sessionsN, 0), extraServe...), "--ping-interval", ping.String())
-						return freshServer(bin, flags, stderr)(ctx)
-					},
-					Opened: func(ping, took time.Duration) {
-						fmt.Fprintf(stderr, "pings %v: %d streams open in %.1fs, measuring %v\n", ping, *sessionsN, took.Seconds(), bench.PingWindow(ping, *pingWindow))
-					},
-					Done: func(r bench.PingResult) {
-						fmt.Fprintf(stderr, "pings %v: %.0f pings/s (%.0f expected), server CPU %.2f%%\n", msDuration(r.IntervalMS), r.Rate, r.Expected, r.ServerCPU)
-					}}
-				rs, err := bench.Pings(ctx, po)
-				if err != nil {
-					return fmt.Errorf("pings: %w", err)
-				}
-				pings = append(pings, rs...)
-				setup = append(setup, fmt.Sprintf("pings: a fresh `dlock serve --ping-interval …` for each interval, started by bench, %d idle session streams on it read by bench over 127.0.0.1; CPU in %% of one core; bytes are the streams' payload (no TCP/IP headers or ACKs); a ping is %q", *sessionsN, bench.PingFrame))
-				continue
-			}
-			if s == "cutoff" {
-				bin, err := benchServerBinary()
-				if err != nil {
-					return fmt.Errorf("cutoff: the dlock binary to run: %w", err)
-				}
-				dir, err := os.MkdirTemp("", "dlock-bench-cutoff")
-				if err != nil {
-					return err
-				}
-				defer os.RemoveAll(dir)
-				env := bench.CutoffEnv{Bin: bin, Dir: dir, LostStatus: ExitLockLost}
-				if etcdServer != nil {
-					env.Etcd = []string{etcdServer.Endpoint}
-				}
-				for _, c := range cutoffs {
-					var outcomes []bench.CutoffOutcome
-					for round := 1; round <= *rounds; round++ {
-						o, err := bench.RunCutoff(ctx, env, c)
-						if err != nil {
-							return fmt.Errorf("cutoff %s, round %d: %w", c, round, err)
-						}
-						fmt.Fprintf(stderr, "cutoff %s round %d: %s\n", c, round, cutoffRoundText(o))
-						outcomes = append(outcomes, o)
-					}
-					cutoffSums = append(cutoffSums, bench.SummarizeCutoff(c, outcomes))
-				}
-				setup = append(setup, fmt.Sprintf("cutoff: per case and round, fresh `dlock serve` processes (memory: one, --session-grace 3s; etcd: three on one data set of the etcd above, --session-grace 5s; --ping-interval 1s --dead-peer-timeout 3s) and two `dlock run` on one key, the holder dialing from a loopback address of its own; faults by iptables, SIGSTOP and black-holing proxies; %d rounds each", *rounds))
-				continue
-			}
-			if s == "memory" {
-				mo := bench.MemoryOptions{Held: *heldN, HeldNodes: *heldNodes, Sessions: *sessionsN, Conns: *concurrency,
-					Done: func(r bench.Result) { fmt.Fprintf(stderr, "memory %s: %s\n", r.Scenario, r.Note) }}
-				if *memoryServer != "" {
-					mo.Dialer = dialer
-					mo.Start = func(context.Context) (string, func(), error) { return *memoryServer, func() {}, nil }
-				} else {
-					bin, err := benchServerBinary()
-					if err != nil {
-						return fmt.Errorf("memory: the dlock binary to serve: %w", err)
-					}
-					mo.Start = freshServer(bin, append(freshServerFlags(*sessionsN+*heldNodes, *heldN), extraServe...), stderr)
-					if etcdServer != nil {
-						n := 0
-						mo.Start = startOnEtcd(func() string { n++; return fmt.Sprintf("/dlock-bench-memory-%d-%d/", time.Now().UnixNano(), n) })
-					}
-				}
-				rs, err := bench.Memory(ctx, mo)
-				if err != nil {
-					return fmt.Errorf("memory: %w", err)
-				}
-				results = append(results, rs...)
-				continue
-			}
-			if s == "failover" {
-				prefix := fmt.Sprintf("/dlock-bench-failover-%d/", time.Now().UnixNano())
-				fo := bench.FailoverOptions{Servers: *servers, Rounds: *rounds, Recheck: *recheck, Client: !*rawNode, Start: startOnEtcd(func() string { return prefix }),
-					Round: func(r bench.FailoverRound) {
-						fmt.Fprintf(stderr, "failover round: next lock %v, stream resumed %v, hold kept %v, next grant delivered %v %s\n", r.Lock, r.Stream, r.Kept, r.Replayed, r.Problem)
-					}}
-				// No etcd calls per op: the replacement servers' starts
-				// would count too.
-				r, err := run("failover dlock", opts, func(ctx context.Context, o bench.Options) (bench.Result, error) {
-					fo.Progress = o.Progress
-					return bench.Failover(ctx, fo)
-				})
-				if err != nil {
-					return fmt.Errorf("failover: %w", err)
-				}
-				nodeText := "client.Client given every server"
-				if *rawNode {
-					nodeText = "raw HTTP"
-				}
-				setup = append(setup, fmt.Sprintf("failover: %d `dlock serve --backend etcd --etcd-prefix %s` on that etcd, started by bench; the node: %s", *servers, prefix, nodeText))
-				results = append(results, r)
-				continue
-			}
-			if s == "fleet" {
-				prefix := fmt.Sprintf("/dlock-bench-fleet-%d/", time.Now().UnixNano())
-				bin, err := benchServerBinary()
-				if err != nil {
-					return fmt.Errorf("fleet: the dlock binary to serve: %w", err)
-				}
-				flags := append(append([]string{"--backend", "etcd", "--etcd-endpoints", etcdServer.Endpoint, "--etcd-prefix", prefix},
-					freshServerFlags(*fleetNodes, *fleetHeld+*fleetHolders+64)...), extraServe...)
-				fo := bench.FleetOptions{Servers: *servers, Nodes: *fleetNodes, Holders: *fleetHolders, Held: *fleetHeld,
-					Opening: *fleetOpening, Conns: *concurrency, Idle: *fleetIdle, Recheck: *recheck,
-					Start: freshServer(bin, flags, stderr), EtcdEndpoint: etcdServer.Endpoint, EtcdCPU: bench.ProcCPU(etcdServer.PID),
-					Log: func(l string) { fmt.Fprintln(stderr, l) }}
-				rs, err := bench.Fleet(ctx, fo)
-				if err != nil {
-					return fmt.Errorf("fleet: %w", err)
-				}
-				results = append(results, rs...)
-				setup = append(setup, fmt.Sprintf("fleet: %d `dlock serve %s` on that etcd, started by bench; %d nodes, node i's session stream on server i mod %d, read by a goroutine each; locks and waiters over %d connections to each server; etcd's CPU from /proc/%d/stat, the servers' from their /metrics",
-					*servers, strings.Join(flags, " "), *fleetNodes, *servers, *concurrency, etcdServer.PID))
-				continue
-			}
-			var f func(context.Context, string, bench.Options) (bench.Result, error)
-			switch s {
-			case "pairs":
-				f = bench.Pairs
-			case "handoff":
-				f = bench.Handoff
-			case "fanout":
-				f = bench.Fanout
-			case "sessions":
-				f = bench.Sessions
-			}
-			r, err := run(s+" dlock", opts, withEtcdCalls(backendEtcd, func(ctx context.Context, o bench.Options) (bench.Result, error) { return f(ctx, *server, o) }))
-			if err != nil {
-				return fmt.Errorf("%s: %w", s, err)
-			}
-			results = append(results, r)
-			if s == "fanout" {
-				// The floor right after, on the frame a waiter got: the
-				// same event bytes to as many sockets (docs/CLI.md, "Load
-				// generator"), written by this binary as a process of its
-				// own.
-				bin, err := benchServerBinary()
-				if err != nil {
-					return fmt.Errorf("fanout floor: the dlock binary to write: %w", err)
-				}
-				fr, err := run("fanout floor", opts, func(ctx context.Context, o bench.Options) (bench.Result, error) {
-					return bench.Floor(ctx, r.Frame, o.Waiters, max(r.Rounds, 5), bench.ExecFloor(stderr, bin, "bench", floorWriterArg))
-				})
-				if err != nil {
-					return fmt.Errorf("fanout floor: %w", err)
-				}
-				results = append(results, fr)
-			}
-		}
-		for _, o := range others {
-			var addr string
-			var stop func()
-			var err error
-			var pairs, handoff func(context.Context, string, bench.Options) (bench.Result, error)
-			oo := opts
-			switch o {
-			case "redis":
-				addr, stop, err = bench.StartRedis()
-				pairs, handoff = bench.RedisPairs, bench.RedisHandoff
-				oo.ServerCPU = bench.RedisCPU(addr)
-			case "etcd":
-				if etcdServer != nil {
-					// The same etcd as dlock's backend: a fair comparison.
-					addr, stop = etcdServer.Endpoint, func() {}
-				} else {
-					addr, stop, err = bench.StartEtcd(*etcdBin)
-				}
-				pairs, handoff = bench.EtcdPairs, bench.EtcdHandoff
-				oo.ServerCPU = bench.MetricsCPU(addr, rawhttp.Dialer{})
-			}
-			if err != nil {
-				return err
-			}
-			for _, s := range runs {
-				f := map[string]func(context.Context, string, bench.Options) (bench.Result, error){"pairs": pairs, "handoff": handoff}[s]
-				if f == nil {
-					continue
-				}
-				count := ""
-				if o == "etcd" {
-					count = addr
-				}
-				r, err := run(s+" "+o, oo, withEtcdCalls(count, func(ctx context.Context, opt bench.Options) (bench.Result, error) { return f(ctx, addr, opt) }))
-				if err != nil {
-					stop()
-					return fmt.Errorf("%s %s: %w", s, o, err)
-				}
-				results = append(results, r)
-			}
-			stop()
-			if o == "etcd" && etcdServer != nil {
-				setup = append(setup, "etcd's concurrency.Mutex (--compare etcd): on the same etcd")
-			}
-		}
-		ratios := benchRatios(results)
-		if *asJSON {
-			enc := json.NewEncoder(stdout)
-			enc.SetIndent("", "  ")
-			out := map[string]any{"results": results, "ratios": ratios}
-			if len(setup) > 0 {
-				out["setup"] = setup
-			}
-			if len(pings) > 0 {
-				out["pings"] = pings
-			}
-			if len(cutoffSums) > 0 {
-				out["cutoff"] = cutoffSums
-			}
-			if err := enc.Encode(out); err != nil {
-				return err
-			}
-			return cutoffFailed(cutoffSums)
-		}
-		lines := append(setup, cpuLines(results)...)
-		for _, k := range slices.Sorted(maps.Keys(ratios)) {
-			lines = append(lines, fmt.Sprintf("%s = %.2f", k, ratios[k]))
-		}
-		if *asMarkdown {
-			if len(pings) > 0 {
-				fmt.Fprintln(stdout, "| "+strings.Join(pingColumns, " | ")+" |")
-				fmt.Fprintln(stdout, strings.Repeat("| --- ", len(pingColumns))+"|")
-				for _, r := range pings {
-					fmt.Fprintln(stdout, "| "+strings.Join(pingRow(r), " | ")+" |")
-				}
-				fmt.Fprintln(stdout)
-			}
-			if len(results) > 0 {
-				fmt.Fprintln(stdout, "| scenario | system | concurrency | ops/s | p50 | p90 | p99 | max | one op | server CPU/op | server RSS |")
-				fmt.Fprintln(stdout, "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-				for _, r := range results {
-					fmt.Fprintf(stdout, "| %s | %s | %d | %.0f | %s | %s | %s | %s | %s | %s | %s |\n", r.Scenario, r.System, r.Concurrency, r.Rate, us(r.P50), us(r.P90), us(r.P99), us(r.Max), r.Unit, cpuText(r.ServerCPUPerOp), rssText(r))
-				}
-				fmt.Fprintln(stdout)
-			}
-			printCutoff(stdout, cutoffSums, true)
-			for _, r := range results {
-				if r.Note != "" {
-					fmt.Fprintf(stdout, "- %s %s: %s\n", r.Scenario, r.System, r.Note)
-				}
-			}
-			for _, l := range lines {
-				fmt.Fprintf(stdout, "- %s\n", l)
-			}
-			return cutoffFailed(cutoffSums)
-		}
-		if len(pings) > 0 {
-			tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
-			fmt.Fprintln(tw, strings.Join(pingColumns, "\t")+"\t")
-			for _, r := range pings {
-				fmt.Fprintln(tw, strings.Join(pingRow(r), "\t")+"\t")
-			}
-			tw.Flush()
-		}
-		if len(results) > 0 || (len(pings) == 0 && len(cutoffSums) == 0) {
-			tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
-			fmt.Fprintln(tw, "scenario\tsystem\tconcurrency\tops/s\tp50\tp90\tp99\tmax\tone op\tserver CPU/op\tserver RSS\t")
-			for _, r := range results {
-				fmt.Fprintf(tw, "%s\t%s\t%d\t%.0f\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t\n", r.Scenario, r.System, r.Concurrency, r.Rate, us(r.P50), us(r.P90), us(r.P99), us(r.Max), r.Unit, cpuText(r.ServerCPUPerOp), rssText(r))
-			}
-			tw.Flush()
-		}
-		printCutoff(stdout, cutoffSums, false)
-		for _, r := range results {
-			if r.Note != "" {
-				fmt.Fprintf(stdout, "%s %s: %s\n", r.Scenario, r.System, r.Note)
-			}
-		}
-		for _, l := range lines {
-			fmt.Fprintln(stdout, l)
-		}
-		return cutoffFailed(cutoffSums)
+		return o.run(ctx, plan, e.stdout, e.stderr)
 	})
 	return cmd
+}
+
+// benchOptions is everything `dlock bench` can be told: its flags.
+type benchOptions struct {
+	server    string // --server, the one measured
+	scenarios string // comma-separated, in the order they run
+	backend   string // "" or etcd
+	etcdBin   string // --etcd
+	compare   string // comma-separated: redis, etcd
+	cred      *client.CredentialFiles
+
+	duration             time.Duration
+	concurrency, waiters int
+	held, heldNodes      int // memory
+	sessions             int // memory, pings
+	memoryServer         string
+	pingIntervals        string
+	pingWindow           time.Duration
+	servers, rounds      int           // servers: failover, fleet; rounds: failover, cutoff
+	recheck              time.Duration // failover, fleet
+	failoverRaw          bool
+	nodes, holders       int // fleet
+	fleetHeld, opening   int
+	idle                 time.Duration
+	cutoffCases          string // --cutoff
+	serveFlags           string // --serve-flags, for every dlock serve bench starts
+	asJSON, asMarkdown   bool
+}
+
+// benchFlags defines dlock bench's flags on fs, bound to the returned
+// options.
+func benchFlags(fs *pflag.FlagSet) *benchOptions {
+	o := &benchOptions{}
+	fs.StringVar(&o.server, "server", "http://127.0.0.1:7380", "dlock server URL (one: bench measures a server)")
+	fs.StringVar(&o.scenarios, "scenario", "pairs,handoff,fanout,sessions", "scenarios to run: pairs, handoff, fanout (and its floor), sessions, memory, pings, failover and fleet (--backend etcd), cutoff (as root; its etcd cases with --backend etcd)")
+	fs.DurationVar(&o.duration, "duration", 10*time.Second, "how long each scenario runs")
+	fs.IntVar(&o.concurrency, "concurrency", 32, "connections (pairs, sessions, memory) or nodes on the key (handoff)")
+	fs.IntVar(&o.waiters, "waiters", 1000, "fanout: waiters, each with its own session, queued on one key (and the floor's loopback sockets)")
+	fs.IntVar(&o.held, "held", 100000, "memory: locks to hold while the server's RSS is read (held-ttl, held-session; 0: neither)")
+	fs.IntVar(&o.heldNodes, "held-nodes", 100, "memory: nodes, each with a session stream, that hold the held-session locks")
+	fs.IntVar(&o.sessions, "sessions", 10000, "memory: session streams to keep open while the server's RSS is read (idle-sessions; 0: not run); pings: idle session streams on each server")
+	fs.StringVar(&o.pingIntervals, "ping-intervals", "250ms,1s,5s,15s", "pings: the --ping-interval of each fresh dlock serve measured, comma-separated (10ms to 1m)")
+	fs.DurationVar(&o.pingWindow, "ping-window", 10*time.Second, "pings: the shortest window measured on each server, made a whole number of intervals, two at least")
+	fs.StringVar(&o.memoryServer, "memory-server", "", "memory: measure this server (with the same credentials) instead of a fresh dlock serve for each measurement")
+	fs.StringVar(&o.compare, "compare", "", "also run pairs and handoff against: redis, etcd (comma-separated; started on 127.0.0.1)")
+	fs.StringVar(&o.etcdBin, "etcd", "", "the etcd binary that --backend etcd and --compare etcd start (default: etcd in PATH; make etcd builds the etcd of go.mod into bin/etcd)")
+	fs.StringVar(&o.backend, "backend", "", "etcd: instead of measuring --server, start an etcd on 127.0.0.1 and dlock serve --backend etcd on it, and measure that (--compare etcd then measures the same etcd)")
+	fs.IntVar(&o.servers, "servers", 3, "failover: dlock servers on the one etcd, one SIGKILLed each round; fleet: the servers the nodes are spread over, one SIGKILLed")
+	fs.IntVar(&o.nodes, "nodes", 10000, "fleet: nodes, each with its session stream open, spread over --servers")
+	fs.IntVar(&o.holders, "holders", 1000, "fleet: nodes that hold a session-leased lock when a server is killed")
+	fs.IntVar(&o.fleetHeld, "fleet-held", 100000, "fleet: locks the nodes then hold with session leases, for the servers' RSS and etcd's database size (0: not measured)")
+	fs.DurationVar(&o.idle, "idle", 10*time.Second, "fleet: how long etcd's and the servers' CPU is read while the sessions idle (0: not read)")
+	fs.IntVar(&o.opening, "opening", 256, "fleet: session streams opening at once")
+	fs.IntVar(&o.rounds, "rounds", 5, "failover, cutoff: rounds (cutoff: of each case)")
+	fs.StringVar(&o.cutoffCases, "cutoff", "", "cutoff: the cases to run, comma-separated (default: the memory engine's, and with --backend etcd the etcd engine's): "+strings.Join(bench.CutoffScenarios, ", "))
+	fs.BoolVar(&o.failoverRaw, "failover-raw", false, "failover: the node is raw HTTP that tries the other servers in turn, not client.Client with every server")
+	fs.DurationVar(&o.recheck, "recheck", 6*time.Second, "failover: check the hold again this long after the kill, past the servers' --session-grace (0: only at once)")
+	fs.StringVar(&o.serveFlags, "serve-flags", "", "more flags for the dlock serve processes bench starts, space-separated (e.g. --debug-listen 127.0.0.1:6060)")
+	fs.BoolVar(&o.asJSON, "json", false, "print the results as JSON")
+	fs.BoolVar(&o.asMarkdown, "markdown", false, "print the results as a Markdown table (make bench appends it to docs/BENCHMARKS.md)")
+	o.cred = credentialFlags(fs)
+	return o
+}
+
+// benchPlan is what the flags ask for, read and checked by validate.
+type benchPlan struct {
+	runs      []string        // the scenarios, in the order they run
+	cutoffs   []string        // the cutoff scenario's cases
+	others    []string        // --compare's systems, in order
+	intervals []time.Duration // the pings scenario's
+}
+
+// validate checks the flags in a fixed order, so that a command line with
+// several faults is told of the same one each time: most are usage errors
+// (exit status 2); a missing etcd or redis-server, or a cutoff scenario
+// without root, is not. serverSet says whether --server was given.
+func (o *benchOptions) validate(serverSet bool) (benchPlan, error) {
+	var p benchPlan
+	if len(client.SplitServers(o.server)) > 1 {
+		return p, usageError{fmt.Errorf("--server %s: bench measures one server, not a list", o.server)}
+	}
+	if err := checkServers(o.server); err != nil {
+		return p, err
+	}
+	p.runs = strings.Split(o.scenarios, ",")
+	for _, s := range p.runs {
+		if !slices.Contains(benchScenarios, s) {
+			return p, usageError{fmt.Errorf("unknown scenario %q: the scenarios are %s", s, strings.Join(benchScenarios, ", "))}
+		}
+	}
+	if err := o.validateBackend(p.runs, serverSet); err != nil {
+		return p, err
+	}
+	if o.servers < 2 || o.rounds < 1 {
+		return p, usageError{errors.New("--servers must be at least 2 and --rounds at least 1")}
+	}
+	var err error
+	if p.cutoffs, err = o.cutoffPlan(p.runs); err != nil {
+		return p, err
+	}
+	if p.others, err = o.compareSystems(); err != nil {
+		return p, err
+	}
+	// --etcd alone would measure the --server given and start no etcd:
+	// a run that seems to be on that etcd and is not.
+	if o.etcdBin != "" && o.backend != "etcd" && !slices.Contains(p.others, "etcd") {
+		return p, usageError{errors.New("--etcd needs --backend etcd or --compare etcd: it names the etcd they start")}
+	}
+	if o.concurrency < 1 || o.waiters < 1 || o.duration <= 0 || o.held < 0 || o.sessions < 0 || o.heldNodes < 1 {
+		return p, usageError{errors.New("--concurrency, --waiters, --held-nodes and --duration must be positive, --held and --sessions not negative")}
+	}
+	if o.nodes < o.servers || o.holders < 0 || o.holders > o.nodes || o.fleetHeld < 0 || o.idle < 0 || o.opening < 1 {
+		return p, usageError{errors.New("--nodes must be at least --servers, --holders at most --nodes, --opening positive, --fleet-held and --idle not negative")}
+	}
+	if slices.Contains(p.runs, "pings") {
+		if p.intervals, err = bench.ParsePingIntervals(o.pingIntervals); err != nil {
+			return p, usageError{fmt.Errorf("--ping-intervals: %w", err)}
+		}
+		if o.sessions < 1 || o.pingWindow <= 0 {
+			return p, usageError{errors.New("--scenario pings needs --sessions and --ping-window above 0")}
+		}
+	}
+	return p, nil
+}
+
+// validateBackend checks --etcd and --backend against the scenarios and
+// --server.
+func (o *benchOptions) validateBackend(runs []string, serverSet bool) error {
+	if o.etcdBin != "" {
+		if _, err := exec.LookPath(o.etcdBin); err != nil {
+			return usageError{fmt.Errorf("--etcd: %w", err)}
+		}
+	}
+	switch o.backend {
+	case "":
+		for _, s := range []string{"failover", "fleet"} {
+			if slices.Contains(runs, s) {
+				return usageError{fmt.Errorf("--scenario %s needs --backend etcd: servers that share their lock state, started by bench", s)}
+			}
+		}
+	case "etcd":
+		if slices.Contains(runs, "pings") {
+			return usageError{errors.New("--scenario pings measures fresh memory servers: no --backend")}
+		}
+		if serverSet {
+			return usageError{errors.New("--backend etcd measures the server it starts: no --server")}
+		}
+		if o.etcdBin == "" {
+			if _, err := exec.LookPath("etcd"); err != nil {
+				return fmt.Errorf("--backend etcd: etcd is not installed (Debian: apt-get install etcd-server; or --etcd)")
+			}
+		}
+	default:
+		return usageError{fmt.Errorf("--backend: %q is not etcd", o.backend)}
+	}
+	return nil
+}
+
+// cutoffPlan is the cutoff scenario's cases, when runs has it.
+func (o *benchOptions) cutoffPlan(runs []string) ([]string, error) {
+	if !slices.Contains(runs, "cutoff") {
+		if o.cutoffCases != "" {
+			return nil, usageError{errors.New("--cutoff needs --scenario cutoff")}
+		}
+		return nil, nil
+	}
+	cutoffs, err := cutoffList(o.cutoffCases, o.backend == "etcd")
+	if err != nil {
+		return nil, usageError{err}
+	}
+	// Faults are iptables rules: without root, nothing to measure.
+	if err := cutoffUsable(); err != nil {
+		return nil, fmt.Errorf("the cutoff scenario cannot run: %w", err)
+	}
+	return cutoffs, nil
+}
+
+// compareSystems is --compare's systems, each installed (an etcd named by
+// --etcd is checked by validateBackend).
+func (o *benchOptions) compareSystems() ([]string, error) {
+	if o.compare == "" {
+		return nil, nil
+	}
+	others := strings.Split(o.compare, ",")
+	for _, sys := range others {
+		bin := map[string]string{"redis": "redis-server", "etcd": "etcd"}[sys]
+		if bin == "" {
+			return nil, usageError{fmt.Errorf("--compare: unknown system %q (redis, etcd)", sys)}
+		}
+		if sys == "etcd" && o.etcdBin != "" {
+			continue
+		}
+		if _, err := exec.LookPath(bin); err != nil {
+			return nil, fmt.Errorf("--compare %s: %s is not installed (Debian: apt-get install %s)", sys, bin, map[string]string{"redis": "redis-server", "etcd": "etcd-server"}[sys])
+		}
+	}
+	return others, nil
 }
 
 // cutoffUsable says whether the cutoff scenario can make its faults:
@@ -589,340 +289,7 @@ func cutoffList(list string, etcd bool) ([]string, error) {
 	return out, nil
 }
 
-// cutoffRoundText is one round's outcome in a progress line.
-func cutoffRoundText(o bench.CutoffOutcome) string {
-	var t string
-	if o.Kept {
-		t = fmt.Sprintf("holder kept its hold; next holder ran %s after the cut", secs(o.Next))
-	} else {
-		t = fmt.Sprintf("cut → holder stopped %s, cut → next holder running %s", secs(o.Stopped), secs(o.Next))
-	}
-	t += fmt.Sprintf(", overlap %s", secs(o.Overlap))
-	for _, p := range o.Problems {
-		t += "; " + p
-	}
-	return t
-}
-
-func secs(d time.Duration) string { return fmt.Sprintf("%.2f s", d.Seconds()) }
-
-// msText prints milliseconds as seconds; "—" for none.
-func msText(v float64) string {
-	if v <= 0 {
-		return "—"
-	}
-	return fmt.Sprintf("%.2f s", v/1e3)
-}
-
-// printCutoff prints the cutoff scenario's table: per case, the rounds,
-// in how many the holder kept its hold, cut → holder stopped and cut →
-// next holder running (p50 / max over the rounds the holder stopped in),
-// the bound, and the overlap, which must be 0; then every problem.
-func printCutoff(w io.Writer, sums []bench.CutoffSummary, markdown bool) {
-	if len(sums) == 0 {
-		return
-	}
-	row := func(s bench.CutoffSummary) []string {
-		return []string{s.Scenario, fmt.Sprint(s.Rounds), fmt.Sprintf("%d/%d", s.Kept, s.Rounds),
-			msText(s.StoppedP50) + " / " + msText(s.StoppedMax), msText(s.NextP50) + " / " + msText(s.NextMax),
-			msText(s.Bound), fmt.Sprintf("%.0f ms, %d lines", s.Overlap, s.OverlapLines)}
-	}
-	head := []string{"cutoff case", "rounds", "hold kept", "cut → holder stopped (p50 / max)", "cut → next holder running (p50 / max)", "bound", "overlap"}
-	if markdown {
-		fmt.Fprintf(w, "| %s |\n|%s\n", strings.Join(head, " | "), strings.Repeat(" --- |", len(head)))
-		for _, s := range sums {
-			fmt.Fprintf(w, "| %s |\n", strings.Join(row(s), " | "))
-		}
-		fmt.Fprintln(w)
-	} else {
-		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-		fmt.Fprintln(tw, strings.Join(head, "\t")+"\t")
-		for _, s := range sums {
-			fmt.Fprintln(tw, strings.Join(row(s), "\t")+"\t")
-		}
-		tw.Flush()
-	}
-	for _, s := range sums {
-		for _, p := range s.Problems {
-			fmt.Fprintf(w, "FAILED %s %s\n", s.Scenario, p)
-		}
-	}
-}
-
-// cutoffFailed is the error of a cutoff run in which a round broke the
-// promise: an overlap, a holder that did not stop, a key that did not move
-// on within its bound.
-func cutoffFailed(sums []bench.CutoffSummary) error {
-	var failed []string
-	for _, s := range sums {
-		if s.Failed() {
-			failed = append(failed, s.Scenario)
-		}
-	}
-	if len(failed) > 0 {
-		return fmt.Errorf("cutoff: %s broke the promise: an overlap, a holder that did not stop, or a key that did not move on within its bound (see above)", strings.Join(failed, ", "))
-	}
-	return nil
-}
-
-// pingColumns head the pings scenario's table, a row of which pingRow
-// makes: CPU in percent of one core, bytes the streams' payload.
-var pingColumns = []string{"ping interval", "streams", "window", "server CPU", "bench CPU", "pings/s", "of expected", "bytes/s", "bytes/s a stream", "bytes a ping", "server CPU a ping"}
-
-func pingRow(r bench.PingResult) []string {
-	return []string{msDuration(r.IntervalMS).String(), strconv.Itoa(r.Streams), fmt.Sprintf("%.1fs", r.Seconds),
-		fmt.Sprintf("%.2f%%", r.ServerCPU), fmt.Sprintf("%.2f%%", r.BenchCPU),
-		fmt.Sprintf("%.0f", r.Rate), fmt.Sprintf("%.2f", r.Rate/r.Expected),
-		fmt.Sprintf("%.0f", r.BytesPerSecond), fmt.Sprintf("%.2f", r.BytesPerStream), fmt.Sprintf("%.1f", r.PingBytes), cpuText(r.ServerCPUPerPing)}
-}
-
-// msDuration is a duration given in milliseconds.
-func msDuration(ms float64) time.Duration { return time.Duration(ms * float64(time.Millisecond)) }
-
-// benchRatios divides dlock's rate by each other system's, and the other
-// system's server CPU per op into dlock's, per scenario; and the fan-out's
-// times by its floor's: how many times the floor dlock takes to tell every
-// waiter, in its worst round and in its median one.
-func benchRatios(results []bench.Result) map[string]float64 {
-	ratios := map[string]float64{}
-	for _, d := range results {
-		if d.System != "dlock" {
-			continue
-		}
-		for _, o := range results {
-			if o.System == "dlock" || o.Scenario != d.Scenario {
-				continue
-			}
-			if o.Rate > 0 {
-				ratios[fmt.Sprintf("%s dlock/%s", d.Scenario, o.System)] = d.Rate / o.Rate
-			}
-			if d.ServerCPUPerOp > 0 && o.ServerCPUPerOp > 0 {
-				ratios[fmt.Sprintf("%s server CPU/op dlock/%s", d.Scenario, o.System)] = d.ServerCPUPerOp / o.ServerCPUPerOp
-			}
-		}
-		if d.Scenario != "fanout" {
-			continue
-		}
-		for _, f := range results {
-			if f.Scenario != "fanout-floor" {
-				continue
-			}
-			if f.Max > 0 {
-				ratios["fanout max dlock/floor"] = d.Max / f.Max
-			}
-			if f.RoundMedian > 0 {
-				ratios["fanout median round dlock/floor"] = d.RoundMedian / f.RoundMedian
-			}
-		}
-	}
-	return ratios
-}
-
-// cpuLines puts the server CPU per op of the systems that ran a scenario
-// side by side, one line per scenario that more than one ran.
-func cpuLines(results []bench.Result) []string {
-	var lines []string
-	var done []string
-	for _, r := range results {
-		if slices.Contains(done, r.Scenario) {
-			continue
-		}
-		done = append(done, r.Scenario)
-		var parts []string
-		for _, o := range results {
-			if o.Scenario == r.Scenario && o.ServerCPUPerOp > 0 {
-				parts = append(parts, o.System+" "+cpuText(o.ServerCPUPerOp))
-			}
-		}
-		if len(parts) > 1 {
-			lines = append(lines, fmt.Sprintf("%s server CPU per %s: %s", r.Scenario, r.Unit, strings.Join(parts, ", ")))
-		}
-	}
-	return lines
-}
-
-func cpuText(v float64) string {
-	switch {
-	case v <= 0:
-		return ""
-	case v >= 1e3:
-		return fmt.Sprintf("%.2fms", v/1e3)
-	}
-	return fmt.Sprintf("%.1fµs", v)
-}
-
-// benchFiles is the file descriptors the scenarios open in this process
-// (and in the floor's writers, which inherit the limit): a stream per
-// fan-out waiter or per floor reader, the memory scenario's idle-sessions
-// and the pings scenario's --sessions streams, plus a reserve for
-// everything else.
-func benchFiles(runs []string, waiters, sessions, heldNodes, conns, nodes, servers int) uint64 {
-	need := conns + heldNodes
-	if slices.Contains(runs, "fleet") {
-		// The nodes' streams, and a connection per worker to each server.
-		need = max(need, nodes+conns*servers)
-	}
-	if slices.Contains(runs, "fanout") {
-		need = max(need, waiters+32)
-	}
-	if slices.Contains(runs, "memory") || slices.Contains(runs, "pings") {
-		need = max(need, sessions+conns)
-	}
-	return uint64(need) + 256
-}
-
-// ensureFileLimit raises this process's open-file limit to need if it is
-// lower: the soft limit up to the hard one, and the hard one too where
-// that is allowed (root). The servers bench starts inherit it.
-func ensureFileLimit(need uint64) error {
-	var lim syscall.Rlimit
-	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
-		return fmt.Errorf("reading the open-file limit: %w", err)
-	}
-	if lim.Cur >= need {
-		return nil
-	}
-	want := syscall.Rlimit{Cur: need, Max: max(lim.Max, need)}
-	if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &want); err != nil {
-		return fmt.Errorf("these scenarios open about %d files in this process, over the open-file limit of %d (hard %d) that cannot be raised (%v): fewer --waiters or --sessions, or a higher ulimit -n",
-			need, lim.Cur, lim.Max, err)
-	}
-	return nil
-}
-
-// benchServerBinary is the dlock that the memory scenario runs as its fresh
-// servers, and the fan-out floor as its writers: this one (tests: the one
-// they built).
-var benchServerBinary = os.Executable
-
 // floorWriterArg, alone after `dlock bench`, makes it the fan-out floor's
 // writers (bench.ServeFloor), driven by another dlock bench on its
 // standard input and output: not a command for people.
 const floorWriterArg = "floor-writer"
-
-// freshServerFlags are the `dlock serve` flags a fresh server needs past
-// its defaults to hold sessions streams and keys locks.
-func freshServerFlags(sessions, keys int) []string {
-	var flags []string
-	def := lock.DefaultRules()
-	if need := sessions + 64; def.MaxSessions > 0 && need > def.MaxSessions {
-		flags = append(flags, "--max-sessions", strconv.Itoa(need))
-	}
-	if need := keys + 64; def.MaxKeys > 0 && need > def.MaxKeys {
-		flags = append(flags, "--max-keys", strconv.Itoa(need))
-	}
-	return flags
-}
-
-// freshServer starts `bin serve` on a free 127.0.0.1 port, with flags,
-// for each call, and stops it (SIGKILL: nothing of it needs to last) with
-// the func returned. Its log goes to stderr at level warn.
-func freshServer(bin string, flags []string, stderr io.Writer) bench.StartServer {
-	return func(ctx context.Context) (string, func(), error) {
-		var err error
-		// A free port can be taken between its finding and the server's
-		// listen: try again then.
-		for range 3 {
-			var base string
-			var stop func()
-			base, stop, err = startFresh(ctx, bin, flags, stderr)
-			if err == nil {
-				return base, stop, nil
-			}
-			if !errors.Is(err, errExited) {
-				break
-			}
-		}
-		return "", nil, err
-	}
-}
-
-type syncWriter struct {
-	mu sync.Mutex
-	w  io.Writer
-}
-
-func (s *syncWriter) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.w.Write(p)
-}
-
-var errExited = errors.New("dlock serve exited")
-
-func startFresh(ctx context.Context, bin string, flags []string, stderr io.Writer) (string, func(), error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return "", nil, err
-	}
-	addr := ln.Addr().String()
-	ln.Close()
-	// No data dir: a fresh server shares no state, and takes no lock on
-	// the default one that a real server may hold.
-	args := append([]string{"serve", "--listen", addr, "--data-dir", "", "--log-level", "warn"}, flags...)
-	cmd := exec.Command(bin, args...)
-	// The environment's DLOCK_* settings (a token file, TLS) are for the
-	// servers under test, not for a default fresh one.
-	for _, kv := range os.Environ() {
-		if !strings.HasPrefix(kv, "DLOCK_") {
-			cmd.Env = append(cmd.Env, kv)
-		}
-	}
-	cmd.Stdout, cmd.Stderr = stderr, stderr
-	if err := cmd.Start(); err != nil {
-		return "", nil, err
-	}
-	exited := make(chan struct{})
-	var waitErr error
-	go func() { waitErr = cmd.Wait(); close(exited) }()
-	stop := func() {
-		cmd.Process.Kill()
-		<-exited
-	}
-	base := "http://" + addr
-	hc := &http.Client{Timeout: time.Second}
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		resp, err := hc.Get(base + "/healthz")
-		if err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				hc.CloseIdleConnections()
-				return base, stop, nil
-			}
-		}
-		select {
-		case <-exited:
-			return "", nil, fmt.Errorf("%w: %v", errExited, waitErr)
-		case <-ctx.Done():
-			stop()
-			return "", nil, ctx.Err()
-		case <-time.After(20 * time.Millisecond):
-		}
-		if time.Now().After(deadline) {
-			stop()
-			return "", nil, fmt.Errorf("dlock serve on %s did not answer /healthz within 30 s", addr)
-		}
-	}
-}
-
-// us formats a latency; none (the memory rows, which time nothing) is
-// left blank.
-func us(v float64) string {
-	switch {
-	case v <= 0:
-		return ""
-	case v >= 1e6:
-		return fmt.Sprintf("%.2fs", v/1e6)
-	case v >= 1e3:
-		return fmt.Sprintf("%.2fms", v/1e3)
-	}
-	return fmt.Sprintf("%.0fµs", v)
-}
-
-func rssText(r bench.Result) string {
-	if r.RSSMiB <= 0 {
-		return ""
-	}
-	return fmt.Sprintf("%.1f MiB", r.RSSMiB)
-}

@@ -483,3 +483,38 @@ func TestUsageNamesScenarios(t *testing.T) {
 		}
 	}
 }
+
+// TestBenchUsageMessages: each bad bench command line is told of its
+// first fault, in the order the flags are checked, as one line, with exit
+// status 2; before any server or etcd is started.
+func TestBenchUsageMessages(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--server", "http://a:1,http://b:2", "--scenario", "bogus"}, "--server http://a:1,http://b:2: bench measures one server, not a list"},
+		{[]string{"--server", "nope"}, `--server wants a URL like http://127.0.0.1:7380, not "nope"`},
+		{[]string{"--scenario", "pairs,bogus", "--backend", "redis"}, `unknown scenario "bogus": the scenarios are pairs, handoff, fanout, sessions, memory, pings, failover, fleet, cutoff`},
+		{[]string{"--etcd", filepath.Join(t.TempDir(), "no-etcd"), "--backend", "redis"}, "--etcd: exec: "},
+		{[]string{"--scenario", "fleet", "--rounds", "0"}, "--scenario fleet needs --backend etcd: servers that share their lock state, started by bench"},
+		{[]string{"--backend", "etcd", "--scenario", "pings", "--server", "http://127.0.0.1:1"}, "--scenario pings measures fresh memory servers: no --backend"},
+		{[]string{"--backend", "etcd", "--server", "http://127.0.0.1:1"}, "--backend etcd measures the server it starts: no --server"},
+		{[]string{"--backend", "redis", "--servers", "1"}, `--backend: "redis" is not etcd`},
+		{[]string{"--rounds", "0", "--cutoff", "memory-cut"}, "--servers must be at least 2 and --rounds at least 1"},
+		{[]string{"--scenario", "cutoff", "--cutoff", "memory-cut,nope", "--compare", "mysql"}, `--cutoff: unknown case "nope" (` + strings.Join(bench.CutoffScenarios, ", ") + ")"},
+		{[]string{"--scenario", "cutoff", "--cutoff", "etcd-cut"}, "--cutoff etcd-cut needs --backend etcd"},
+		{[]string{"--scenario", "pairs", "--cutoff", "memory-cut", "--compare", "mysql"}, "--cutoff needs --scenario cutoff"},
+		{[]string{"--compare", "redis,mongo", "--concurrency", "0"}, `--compare: unknown system "mongo" (redis, etcd)`},
+		{[]string{"--etcd", os.Args[0], "--concurrency", "0"}, "--etcd needs --backend etcd or --compare etcd: it names the etcd they start"},
+		{[]string{"--held", "-1", "--nodes", "1"}, "--concurrency, --waiters, --held-nodes and --duration must be positive, --held and --sessions not negative"},
+		{[]string{"--opening", "0", "--scenario", "pings", "--sessions", "0"}, "--nodes must be at least --servers, --holders at most --nodes, --opening positive, --fleet-held and --idle not negative"},
+		{[]string{"--scenario", "pings", "--ping-intervals", "1ms", "--sessions", "0"}, "--ping-intervals: ping interval 1ms: not within 10ms and 1m"},
+		{[]string{"--scenario", "pings", "--ping-window", "0s"}, "--scenario pings needs --sessions and --ping-window above 0"},
+		{[]string{"--ca", filepath.Join(t.TempDir(), "no-ca"), "--server", "http://127.0.0.1:1"}, "TLS settings need an https:// server: a CA, certificate or key given for http://127.0.0.1:1"},
+	} {
+		out, errOut, st := inProcess(t, nil, append([]string{"bench"}, c.args...)...)
+		if st != 2 || out != "" || !strings.HasPrefix(errOut, "dlock: "+c.want) || strings.Count(errOut, "\n") != 1 {
+			t.Errorf("bench %q: exit %d, stdout %q, stderr %q; want 2 and %q", c.args, st, out, errOut, c.want)
+		}
+	}
+}
