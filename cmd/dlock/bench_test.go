@@ -22,6 +22,7 @@ import (
 	"github.com/dlock/dlock/internal/bench"
 	"github.com/dlock/dlock/internal/dlocktest"
 	"github.com/dlock/dlock/internal/netfault"
+	"github.com/dlock/dlock/lock/etcd"
 )
 
 // freshServer runs the real binary on a loopback port, answering, and
@@ -515,6 +516,22 @@ func TestBenchUsageMessages(t *testing.T) {
 		out, errOut, st := inProcess(t, nil, append([]string{"bench"}, c.args...)...)
 		if st != 2 || out != "" || !strings.HasPrefix(errOut, "dlock: "+c.want) || strings.Count(errOut, "\n") != 1 {
 			t.Errorf("bench %q: exit %d, stdout %q, stderr %q; want 2 and %q", c.args, st, out, errOut, c.want)
+		}
+	}
+}
+
+// TestBenchPrefixesAsLongAsTheDefault: the data sets whose servers' memory
+// bench reads are under prefixes as long as the default one, distinct for
+// each, since every key a server keeps begins with its prefix.
+func TestBenchPrefixesAsLongAsTheDefault(t *testing.T) {
+	seen := map[string]bool{}
+	for _, kind := range []byte{'m', 'f'} {
+		for n := 1; n <= 3; n++ {
+			p := shortPrefix(kind, n)
+			if len(p) != len(etcd.DefaultPrefix) || !strings.HasPrefix(p, "/") || !strings.HasSuffix(p, "/") || seen[p] {
+				t.Fatalf("shortPrefix(%q, %d) = %q: want a distinct prefix as long as %q", kind, n, p, etcd.DefaultPrefix)
+			}
+			seen[p] = true
 		}
 	}
 }

@@ -310,7 +310,7 @@ func (b *benchRun) memory(ctx context.Context) error {
 		mo.Start = freshServer(bin, append(freshServerFlags(o.sessions+o.heldNodes, o.held), b.extraServe...), b.stderr)
 		if b.etcd != nil {
 			n := 0
-			mo.Start = b.startOnEtcd(func() string { n++; return fmt.Sprintf("/dlock-bench-memory-%d-%d/", time.Now().UnixNano(), n) })
+			mo.Start = b.startOnEtcd(func() string { n++; return shortPrefix('m', n) })
 		}
 	}
 	rs, err := bench.Memory(ctx, mo)
@@ -352,7 +352,7 @@ func (b *benchRun) failover(ctx context.Context) error {
 // --backend etcd's etcd, one of them SIGKILLed.
 func (b *benchRun) fleet(ctx context.Context) error {
 	o := b.opt
-	prefix := fmt.Sprintf("/dlock-bench-fleet-%d/", time.Now().UnixNano())
+	prefix := shortPrefix('f', 1)
 	bin, err := benchServerBinary()
 	if err != nil {
 		return fmt.Errorf("fleet: the dlock binary to serve: %w", err)
@@ -589,3 +589,13 @@ func startFresh(ctx context.Context, bin string, flags []string, stderr io.Write
 		}
 	}
 }
+
+// shortPrefix is the etcd key prefix of the n-th data set of a kind
+// (memory's fresh servers, the fleet) on the etcd bench started for this
+// run, which no other run shares: as long as the default prefix
+// (etcd.DefaultPrefix, "/dlock/"). Every key a server keeps begins with
+// it, so that a measurement of a server's memory is a default
+// deployment's, where a prefix of some 40 characters added 32 bytes a
+// key (docs/BENCHMARKS.md, "What a server on etcd keeps per key, a third
+// time").
+func shortPrefix(kind byte, n int) string { return fmt.Sprintf("/dl%c%02d/", kind, n%100) }
