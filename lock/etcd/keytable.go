@@ -74,29 +74,40 @@ func (t *keyTable) timed(k lock.Key) (keyInfo, bool) {
 	return ki, ok
 }
 
-// set makes ki the keyInfo of k, whose record's etcd key is key.
-func (t *keyTable) set(k lock.Key, key string, ki keyInfo) {
+// set makes ki the keyInfo of k, whose record's etcd key is key, and
+// returns what get returned before: the watch's track reads a key's
+// previous state and stores its new one with one visit to the cache.
+func (t *keyTable) set(k lock.Key, key string, ki keyInfo) (old keyInfo, had bool) {
 	pk, own := t.plainKey(k, key)
-	if ki == plainHeld && own {
+	plain := ki == plainHeld && own
+	old, had = t.info[k]
+	if plain {
 		delete(t.info, k)
-		if !t.c.mark(pk, true) {
-			t.plain++
-		}
-		return
+	} else {
+		t.info[k] = ki
 	}
-	if t.c.mark(pk, false) {
-		t.plain--
-	}
-	t.info[k] = ki
+	return t.previous(pk, plain, old, had)
 }
 
-// del forgets k, whose record's etcd key is key.
-func (t *keyTable) del(k lock.Key, key string) {
+// del forgets k, whose record's etcd key is key, and returns what get
+// returned before.
+func (t *keyTable) del(k lock.Key, key string) (old keyInfo, had bool) {
 	pk, _ := t.plainKey(k, key)
+	old, had = t.info[k]
 	delete(t.info, k)
-	if t.c.mark(pk, false) {
-		t.plain--
+	return t.previous(pk, false, old, had)
+}
+
+// previous sets pk's mark to plain and returns k's previous keyInfo: old
+// if the map had it (had), else plainHeld if pk was marked. A key is in
+// the map or marked, never both.
+func (t *keyTable) previous(pk string, plain bool, old keyInfo, had bool) (keyInfo, bool) {
+	was := t.c.mark(pk, plain)
+	t.plain += b2i(plain) - b2i(was)
+	if !had && was {
+		return plainHeld, true
 	}
+	return old, had
 }
 
 // len is the number of keys with a record.

@@ -65,13 +65,19 @@ func TestKeyTableIsOneMap(t *testing.T) {
 			if rng.IntN(5) == 0 {
 				key = sp[1]
 			}
+			want, wok := model[k]
+			var old keyInfo
+			var had bool
 			if rng.IntN(4) == 0 {
-				tab.del(k, key)
+				old, had = tab.del(k, key)
 				delete(model, k)
 			} else {
 				ki := infos[rng.IntN(len(infos))]
-				tab.set(k, key, ki)
+				old, had = tab.set(k, key, ki)
 				model[k] = ki
+			}
+			if old != want || had != wok {
+				t.Fatalf("seed %d step %d: the previous state of %v = %+v %v, want %+v %v", seed, step, k, old, had, want, wok)
 			}
 			if tab.len() != len(model) {
 				t.Fatalf("seed %d step %d: %d keys, want %d", seed, step, tab.len(), len(model))

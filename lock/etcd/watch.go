@@ -701,10 +701,12 @@ type endedSession struct {
 
 // track updates the counts and deadlines for a key's new record; w.mu held.
 func (w *watcher) track(c change) {
-	old, _ := w.keys.get(c.k, c.key)
-	var ki keyInfo
-	if !c.deleted {
+	var old, ki keyInfo
+	if c.deleted {
+		old, _ = w.keys.del(c.k, c.key)
+	} else {
 		ki = info(&c.rec, w.b.cfg.CompletedRetention)
+		old, _ = w.keys.set(c.k, c.key, ki)
 	}
 	w.nKeys += b2i(ki.kept) - b2i(old.kept)
 	w.nHeld += b2i(ki.held) - b2i(old.held)
@@ -714,10 +716,8 @@ func (w *watcher) track(c change) {
 		heap.Push(&w.dones, deadline{at: ki.doneAt, k: c.k})
 	}
 	if c.deleted {
-		w.keys.del(c.k, c.key)
 		return
 	}
-	w.keys.set(c.k, c.key, ki)
 	// A key that completes again and again leaves one stale entry a time,
 	// which oldestPastCap drops only past the cap.
 	if len(w.dones) > 2*w.nDone+1024 {
