@@ -3,7 +3,6 @@ package lock
 import (
 	"cmp"
 	"slices"
-	"sync/atomic"
 )
 
 // ReplayLog is a session's recent events, oldest first, kept for a
@@ -12,43 +11,37 @@ import (
 // safe for concurrent use (its engine's lock guards it).
 //
 // Most of a log is the session's own lock_assigned events, one a grant,
-// which no other session shares: the log keeps such an event as the
-// template of its type, its resource and its token (40 bytes an entry),
-// and After builds it again, so that the Event sent to the streams, with
-// the encoding cached in it, is garbage once written. Any other event is
-// shared by every session that got it, and is kept as it is.
+// which no other session shares: the log keeps such an event as its type,
+// its resource and its token (32 bytes an entry), and After builds it
+// again, so that the Event sent to the streams, with the encoding cached
+// in it, is garbage once written. Any other event is shared by every
+// session that got it, and is kept as it is, in whole, in the order of
+// the entries that stand for them.
 type ReplayLog struct {
 	entries []replayEntry // entries[head:] are the events kept
 	head    int
+	whole   []*Event // whole[wholeHead:] are the events kept whole
+	wholeAt int
 	bytes   int // their WireSize
 }
 
 type replayEntry struct {
-	id    uint64
-	ev    *Event // the event, or the template of a compact one
-	res   string // set only in a compact one: its resource
-	token uint64 // a compact one's token
+	id  uint64
+	res string // a compact one's resource; "" for one kept whole
+	// tt is a compact one's type, in its top byte, and token below it.
+	tt uint64
 }
 
-// assignedTemplates are the templates of compact lock_assigned events, by
-// type, made at a type's first: a Type is one byte, so every type has a
-// slot, and the types a process never sees cost a nil pointer.
-var assignedTemplates [256]atomic.Pointer[Event]
+// tokenBits are the bits of a compact entry's token: a token above them
+// (2^56, a grant a nanosecond for two years) is kept whole.
+const tokenBits = 56
 
-func assignedTemplate(t Type) *Event {
-	if ev := assignedTemplates[t].Load(); ev != nil {
-		return ev
-	}
-	assignedTemplates[t].CompareAndSwap(nil, &Event{Name: EventLockAssigned, Key: Key{Type: t}})
-	return assignedTemplates[t].Load()
-}
+func (e *replayEntry) typ() Type     { return Type(e.tt >> tokenBits) }
+func (e *replayEntry) token() uint64 { return e.tt & (1<<tokenBits - 1) }
 
-// size is the WireSize of the entry's event, sent to node.
+// size is the WireSize of a compact entry's event, sent to node.
 func (e *replayEntry) size(node string) int {
-	if e.res != "" {
-		return EventWireSize(EventLockAssigned, e.res, node, "", "")
-	}
-	return e.ev.WireSize()
+	return EventWireSize(EventLockAssigned, e.res, node, "", "")
 }
 
 // Append adds d, an event of node's session, letting the oldest events go
@@ -58,15 +51,26 @@ func (e *replayEntry) size(node string) int {
 // from the head and moving the rest down once the head is half the slice
 // costs O(1) amortized an event.
 func (l *ReplayLog) Append(node string, d Delivery, maxEvents, maxBytes int) (dropped uint64) {
-	e := replayEntry{id: d.ID, ev: d.Event}
-	if ev := d.Event; ev.Name == EventLockAssigned && ev.Node == node {
-		e.ev, e.res, e.token = assignedTemplate(ev.Key.Type), ev.Key.Resource, ev.Token
+	e := replayEntry{id: d.ID}
+	if ev := d.Event; ev.Name == EventLockAssigned && ev.Node == node && ev.Key.Resource != "" && ev.Token>>tokenBits == 0 {
+		e.res, e.tt = ev.Key.Resource, uint64(ev.Key.Type)<<tokenBits|ev.Token
 	}
-	size := e.size(node)
+	var size int
+	if e.res != "" {
+		size = e.size(node)
+	} else {
+		size = d.Event.WireSize()
+	}
 	for l.head < len(l.entries) && (len(l.entries)-l.head >= maxEvents || l.bytes+size > maxBytes) {
 		old := &l.entries[l.head]
 		dropped = old.id
-		l.bytes -= old.size(node)
+		if old.res != "" {
+			l.bytes -= old.size(node)
+		} else {
+			l.bytes -= l.whole[l.wholeAt].WireSize()
+			l.whole[l.wholeAt] = nil
+			l.wholeAt++
+		}
 		*old = replayEntry{}
 		l.head++
 	}
@@ -74,6 +78,14 @@ func (l *ReplayLog) Append(node string, d Delivery, maxEvents, maxBytes int) (dr
 		n := copy(l.entries, l.entries[l.head:])
 		clear(l.entries[n:])
 		l.entries, l.head = l.entries[:n], 0
+	}
+	if l.wholeAt > 0 && 2*l.wholeAt >= len(l.whole) {
+		n := copy(l.whole, l.whole[l.wholeAt:])
+		clear(l.whole[n:])
+		l.whole, l.wholeAt = l.whole[:n], 0
+	}
+	if e.res == "" {
+		l.whole = append(l.whole, d.Event)
 	}
 	l.entries = append(l.entries, e)
 	l.bytes += size
@@ -83,11 +95,17 @@ func (l *ReplayLog) Append(node string, d Delivery, maxEvents, maxBytes int) (dr
 // After is the events of node's log with an id above last, in order (nil
 // for none), the compact ones built again in one allocation.
 func (l *ReplayLog) After(node string, last uint64) []Delivery {
-	log := l.entries[l.head:]
-	i, _ := slices.BinarySearchFunc(log, last+1, func(e replayEntry, id uint64) int { return cmp.Compare(e.id, id) })
-	log = log[i:]
+	kept := l.entries[l.head:]
+	i, _ := slices.BinarySearchFunc(kept, last+1, func(e replayEntry, id uint64) int { return cmp.Compare(e.id, id) })
+	log := kept[i:]
 	if len(log) == 0 {
 		return nil
+	}
+	w := l.wholeAt // the whole events of the entries before log's come first
+	for j := range kept[:i] {
+		if kept[j].res == "" {
+			w++
+		}
 	}
 	n := 0
 	for i := range log {
@@ -99,10 +117,13 @@ func (l *ReplayLog) After(node string, last uint64) []Delivery {
 	out := make([]Delivery, len(log))
 	for i := range log {
 		e := &log[i]
-		ev := e.ev
+		var ev *Event
 		if e.res != "" {
 			ev, built = &built[0], built[1:]
-			ev.Name, ev.Key, ev.Node, ev.Token = EventLockAssigned, Key{Type: e.ev.Key.Type, Resource: e.res}, node, e.token
+			ev.Name, ev.Key, ev.Node, ev.Token = EventLockAssigned, Key{Type: e.typ(), Resource: e.res}, node, e.token()
+		} else {
+			ev = l.whole[w]
+			w++
 		}
 		out[i] = Delivery{ID: e.id, Event: ev}
 	}

@@ -18,10 +18,14 @@ func TestReplayLogCompact(t *testing.T) {
 	)
 	for i := range 30 {
 		d := Delivery{ID: uint64(10 + 2*i)} // ids increase, with gaps
-		k := Key{Type: Pull, Resource: fmt.Sprint("r", i)}
+		k := Key{Type: []Type{Pull, Update, Delete}[i%3], Resource: fmt.Sprint("r", i)}
 		switch i % 3 {
-		case 0: // a's own grant: compact
-			d.Event = &Event{Name: EventLockAssigned, Key: k, Node: node, Token: uint64(100 + i)}
+		case 0: // a's own grant: compact, but for a token too large for it
+			tok := uint64(100 + i)
+			if i%9 == 6 {
+				tok = 1<<56 + uint64(i)
+			}
+			d.Event = &Event{Name: EventLockAssigned, Key: k, Node: node, Token: tok}
 		case 1: // a completion, shared with other sessions: whole
 			d.Event = &Event{Name: EventOperationCompleted, Key: k, Node: "x", Success: true}
 		case 2: // another node's grant, as an observer gets it: whole
@@ -36,12 +40,20 @@ func TestReplayLogCompact(t *testing.T) {
 		sent = append(sent, d)
 		compact, whole, bytes := 0, 0, 0
 		for _, e := range l.entries[l.head:] {
-			bytes += e.size(node)
 			if e.res != "" {
 				compact++
-			} else if whole++; e.ev.Name == EventLockAssigned && e.ev.Node == node {
+				bytes += e.size(node)
+				continue
+			}
+			ev := l.whole[l.wholeAt+whole]
+			whole++
+			bytes += ev.WireSize()
+			if ev.Name == EventLockAssigned && ev.Node == node && ev.Token < 1<<56 {
 				t.Errorf("the log keeps a's own lock_assigned %d whole", e.id)
 			}
+		}
+		if n := len(l.whole) - l.wholeAt; n != whole {
+			t.Errorf("the log keeps %d events whole for %d entries", n, whole)
 		}
 		if bytes != l.bytes {
 			t.Errorf("the log counts %d bytes, its events take %d", l.bytes, bytes)
