@@ -295,7 +295,7 @@ func TestAttackBatchWriteThrough(t *testing.T) {
 		want.X = nil
 		e := cachedCopy(b1, kk)
 		if e.mod() == resp.Kvs[0].ModRevision {
-			got, err := decodeKey(e.val)
+			got, err := e.val.record()
 			if err != nil || !reflect.DeepEqual(got, want) {
 				t.Errorf("%s: the cache has %+v (%v), etcd %+v", when, got, err, want)
 			}

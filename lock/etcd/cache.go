@@ -55,7 +55,7 @@ type recCache struct {
 // Only the watch sets or clears a mark; the cache's own changes carry it
 // over. etcd's revisions stay far below the bit.
 type cEntry struct {
-	val  []byte
+	val  cVal
 	modp int64
 }
 
@@ -102,7 +102,7 @@ func (c *recCache) kvLocked(key string) *mvccpb.KeyValue {
 	if !ok {
 		return nil
 	}
-	return &mvccpb.KeyValue{Value: e.val, ModRevision: e.mod()}
+	return &mvccpb.KeyValue{Value: e.val.bytes(), ModRevision: e.mod()}
 }
 
 // first is a call's first read (tx.loadCached), under one read lock: the
@@ -181,7 +181,7 @@ func (c *recCache) group(key string, add bool) {
 // newer than the change (written through already) stays; one of this very
 // change, written through, takes the watch's copy of its key, so that the
 // cache and the watch keep one copy between them.
-func (c *recCache) apply(evs []*clientv3.Event, keys []string, vals [][]byte, rev int64) {
+func (c *recCache) apply(evs []*clientv3.Event, keys []string, vals []cVal, rev int64) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	for i, ev := range evs {
@@ -209,12 +209,12 @@ func (c *recCache) apply(evs []*clientv3.Event, keys []string, vals [][]byte, re
 // written through out of order can do that until the watch passes them; a
 // guard then fails once.) ops[recOp], if recOp >= 0, is the key record's
 // write, recForm its record as the cache keeps it.
-func (c *recCache) writeThrough(ops []clientv3.Op, rev int64, recOp int, recForm []byte) {
+func (c *recCache) writeThrough(ops []clientv3.Op, rev int64, recOp int, recForm cVal) {
 	// The keys are made strings, and the records as the cache keeps them,
 	// before the lock, which every call's first read takes too.
 	type change struct {
 		key, end string
-		val      []byte
+		val      cVal
 		put      bool
 	}
 	changes := make([]change, 0, len(ops))
@@ -250,16 +250,16 @@ func (c *recCache) writeThrough(ops []clientv3.Op, rev int64, recOp int, recForm
 
 // cacheForm is val, the value of key in etcd, as the cache keeps it: a
 // key's record compact (cacherec.go), anything else as it is.
-func (c *recCache) cacheForm(key string, val []byte) []byte {
+func (c *recCache) cacheForm(key string, val []byte) cVal {
 	if strings.HasPrefix(key, c.n.p) && strings.HasPrefix(key[len(c.n.p):], "k/") {
 		return compactRec(val)
 	}
-	return val
+	return cVal{b: string(val)}
 }
 
 // put, del and delRange change entries older than rev, put with val as the
 // cache keeps it (cacheForm), each keeping the key's mark; c.mu is held.
-func (c *recCache) put(key string, val []byte, rev int64) {
+func (c *recCache) put(key string, val cVal, rev int64) {
 	e, ok := c.m[key]
 	if ok && e.mod() >= rev {
 		return

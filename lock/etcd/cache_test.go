@@ -1,7 +1,6 @@
 package etcd
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -30,8 +29,8 @@ func TestRecCacheOrder(t *testing.T) {
 	qa := n.queueNode(lock.Key{Type: lock.Pull, Resource: "r"}, "a")
 	qb := n.queueNode(lock.Key{Type: lock.Pull, Resource: "r"}, "b")
 	other := n.queueNode(lock.Key{Type: lock.Pull, Resource: "r2"}, "a")
-	c.writeThrough([]clientv3.Op{clientv3.OpPut(k, "v12"), clientv3.OpPut(qa, "1"), clientv3.OpPut(qb, "2"), clientv3.OpPut(other, "3"), clientv3.OpPut(n.p+"n/x/pull/r", "l")}, 12, -1, nil)
-	if e, ok := c.get(k); !ok || string(e.val) != "v12" || e.mod() != 12 {
+	c.writeThrough([]clientv3.Op{clientv3.OpPut(k, "v12"), clientv3.OpPut(qa, "1"), clientv3.OpPut(qb, "2"), clientv3.OpPut(other, "3"), clientv3.OpPut(n.p+"n/x/pull/r", "l")}, 12, -1, cVal{})
+	if e, ok := c.get(k); !ok || e.val.b != "v12" || e.mod() != 12 {
 		t.Fatalf("written through: %+v %v", e, ok)
 	}
 	if _, ok := c.get(n.p + "n/x/pull/r"); ok {
@@ -40,17 +39,17 @@ func TestRecCacheOrder(t *testing.T) {
 	// The watch brings an older change of the key after the write: kept
 	// as written.
 	applyEvs(c, []*clientv3.Event{{Type: clientv3.EventTypePut, Kv: kvOf(k, "v11", 11)}}, 11)
-	if e, _ := c.get(k); string(e.val) != "v12" {
-		t.Fatalf("an older change overwrote a newer one: %s", e.val)
+	if e, _ := c.get(k); e.val.b != "v12" {
+		t.Fatalf("an older change overwrote a newer one: %s", e.val.b)
 	}
 	// A commit the watch has passed already is left to it.
 	applyEvs(c, []*clientv3.Event{{Type: clientv3.EventTypePut, Kv: kvOf(k, "v14", 14)}}, 14)
-	c.writeThrough([]clientv3.Op{clientv3.OpPut(k, "v13")}, 13, -1, nil)
-	if e, _ := c.get(k); string(e.val) != "v14" {
-		t.Fatalf("a passed commit was written through: %s", e.val)
+	c.writeThrough([]clientv3.Op{clientv3.OpPut(k, "v13")}, 13, -1, cVal{})
+	if e, _ := c.get(k); e.val.b != "v14" {
+		t.Fatalf("a passed commit was written through: %s", e.val.b)
 	}
 	// A success clears the queue's index with a prefix delete.
-	c.writeThrough([]clientv3.Op{clientv3.OpDelete(n.queueNodes(lock.Key{Type: lock.Pull, Resource: "r"}), clientv3.WithPrefix())}, 15, -1, nil)
+	c.writeThrough([]clientv3.Op{clientv3.OpDelete(n.queueNodes(lock.Key{Type: lock.Pull, Resource: "r"}), clientv3.WithPrefix())}, 15, -1, cVal{})
 	for _, q := range []string{qa, qb} {
 		if _, ok := c.get(q); ok {
 			t.Fatalf("%s outlived its queue's clearing", q)
@@ -134,7 +133,7 @@ func TestCacheStaleNeverAnswers(t *testing.T) {
 			return a.rc.watched >= now
 		})
 		a.rc.mu.Lock()
-		a.rc.m[kk] = cEntry{val: []byte(encode(&keyRec{Token: 1})), modp: 1 | a.rc.m[kk].modp&plainMark}
+		a.rc.m[kk] = cEntry{val: cVal{b: encode(&keyRec{Token: 1})}, modp: 1 | a.rc.m[kk].modp&plainMark}
 		a.rc.mu.Unlock()
 	}
 	before := a.cacheStale.Load()
@@ -187,7 +186,7 @@ func (c *recCache) begin() view {
 // cache keeps them, as the watch does.
 func applyEvs(c *recCache, evs []*clientv3.Event, rev int64) {
 	keys := make([]string, len(evs))
-	vals := make([][]byte, len(evs))
+	vals := make([]cVal, len(evs))
 	for i, ev := range evs {
 		keys[i] = string(ev.Kv.Key)
 		vals[i] = c.cacheForm(keys[i], ev.Kv.Value)
@@ -238,34 +237,58 @@ func TestCacheRecordCompact(t *testing.T) {
 		r.X = &trans{Assigned: r.Holder, Refused: []string{`"x":`}}
 		raw := []byte(encode(&r))
 		c := compactRec(raw)
-		if c[0] != compactTag {
+		whole := c.bytes()
+		if whole[0] != compactTag || c.b[0] != compactTag {
 			t.Fatalf("%s not made compact", raw)
 		}
-		if w := writtenForm(&r, raw); !bytes.Equal(w, c) {
-			t.Fatalf("%s written through as %x, read back as %x", raw, w, c)
+		if w := writtenForm(&r, raw); w != c {
+			t.Fatalf("%s written through as %x %v, read back as %x %v", raw, w.b, w.who, c.b, c.who)
 		}
-		got, err := decodeKey(c)
 		want, _ := decodeKey(raw) // a string that is not UTF-8 comes back changed
 		want.X = nil
-		if err != nil || !reflect.DeepEqual(got, want) {
+		if c.whole() != (want.Holder == "") {
+			t.Fatalf("%s: holder kept apart %v", raw, !c.whole())
+		}
+		if got, err := c.record(); err != nil || !reflect.DeepEqual(got, want) {
 			t.Fatalf("%s read back as %+v (%v), want %+v", raw, got, err, want)
 		}
-		if got, err := decodeKey(recJSON(c)); err != nil || !reflect.DeepEqual(got, want) {
+		if got, err := decodeKey(whole); err != nil || !reflect.DeepEqual(got, want) {
+			t.Fatalf("%s in one piece read back as %+v (%v), want %+v", raw, got, err, want)
+		}
+		if got, err := decodeKey(recJSON(whole)); err != nil || !reflect.DeepEqual(got, want) {
 			t.Fatalf("%s as JSON again: %+v (%v)", raw, got, err)
 		}
-		for i := range len(c) - 1 {
-			if _, err := decodeKey(c[:i]); err == nil && i > 0 {
-				t.Fatalf("%x cut at %d read as a record", c, i)
+		for i := 1; i < len(whole); i++ {
+			if _, err := decodeKey(whole[:i]); err == nil {
+				t.Fatalf("%x cut at %d read as a record", whole, i)
+			}
+		}
+		for i := 1; i < len(c.b); i++ {
+			if _, err := (cVal{b: c.b[:i], who: c.who}).record(); err == nil {
+				t.Fatalf("%x cut at %d read as a record", c.b, i)
 			}
 		}
 	}
+	// A session-held lock's record is one 16-byte allocation, its holder
+	// and session lease kept once for all the session's locks.
 	held := keyRec{Holder: "hs-1a2b3c4d-12", Token: 100234, Lease: 1, SLease: 7587889123456789012, Acquired: 1764190000000000000, X: &trans{Assigned: "hs-1a2b3c4d-12"}}
-	if raw, c := encode(&held), compactRec([]byte(encode(&held))); len(c) > 48 {
-		t.Errorf("a session-held lock's record is %d bytes in the cache (%d in etcd)", len(c), len(raw))
+	raw := encode(&held)
+	c := compactRec([]byte(raw))
+	if len(c.b) > 16 {
+		t.Errorf("a session-held lock's record is %d bytes in the cache (%d in etcd)", len(c.b), len(raw))
+	}
+	other := held
+	other.Token, other.Acquired = 100240, 1764190000000000100
+	if o := compactForm(&other); o.who != c.who || o.b == c.b {
+		t.Errorf("two locks of one session: %v and %v apart", o.who, c.who)
+	}
+	other.SLease++
+	if o := compactForm(&other); o.who == c.who {
+		t.Error("two sessions of one node share their holding")
 	}
 	for _, raw := range []string{"v12", "", "{", `{"t":"x"}`} {
-		if got := compactRec([]byte(raw)); string(got) != raw {
-			t.Errorf("%q kept as %q", raw, got)
+		if got := compactRec([]byte(raw)); got.b != raw || !got.whole() {
+			t.Errorf("%q kept as %q", raw, got.b)
 		}
 	}
 }

@@ -96,16 +96,20 @@ func (b *Backend) inspecting(ctx context.Context) error {
 // read lock, each as etcd has it but for a record's transition: the node
 // filter looks for a node's quoted id in them (cacherec.go).
 func (c *recCache) raws(keys []string) [][]byte {
-	out := make([][]byte, len(keys))
+	vals := make([]cVal, len(keys))
+	found := make([]bool, len(keys))
 	c.mu.RLock()
 	for i, k := range keys {
-		if e, ok := c.m[k]; ok {
-			out[i] = e.val
-		}
+		var e cEntry
+		e, found[i] = c.m[k]
+		vals[i] = e.val
 	}
 	c.mu.RUnlock()
-	for i, v := range out {
-		out[i] = recJSON(v)
+	out := make([][]byte, len(keys))
+	for i, v := range vals {
+		if found[i] {
+			out[i] = recJSON(v.bytes())
+		}
 	}
 	return out
 }
@@ -298,7 +302,7 @@ func (b *Backend) RecentCompletions(ctx context.Context, q lock.KeyQuery) ([]loc
 	type found struct {
 		at  int64
 		k   lock.Key
-		raw []byte
+		val cVal
 	}
 	best := make([]found, 0, limit+1)
 	newer := func(f found, at int64) int { return cmp.Compare(at, f.at) } // newest first
@@ -331,7 +335,7 @@ func (b *Backend) RecentCompletions(ctx context.Context, q lock.KeyQuery) ([]loc
 	w.mu.Unlock()
 	out := make([]lock.CompletionView, 0, len(best))
 	for _, f := range best {
-		if v, ok := b.completionView(f.k, f.raw, "", now); ok {
+		if v, ok := b.completionView(f.k, f.val.bytes(), "", now); ok {
 			out = append(out, v)
 		}
 	}

@@ -51,15 +51,15 @@ func TestKeyTableIsOneMap(t *testing.T) {
 			rev++
 			switch own := sp[0]; rng.IntN(5) {
 			case 0:
-				c.writeThrough([]clientv3.Op{clientv3.OpPut(own, "v")}, rev, -1, nil)
+				c.writeThrough([]clientv3.Op{clientv3.OpPut(own, "v")}, rev, -1, cVal{})
 			case 1:
-				c.writeThrough([]clientv3.Op{clientv3.OpDelete(own)}, rev, -1, nil)
+				c.writeThrough([]clientv3.Op{clientv3.OpDelete(own)}, rev, -1, cVal{})
 			case 2:
 				ev := &clientv3.Event{Type: mvccpb.DELETE, Kv: &mvccpb.KeyValue{Key: []byte(own), ModRevision: rev}}
 				if rng.IntN(2) == 0 {
 					ev = &clientv3.Event{Type: mvccpb.PUT, Kv: &mvccpb.KeyValue{Key: []byte(own), Value: []byte("w"), ModRevision: rev}}
 				}
-				c.apply([]*clientv3.Event{ev}, []string{own}, [][]byte{ev.Kv.Value}, rev)
+				c.apply([]*clientv3.Event{ev}, []string{own}, []cVal{{b: string(ev.Kv.Value)}}, rev)
 			}
 			key := sp[0]
 			if rng.IntN(5) == 0 {

@@ -61,7 +61,7 @@ func (m *marksWorld) relist() {
 	tab := newKeyTable(m.n, fresh)
 	for k, ki := range m.model {
 		key := m.n.key(k)
-		fresh.m[key] = cEntry{val: []byte("l"), modp: rev}
+		fresh.m[key] = cEntry{val: cVal{b: "l"}, modp: rev}
 		tab.set(k, key, ki)
 		m.marked[k] = ki == plainHeld
 	}
@@ -173,7 +173,7 @@ func TestMarksFollowTheWatch(t *testing.T) {
 						ops = append(ops, clientv3.OpDelete(key))
 					}
 				}
-				m.c.writeThrough(ops, ahead, -1, nil)
+				m.c.writeThrough(ops, ahead, -1, cVal{})
 				what = fmt.Sprintf("writeThrough(%d ops) at %d", len(ops), ahead)
 			case op < 60:
 				// A success clears its queue's index (the queue path), or
@@ -182,7 +182,7 @@ func TestMarksFollowTheWatch(t *testing.T) {
 				if rng.IntN(2) == 0 {
 					op = clientv3.OpDelete(n.keys()+k.Type.String()+"/", clientv3.WithRange(n.keys()+k.Type.String()+"/c"))
 				}
-				m.c.writeThrough([]clientv3.Op{op}, ahead, -1, nil)
+				m.c.writeThrough([]clientv3.Op{op}, ahead, -1, cVal{})
 				what = fmt.Sprintf("writeThrough(range %q) at %d", op.KeyBytes(), ahead)
 			case op < 80:
 				rev := m.c.watched + 1
@@ -248,7 +248,7 @@ func TestMarksUnderWriteThroughs(t *testing.T) {
 				if rng.IntN(2) == 0 {
 					op = clientv3.OpDelete(key)
 				}
-				m.c.writeThrough([]clientv3.Op{op}, ahead, -1, nil)
+				m.c.writeThrough([]clientv3.Op{op}, ahead, -1, cVal{})
 			}
 		})
 	}

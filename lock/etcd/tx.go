@@ -36,7 +36,7 @@ type tx struct {
 	guarded map[string]bool
 	cache   map[string]*mvccpb.KeyValue // what load read besides the record; nil: absent
 	recOp   int                         // the index in ops of the record's write, -1 before it
-	recForm []byte                      // that write's record as the cache keeps it (cacherec.go)
+	recForm cVal                        // that write's record as the cache keeps it (cacherec.go)
 	// cached: the reads were served by the watch's cache (recCache), so
 	// an answer that writes nothing is confirmed by a transaction of the
 	// reads' guards alone before it is given.
@@ -226,7 +226,7 @@ func (t *tx) loadCached(also ...string) bool {
 	var rec keyRec
 	if ok {
 		var err error
-		if rec, err = decodeKey(e.val); err != nil {
+		if rec, err = e.val.record(); err != nil {
 			c.count(false)
 			return false
 		}

@@ -211,7 +211,7 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 	var dl, dones deadlineHeap
 	queues := b.qs.list(rev)
 	keep := func(kv *mvccpb.KeyValue) {
-		cached[string(kv.Key)] = cEntry{val: kv.Value, modp: kv.ModRevision}
+		cached[string(kv.Key)] = cEntry{val: cVal{b: string(kv.Value)}, modp: kv.ModRevision}
 	}
 	err = w.page(ctx, b.n.keys(), rev, func(kv *mvccpb.KeyValue) {
 		// One copy of the key for the cache and the timers' table, and
@@ -563,12 +563,15 @@ func (w *watcher) apply(evs []*clientv3.Event, rev int64) {
 	// lock and the watch's, for the watch's changes and as the cache
 	// keeps it (vals).
 	keys := make([]string, len(evs))
-	vals := make([][]byte, len(evs))
+	vals := make([]cVal, len(evs))
 	var changes []change
 	for i, ev := range evs {
 		key := string(ev.Kv.Key)
-		keys[i], vals[i] = key, ev.Kv.Value
+		keys[i] = key
 		if !strings.HasPrefix(key, b.n.keys()) {
+			if ev.Type == mvccpb.PUT && b.rc.holds(key) {
+				vals[i] = cVal{b: string(ev.Kv.Value)}
+			}
 			continue
 		}
 		c := change{key: key, deleted: ev.Type == mvccpb.DELETE}
