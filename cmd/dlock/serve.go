@@ -260,12 +260,13 @@ func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {
 		c.ready(ln.Addr())
 	}
 	if c.debug != "" {
-		dbg, err := startDebug(c.debug)
+		dbg, addr, err := startDebug(c.debug)
 		if err != nil {
 			return err
 		}
 		defer dbg.Close()
-		log.Info("pprof profiles served", "addr", c.debug)
+		// The address taken, not the one asked for: a port of 0 names none.
+		log.Info("pprof profiles served", "addr", addr)
 	}
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln, hs) }()
@@ -287,8 +288,8 @@ func runServer(ctx context.Context, c serveConfig, stderr io.Writer) error {
 }
 
 // startDebug serves net/http/pprof on its own listener and mux, never on
-// the API's.
-func startDebug(addr string) (*http.Server, error) {
+// the API's, and returns the address it listens on.
+func startDebug(addr string) (*http.Server, net.Addr, error) {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/debug/pprof/", pprof.Index)
 	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
@@ -296,9 +297,9 @@ func startDebug(addr string) (*http.Server, error) {
 	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
-		return nil, fmt.Errorf("--debug-listen: %w", err)
+		return nil, nil, fmt.Errorf("--debug-listen: %w", err)
 	}
 	s := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 	go s.Serve(ln)
-	return s, nil
+	return s, ln.Addr(), nil
 }

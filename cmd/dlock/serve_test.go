@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/dlock/dlock/internal/datadir"
+	"github.com/dlock/dlock/internal/dlocktest/kit"
 )
 
 func TestParseServe(t *testing.T) {
@@ -236,5 +237,40 @@ func TestServeEventLoop(t *testing.T) {
 		if got := c.useEventLoop(); got != tc.want {
 			t.Errorf("%v %v: event loop %v, want %v", tc.args, tc.env, got, tc.want)
 		}
+	}
+}
+
+// TestServeDebugListen: --debug-listen serves Go's profiles on a listener
+// of its own, not the API's, and logs the address it took, so that a port
+// of 0 can be found.
+func TestServeDebugListen(t *testing.T) {
+	p := startServe(t, "--debug-listen", "127.0.0.1:0")
+	re := regexp.MustCompile(`msg="pprof profiles served" addr=(\S+)`)
+	var addr string
+	kit.WaitFor(t, "the profiles' address logged", func() bool {
+		m := re.FindStringSubmatch(p.logs())
+		if m != nil {
+			addr = m[1]
+		}
+		return m != nil
+	})
+	if strings.HasSuffix(addr, ":0") {
+		t.Fatalf("logged %s, not the port taken", addr)
+	}
+	get := func(url string) int {
+		t.Helper()
+		resp, err := http.Get(url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		_, _ = io.Copy(io.Discard, resp.Body)
+		return resp.StatusCode
+	}
+	if code := get("http://" + addr + "/debug/pprof/goroutine?debug=1"); code != http.StatusOK {
+		t.Errorf("the profiles' listener answered %d", code)
+	}
+	if code := get("http://" + p.addr + "/debug/pprof/goroutine?debug=1"); code != http.StatusNotFound {
+		t.Errorf("the API's listener answered %d for a profile, want 404", code)
 	}
 }
