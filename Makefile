@@ -29,6 +29,7 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzAuthorization$$' -fuzztime $(FUZZTIME) ./internal/auth
 	$(GO) test -run '^$$' -fuzz '^FuzzBasicMatchesNetHTTP$$' -fuzztime $(FUZZTIME) ./internal/auth
 	$(GO) test -run '^$$' -fuzz '^FuzzRecordMatchesJSON$$' -fuzztime $(FUZZTIME) ./lock/etcd
+	$(GO) test -run '^$$' -fuzz '^FuzzHoldingForms$$' -fuzztime $(FUZZTIME) ./lock/etcd
 
 # deps installs, as root, what some tests run for real: Debian's containerd,
 # runc and docker-registry (three containerd daemons sharing one store; the
