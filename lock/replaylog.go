@@ -96,7 +96,11 @@ func (l *ReplayLog) Append(node string, d Delivery, maxEvents, maxBytes int) (dr
 // for none), the compact ones built again in one allocation.
 func (l *ReplayLog) After(node string, last uint64) []Delivery {
 	kept := l.entries[l.head:]
-	i, _ := slices.BinarySearchFunc(kept, last+1, func(e replayEntry, id uint64) int { return cmp.Compare(e.id, id) })
+	// The first entry past last (last+1 would wrap at the largest id).
+	i, at := slices.BinarySearchFunc(kept, last, func(e replayEntry, id uint64) int { return cmp.Compare(e.id, id) })
+	if at {
+		i++
+	}
 	log := kept[i:]
 	if len(log) == 0 {
 		return nil

@@ -2,6 +2,7 @@ package lock
 
 import (
 	"fmt"
+	"math"
 	"testing"
 )
 
@@ -105,6 +106,9 @@ func TestReplayLogBytes(t *testing.T) {
 	}
 	if got := l.After("a", 0); len(got) != 1 || got[0].ID != 6 {
 		t.Fatalf("kept %v, want the large event alone", got)
+	}
+	if got := l.After("a", math.MaxUint64); got != nil {
+		t.Fatalf("after the largest id: %v", got)
 	}
 	l.Reset()
 	if got := l.After("a", 0); got != nil {
