@@ -18,11 +18,36 @@ import (
 // session that got it, and is kept as it is, in whole, in the order of
 // the entries that stand for them.
 type ReplayLog struct {
-	entries []replayEntry // entries[head:] are the events kept
-	head    int
-	whole   []*Event // whole[wholeHead:] are the events kept whole
-	wholeAt int
-	bytes   int // their WireSize
+	entries fifo[replayEntry] // the events kept
+	whole   fifo[*Event]      // those of them kept whole
+	bytes   int               // their WireSize
+}
+
+// fifo is a slice taken from the front and added to at the back: a pop
+// moves its head, and what is left moves down once the head is half the
+// slice, so that each costs O(1) amortized.
+type fifo[T any] struct {
+	s    []T
+	head int
+}
+
+// items is what the fifo holds, oldest first.
+func (q *fifo[T]) items() []T { return q.s[q.head:] }
+
+func (q *fifo[T]) push(v T) { q.s = append(q.s, v) }
+
+// pop takes the oldest item out, which must be there.
+func (q *fifo[T]) pop() T {
+	v := q.s[q.head]
+	var zero T
+	q.s[q.head] = zero // let it go
+	q.head++
+	if 2*q.head >= len(q.s) {
+		n := copy(q.s, q.s[q.head:])
+		clear(q.s[n:])
+		q.s, q.head = q.s[:n], 0
+	}
+	return v
 }
 
 type replayEntry struct {
@@ -47,47 +72,29 @@ func (e *replayEntry) size(node string) int {
 // Append adds d, an event of node's session, letting the oldest events go
 // so that at most maxEvents events and maxBytes bytes stay (an event
 // larger than maxBytes stays alone). It returns the id of the newest event
-// it let go, 0 for none: a replay from before it misses events. Dropping
-// from the head and moving the rest down once the head is half the slice
-// costs O(1) amortized an event.
+// it let go, 0 for none: a replay from before it misses events.
 func (l *ReplayLog) Append(node string, d Delivery, maxEvents, maxBytes int) (dropped uint64) {
 	e := replayEntry{id: d.ID}
+	var size int
 	if ev := d.Event; ev.Name == EventLockAssigned && ev.Node == node && ev.Key.Resource != "" && ev.Token>>tokenBits == 0 {
 		e.res, e.tt = ev.Key.Resource, uint64(ev.Key.Type)<<tokenBits|ev.Token
-	}
-	var size int
-	if e.res != "" {
 		size = e.size(node)
 	} else {
-		size = d.Event.WireSize()
+		size = ev.WireSize()
 	}
-	for l.head < len(l.entries) && (len(l.entries)-l.head >= maxEvents || l.bytes+size > maxBytes) {
-		old := &l.entries[l.head]
+	for n := len(l.entries.items()); n > 0 && (n >= maxEvents || l.bytes+size > maxBytes); n-- {
+		old := l.entries.pop()
 		dropped = old.id
 		if old.res != "" {
 			l.bytes -= old.size(node)
 		} else {
-			l.bytes -= l.whole[l.wholeAt].WireSize()
-			l.whole[l.wholeAt] = nil
-			l.wholeAt++
+			l.bytes -= l.whole.pop().WireSize()
 		}
-		*old = replayEntry{}
-		l.head++
-	}
-	if l.head > 0 && 2*l.head >= len(l.entries) {
-		n := copy(l.entries, l.entries[l.head:])
-		clear(l.entries[n:])
-		l.entries, l.head = l.entries[:n], 0
-	}
-	if l.wholeAt > 0 && 2*l.wholeAt >= len(l.whole) {
-		n := copy(l.whole, l.whole[l.wholeAt:])
-		clear(l.whole[n:])
-		l.whole, l.wholeAt = l.whole[:n], 0
 	}
 	if e.res == "" {
-		l.whole = append(l.whole, d.Event)
+		l.whole.push(d.Event)
 	}
-	l.entries = append(l.entries, e)
+	l.entries.push(e)
 	l.bytes += size
 	return dropped
 }
@@ -95,7 +102,7 @@ func (l *ReplayLog) Append(node string, d Delivery, maxEvents, maxBytes int) (dr
 // After is the events of node's log with an id above last, in order (nil
 // for none), the compact ones built again in one allocation.
 func (l *ReplayLog) After(node string, last uint64) []Delivery {
-	kept := l.entries[l.head:]
+	kept := l.entries.items()
 	// The first entry past last (last+1 would wrap at the largest id).
 	i, at := slices.BinarySearchFunc(kept, last, func(e replayEntry, id uint64) int { return cmp.Compare(e.id, id) })
 	if at {
@@ -105,7 +112,8 @@ func (l *ReplayLog) After(node string, last uint64) []Delivery {
 	if len(log) == 0 {
 		return nil
 	}
-	w := l.wholeAt // the whole events of the entries before log's come first
+	whole := l.whole.items()
+	w := 0 // the whole events of the entries before log's come first
 	for j := range kept[:i] {
 		if kept[j].res == "" {
 			w++
@@ -126,7 +134,7 @@ func (l *ReplayLog) After(node string, last uint64) []Delivery {
 			ev, built = &built[0], built[1:]
 			ev.Name, ev.Key, ev.Node, ev.Token = EventLockAssigned, Key{Type: e.typ(), Resource: e.res}, node, e.token()
 		} else {
-			ev = l.whole[w]
+			ev = whole[w]
 			w++
 		}
 		out[i] = Delivery{ID: e.id, Event: ev}

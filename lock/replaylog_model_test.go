@@ -93,7 +93,7 @@ func TestReplayLogModel(t *testing.T) {
 			if l.bytes != m.bytes {
 				t.Fatalf("%s: the log counts %d bytes, want %d", where, l.bytes, m.bytes)
 			}
-			if n := len(l.entries) - l.head; n != len(m.kept) {
+			if n := len(l.entries.items()); n != len(m.kept) {
 				t.Fatalf("%s: %d kept, want %d", where, n, len(m.kept))
 			}
 			lasts := []uint64{0}

@@ -40,20 +40,20 @@ func TestReplayLogCompact(t *testing.T) {
 		}
 		sent = append(sent, d)
 		compact, whole, bytes := 0, 0, 0
-		for _, e := range l.entries[l.head:] {
+		for _, e := range l.entries.items() {
 			if e.res != "" {
 				compact++
 				bytes += e.size(node)
 				continue
 			}
-			ev := l.whole[l.wholeAt+whole]
+			ev := l.whole.items()[whole]
 			whole++
 			bytes += ev.WireSize()
 			if ev.Name == EventLockAssigned && ev.Node == node && ev.Token < 1<<56 {
 				t.Errorf("the log keeps a's own lock_assigned %d whole", e.id)
 			}
 		}
-		if n := len(l.whole) - l.wholeAt; n != whole {
+		if n := len(l.whole.items()); n != whole {
 			t.Errorf("the log keeps %d events whole for %d entries", n, whole)
 		}
 		if bytes != l.bytes {
@@ -63,7 +63,7 @@ func TestReplayLogCompact(t *testing.T) {
 			t.Fatalf("after %d events: %d compact and %d whole in the log, want both", i+1, compact, whole)
 		}
 		kept := sent[max(0, len(sent)-maxEvents):]
-		if n := len(l.entries) - l.head; n != len(kept) {
+		if n := len(l.entries.items()); n != len(kept) {
 			t.Fatalf("after %d events the log keeps %d, want %d", i+1, n, len(kept))
 		}
 		if len(sent) > maxEvents && dropped != sent[len(sent)-maxEvents-1].ID {
@@ -113,5 +113,40 @@ func TestReplayLogBytes(t *testing.T) {
 	l.Reset()
 	if got := l.After("a", 0); got != nil {
 		t.Fatalf("after Reset: %v", got)
+	}
+}
+
+// TestFifo: pops come out in the order of the pushes, and nothing the
+// fifo let go stays in its array, where it would keep an event alive.
+func TestFifo(t *testing.T) {
+	var q fifo[*int]
+	var model []*int
+	for i := range 1000 {
+		// It grows for 500 steps, one pop to four pushes, then shrinks.
+		if pop := i%5 == 1 || i > 500 && i%5 != 0; pop && len(model) > 0 {
+			if got := q.pop(); got != model[0] {
+				t.Fatalf("step %d: popped %d, want %d", i, *got, *model[0])
+			}
+			model = model[1:]
+		} else {
+			v := i
+			q.push(&v)
+			model = append(model, &v)
+		}
+		items := q.items()
+		if len(items) != len(model) {
+			t.Fatalf("step %d: %d items, want %d", i, len(items), len(model))
+		}
+		for j := range items {
+			if items[j] != model[j] {
+				t.Fatalf("step %d: item %d is %d, want %d", i, j, *items[j], *model[j])
+			}
+		}
+		whole := q.s[:cap(q.s)]
+		for j, v := range whole {
+			if (j < q.head || j >= len(q.s)) && v != nil {
+				t.Fatalf("step %d: slot %d outside the items still holds %d", i, j, *v)
+			}
+		}
 	}
 }
