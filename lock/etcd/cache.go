@@ -91,14 +91,16 @@ type view struct {
 // kv returns key's entry as etcd would (nil when absent), for tx.get.
 func (c *recCache) kv(key string) *mvccpb.KeyValue {
 	c.mu.RLock()
-	defer c.mu.RUnlock()
-	return c.kvLocked(key)
+	e, ok := c.m[key]
+	c.mu.RUnlock()
+	return e.kv(ok)
 }
 
-// kvLocked is kv with c.mu held. The value's Key is left out: a
-// transaction reads only the value and its revision.
-func (c *recCache) kvLocked(key string) *mvccpb.KeyValue {
-	e, ok := c.m[key]
+// kv is the entry as etcd would have it, nil for none (ok false), made
+// after the cache's lock is let go: its value is a copy (cVal.bytes). The
+// value's Key is left out: a transaction reads only the value and its
+// revision.
+func (e cEntry) kv(ok bool) *mvccpb.KeyValue {
 	if !ok {
 		return nil
 	}
@@ -109,13 +111,23 @@ func (c *recCache) kvLocked(key string) *mvccpb.KeyValue {
 // cache's view, the key's record (found false: absent) and the records of
 // also, each as kv returns it.
 func (c *recCache) first(key string, also []string) (v view, rec cEntry, found bool, kvs map[string]*mvccpb.KeyValue) {
+	type entry struct {
+		e  cEntry
+		ok bool
+	}
+	var buf [4]entry // a call reads one or two more
+	others := buf[:0]
 	c.mu.RLock()
-	defer c.mu.RUnlock()
 	v = view{rev: c.rev, ok: c.live}
 	rec, found = c.m[key]
-	kvs = make(map[string]*mvccpb.KeyValue, len(also))
 	for _, k := range also {
-		kvs[k] = c.kvLocked(k)
+		e, ok := c.m[k]
+		others = append(others, entry{e, ok})
+	}
+	c.mu.RUnlock()
+	kvs = make(map[string]*mvccpb.KeyValue, len(also))
+	for i, k := range also {
+		kvs[k] = others[i].e.kv(others[i].ok)
 	}
 	return v, rec, found, kvs
 }
