@@ -65,6 +65,19 @@ func checkCachedValue(key string, record bool, v cVal, raw []byte) error {
 	return nil
 }
 
+// checkForms caches r both ways a server does: from its own write
+// (writtenForm, from r) and from etcd's JSON of it (compactRec). The two
+// must be one value, which reads back as etcd has r (checkCachedValue).
+// It returns that value and the JSON.
+func checkForms(r *keyRec) (cVal, []byte, error) {
+	raw := []byte(encode(r))
+	read, written := compactRec(raw), writtenForm(r, raw)
+	if read != written {
+		return read, raw, fmt.Errorf("%q: written %x %v, read %x %v", raw, written.b, written.who, read.b, read.who)
+	}
+	return read, raw, checkCachedValue("k/x", true, read, raw)
+}
+
 // TestHoldingFormsAgree: a record this server writes (writtenForm, from
 // the record), one the watch or a list reads from etcd (compactRec, from
 // the JSON) are the same value, equal as Go values, and read back as the
@@ -81,15 +94,9 @@ func TestHoldingFormsAgree(t *testing.T) {
 		for _, sl := range sleases {
 			for di, d := range dones {
 				r := keyRec{Holder: h, SLease: sl, Token: uint64(len(h)) + 7, Lease: 1, Acquired: 5, Done: d, X: &trans{Assigned: h}}
-				raw := []byte(encode(&r))
-				read, written := compactRec(raw), writtenForm(&r, raw)
-				if read != written {
-					t.Errorf("%q: written %x %v, read %x %v", raw, written.b, written.who, read.b, read.who)
-				}
-				for _, v := range []cVal{read, written} {
-					if err := checkCachedValue("k/x", true, v, raw); err != nil {
-						t.Error(err)
-					}
+				read, raw, err := checkForms(&r)
+				if err != nil {
+					t.Error(err)
 				}
 				if di != 0 {
 					continue
@@ -125,15 +132,8 @@ func FuzzHoldingForms(f *testing.F) {
 		if withDone {
 			r.Done = &done{Node: node, Err: errText, Next: next, At: 1}
 		}
-		raw := []byte(encode(&r))
-		read, written := compactRec(raw), writtenForm(&r, raw)
-		if read != written {
-			t.Errorf("%q: written %x %v, read %x %v", raw, written.b, written.who, read.b, read.who)
-		}
-		for _, v := range []cVal{read, written} {
-			if err := checkCachedValue("k/x", true, v, raw); err != nil {
-				t.Error(err)
-			}
+		if _, _, err := checkForms(&r); err != nil {
+			t.Error(err)
 		}
 	})
 }
