@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"math/rand/v2"
 	"reflect"
 	"slices"
@@ -50,22 +49,6 @@ func (k *watchKiller) kill() {
 		c()
 	}
 }
-
-// relistCounter counts a backend's watches compacted past (each is
-// followed by a list of the state: watch.go follow).
-type relistCounter struct {
-	slog.Handler
-	n *atomic.Int64
-}
-
-func (h relistCounter) Handle(ctx context.Context, r slog.Record) error {
-	if strings.Contains(r.Message, "compacted past") {
-		h.n.Add(1)
-	}
-	return nil
-}
-
-func (h relistCounter) Enabled(context.Context, slog.Level) bool { return true }
 
 // checkKeptQueues checks every queue b's watch keeps for revision R (rev
 // above 0: offered to a transaction that read the key's record at R)
@@ -156,8 +139,6 @@ func TestAttackKeptQueues(t *testing.T) {
 	cfg.SessionGrace = time.Second
 	cfg.ClaimTimeout = 500 * time.Millisecond
 	cfg.CompletedRetention = time.Second
-	var relists atomic.Int64
-	cfg.Logger = slog.New(relistCounter{slog.DiscardHandler, &relists})
 
 	g := newRelistRig(t, srv, cfg, nil)
 	cli := srv.Client(t)
@@ -172,35 +153,24 @@ func TestAttackKeptQueues(t *testing.T) {
 	defer stop()
 	var wg sync.WaitGroup
 	// The nodes.
-	const nodes = 12
-	for i := range nodes {
-		wg.Go(func() {
-			r := rand.New(rand.NewPCG(uint64(i), uint64(time.Now().UnixNano())))
-			node := fmt.Sprint("n", i)
-			for ctx.Err() == nil {
-				b := g.pick(r).b
-				k := keys[r.IntN(len(keys))]
-				var err error
-				switch op := r.IntN(100); {
-				case op < 40:
-					lease := lock.LeaseTTL
-					if r.IntN(4) == 0 {
-						lease = lock.LeaseSession // no stream keeps it: lost after its grace
-					}
-					_, err = b.TryLock(ctx, lock.LockRequest{Type: k.Type, Resource: k.Resource, Node: node, Lease: lease})
-				case op < 65:
-					_, err = b.Unlock(ctx, lock.UnlockRequest{Type: k.Type, Resource: k.Resource, Node: node, Success: r.IntN(3) == 0, Error: "boom"})
-				case op < 80:
-					_, err = b.Cancel(ctx, k.Type, k.Resource, node)
-				default:
-					_, err = b.Status(ctx, k.Type, k.Resource, node)
-				}
-				if !racingErr(ctx, err) {
-					t.Errorf("%s on %v: %v", node, k, err)
-				}
+	g.race(ctx, &wg, 12, keys, func(r *rand.Rand, b *Backend, k lock.Key, node string) error {
+		var err error
+		switch op := r.IntN(100); {
+		case op < 40:
+			lease := lock.LeaseTTL
+			if r.IntN(4) == 0 {
+				lease = lock.LeaseSession // no stream keeps it: lost after its grace
 			}
-		})
-	}
+			_, err = b.TryLock(ctx, lock.LockRequest{Type: k.Type, Resource: k.Resource, Node: node, Lease: lease})
+		case op < 65:
+			_, err = b.Unlock(ctx, lock.UnlockRequest{Type: k.Type, Resource: k.Resource, Node: node, Success: r.IntN(3) == 0, Error: "boom"})
+		case op < 80:
+			_, err = b.Cancel(ctx, k.Type, k.Resource, node)
+		default:
+			_, err = b.Status(ctx, k.Type, k.Resource, node)
+		}
+		return err
+	})
 	// The watches ended, and etcd compacted past them before they open
 	// again (follow waits 100 ms): each server lists the state again.
 	// Now and then a server is replaced by a new one, which lists the
@@ -222,8 +192,8 @@ func TestAttackKeptQueues(t *testing.T) {
 		w, _ := s.b.qs.stats()
 		fromWatch += w
 	}
-	t.Logf("%d relists, %d kept queues checked, %d queue reads served by the watches", relists.Load(), checked.Load(), fromWatch)
-	if relists.Load() == 0 || checked.Load() == 0 || fromWatch == 0 {
+	t.Logf("%d relists, %d kept queues checked, %d queue reads served by the watches", g.relists.Load(), checked.Load(), fromWatch)
+	if g.relists.Load() == 0 || checked.Load() == 0 || fromWatch == 0 {
 		t.Fatal("the run exercised nothing: no relist, no kept queue checked, or none read")
 	}
 }

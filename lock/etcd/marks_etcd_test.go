@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -141,8 +140,6 @@ func TestAttackMarksMatchEtcd(t *testing.T) {
 	cfg.ClaimTimeout = 500 * time.Millisecond
 	cfg.CompletedRetention = 100 * time.Millisecond // completions gone soon: keys plainly held again
 	cfg.CompletedMax = 2                            // completion records dropped at once (dropDone)
-	var relists atomic.Int64
-	cfg.Logger = slog.New(relistCounter{slog.DiscardHandler, &relists})
 
 	g := newRelistRig(t, srv, cfg, func(b *Backend) {
 		t.Cleanup(func() { staleHists.Delete(b) })
@@ -158,42 +155,31 @@ func TestAttackMarksMatchEtcd(t *testing.T) {
 	ctx, stop := context.WithTimeout(t.Context(), 4*time.Second)
 	defer stop()
 	var wg sync.WaitGroup
-	const nodes = 12
-	for i := range nodes {
-		wg.Go(func() {
-			r := rand.New(rand.NewPCG(uint64(i), uint64(time.Now().UnixNano())))
-			node := fmt.Sprint("n", i)
-			for ctx.Err() == nil {
-				b := g.pick(r).b
-				k := keys[r.IntN(len(keys))]
-				var err error
-				switch op := r.IntN(100); {
-				case op < 45:
-					lease := lock.LeaseSession
-					if r.IntN(4) == 0 {
-						lease = lock.LeaseTTL
-					}
-					var res lock.LockResult
-					res, err = b.TryLock(ctx, lock.LockRequest{Type: k.Type, Resource: k.Resource, Node: node, Lease: lease})
-					if err == nil && res.Queued && r.IntN(4) != 0 {
-						// Most do not wait: keys stay plainly held.
-						_, err = b.Cancel(ctx, k.Type, k.Resource, node)
-					}
-				case op < 75:
-					_, err = b.Unlock(ctx, lock.UnlockRequest{Type: k.Type, Resource: k.Resource, Node: node, Success: r.IntN(3) == 0, Error: "boom"})
-				case op < 85:
-					_, err = b.Cancel(ctx, k.Type, k.Resource, node)
-				case op < 92:
-					StaleCacheForTest(b, r)
-				default:
-					_, err = b.InspectKeys(ctx, lock.KeyQuery{})
-				}
-				if !racingErr(ctx, err) {
-					t.Errorf("%s on %v: %v", node, k, err)
-				}
+	g.race(ctx, &wg, 12, keys, func(r *rand.Rand, b *Backend, k lock.Key, node string) error {
+		var err error
+		switch op := r.IntN(100); {
+		case op < 45:
+			lease := lock.LeaseSession
+			if r.IntN(4) == 0 {
+				lease = lock.LeaseTTL
 			}
-		})
-	}
+			var res lock.LockResult
+			res, err = b.TryLock(ctx, lock.LockRequest{Type: k.Type, Resource: k.Resource, Node: node, Lease: lease})
+			if err == nil && res.Queued && r.IntN(4) != 0 {
+				// Most do not wait: keys stay plainly held.
+				_, err = b.Cancel(ctx, k.Type, k.Resource, node)
+			}
+		case op < 75:
+			_, err = b.Unlock(ctx, lock.UnlockRequest{Type: k.Type, Resource: k.Resource, Node: node, Success: r.IntN(3) == 0, Error: "boom"})
+		case op < 85:
+			_, err = b.Cancel(ctx, k.Type, k.Resource, node)
+		case op < 92:
+			StaleCacheForTest(b, r)
+		default:
+			_, err = b.InspectKeys(ctx, lock.KeyQuery{})
+		}
+		return err
+	})
 	wg.Go(func() { g.relist(ctx, cli, p, 4) })
 	var checked, marked atomic.Int64
 	wg.Go(func() {
@@ -213,8 +199,8 @@ func TestAttackMarksMatchEtcd(t *testing.T) {
 			return checkWatchView(t, t.Context(), cli, s.b, keys, fmt.Sprint("server ", i, " at the end")) >= 0
 		})
 	}
-	t.Logf("%d relists, %d views checked, holding %d marks in all", relists.Load(), checked.Load(), marked.Load())
-	if relists.Load() == 0 || checked.Load() == 0 || marked.Load() == 0 {
+	t.Logf("%d relists, %d views checked, holding %d marks in all", g.relists.Load(), checked.Load(), marked.Load())
+	if g.relists.Load() == 0 || checked.Load() == 0 || marked.Load() == 0 {
 		t.Fatal("the run exercised nothing: no relist, no view checked, or no key marked")
 	}
 }

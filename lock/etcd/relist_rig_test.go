@@ -3,9 +3,13 @@ package etcd
 import (
 	"context"
 	"errors"
+	"fmt"
+	"log/slog"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -27,6 +31,9 @@ type relistRig struct {
 	cfg   Config
 	setup func(*Backend)                 // more for each server opened
 	more  []grpc.StreamClientInterceptor // after the watch killer's
+	// relists counts the servers' watches compacted past, each followed
+	// by a list of the state (watch.go follow).
+	relists atomic.Int64
 
 	mu      sync.Mutex
 	servers []*rigServer
@@ -38,10 +45,12 @@ type rigServer struct {
 	k *watchKiller
 }
 
-// newRelistRig opens three servers on srv with cfg, each set up with setup
-// and its client's streams passed through more after the watch killer.
+// newRelistRig opens three servers on srv with cfg (its Logger counts
+// the relists), each set up with setup and its client's streams passed
+// through more after the watch killer.
 func newRelistRig(t *testing.T, srv *etcdtest.Server, cfg Config, setup func(*Backend), more ...grpc.StreamClientInterceptor) *relistRig {
 	g := &relistRig{t: t, srv: srv, cfg: cfg, setup: setup, more: more, servers: make([]*rigServer, 3)}
+	g.cfg.Logger = slog.New(relistCounter{slog.DiscardHandler, &g.relists})
 	for i := range g.servers {
 		if g.servers[i] = g.open(); g.servers[i] == nil {
 			t.FailNow()
@@ -89,6 +98,25 @@ func (g *relistRig) now() []*rigServer {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	return slices.Clone(g.servers)
+}
+
+// race runs nodes nodes until ctx ends, each calling op again and again
+// on a server and a key of keys drawn at random; an error that the race
+// does not explain (racingErr) fails the test.
+func (g *relistRig) race(ctx context.Context, wg *sync.WaitGroup, nodes int, keys []lock.Key, op func(r *rand.Rand, b *Backend, k lock.Key, node string) error) {
+	for i := range nodes {
+		wg.Go(func() {
+			r := rand.New(rand.NewPCG(uint64(i), uint64(time.Now().UnixNano())))
+			node := fmt.Sprint("n", i)
+			for ctx.Err() == nil {
+				b := g.pick(r).b
+				k := keys[r.IntN(len(keys))]
+				if err := op(r, b, k, node); !racingErr(ctx, err) {
+					g.t.Errorf("%s on %v: %v", node, k, err)
+				}
+			}
+		})
+	}
 }
 
 // relist, until ctx ends, every 100 to 400 ms ends one server's watch and
@@ -145,3 +173,19 @@ func racingErr(ctx context.Context, err error) bool {
 	}
 	return true
 }
+
+// relistCounter counts a backend's watches compacted past (each is
+// followed by a list of the state: watch.go follow).
+type relistCounter struct {
+	slog.Handler
+	n *atomic.Int64
+}
+
+func (h relistCounter) Handle(ctx context.Context, r slog.Record) error {
+	if strings.Contains(r.Message, "compacted past") {
+		h.n.Add(1)
+	}
+	return nil
+}
+
+func (h relistCounter) Enabled(context.Context, slog.Level) bool { return true }
