@@ -91,6 +91,8 @@ type Backend struct {
 	ops  opTable
 	pres *presence
 
+	ix *indexSweeper // the queue indexes a success left (indexes.go)
+
 	grants, handoffs, expiries, sessionsLost, slowStreams  atomic.Uint64
 	sessionsClosed                                         atomic.Uint64
 	refusedSessions, refusedNodeStreams, refusedQueue      atomic.Uint64
@@ -164,6 +166,7 @@ func New(ctx context.Context, cli *clientv3.Client, cfg Config) (*Backend, error
 	b.s = newSessions(b)
 	b.keeper = newKeeper(b)
 	b.vw, b.ops.b, b.pres = newViewer(b), b, newPresence(b)
+	b.ix = newIndexSweeper(b) // before the watch, whose list schedules sweeps
 	// The grouper is there before the watch starts: a session that ends
 	// while the watch warms up is ended through it (its runners start
 	// below, and its requests wait for them).
@@ -184,9 +187,10 @@ func New(ctx context.Context, cli *clientv3.Client, cfg Config) (*Backend, error
 	go b.timers()
 	go b.sweepOrphans()
 	go b.health()
-	b.wg.Add(2)
+	b.wg.Add(3)
 	go b.pres.run()
 	go b.checkVersions()
+	go b.ix.run()
 	return b, nil
 }
 

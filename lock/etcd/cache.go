@@ -187,6 +187,15 @@ func (c *recCache) group(key string, add bool) {
 	}
 }
 
+// mayHoldGroup reports whether the queue whose indexes are under prefix
+// ("P/qn/<type>/<res>/") may have any: it has some in the cache, or the
+// cache is not to be used.
+func (c *recCache) mayHoldGroup(prefix string) bool {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	return !c.live || len(c.queues[prefix]) > 0
+}
+
 // apply applies one revision's changes, as the watch delivers them, with
 // keys[i] the key of evs[i] (the watch's copy, which its own tables keep
 // too) and vals[i] its value as the cache keeps it (cacheForm). An entry

@@ -37,35 +37,64 @@ func TestDifferential(t *testing.T) {
 	for seed := uint64(1); seed <= 8; seed++ {
 		t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) {
 			t.Parallel() // each history has its own backends and data set
-			rng := rand.New(rand.NewPCG(seed, 0x646c6f636b))
-			rules := diffRules()
-			// Rules that change what the events are: a node refused
-			// instead of queued, hand-offs that need no claim, a replay
-			// log so short that a resume misses events.
-			rules.AllowMultiNodeDownload = rng.IntN(4) != 0
-			if rng.IntN(2) == 0 {
-				rules.ClaimTimeout = 0
-			}
-			rules.SessionLog = []int{1, 1, 2, rules.SessionLog}[rng.IntN(4)]
-			nodes := 3 + rng.IntN(3)
-			keys := diffKeys(rng)
-			d := newDiff(t, srv, seed, rules, nodes, keys)
-			for range 70 {
-				d.begin(d.gen(rng, true))
-				if rng.IntN(5) == 0 {
-					// Two calls with no wait between them: on etcd the
-					// second may come before the watch has applied the
-					// first, or before a timer has acted on it; in
-					// memory a call's events are out when it returns.
-					// Not a break: what a stream had not delivered when
-					// it broke depends on when it broke.
-					d.begin(d.gen(rng, false))
-				}
-				d.end()
-			}
-			d.finish()
+			runDifferential(t, srv, seed, 70, nil)
 		})
 	}
+}
+
+// TestDifferentialLeftIndexes runs TestDifferential's histories with
+// servers whose every success with waiters leaves their queue indexes
+// (docs/DESIGN.md, "Queue indexes a success leaves"): swept by none
+// (stale indexes pile up under every later call), or swept the moment the
+// watch applies the success, racing the calls after it. The answers and
+// events must be the memory engine's all the same. The histories are
+// longer than TestDifferential's: a stale index matters only to a node
+// that calls again on a key whose queue formed anew.
+func TestDifferentialLeftIndexes(t *testing.T) {
+	srv := etcdtest.Shared(t)
+	for seed := uint64(1); seed <= 16; seed++ {
+		after := time.Duration(0)
+		if seed%2 == 1 {
+			after = time.Hour
+		}
+		t.Run(fmt.Sprintf("seed=%d/sweepAfter=%v", seed, after), func(t *testing.T) {
+			t.Parallel()
+			runDifferential(t, srv, seed, 200, func(b *etcd.Backend) { etcd.LeaveIndexesForTest(b, 0, after) })
+		})
+	}
+}
+
+// runDifferential runs the seeded random history of seed, steps calls
+// long; tune, if not nil, is applied to each etcd backend before its first
+// call.
+func runDifferential(t *testing.T, srv *etcdtest.Server, seed uint64, steps int, tune func(*etcd.Backend)) {
+	rng := rand.New(rand.NewPCG(seed, 0x646c6f636b))
+	rules := diffRules()
+	// Rules that change what the events are: a node refused
+	// instead of queued, hand-offs that need no claim, a replay
+	// log so short that a resume misses events.
+	rules.AllowMultiNodeDownload = rng.IntN(4) != 0
+	if rng.IntN(2) == 0 {
+		rules.ClaimTimeout = 0
+	}
+	rules.SessionLog = []int{1, 1, 2, rules.SessionLog}[rng.IntN(4)]
+	nodes := 3 + rng.IntN(3)
+	keys := diffKeys(rng)
+	d := newDiff(t, srv, seed, rules, nodes, keys, tune)
+	for range steps {
+		d.begin(d.gen(rng, true))
+		if rng.IntN(5) == 0 {
+			// Two calls with no wait between them: on etcd the
+			// second may come before the watch has applied the
+			// first, or before a timer has acted on it; in
+			// memory a call's events are out when it returns.
+			// Not a break: what a stream had not delivered when
+			// it broke depends on when it broke.
+			d.begin(d.gen(rng, false))
+		}
+		d.end()
+	}
+	d.finish()
 }
 
 // TestDifferentialResume holds, as named cases, the histories of a bug
@@ -152,7 +181,7 @@ func TestDifferentialResume(t *testing.T) {
 			}
 			t.Run(name, func(t *testing.T) {
 				t.Parallel()
-				d := newDiff(t, srv, 0, diffRules(), 3, keys)
+				d := newDiff(t, srv, 0, diffRules(), 3, keys, nil)
 				for _, o := range ops {
 					d.step(o)
 				}
@@ -178,7 +207,7 @@ func TestDifferentialErasedRecord(t *testing.T) {
 	srv := etcdtest.Shared(t)
 	del, pull := 0, 1
 	keys := []lock.Key{{Type: lock.Delete, Resource: "a"}, {Type: lock.Pull, Resource: "a"}}
-	d := newDiff(t, srv, 0, diffRules(), 2, keys)
+	d := newDiff(t, srv, 0, diffRules(), 2, keys, nil)
 	for range 25 {
 		d.step(dop{kind: opLock, node: 0, key: del, lease: lock.LeaseTTL})
 		d.step(dop{kind: opUnlock, node: 0, key: del, success: true})
@@ -303,7 +332,7 @@ type diff struct {
 	outs  [2][]string // what each side answered to them
 }
 
-func newDiff(t *testing.T, srv *etcdtest.Server, seed uint64, rules lock.Rules, nodes int, keys []lock.Key) *diff {
+func newDiff(t *testing.T, srv *etcdtest.Server, seed uint64, rules lock.Rules, nodes int, keys []lock.Key, tune func(*etcd.Backend)) *diff {
 	t.Helper()
 	d := &diff{t: t, seed: seed, keys: keys, nodes: nodes}
 	mem, err := memory.New(t.Context(), memory.Config{Rules: rules, Shards: 4})
@@ -322,6 +351,9 @@ func newDiff(t *testing.T, srv *etcdtest.Server, seed uint64, rules lock.Rules, 
 				b.Close()
 			}
 			t.Fatal(err)
+		}
+		if tune != nil {
+			tune(et)
 		}
 		ets = append(ets, et)
 	}

@@ -114,14 +114,6 @@ func (c *recCache) raws(keys []string) [][]byte {
 	return out
 }
 
-// has reports whether the cache has key.
-func (c *recCache) has(key string) bool {
-	c.mu.RLock()
-	defer c.mu.RUnlock()
-	_, ok := c.m[key]
-	return ok
-}
-
 // InspectKeys returns a page of the keys that have a holder or waiters.
 func (b *Backend) InspectKeys(ctx context.Context, q lock.KeyQuery) (lock.KeyPage, error) {
 	from, err := parseKeyCursor(q.Cursor)
@@ -176,6 +168,9 @@ func (b *Backend) InspectKeys(ctx context.Context, q lock.KeyQuery) (lock.KeyPag
 			rec, err := decodeKey(raws[i])
 			if err != nil {
 				continue
+			}
+			if q.Node != "" && waiting[i] != nil && !b.indexLive(k, q.Node, waiting[i]) {
+				waiting[i] = nil // stale: left by a success (indexes.go)
 			}
 			if q.Node != "" && waiting[i] == nil && rec.Holder != q.Node && (rec.Done == nil || rec.Done.Node != q.Node) {
 				continue
@@ -504,11 +499,23 @@ func (b *Backend) sessionKeys(parent context.Context, nodes []string, leases []i
 						continue
 					}
 				}
-				if b.rc.has(b.n.queueNode(k, nodes[i])) {
+				if idx := b.rc.raws([]string{b.n.queueNode(k, nodes[i])})[0]; idx != nil && b.indexLive(k, nodes[i], idx) {
 					out[i]++
 				}
 			}
 		}
 	}
 	return out, nil
+}
+
+// indexLive reports whether node's queue index of k, whose value is raw,
+// is a place in k's queue as this server's watch keeps it: a success with
+// many waiters leaves their indexes for a moment (indexes.go). A queue the
+// watch cannot vouch for takes the index at its word.
+func (b *Backend) indexLive(k lock.Key, node string, raw []byte) bool {
+	seq, err := strconv.ParseUint(string(raw), 16, 64)
+	if err != nil {
+		return false
+	}
+	return b.qs.holds(b.qs.recID(b.n.key(k)), seq, node)
 }

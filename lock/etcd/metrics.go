@@ -31,6 +31,8 @@ var (
 		"How long the oldest keepalive on this server's streams has waited for etcd's answer (0: none waits).", nil, nil)
 	descThrottled = prometheus.NewDesc("dlock_etcd_throttled_seconds_total",
 		"Time this server held its etcd requests back, one at a time or none, because its keepalives waited on etcd (an eighth of a keepalive period or more): the sessions' leases first.", nil, nil)
+	descIndexSweeps = prometheus.NewDesc("dlock_etcd_queue_index_sweeps_total",
+		"Transactions of this server that deleted the queue indexes a success with many waiters left behind (docs/DESIGN.md, \"Queue indexes a success leaves\").", nil, nil)
 	descStalled = prometheus.NewDesc("dlock_etcd_stalled_requests_total",
 		"Those requests that etcd had not answered within 100 ms, after which the next ones went without waiting for them (a slow or unreachable etcd member).", nil, nil)
 )
@@ -48,6 +50,7 @@ func (b *Backend) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descKeepaliveStuck
 	ch <- descStalled
 	ch <- descThrottled
+	ch <- descIndexSweeps
 }
 
 // Collect implements prometheus.Collector.
@@ -73,4 +76,5 @@ func (b *Backend) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descKeepaliveWait, prometheus.GaugeValue, wait.Seconds())
 	ch <- prometheus.MustNewConstMetric(descStalled, prometheus.CounterValue, float64(b.g.stalled.Load()))
 	ch <- prometheus.MustNewConstMetric(descThrottled, prometheus.CounterValue, time.Duration(b.g.throttled.Load()).Seconds())
+	ch <- prometheus.MustNewConstMetric(descIndexSweeps, prometheus.CounterValue, float64(b.ix.sweeps.Load()))
 }

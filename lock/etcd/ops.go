@@ -93,13 +93,10 @@ func (b *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 			return nil
 		}
 		// 3. A waiter again: its place, renewed.
-		if seq, ok, err := t.waiting(req.Node); err != nil {
+		if sw, ok, err := t.waiting(req.Node); err != nil {
 			return err
 		} else if ok {
-			w, err := t.wait(seq, req.Node)
-			if err != nil {
-				return err
-			}
+			seq, w := sw.seq, sw.waitRec
 			pos, err := t.position(seq)
 			if err != nil {
 				return err
@@ -377,8 +374,14 @@ func (t *tx) end(success bool, errText string, byUnlock, leaseRanOut bool, now t
 			}
 		}
 		if r.Queue > 0 {
+			// Deleting a waiter's queue entry tells it; its index may
+			// wait for the sweep (indexes.go).
 			t.op(clientv3.OpDelete(b.n.queue(t.k), clientv3.WithPrefix()))
-			t.op(clientv3.OpDelete(b.n.queueNodes(t.k), clientv3.WithPrefix()))
+			if b.ix.leaves(r.Queue) {
+				x.Left = true
+			} else {
+				t.op(clientv3.OpDelete(b.n.queueNodes(t.k), clientv3.WithPrefix()))
+			}
 			x.Skip = true
 			r.Queue, r.WaitTTL = 0, 0
 		}
@@ -538,11 +541,11 @@ func (b *Backend) Cancel(ctx context.Context, typ lock.Type, resource, node stri
 			res.Released = true
 			return err
 		}
-		seq, ok, err := t.waiting(node)
+		w, ok, err := t.waiting(node)
 		if err != nil || !ok {
 			return err
 		}
-		t.dequeue(seq, node)
+		t.dequeue(w.seq, node)
 		t.rec.Queue--
 		if t.rec.Queue == 0 {
 			t.rec.WaitTTL = 0
@@ -616,15 +619,12 @@ func (b *Backend) Status(ctx context.Context, typ lock.Type, resource, node stri
 			ends, held = endsOf(rec), true
 			return nil
 		}
-		seq, ok, err := t.waiting(node)
+		sw, ok, err := t.waiting(node)
 		if err != nil || !ok {
 			return err
 		}
+		seq, w := sw.seq, sw.waitRec
 		if st.Position, err = t.position(seq); err != nil {
-			return err
-		}
-		w, err := t.wait(seq, node)
-		if err != nil {
 			return err
 		}
 		if w.Lease == uint8(lock.LeaseTTL) {

@@ -372,21 +372,36 @@ func (q *queues) position(id string, rev int64, seq uint64) (int, bool) {
 	return i, true
 }
 
-// wait is tx.wait served here: the waiter at seq, if it is node's. A
-// waiter not there is left to etcd's read, which says it is missing.
-func (q *queues) wait(id string, rev int64, seq uint64, node string) (waitRec, bool) {
+// find is tx.wait served here: the waiter at seq, if it is node's. known
+// is false when the queue kept is not the record's at rev: the caller
+// reads etcd.
+func (q *queues) find(id string, rev int64, seq uint64, node string) (w waitRec, found, known bool) {
 	q.mu.RLock()
 	defer q.mu.RUnlock()
-	var w waitRec
-	found := false
-	if e := q.of(id, rev); e != nil {
-		var i int
-		if i, found = e.find(seq); found {
-			w = e.ws[i].waitRec
-			found = w.Node == node
-		}
+	e := q.of(id, rev)
+	if !q.served(e != nil) {
+		return w, false, false
 	}
-	return w, q.served(found)
+	if i, ok := e.find(seq); ok && e.ws[i].Node == node {
+		return e.ws[i].waitRec, true, true
+	}
+	return w, false, true
+}
+
+// holds reports whether node waits at seq in the queue of id as kept now,
+// true too when the queue kept cannot tell (inspect.go, indexLive).
+func (q *queues) holds(id string, seq uint64, node string) bool {
+	q.mu.RLock()
+	defer q.mu.RUnlock()
+	e := q.m[id]
+	switch {
+	case e == nil:
+		return false // no waiter: a key with waiters has an entry
+	case e.rev < 0:
+		return true
+	}
+	i, ok := e.find(seq)
+	return ok && e.ws[i].Node == node
 }
 
 // stats returns the queue reads served here and by etcd so far.

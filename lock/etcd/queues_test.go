@@ -324,8 +324,17 @@ func TestQueuesApply(t *testing.T) {
 	if pos, ok := q.position(id, 10, 41); !ok || pos != 42 {
 		t.Fatalf("the place of seq 41: %d %v", pos, ok)
 	}
-	if _, ok := q.wait(id, 10, 41, "someone else"); ok {
-		t.Fatal("the waiter at seq 41 served as another node's")
+	if _, found, known := q.find(id, 10, 41, "someone else"); found || !known {
+		t.Fatalf("the waiter at seq 41 as another node's: found %v, known %v", found, known)
+	}
+	if w, found, known := q.find(id, 10, 41, "n41"); !found || !known || w.Node != "n41" {
+		t.Fatalf("the waiter at seq 41: %+v, found %v, known %v", w, found, known)
+	}
+	if _, found, known := q.find(id, 10, uint64(many), "n0"); found || !known {
+		t.Fatalf("a seq past the queue: found %v, known %v", found, known)
+	}
+	if _, _, known := q.find(id, 9, 41, "n41"); known {
+		t.Fatal("the queue at 10 answered for the record at 9")
 	}
 	if _, ok := q.head(id, 9, 1, nil); ok {
 		t.Fatal("the queue at 10 served as the one of the record at 9")

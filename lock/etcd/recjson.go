@@ -214,6 +214,8 @@ func (s *scan) trans() (*trans, bool) {
 			x.Done, ok = s.done()
 		case "k":
 			x.Skip, ok = s.bool()
+		case "ix":
+			x.Left, ok = s.bool()
 		case "r":
 			x.Refused, ok = s.strs()
 		case "at":

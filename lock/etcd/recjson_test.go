@@ -14,7 +14,7 @@ func recordSeeds() []keyRec {
 		{Holder: "hs-1", Token: 9, Lease: 1, SLease: 7587889123456789012, X: &trans{Assigned: "hs-1"}},
 		{Token: 18446744073709551615, Queue: 3, Seq: 9, WaitTTL: -1, Delay: -9223372036854775808, Claim: 5, MaxHold: 9223372036854775807, Lease: 255,
 			Done: &done{Node: "a<b>&c", Token: 3, OK: true, Err: "x\"y\\", At: 7, Next: "n", Unlock: true},
-			X:    &trans{Done: &done{Node: "a", Token: 3}, Skip: true, Refused: []string{"p", "", "\u00e9\u2028"}, At: 8}},
+			X:    &trans{Done: &done{Node: "a", Token: 3}, Skip: true, Left: true, Refused: []string{"p", "", "\u00e9\u2028"}, At: 8}},
 	}
 }
 
@@ -34,7 +34,7 @@ func FuzzRecordMatchesJSON(f *testing.F) {
 		"{\"h\":\"\xff\"}", "{\"h\":\"a\x7fb\"}", "{\"h\":\"a\tb\"}", `{"h":"a"} x`, ` {"t":1} `, `{"t":1 }`,
 		`{"at":"1"}`, `{"unknown":{"deep":[1,2,{}]}}`, `{"c":{"ok":"true"}}`, `{"c":{"ok":tru}}`,
 		`{"c":{"ok":false,"u":true}}`, `{"c":{}}`, `{"x":{}}`, `{"c":{"n":"a","n":"b"}}`, `{"x":{"c":{"zz":1}}}`,
-		`{"h":"\u0041"}`, `{"h":"a\/b"}`, `{"s":1,}`, `{,}`, `{"t"1}`,
+		`{"h":"\u0041"}`, `{"h":"a\/b"}`, `{"s":1,}`, `{,}`, `{"t"1}`, `{"x":{"ix":true,"k":true}}`, `{"x":{"ix":1}}`,
 	} {
 		f.Add([]byte(s))
 	}

@@ -18,7 +18,9 @@ import (
 //	                            (<type> is the type's name, as every server of the
 //	                            data set numbers a type of its own differently)
 //	P/q/<type>/<res>/<seq>/<node>  waitRec: one waiter, in FIFO order (seq in hex, fixed width)
-//	P/qn/<type>/<res>/<node>    the waiter's seq: no duplicate entry, and its position
+//	P/qn/<type>/<res>/<node>    the waiter's seq: no duplicate entry, and its position;
+//	                            one whose P/q/ entry is gone is stale, left by a
+//	                            success with many waiters (indexes.go)
 //	P/s/<node>                  a session, attached to its etcd lease
 //	P/n/<node>/<type>/<res>     the session lease id of a session-leased hold or wait
 //	P/r/<res>                   refRec: the nodes referencing the resource
@@ -64,6 +66,7 @@ type trans struct {
 	Assigned string   `json:"a,omitempty"`  // lock_assigned to this node, with the record's token
 	Done     *done    `json:"c,omitempty"`  // operation_completed
 	Skip     bool     `json:"k,omitempty"`  // the waiters removed by this write were skipped
+	Left     bool     `json:"ix,omitempty"` // their queue indexes were left to a sweep (indexes.go)
 	Refused  []string `json:"r,omitempty"`  // waiters refused at promotion (in_use)
 	At       int64    `json:"at,omitempty"` // when they were refused
 }

@@ -545,15 +545,11 @@ func (b *Backend) endSession(ctx context.Context, node string, lease int64) (int
 					expired, handed = true, next != ""
 					return err
 				}
-				seq, ok, err := t.waiting(node)
-				if err != nil || !ok {
+				wr, ok, err := t.waiting(node)
+				if err != nil || !ok || wr.Lease != uint8(lock.LeaseSession) || wr.SLease != lease {
 					return err
 				}
-				wr, err := t.wait(seq, node)
-				if err != nil || wr.Lease != uint8(lock.LeaseSession) || wr.SLease != lease {
-					return err
-				}
-				t.dequeue(seq, node)
+				t.dequeue(wr.seq, node)
 				t.rec.Queue--
 				if t.rec.Queue == 0 {
 					t.rec.WaitTTL = 0

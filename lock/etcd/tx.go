@@ -403,39 +403,40 @@ func (t *tx) atRead() clientv3.OpOption { return clientv3.WithRev(t.readRev) }
 // queueID is the key's queue among the watch's (queues.go).
 func (t *tx) queueID() string { return t.b.qs.recID(t.b.n.key(t.k)) }
 
-// waiting returns node's seq in the queue.
-func (t *tx) waiting(node string) (uint64, bool, error) {
+// waiting returns node's place in the queue. An index whose queue entry is
+// gone is stale, not a place: a success with many waiters leaves their
+// indexes to a sweep (indexes.go).
+func (t *tx) waiting(node string) (seqWait, bool, error) {
 	if t.rec.Queue == 0 {
-		return 0, false, nil
+		return seqWait{}, false, nil
 	}
 	v, _, err := t.get(t.b.n.queueNode(t.k, node))
 	if err != nil || v == nil {
-		return 0, false, err
+		return seqWait{}, false, err
 	}
 	seq, err := strconv.ParseUint(string(v), 16, 64)
 	if err != nil {
-		return 0, false, fmt.Errorf("etcd backend: a queue index that is not ours: %w", err)
+		return seqWait{}, false, fmt.Errorf("etcd backend: a queue index that is not ours: %w", err)
 	}
-	return seq, true, nil
+	w, ok, err := t.wait(seq, node)
+	return seqWait{seq, w}, ok, err
 }
 
-// wait reads the waiter at seq. It, position and head read the queue at
-// the revision the record was read at, which guards the whole queue: read
-// later, another server's dequeue could show a queue the record does not
-// describe (an entry the index names but is gone).
-func (t *tx) wait(seq uint64, node string) (waitRec, error) {
-	if w, ok := t.b.qs.wait(t.queueID(), t.recRev, seq, node); ok {
-		return w, nil
+// wait reads node's queue entry at seq; ok false when there is none. The
+// queue is read at the record's revision, which the transaction's guard
+// holds to: every change of a queue writes its key's record.
+func (t *tx) wait(seq uint64, node string) (w waitRec, ok bool, err error) {
+	if w, found, known := t.b.qs.find(t.queueID(), t.recRev, seq, node); known {
+		return w, found, nil
 	}
-	var w waitRec
 	resp, err := t.b.cli.Get(t.ctx, t.b.n.wait(t.k, seq, node), t.atRead())
 	if err != nil {
-		return w, t.readErr("reading the queue", err)
+		return w, false, t.readErr("reading the queue", err)
 	}
 	if len(resp.Kvs) == 0 {
-		return w, fmt.Errorf("etcd backend: queue entry %d of %v is missing", seq, t.k)
+		return w, false, nil
 	}
-	return w, jsonUnmarshal(resp.Kvs[0].Value, &w)
+	return w, true, jsonUnmarshal(resp.Kvs[0].Value, &w)
 }
 
 // position is the 1-based place of the waiter at seq.

@@ -213,6 +213,9 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 	keep := func(kv *mvccpb.KeyValue) {
 		cached[string(kv.Key)] = cEntry{val: cVal{b: string(kv.Value)}, modp: kv.ModRevision}
 	}
+	// Each key's waiters and queue indexes: more indexes than waiters
+	// are stale ones a success left, which a sweep deletes (indexes.go).
+	waiters, indexes := map[string]int{}, map[string]int{}
 	err = w.page(ctx, b.n.keys(), rev, func(kv *mvccpb.KeyValue) {
 		// One copy of the key for the cache and the timers' table, and
 		// the record as the cache keeps it (cacherec.go).
@@ -224,6 +227,9 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 			return
 		}
 		queues.record(key, kv.ModRevision, &r)
+		if r.Queue > 0 {
+			waiters[b.qs.recID(key)] = r.Queue
+		}
 		ki := info(&r, b.cfg.CompletedRetention)
 		keys.set(k, key, ki)
 		nKeys, nHeld, nQd = nKeys+b2i(ki.kept), nHeld+b2i(ki.held), nQd+int(ki.queue)
@@ -255,15 +261,23 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 	if err != nil {
 		return 0, err
 	}
-	for _, prefix := range []string{b.n.p + "qn/", b.n.refs()} {
-		if err := w.page(ctx, prefix, rev, keep); err != nil {
-			return 0, err
+	err = w.page(ctx, b.n.p+"qn/", rev, func(kv *mvccpb.KeyValue) {
+		keep(kv)
+		if id, ok := b.n.indexID(string(kv.Key)); ok {
+			indexes[id]++
 		}
+	})
+	if err != nil {
+		return 0, err
+	}
+	if err := w.page(ctx, b.n.refs(), rev, keep); err != nil {
+		return 0, err
 	}
 	if err := w.page(ctx, b.n.p+"q/", rev, queues.wait); err != nil {
 		return 0, err
 	}
 	b.qs.reset(queues)
+	b.ix.scheduleStale(indexes, waiters)
 	heap.Init(&dl)
 	heap.Init(&dones)
 	w.mu.Lock()
@@ -640,6 +654,9 @@ func (w *watcher) apply(evs []*clientv3.Event, rev int64) {
 		if !c.deleted && c.rec.X != nil {
 			released = append(released, w.deliver(c, base, rev, skipped[c.k])...)
 			base += idsPerChange
+			if c.rec.X.Left {
+				b.ix.schedule(c.k, b.ix.later())
+			}
 		}
 	}
 	// A session that ended closes its streams here: the node reconnects
