@@ -260,7 +260,7 @@ func attackRace(t *testing.T, refs bool, mode raceMode) {
 	// Every node has gone: every hold and queue place must end, by its
 	// lease, its session or its claim timeout.
 	for _, k := range keys {
-		eventually(t, fmt.Sprintf("%v to be free with no waiter", k), func() bool {
+		etcd.Eventually(t, fmt.Sprintf("%v to be free with no waiter", k), func() bool {
 			s, err := monitor.Status(context.Background(), k.Type, k.Resource, "")
 			return err == nil && !s.Held && s.QueueLength == 0
 		})

@@ -28,7 +28,7 @@ func TestAttackManyTTLWaitersExpireTogether(t *testing.T) {
 			t.Fatalf("w%d: %+v, want queued", i, r)
 		}
 	}
-	eventually(t, "every ttl waiter to leave the queue", func() bool { return stat(t, b, lock.Pull, "r", "").QueueLength == 0 })
+	etcd.Eventually(t, "every ttl waiter to leave the queue", func() bool { return stat(t, b, lock.Pull, "r", "").QueueLength == 0 })
 	if st := stat(t, b, lock.Pull, "r", ""); st.Holder != "holder" {
 		t.Fatalf("status %+v, want holder still holding", st)
 	}
@@ -71,7 +71,7 @@ func TestAttackExpiredWaiterNotPromoted(t *testing.T) {
 	}
 	b2 := openAt(t, p, mod)
 	var st lock.Status
-	eventually(t, "a's hold to end", func() bool { st = stat(t, b2, lock.Pull, "r", ""); return st.Holder != "a" })
+	etcd.Eventually(t, "a's hold to end", func() bool { st = stat(t, b2, lock.Pull, "r", ""); return st.Holder != "a" })
 	if st.Holder != "w2" || st.QueueLength != 0 {
 		t.Fatalf("status %+v, want w2 holding with nobody waiting: w1's ttl ran out", st)
 	}

@@ -33,9 +33,10 @@ func indexNodes(t *testing.T, cli *clientv3.Client, b *Backend, k lock.Key, rev 
 	return out
 }
 
-// waitUntil waits, at most a minute, until cond holds: a state the sweep
-// must reach, not a timing.
-func waitUntil(t *testing.T, what string, cond func() bool) {
+// Eventually waits, at most a minute, until cond holds: a state a rule
+// must reach (a liveness bound, not a timing assertion). The package's
+// outside tests use it too.
+func Eventually(t testing.TB, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(time.Minute)
 	for !cond() {
@@ -46,25 +47,32 @@ func waitUntil(t *testing.T, what string, cond func() bool) {
 	}
 }
 
+// leavingServers opens n servers of one new data set whose successes with
+// more than over waiters leave their indexes, swept after about after.
+func leavingServers(t *testing.T, n, over int, after time.Duration) (*clientv3.Client, string, []*Backend) {
+	t.Helper()
+	srv := etcdtest.Shared(t)
+	p := etcdtest.Prefix(t)
+	var bs []*Backend
+	for range n {
+		b, err := New(t.Context(), srv.Client(t), Config{Rules: lock.DefaultRules(), Prefix: p})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { b.Close() })
+		LeaveIndexesForTest(b, over, after)
+		bs = append(bs, b)
+	}
+	return srv.Client(t), p, bs
+}
+
 // TestSuccessLeavesIndexes: a success with more waiters than
 // leaveIndexesOver deletes their queue entries, which tells them, and
 // leaves their queue indexes, which a sweep deletes a moment later; one
 // with fewer deletes both itself (docs/DESIGN.md, "Queue indexes a success
 // leaves").
 func TestSuccessLeavesIndexes(t *testing.T) {
-	srv := etcdtest.Shared(t)
-	cli := srv.Client(t)
-	p := etcdtest.Prefix(t)
-	var bs []*Backend
-	for range 2 {
-		b, err := New(t.Context(), srv.Client(t), Config{Rules: lock.DefaultRules(), Prefix: p})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { b.Close() })
-		LeaveIndexesForTest(b, 3, 20*time.Millisecond)
-		bs = append(bs, b)
-	}
+	cli, p, bs := leavingServers(t, 2, 3, 20*time.Millisecond)
 	for _, waiters := range []int{3, 4, 9} {
 		t.Run(fmt.Sprintf("waiters=%d", waiters), func(t *testing.T) {
 			k := lock.Key{Type: lock.Pull, Resource: fmt.Sprintf("sha256:left-%d", waiters)}
@@ -107,7 +115,7 @@ func TestSuccessLeavesIndexes(t *testing.T) {
 					t.Fatalf("%s's status with its index left: %+v %v", n, st, err)
 				}
 			}
-			waitUntil(t, "the indexes the success left swept", func() bool {
+			Eventually(t, "the indexes the success left swept", func() bool {
 				return len(indexNodes(t, cli, bs[0], k, 0)) == 0
 			})
 			if after := bs[0].ix.sweeps.Load() + bs[1].ix.sweeps.Load(); after == before {
@@ -127,19 +135,8 @@ func TestSuccessLeavesIndexes(t *testing.T) {
 // cancel dequeues nothing, and its lock queues it anew at the end; the
 // sweep then deletes only the stale indexes, never a waiter's.
 func TestStaleIndexIsNoPlace(t *testing.T) {
-	srv := etcdtest.Shared(t)
-	cli := srv.Client(t)
-	p := etcdtest.Prefix(t)
-	var bs []*Backend
-	for range 2 {
-		b, err := New(t.Context(), srv.Client(t), Config{Rules: lock.DefaultRules(), Prefix: p})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { b.Close() })
-		LeaveIndexesForTest(b, 0, time.Hour) // every success leaves them; none swept by itself
-		bs = append(bs, b)
-	}
+	// Every success leaves them; none is swept by itself.
+	cli, p, bs := leavingServers(t, 2, 0, time.Hour)
 	ctx := t.Context()
 	k := lock.Key{Type: lock.Pull, Resource: "sha256:stale"}
 	lockAs(t, bs[0], k, "h", "acquired")
@@ -202,14 +199,8 @@ func TestStaleIndexIsNoPlace(t *testing.T) {
 // TestSweepManyStale: with waiters on the key, the stale indexes are
 // deleted sweepBatch a transaction, until none is left.
 func TestSweepManyStale(t *testing.T) {
-	srv := etcdtest.Shared(t)
-	cli := srv.Client(t)
-	b, err := New(t.Context(), srv.Client(t), Config{Rules: lock.DefaultRules(), Prefix: etcdtest.Prefix(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { b.Close() })
-	LeaveIndexesForTest(b, 0, time.Hour)
+	cli, _, bs := leavingServers(t, 1, 0, time.Hour)
+	b := bs[0]
 	ctx := t.Context()
 	k := lock.Key{Type: lock.Pull, Resource: "sha256:many"}
 	lockAs(t, b, k, "h", "acquired")
@@ -267,7 +258,7 @@ func TestStaleIndexesSweptByTheNextServer(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { next.Close() })
-	waitUntil(t, "the next server swept the indexes", func() bool {
+	Eventually(t, "the next server swept the indexes", func() bool {
 		return len(indexNodes(t, cli, next, k, 0)) == 0
 	})
 }

@@ -141,14 +141,14 @@ func TestInspectFollowsOtherServers(t *testing.T) {
 	}
 	mustLock(t, b2, lock.LockRequest{Type: lock.Pull, Resource: "b", Node: "y"})
 	mustLock(t, b2, lock.LockRequest{Type: lock.Pull, Resource: "b", Node: "z"})
-	eventually(t, "b1 shows the key b2 granted, with its waiter", func() bool {
+	etcd.Eventually(t, "b1 shows the key b2 granted, with its waiter", func() bool {
 		p, err := b1.InspectKeys(t.Context(), lock.KeyQuery{Node: "z"})
 		return err == nil && len(p.Keys) == 1 && p.Keys[0].Holder == "y" && len(p.Keys[0].Queue) == 1 && p.Keys[0].Queue[0].Node == "z"
 	})
 	if _, err := b2.Unlock(t.Context(), lock.UnlockRequest{Type: lock.Pull, Resource: "a", Node: "x", Success: true}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "b1 drops the key b2 freed", func() bool {
+	etcd.Eventually(t, "b1 drops the key b2 freed", func() bool {
 		got := inspectAll(t, b1, lock.KeyQuery{})
 		return slices.Equal(got, []string{"pull:b"})
 	})
@@ -230,12 +230,12 @@ func TestInspectCostsNothingUnwatched(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "b1 to see n's stream on b2", func() bool {
+	etcd.Eventually(t, "b1 to see n's stream on b2", func() bool {
 		s := session(t, b1, "n")
 		return s.Streams == 1 && !s.InGrace
 	})
 	// The feed was told: n has a stream (on b2).
-	eventually(t, "b1's feed to tell n's stream", func() bool {
+	etcd.Eventually(t, "b1's feed to tell n's stream", func() bool {
 		for _, ev := range ops.Take(nil) {
 			if c := ev.Session; c != nil && c.Node == "n" && c.Streams == 1 {
 				return true
@@ -244,12 +244,12 @@ func TestInspectCostsNothingUnwatched(t *testing.T) {
 		return false
 	})
 	st.Close()
-	eventually(t, "b1 to see n in grace", func() bool {
+	etcd.Eventually(t, "b1 to see n in grace", func() bool {
 		s := session(t, b1, "n")
 		return s.Streams == 0 && s.InGrace
 	})
 	ops.Close()
-	eventually(t, "both servers to stop looking", func() bool {
+	etcd.Eventually(t, "both servers to stop looking", func() bool {
 		l1, i1, _ := etcd.ViewForTest(b1)
 		l2, i2, _ := etcd.ViewForTest(b2)
 		return !l1 && !i1 && !l2 && !i2 && len(uiKeys(t, cli, p)) == 0

@@ -42,18 +42,6 @@ func openAt(t testing.TB, p string, mod func(*etcd.Config)) *etcd.Backend {
 	return b
 }
 
-// eventually waits, at most a minute, until cond holds.
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(time.Minute)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("after a minute: %s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
-
 func tryLock(t *testing.T, b lock.Backend, req lock.LockRequest) lock.LockResult {
 	t.Helper()
 	r, err := b.TryLock(context.Background(), req)
@@ -127,7 +115,7 @@ func TestTTLExpiryHandsOn(t *testing.T) {
 	}
 	// The timer counts its expiry once its transaction has committed,
 	// which the watch may deliver first.
-	eventually(t, "the expiry to be counted", func() bool { return b.Stats().Expiries >= 1 })
+	etcd.Eventually(t, "the expiry to be counted", func() bool { return b.Stats().Expiries >= 1 })
 	if n := b.Stats().Expiries; n != 1 {
 		t.Fatalf("Expiries = %d, want 1", n)
 	}
@@ -137,7 +125,7 @@ func TestTTLWaiterExpires(t *testing.T) {
 	b, _ := open(t, func(c *etcd.Config) { c.LockTTL = time.Second })
 	tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: "r", Node: "a", Lease: lock.LeaseSession})
 	tryLock(t, b, ttlReq("r", "w"))
-	eventually(t, "the ttl waiter to leave the queue", func() bool { return stat(t, b, lock.Pull, "r", "").QueueLength == 0 })
+	etcd.Eventually(t, "the ttl waiter to leave the queue", func() bool { return stat(t, b, lock.Pull, "r", "").QueueLength == 0 })
 	if st := stat(t, b, lock.Pull, "r", ""); st.Holder != "a" {
 		t.Fatalf("status %+v, want a still holding (a session lease)", st)
 	}
@@ -172,11 +160,11 @@ func TestClaimTimeout(t *testing.T) {
 	}
 	// b confirms s but not r.
 	tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: "s", Node: "b"})
-	eventually(t, "r to pass to c", func() bool { return stat(t, b, lock.Pull, "r", "").Holder == "c" })
+	etcd.Eventually(t, "r to pass to c", func() bool { return stat(t, b, lock.Pull, "r", "").Holder == "c" })
 	if lc := stat(t, b, lock.Pull, "r", "").LastCompleted; lc == nil || lc.Node != "b" || lc.Error != "not claimed" {
 		t.Fatalf("record %+v, want b not claimed", lc)
 	}
-	eventually(t, "c's unconfirmed grant of r to end too", func() bool { return !stat(t, b, lock.Pull, "r", "").Held })
+	etcd.Eventually(t, "c's unconfirmed grant of r to end too", func() bool { return !stat(t, b, lock.Pull, "r", "").Held })
 	if st := stat(t, b, lock.Pull, "s", ""); st.Holder != "b" {
 		t.Fatalf("s: %+v, want b's confirmed grant kept", st)
 	}
@@ -185,7 +173,7 @@ func TestClaimTimeout(t *testing.T) {
 func TestMaxHold(t *testing.T) {
 	b, _ := open(t, func(c *etcd.Config) { c.MaxHold = time.Second })
 	tryLock(t, b, lock.LockRequest{Type: lock.Pull, Resource: "r", Node: "a"})
-	eventually(t, "the hold to end", func() bool { return !stat(t, b, lock.Pull, "r", "").Held })
+	etcd.Eventually(t, "the hold to end", func() bool { return !stat(t, b, lock.Pull, "r", "").Held })
 	if lc := stat(t, b, lock.Pull, "r", "").LastCompleted; lc == nil || lc.Error != "max hold exceeded" {
 		t.Fatalf("record %+v, want max hold exceeded", lc)
 	}
@@ -213,8 +201,8 @@ func TestSessionLoss(t *testing.T) {
 	if lc := stat(t, b, lock.Pull, "r", "").LastCompleted; lc == nil || lc.Node != "a" || lc.Error != "session lost" {
 		t.Fatalf("record %+v, want a's session lost", lc)
 	}
-	eventually(t, "a's queue place to go", func() bool { return stat(t, b, lock.Pull, "q", "").QueueLength == 0 })
-	eventually(t, "the loss to be counted", func() bool { return b.Stats().SessionsLost == 1 })
+	etcd.Eventually(t, "a's queue place to go", func() bool { return stat(t, b, lock.Pull, "q", "").QueueLength == 0 })
+	etcd.Eventually(t, "the loss to be counted", func() bool { return b.Stats().SessionsLost == 1 })
 	if st := b.Stats(); st.Sessions != 1 {
 		t.Fatalf("Sessions = %d, want 1", st.Sessions)
 	}
@@ -236,7 +224,7 @@ func TestSessionLeaseWithoutStream(t *testing.T) {
 	if st := b.Stats(); st.Sessions != 1 {
 		t.Fatalf("Sessions = %d, want 1", st.Sessions)
 	}
-	eventually(t, "the hold to end with the session", func() bool { return !stat(t, b, lock.Pull, "r", "").Held })
+	etcd.Eventually(t, "the hold to end with the session", func() bool { return !stat(t, b, lock.Pull, "r", "").Held })
 	if lc := stat(t, b, lock.Pull, "r", "").LastCompleted; lc == nil || lc.Error != "session lost" {
 		t.Fatalf("record %+v", lc)
 	}
@@ -294,7 +282,7 @@ func TestMassSessionLoss(t *testing.T) {
 		wg.Go(st.Close)
 	}
 	wg.Wait()
-	eventually(t, "every key to pass to the keeper", func() bool {
+	etcd.Eventually(t, "every key to pass to the keeper", func() bool {
 		for i := range n {
 			if stat(t, b, lock.Pull, fmt.Sprintf("r%d", i), "").Holder != "keeper" {
 				return false
@@ -302,7 +290,7 @@ func TestMassSessionLoss(t *testing.T) {
 		}
 		return true
 	})
-	eventually(t, "every loss to be counted", func() bool { return b.Stats().SessionsLost == n })
+	etcd.Eventually(t, "every loss to be counted", func() bool { return b.Stats().SessionsLost == n })
 }
 
 func TestCompletionRetention(t *testing.T) {
@@ -315,7 +303,7 @@ func TestCompletionRetention(t *testing.T) {
 	if r := tryLock(t, b, skip); !r.Skip {
 		t.Fatalf("within the retention: %+v, want skip", r)
 	}
-	eventually(t, "the record to be dropped", func() bool { return b.Stats().Keys == 0 })
+	etcd.Eventually(t, "the record to be dropped", func() bool { return b.Stats().Keys == 0 })
 	if st := stat(t, b, lock.Delete, "r", ""); st.LastCompleted != nil {
 		t.Fatalf("record kept: %+v", st.LastCompleted)
 	}
@@ -336,7 +324,7 @@ func TestTimersFireOnce(t *testing.T) {
 		tryLock(t, b1, ttlReq(res, "a"))
 		tryLock(t, b2, lock.LockRequest{Type: lock.Pull, Resource: res, Node: "b", Lease: lock.LeaseSession})
 	}
-	eventually(t, "every hold to pass to b", func() bool {
+	etcd.Eventually(t, "every hold to pass to b", func() bool {
 		for i := range keys {
 			if stat(t, b3, lock.Pull, fmt.Sprintf("r%d", i), "").Holder != "b" {
 				return false
@@ -347,7 +335,7 @@ func TestTimersFireOnce(t *testing.T) {
 	expiries := func() uint64 { return b1.Stats().Expiries + b2.Stats().Expiries + b3.Stats().Expiries }
 	// A timer counts its expiry once its transaction has committed, which
 	// the watch may deliver first.
-	eventually(t, "every expiry to be counted", func() bool { return expiries() >= keys })
+	etcd.Eventually(t, "every expiry to be counted", func() bool { return expiries() >= keys })
 	if n := expiries(); n != keys {
 		t.Fatalf("%d expiries on the three servers, want %d: each deadline once", n, keys)
 	}
@@ -363,7 +351,7 @@ func TestMaxSessionsMakesRoom(t *testing.T) {
 		t.Fatalf("a second session: %v, want ErrTooManySessions", err)
 	}
 	sa.Close()
-	eventually(t, "a's session to end", func() bool { return b.Stats().Sessions == 0 })
+	etcd.Eventually(t, "a's session to end", func() bool { return b.Stats().Sessions == 0 })
 	subscribe(t, b, "c")
 }
 
@@ -376,7 +364,7 @@ func TestCompletedMax(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	eventually(t, "three records to be kept", func() bool { return b.Stats().Keys == 3 })
+	etcd.Eventually(t, "three records to be kept", func() bool { return b.Stats().Keys == 3 })
 	for _, r := range []string{"r1", "r2"} {
 		if st := stat(t, b, lock.Pull, r, ""); st.LastCompleted != nil {
 			t.Fatalf("%s: the oldest record kept beyond completed_max: %+v", r, st.LastCompleted)
@@ -503,7 +491,7 @@ func eventNames(ds []lock.Delivery) []string {
 func expired(t *testing.T, b lock.Backend, res, reason string) lock.Status {
 	t.Helper()
 	var st lock.Status
-	eventually(t, "the hold of "+res+" to end: "+reason, func() bool {
+	etcd.Eventually(t, "the hold of "+res+" to end: "+reason, func() bool {
 		st = stat(t, b, lock.Pull, res, "")
 		return st.LastCompleted != nil && st.LastCompleted.Error == reason
 	})
@@ -543,7 +531,7 @@ func TestLockDelayReserves(t *testing.T) {
 	if r := tryLock(t, b, ttlReq("solo", "d")); !r.Queued || r.Position != 1 {
 		t.Fatalf("d on a key nobody waited for, in its delay: %+v, want queued first", r)
 	}
-	eventually(t, "the watch to count the delayed keys", func() bool {
+	etcd.Eventually(t, "the watch to count the delayed keys", func() bool {
 		s := b.Stats()
 		return s.Keys == 2 && s.Held == 0 && s.Queued == 3
 	})
@@ -599,7 +587,7 @@ func TestLockDelayTTLHandsOn(t *testing.T) {
 		!got[1].Event.CompletedAt.Equal(lc.CompletedAt) {
 		t.Fatalf("observer saw %v, want a's end told when it ended, then b's grant", names)
 	}
-	eventually(t, "the expiry to be counted", func() bool { return b.Stats().Expiries >= 1 })
+	etcd.Eventually(t, "the expiry to be counted", func() bool { return b.Stats().Expiries >= 1 })
 	if n := b.Stats().Expiries; n != 1 {
 		t.Fatalf("Expiries = %d, want 1: the delay's end is none", n)
 	}
@@ -688,8 +676,8 @@ func TestLockDelayEndsFree(t *testing.T) {
 	tryLock(t, b, ttlReq("r", "a"))
 	// The key is counted while held and in its delay, and no longer once
 	// the watch has seen its record go.
-	eventually(t, "the expiry, with the key still counted", func() bool { s := b.Stats(); return s.Expiries == 1 && s.Keys == 1 })
-	eventually(t, "the key's record to go after its delay", func() bool { return b.Stats().Keys == 0 })
+	etcd.Eventually(t, "the expiry, with the key still counted", func() bool { s := b.Stats(); return s.Expiries == 1 && s.Keys == 1 })
+	etcd.Eventually(t, "the key's record to go after its delay", func() bool { return b.Stats().Keys == 0 })
 	if r := tryLock(t, b, ttlReq("r", "b")); !r.Acquired {
 		t.Fatalf("after the delay: %+v, want acquired", r)
 	}
