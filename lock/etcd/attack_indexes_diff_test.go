@@ -29,14 +29,14 @@ import (
 // a waiter's index.
 func TestDifferentialLeftIndexesInspect(t *testing.T) {
 	srv := etcdtest.Shared(t)
-	for seed := uint64(101); seed <= 108; seed++ {
+	for seed := uint64(101); seed <= 106; seed++ {
 		after := time.Duration(0)
 		if seed%2 == 1 {
 			after = time.Hour
 		}
 		t.Run(fmt.Sprintf("seed=%d/sweepAfter=%v", seed, after), func(t *testing.T) {
 			t.Parallel()
-			runDifferentialInspect(t, srv, seed, 150, func(b *etcd.Backend) { etcd.LeaveIndexesForTest(b, 0, after) })
+			runDifferentialInspect(t, srv, seed, 120, func(b *etcd.Backend) { etcd.LeaveIndexesForTest(b, 0, after) })
 		})
 	}
 }

@@ -678,3 +678,85 @@ func TestAttackSweepRace(t *testing.T) {
 		checkCacheIsEtcd(t, t.Context(), cli, s.b, p, who)
 	}
 }
+
+// TestAttackStaleIndexOperatorsView: the operators' view finds a node's
+// waits by its queue index in the cache (InspectKeys' node filter, a
+// session's keys): a stale index, with a queue formed again on its key,
+// shows no wait there, on either server, until the node queues again
+// (docs/DESIGN.md, "What a server keeps": "a node waits for a key when
+// the cache has its queue index and the watch's queue has the node at
+// that index's place"); also when the key's record was dropped in
+// between, and another node waits at the stale index's seq.
+func TestAttackStaleIndexOperatorsView(t *testing.T) {
+	p := etcdtest.Prefix(t)
+	cli := etcdtest.Shared(t).Client(t)
+	rules := lock.DefaultRules()
+	rules.CompletedRetention = 0 // the record bare after the success, and dropped
+	var bs []*Backend
+	for range 2 {
+		b, err := New(t.Context(), etcdtest.Shared(t).Client(t), Config{Rules: rules, Prefix: p})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { b.Close() })
+		LeaveIndexesForTest(b, 0, time.Hour)
+		bs = append(bs, b)
+	}
+	ctx := t.Context()
+	k := lock.Key{Type: lock.Pull, Resource: "sha256:viewed"}
+	lockSession := func(b *Backend, node, want string) {
+		t.Helper()
+		r, err := b.TryLock(ctx, lock.LockRequest{Type: k.Type, Resource: k.Resource, Node: node, Lease: lock.LeaseSession})
+		if err != nil || (want == "queued") != r.Queued || (want == "acquired") != r.Acquired {
+			t.Fatalf("%s's lock: %+v %v, want %s", node, r, err, want)
+		}
+	}
+	// view is what server b shows of node a: the keys of its node filter,
+	// and its session's keys.
+	view := func(b *Backend) (keys []string, sessionKeys int) {
+		t.Helper()
+		page, err := b.InspectKeys(ctx, lock.KeyQuery{Node: "a"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, v := range page.Keys {
+			keys = append(keys, v.Key.String())
+		}
+		sp, err := b.InspectSessions(ctx, lock.SessionQuery{Node: "a"})
+		if err != nil || len(sp.Sessions) != 1 {
+			t.Fatalf("a's session: %+v %v", sp, err)
+		}
+		return keys, sp.Sessions[0].Keys
+	}
+	check := func(what string, want []string, wantSession int) {
+		t.Helper()
+		for i, b := range bs {
+			caughtUp(t, b, bs...)
+			if keys, n := view(b); !slices.Equal(keys, want) || n != wantSession {
+				t.Fatalf("%s, server %d: a's keys %v, its session's %d; want %v and %d", what, i, keys, n, want, wantSession)
+			}
+		}
+	}
+	lockAs(t, bs[1], k, "h", "acquired")
+	lockSession(bs[0], "a", "queued")
+	lockAs(t, bs[1], k, "b", "queued")
+	check("a waiting", []string{k.String()}, 1)
+	if _, err := bs[1].Unlock(ctx, lock.UnlockRequest{Type: k.Type, Resource: k.Resource, Node: "h", Success: true}); err != nil {
+		t.Fatal(err)
+	}
+	waitUntil(t, "the bare record dropped", func() bool {
+		resp, err := cli.Get(ctx, bs[0].n.key(k))
+		return err == nil && len(resp.Kvs) == 0
+	})
+	lockAs(t, bs[0], k, "x", "acquired")
+	lockAs(t, bs[1], k, "y", "queued")
+	if got := indexNodes(t, cli, bs[0], k, 0); !slices.Equal(got, []string{"a", "b", "y"}) {
+		t.Fatalf("indexes: %v", got)
+	}
+	if s, i := seqOf(t, cli, bs[0], k, "y"), queueIndexOf(t, cli, bs[0], k, "a"); s != i {
+		t.Fatalf("y waits at %d, a's stale index is %d: want them alike", s, i)
+	}
+	check("a's index stale", nil, 0)
+	lockSession(bs[1], "a", "queued")
+	check("a waiting again", []string{k.String()}, 1)
+}
