@@ -118,9 +118,11 @@ func TestSuccessLeavesIndexes(t *testing.T) {
 			Eventually(t, "the indexes the success left swept", func() bool {
 				return len(indexNodes(t, cli, bs[0], k, 0)) == 0
 			})
-			if after := bs[0].ix.sweeps.Load() + bs[1].ix.sweeps.Load(); after == before {
-				t.Fatal("the indexes went with no sweep counted")
-			}
+			// The sweep is counted once its transaction has returned,
+			// after etcd shows its deletes.
+			waitUntil(t, "the indexes went with no sweep counted", func() bool {
+				return bs[0].ix.sweeps.Load()+bs[1].ix.sweeps.Load() > before
+			})
 		})
 	}
 	for i, b := range bs {
