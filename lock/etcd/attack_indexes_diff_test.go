@@ -9,7 +9,6 @@ package etcd_test
 import (
 	"context"
 	"fmt"
-	"math/rand/v2"
 	"slices"
 	"strings"
 	"testing"
@@ -36,33 +35,9 @@ func TestDifferentialLeftIndexesInspect(t *testing.T) {
 		}
 		t.Run(fmt.Sprintf("seed=%d/sweepAfter=%v", seed, after), func(t *testing.T) {
 			t.Parallel()
-			runDifferentialInspect(t, srv, seed, 120, func(b *etcd.Backend) { etcd.LeaveIndexesForTest(b, 0, after) })
+			runDifferential(t, srv, seed, 120, func(b *etcd.Backend) { etcd.LeaveIndexesForTest(b, 0, after) }, compareNodeKeys)
 		})
 	}
-}
-
-// runDifferentialInspect is runDifferential with the node filter's keys
-// compared after every step.
-func runDifferentialInspect(t *testing.T, srv *etcdtest.Server, seed uint64, steps int, tune func(*etcd.Backend)) {
-	rng := rand.New(rand.NewPCG(seed, 0x646c6f636b))
-	rules := diffRules()
-	rules.AllowMultiNodeDownload = rng.IntN(4) != 0
-	if rng.IntN(2) == 0 {
-		rules.ClaimTimeout = 0
-	}
-	rules.SessionLog = []int{1, 1, 2, rules.SessionLog}[rng.IntN(4)]
-	nodes := 3 + rng.IntN(3)
-	keys := diffKeys(rng)
-	d := newDiff(t, srv, seed, rules, nodes, keys, tune)
-	for range steps {
-		d.begin(d.gen(rng, true))
-		if rng.IntN(5) == 0 {
-			d.begin(d.gen(rng, false))
-		}
-		d.end()
-		compareNodeKeys(d)
-	}
-	d.finish()
 }
 
 // compareNodeKeys compares, for every node, the keys each server of each

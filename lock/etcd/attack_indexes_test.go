@@ -255,13 +255,7 @@ func TestAttackSweepGuard(t *testing.T) {
 	for _, formed := range []bool{false, true} {
 		t.Run(fmt.Sprintf("queueFormedAgain=%v", formed), func(t *testing.T) {
 			k := lock.Key{Type: lock.Pull, Resource: fmt.Sprintf("sha256:guard-%v", formed)}
-			lockAs(t, b, k, "h", "acquired")
-			for _, w := range []string{"w1", "w2", "w3"} {
-				lockAs(t, b, k, w, "queued")
-			}
-			if _, err := b.Unlock(ctx, lock.UnlockRequest{Type: k.Type, Resource: k.Resource, Node: "h", Success: true}); err != nil {
-				t.Fatal(err)
-			}
+			succeedOver(t, b, k, "w1", "w2", "w3")
 			lockAs(t, b, k, "x", "acquired")
 			want := []string{"w1"} // the waiters after the node that queues again
 			again := "w1"
@@ -315,21 +309,9 @@ func TestAttackSweepGuard(t *testing.T) {
 // at the end (docs/DESIGN.md, "Queue indexes a success leaves": "An entry at
 // a stale index's seq is never the node's unless its index says so").
 func TestAttackStaleIndexAfterDrop(t *testing.T) {
-	cli := etcdtest.Shared(t).Client(t)
-	p := etcdtest.Prefix(t)
 	rules := lock.DefaultRules()
 	rules.CompletedRetention = 0 // no completion kept: the record is bare after the success
-	cfg := Config{Rules: rules, Prefix: p}
-	var bs []*Backend
-	for range 2 {
-		b, err := New(t.Context(), etcdtest.Shared(t).Client(t), cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { b.Close() })
-		LeaveIndexesForTest(b, 0, time.Hour)
-		bs = append(bs, b)
-	}
+	cli, p, bs := leavingServers(t, 2, rules, 0, time.Hour)
 	ctx := t.Context()
 	k := lock.Key{Type: lock.Pull, Resource: "sha256:dropped"}
 	lockAs(t, bs[0], k, "h", "acquired")
@@ -344,7 +326,7 @@ func TestAttackStaleIndexAfterDrop(t *testing.T) {
 	if _, err := bs[1].Unlock(ctx, lock.UnlockRequest{Type: k.Type, Resource: k.Resource, Node: "h", Success: true}); err != nil {
 		t.Fatal(err)
 	}
-	waitUntil(t, "the bare record dropped", func() bool {
+	Eventually(t, "the bare record dropped", func() bool {
 		resp, err := cli.Get(ctx, bs[0].n.key(k))
 		return err == nil && len(resp.Kvs) == 0
 	})
@@ -476,7 +458,7 @@ func TestAttackSweepAfterRelist(t *testing.T) {
 	sweeps := a.ix.sweeps.Load()
 	a.ix.after.Store(int64(10 * time.Millisecond))
 	gate.release()
-	waitUntil(t, "a's sweep after its list", func() bool {
+	Eventually(t, "a's sweep after its list", func() bool {
 		return a.ix.sweeps.Load() > sweeps && slices.Equal(indexNodes(t, cli, a, k, 0), []string{"w2"})
 	})
 	if got := indexNodes(t, cli, a, k2, 0); !slices.Equal(got, []string{"v"}) {
@@ -501,15 +483,8 @@ func TestAttackSweepAfterRelist(t *testing.T) {
 // key's stale indexes and nothing else: not those of a key whose resource
 // begins with its resource ("r1" and "r1x"), whose waiters' indexes stay.
 func TestAttackSweepGrouped(t *testing.T) {
-	srv := etcdtest.Shared(t)
-	cli := srv.Client(t)
-	p := etcdtest.Prefix(t)
-	b, err := New(t.Context(), srv.Client(t), Config{Rules: lock.DefaultRules(), Prefix: p})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { b.Close() })
-	LeaveIndexesForTest(b, 0, time.Hour)
+	cli, p, bs := leavingServers(t, 1, lock.DefaultRules(), 0, time.Hour)
+	b := bs[0]
 	ctx := t.Context()
 	const n = 12
 	var keys []lock.Key
@@ -518,13 +493,7 @@ func TestAttackSweepGrouped(t *testing.T) {
 		for _, suffix := range []string{"", "x"} {
 			k := lock.Key{Type: lock.Pull, Resource: fmt.Sprintf("r%d%s", i, suffix)}
 			keys = append(keys, k)
-			lockAs(t, b, k, "h", "acquired")
-			for _, w := range []string{"w1", "w2", "w3"} {
-				lockAs(t, b, k, w, "queued")
-			}
-			if _, err := b.Unlock(ctx, lock.UnlockRequest{Type: k.Type, Resource: k.Resource, Node: "h", Success: true}); err != nil {
-				t.Fatal(err)
-			}
+			succeedOver(t, b, k, "w1", "w2", "w3")
 			lockAs(t, b, k, "x", "acquired")
 			if suffix == "x" || i%2 == 0 {
 				// A queue again: the sweep keeps its waiters' indexes.
@@ -663,7 +632,7 @@ func TestAttackSweepRace(t *testing.T) {
 		t.Fatal("the run exercised nothing: no success, no revision checked, or no stale index seen")
 	}
 	b0 := g.now()[0].b
-	waitUntil(t, "the sweeps to leave no stale index", func() bool {
+	Eventually(t, "the sweeps to leave no stale index", func() bool {
 		stale, _ := checkIndexes(t, t.Context(), cli, b0, "etcd at the end")
 		return len(stale) == 0
 	})
@@ -673,7 +642,7 @@ func TestAttackSweepRace(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		waitUntil(t, who+"'s watch to catch up", func() bool { return s.b.w.caughtUp(resp.Header.Revision, time.Second) })
+		Eventually(t, who+"'s watch to catch up", func() bool { return s.b.w.caughtUp(resp.Header.Revision, time.Second) })
 		checkKeptQueues(t, t.Context(), cli, s.b, who)
 		checkCacheIsEtcd(t, t.Context(), cli, s.b, p, who)
 	}
@@ -688,20 +657,9 @@ func TestAttackSweepRace(t *testing.T) {
 // that index's place"); also when the key's record was dropped in
 // between, and another node waits at the stale index's seq.
 func TestAttackStaleIndexOperatorsView(t *testing.T) {
-	p := etcdtest.Prefix(t)
-	cli := etcdtest.Shared(t).Client(t)
 	rules := lock.DefaultRules()
 	rules.CompletedRetention = 0 // the record bare after the success, and dropped
-	var bs []*Backend
-	for range 2 {
-		b, err := New(t.Context(), etcdtest.Shared(t).Client(t), Config{Rules: rules, Prefix: p})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { b.Close() })
-		LeaveIndexesForTest(b, 0, time.Hour)
-		bs = append(bs, b)
-	}
+	cli, _, bs := leavingServers(t, 2, rules, 0, time.Hour)
 	ctx := t.Context()
 	k := lock.Key{Type: lock.Pull, Resource: "sha256:viewed"}
 	lockSession := func(b *Backend, node, want string) {
@@ -744,7 +702,7 @@ func TestAttackStaleIndexOperatorsView(t *testing.T) {
 	if _, err := bs[1].Unlock(ctx, lock.UnlockRequest{Type: k.Type, Resource: k.Resource, Node: "h", Success: true}); err != nil {
 		t.Fatal(err)
 	}
-	waitUntil(t, "the bare record dropped", func() bool {
+	Eventually(t, "the bare record dropped", func() bool {
 		resp, err := cli.Get(ctx, bs[0].n.key(k))
 		return err == nil && len(resp.Kvs) == 0
 	})

@@ -37,7 +37,7 @@ func TestDifferential(t *testing.T) {
 	for seed := uint64(1); seed <= 8; seed++ {
 		t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) {
 			t.Parallel() // each history has its own backends and data set
-			runDifferential(t, srv, seed, 70, nil)
+			runDifferential(t, srv, seed, 70, nil, nil)
 		})
 	}
 }
@@ -59,15 +59,15 @@ func TestDifferentialLeftIndexes(t *testing.T) {
 		}
 		t.Run(fmt.Sprintf("seed=%d/sweepAfter=%v", seed, after), func(t *testing.T) {
 			t.Parallel()
-			runDifferential(t, srv, seed, 200, func(b *etcd.Backend) { etcd.LeaveIndexesForTest(b, 0, after) })
+			runDifferential(t, srv, seed, 200, func(b *etcd.Backend) { etcd.LeaveIndexesForTest(b, 0, after) }, nil)
 		})
 	}
 }
 
 // runDifferential runs the seeded random history of seed, steps calls
 // long; tune, if not nil, is applied to each etcd backend before its first
-// call.
-func runDifferential(t *testing.T, srv *etcdtest.Server, seed uint64, steps int, tune func(*etcd.Backend)) {
+// call, and check, if not nil, after every step.
+func runDifferential(t *testing.T, srv *etcdtest.Server, seed uint64, steps int, tune func(*etcd.Backend), check func(*diff)) {
 	rng := rand.New(rand.NewPCG(seed, 0x646c6f636b))
 	rules := diffRules()
 	// Rules that change what the events are: a node refused
@@ -93,6 +93,9 @@ func runDifferential(t *testing.T, srv *etcdtest.Server, seed uint64, steps int,
 			d.begin(d.gen(rng, false))
 		}
 		d.end()
+		if check != nil {
+			check(d)
+		}
 	}
 	d.finish()
 }

@@ -47,15 +47,16 @@ func Eventually(t testing.TB, what string, cond func() bool) {
 	}
 }
 
-// leavingServers opens n servers of one new data set whose successes with
-// more than over waiters leave their indexes, swept after about after.
-func leavingServers(t *testing.T, n, over int, after time.Duration) (*clientv3.Client, string, []*Backend) {
+// leavingServers opens n servers of one new data set, with rules, whose
+// successes with more than over waiters leave their indexes, swept after
+// about after.
+func leavingServers(t *testing.T, n int, rules lock.Rules, over int, after time.Duration) (*clientv3.Client, string, []*Backend) {
 	t.Helper()
 	srv := etcdtest.Shared(t)
 	p := etcdtest.Prefix(t)
 	var bs []*Backend
 	for range n {
-		b, err := New(t.Context(), srv.Client(t), Config{Rules: lock.DefaultRules(), Prefix: p})
+		b, err := New(t.Context(), srv.Client(t), Config{Rules: rules, Prefix: p})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -72,7 +73,7 @@ func leavingServers(t *testing.T, n, over int, after time.Duration) (*clientv3.C
 // with fewer deletes both itself (docs/DESIGN.md, "Queue indexes a success
 // leaves").
 func TestSuccessLeavesIndexes(t *testing.T) {
-	cli, p, bs := leavingServers(t, 2, 3, 20*time.Millisecond)
+	cli, p, bs := leavingServers(t, 2, lock.DefaultRules(), 3, 20*time.Millisecond)
 	for _, waiters := range []int{3, 4, 9} {
 		t.Run(fmt.Sprintf("waiters=%d", waiters), func(t *testing.T) {
 			k := lock.Key{Type: lock.Pull, Resource: fmt.Sprintf("sha256:left-%d", waiters)}
@@ -120,7 +121,7 @@ func TestSuccessLeavesIndexes(t *testing.T) {
 			})
 			// The sweep is counted once its transaction has returned,
 			// after etcd shows its deletes.
-			waitUntil(t, "the indexes went with no sweep counted", func() bool {
+			Eventually(t, "the indexes went with no sweep counted", func() bool {
 				return bs[0].ix.sweeps.Load()+bs[1].ix.sweeps.Load() > before
 			})
 		})
@@ -138,7 +139,7 @@ func TestSuccessLeavesIndexes(t *testing.T) {
 // sweep then deletes only the stale indexes, never a waiter's.
 func TestStaleIndexIsNoPlace(t *testing.T) {
 	// Every success leaves them; none is swept by itself.
-	cli, p, bs := leavingServers(t, 2, 0, time.Hour)
+	cli, p, bs := leavingServers(t, 2, lock.DefaultRules(), 0, time.Hour)
 	ctx := t.Context()
 	k := lock.Key{Type: lock.Pull, Resource: "sha256:stale"}
 	lockAs(t, bs[0], k, "h", "acquired")
@@ -201,18 +202,15 @@ func TestStaleIndexIsNoPlace(t *testing.T) {
 // TestSweepManyStale: with waiters on the key, the stale indexes are
 // deleted sweepBatch a transaction, until none is left.
 func TestSweepManyStale(t *testing.T) {
-	cli, _, bs := leavingServers(t, 1, 0, time.Hour)
+	cli, _, bs := leavingServers(t, 1, lock.DefaultRules(), 0, time.Hour)
 	b := bs[0]
-	ctx := t.Context()
 	k := lock.Key{Type: lock.Pull, Resource: "sha256:many"}
-	lockAs(t, b, k, "h", "acquired")
 	n := sweepBatch + 30
+	var waiters []string
 	for i := range n {
-		lockAs(t, b, k, fmt.Sprintf("w%03d", i), "queued")
+		waiters = append(waiters, fmt.Sprintf("w%03d", i))
 	}
-	if _, err := b.Unlock(ctx, lock.UnlockRequest{Type: k.Type, Resource: k.Resource, Node: "h", Success: true}); err != nil {
-		t.Fatal(err)
-	}
+	succeedOver(t, b, k, waiters...)
 	lockAs(t, b, k, "x", "acquired")
 	lockAs(t, b, k, "w007", "queued")
 	more, err := b.sweepIndexes(k)
@@ -263,6 +261,19 @@ func TestStaleIndexesSweptByTheNextServer(t *testing.T) {
 	Eventually(t, "the next server swept the indexes", func() bool {
 		return len(indexNodes(t, cli, next, k, 0)) == 0
 	})
+}
+
+// succeedOver has h take k, waiters queue behind it, and h succeed: on the
+// servers of leavingServers, the success leaves the waiters' indexes.
+func succeedOver(t *testing.T, b *Backend, k lock.Key, waiters ...string) {
+	t.Helper()
+	lockAs(t, b, k, "h", "acquired")
+	for _, w := range waiters {
+		lockAs(t, b, k, w, "queued")
+	}
+	if _, err := b.Unlock(t.Context(), lock.UnlockRequest{Type: k.Type, Resource: k.Resource, Node: "h", Success: true}); err != nil {
+		t.Fatal(err)
+	}
 }
 
 func mustStatus(t *testing.T, b *Backend, k lock.Key, node string) lock.Status {
