@@ -513,7 +513,7 @@ func (b *Backend) sessionKeys(parent context.Context, nodes []string, leases []i
 // many waiters leaves their indexes for a moment (indexes.go). A queue the
 // watch cannot vouch for takes the index at its word.
 func (b *Backend) indexLive(k lock.Key, node string, raw []byte) bool {
-	seq, err := strconv.ParseUint(string(raw), 16, 64)
+	seq, err := indexSeq(raw)
 	if err != nil {
 		return false
 	}

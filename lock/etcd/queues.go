@@ -311,6 +311,14 @@ func (e *keptQueue) find(seq uint64) (int, bool) {
 	})
 }
 
+// waiter returns the waiter at seq if it is node's.
+func (e *keptQueue) waiter(seq uint64, node string) (waitRec, bool) {
+	if i, ok := e.find(seq); ok && e.ws[i].Node == node {
+		return e.ws[i].waitRec, true
+	}
+	return waitRec{}, false
+}
+
 // of returns the queue of id if it is the queue of the record at rev;
 // q.mu held.
 func (q *queues) of(id string, rev int64) *keptQueue {
@@ -382,10 +390,8 @@ func (q *queues) find(id string, rev int64, seq uint64, node string) (w waitRec,
 	if !q.served(e != nil) {
 		return w, false, false
 	}
-	if i, ok := e.find(seq); ok && e.ws[i].Node == node {
-		return e.ws[i].waitRec, true, true
-	}
-	return w, false, true
+	w, found = e.waiter(seq, node)
+	return w, found, true
 }
 
 // holds reports whether node waits at seq in the queue of id as kept now,
@@ -400,8 +406,8 @@ func (q *queues) holds(id string, seq uint64, node string) bool {
 	case e.rev < 0:
 		return true
 	}
-	i, ok := e.find(seq)
-	return ok && e.ws[i].Node == node
+	_, ok := e.waiter(seq, node)
+	return ok
 }
 
 // stats returns the queue reads served here and by etcd so far.

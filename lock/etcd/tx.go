@@ -414,12 +414,21 @@ func (t *tx) waiting(node string) (seqWait, bool, error) {
 	if err != nil || v == nil {
 		return seqWait{}, false, err
 	}
-	seq, err := strconv.ParseUint(string(v), 16, 64)
+	seq, err := indexSeq(v)
 	if err != nil {
-		return seqWait{}, false, fmt.Errorf("etcd backend: a queue index that is not ours: %w", err)
+		return seqWait{}, false, err
 	}
 	w, ok, err := t.wait(seq, node)
 	return seqWait{seq, w}, ok, err
+}
+
+// indexSeq reads the seq a queue index holds.
+func indexSeq(v []byte) (uint64, error) {
+	seq, err := strconv.ParseUint(string(v), 16, 64)
+	if err != nil {
+		return 0, fmt.Errorf("etcd backend: a queue index that is not ours: %w", err)
+	}
+	return seq, nil
 }
 
 // wait reads node's queue entry at seq; ok false when there is none. The

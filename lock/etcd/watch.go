@@ -213,9 +213,10 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 	keep := func(kv *mvccpb.KeyValue) {
 		cached[string(kv.Key)] = cEntry{val: cVal{b: string(kv.Value)}, modp: kv.ModRevision}
 	}
-	// Each key's waiters and queue indexes: more indexes than waiters
-	// are stale ones a success left, which a sweep deletes (indexes.go).
-	waiters, indexes := map[string]int{}, map[string]int{}
+	// Each key's queue indexes: more than its record counts waiters
+	// (queues.counts) are stale ones a success left, which a sweep
+	// deletes (indexes.go).
+	indexes := map[string]int{}
 	err = w.page(ctx, b.n.keys(), rev, func(kv *mvccpb.KeyValue) {
 		// One copy of the key for the cache and the timers' table, and
 		// the record as the cache keeps it (cacherec.go).
@@ -227,9 +228,6 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 			return
 		}
 		queues.record(key, kv.ModRevision, &r)
-		if r.Queue > 0 {
-			waiters[b.qs.recID(key)] = r.Queue
-		}
 		ki := info(&r, b.cfg.CompletedRetention)
 		keys.set(k, key, ki)
 		nKeys, nHeld, nQd = nKeys+b2i(ki.kept), nHeld+b2i(ki.held), nQd+int(ki.queue)
@@ -277,7 +275,7 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 		return 0, err
 	}
 	b.qs.reset(queues)
-	b.ix.scheduleStale(indexes, waiters)
+	b.ix.scheduleStale(indexes, queues.counts)
 	heap.Init(&dl)
 	heap.Init(&dones)
 	w.mu.Lock()
