@@ -316,12 +316,17 @@ func TestBenchFleet(t *testing.T) {
 		Results []bench.Result
 		Setup   []string
 	}
-	if st != 0 || json.Unmarshal([]byte(out), &res) != nil || len(res.Results) != 4 {
+	if st != 0 || json.Unmarshal([]byte(out), &res) != nil || len(res.Results) != 5 {
 		t.Fatalf("bench fleet: %d %q %q", st, out, errOut)
 	}
 	want := map[string]func(bench.Result) bool{
 		"fleet-open": func(r bench.Result) bool {
-			return r.Ops == 30 && r.RSSMiB > 0 && strings.Contains(r.Note, "over 3 servers") && strings.Contains(r.Note, "CPU in % of one core: etcd ")
+			return r.Ops == 30 && r.RSSMiB > 0 && strings.Contains(r.Note, "over 3 servers") && strings.Contains(r.Note, "CPU in % of one core: etcd ") &&
+				strings.Contains(r.Note, "CPU while opening, in seconds: etcd ") && strings.Contains(r.Note, ", server 3 ") && strings.Contains(r.Note, ", the nodes (bench) ")
+		},
+		"fleet-open-floor": func(r bench.Result) bool {
+			return r.Ops == 30 && r.RSSMiB > 0 && strings.HasPrefix(r.Note, "no etcd ") && strings.Contains(r.Note, "CPU while opening, in seconds: server 1 ") &&
+				!strings.Contains(r.Note, "etcd 0") && !strings.Contains(r.Note, "idle for")
 		},
 		"fleet-failover": func(r bench.Result) bool {
 			return r.Ops == 10 && strings.Contains(r.Note, "holds kept 6/6") && strings.Contains(r.Note, "and 6/6 6s after the kill") && !strings.Contains(r.Note, "FAILED")
@@ -339,7 +344,7 @@ func TestBenchFleet(t *testing.T) {
 	}
 	if len(want) > 0 || len(res.Setup) != 2 || !strings.Contains(res.Setup[0], " ("+etcdBin+"), one member") ||
 		!strings.Contains(res.Setup[1], "3 `dlock serve --backend etcd --etcd-endpoints ") ||
-		!strings.Contains(res.Setup[1], " --session-grace 10s`") {
+		!strings.Contains(res.Setup[1], " --session-grace 10s`") || !strings.Contains(res.Setup[1], "3 `dlock serve --backend memory ") {
 		t.Errorf("missing %v; setup %q", want, res.Setup)
 	}
 	// One server's idle sessions on etcd, as docs/BENCHMARKS.md measures

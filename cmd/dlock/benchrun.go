@@ -359,17 +359,18 @@ func (b *benchRun) fleet(ctx context.Context) error {
 	}
 	flags := append(append([]string{"--backend", "etcd", "--etcd-endpoints", b.etcd.Endpoint, "--etcd-prefix", prefix},
 		freshServerFlags(o.nodes, o.fleetHeld+o.holders+64)...), b.extraServe...)
+	floorFlags := append(append([]string{"--backend", "memory"}, freshServerFlags(o.nodes, o.fleetHeld+o.holders+64)...), b.extraServe...)
 	fo := bench.FleetOptions{Servers: o.servers, Nodes: o.nodes, Holders: o.holders, Held: o.fleetHeld,
 		Opening: o.opening, Conns: o.concurrency, Idle: o.idle, Recheck: o.recheck,
-		Start: freshServer(bin, flags, b.stderr), EtcdEndpoint: b.etcd.Endpoint, EtcdCPU: bench.ProcCPU(b.etcd.PID),
+		Start: freshServer(bin, flags, b.stderr), Floor: freshServer(bin, floorFlags, b.stderr), EtcdEndpoint: b.etcd.Endpoint, EtcdCPU: bench.ProcCPU(b.etcd.PID),
 		Log: func(l string) { fmt.Fprintln(b.stderr, l) }}
 	rs, err := bench.Fleet(ctx, fo)
 	if err != nil {
 		return fmt.Errorf("fleet: %w", err)
 	}
 	b.report.results = append(b.report.results, rs...)
-	b.report.setup = append(b.report.setup, fmt.Sprintf("fleet: %d `dlock serve %s` on that etcd, started by bench; %d nodes, node i's session stream on server i mod %d, read by a goroutine each; locks and waiters over %d connections to each server; etcd's CPU from /proc/%d/stat, the servers' from their /metrics",
-		o.servers, strings.Join(flags, " "), o.nodes, o.servers, o.concurrency, b.etcd.PID))
+	b.report.setup = append(b.report.setup, fmt.Sprintf("fleet: %d `dlock serve %s` on that etcd, started by bench; %d nodes, node i's session stream on server i mod %d, read by a goroutine each; locks and waiters over %d connections to each server; etcd's CPU from /proc/%d/stat, the servers' from their /metrics; before them, the same opening on %d `dlock serve %s` (fleet-open-floor)",
+		o.servers, strings.Join(flags, " "), o.nodes, o.servers, o.concurrency, b.etcd.PID, o.servers, strings.Join(floorFlags, " ")))
 	return nil
 }
 

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/url"
+	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -35,6 +36,10 @@ type FleetOptions struct {
 	// Start starts one more server on the one etcd, all of them on one
 	// data set; the stop it returns must kill it at once, as SIGKILL does.
 	Start StartServer
+	// Floor, if set, starts a server with no etcd (the memory backend):
+	// the opening is first timed on o.Servers of them (fleet-open-floor),
+	// what the streams and the nodes alone cost on this machine.
+	Floor StartServer
 	// EtcdEndpoint is the etcd's client URL (its /metrics: the database's
 	// size), and EtcdCPU reads its CPU time (ProcCPU).
 	EtcdEndpoint string
@@ -84,16 +89,19 @@ func Fleet(ctx context.Context, o FleetOptions) ([]Result, error) {
 		return nil, errors.New("fleet: at least 2 servers, a node per server, a Start, and no more holders than nodes")
 	}
 	o.Opening, o.Conns = max(1, o.Opening), max(1, o.Conns)
+	var results []Result
+	if o.Floor != nil {
+		r, err := openFloor(ctx, o)
+		if err != nil {
+			return nil, err
+		}
+		results = append(results, r)
+	}
 	f := &fleet{o: o, id: runID()}
 	defer f.close()
-	for range o.Servers {
-		base, stop, err := o.Start(ctx)
-		if err != nil {
-			return nil, fmt.Errorf("starting server %d: %w", len(f.bases)+1, err)
-		}
-		f.bases, f.stops, f.alive = append(f.bases, base), append(f.stops, stop), append(f.alive, true)
+	if err := f.start(ctx, o.Start); err != nil {
+		return results, err
 	}
-	var results []Result
 	for _, step := range []func(context.Context) (Result, error){f.open, f.failover, f.fanout, f.hold} {
 		r, err := step(ctx)
 		if err != nil {
@@ -106,6 +114,49 @@ func Fleet(ctx context.Context, o FleetOptions) ([]Result, error) {
 		results = append(results, r)
 	}
 	return results, nil
+}
+
+// start starts o.Servers servers with start.
+func (f *fleet) start(ctx context.Context, start StartServer) error {
+	for range f.o.Servers {
+		base, stop, err := start(ctx)
+		if err != nil {
+			return fmt.Errorf("starting server %d: %w", len(f.bases)+1, err)
+		}
+		f.bases, f.stops, f.alive = append(f.bases, base), append(f.stops, stop), append(f.alive, true)
+	}
+	return nil
+}
+
+// openFloor times the opening on o.Servers servers of o.Floor, each on
+// its own: the same nodes, the same streams, no etcd. A first round, on
+// servers of its own and not timed, warms this process (its heap, its
+// goroutines' stacks): the nodes of a real fleet are processes that run
+// long, on machines of their own, and the floor and fleet-open then find
+// the nodes alike.
+func openFloor(ctx context.Context, o FleetOptions) (Result, error) {
+	o.EtcdCPU, o.Idle = nil, 0
+	var r Result
+	for _, timed := range []bool{false, true} {
+		f := &fleet{o: o, id: runID()}
+		err := f.start(ctx, o.Floor)
+		if err == nil {
+			r, err = f.open(ctx)
+		}
+		f.close()
+		if err != nil {
+			return Result{}, fmt.Errorf("the floor: %w", err)
+		}
+		if !timed && o.Log != nil {
+			o.Log("fleet-open-floor: the nodes warmed in a first round (not timed): " + r.Note)
+		}
+	}
+	r.Scenario = "fleet-open-floor"
+	r.Note = "no etcd (the memory backend, each server on its own), after a first round not timed: " + r.Note
+	if o.Log != nil {
+		o.Log(r.Scenario + ": " + r.Note)
+	}
+	return r, nil
 }
 
 func (f *fleet) log(s string) {
@@ -169,6 +220,10 @@ func (f *fleet) open(ctx context.Context) (Result, error) {
 	f.nodes = make([]*fleetNode, o.Nodes)
 	lat := &latencies{}
 	var retries atomic.Int64
+	// Where the opening's time goes: on a machine of few cores the
+	// nodes (this process), etcd and the servers share them.
+	probes := f.cpuProbes()
+	cpu0 := readCPU(probes)
 	start := time.Now()
 	err := parallel(min(o.Opening, o.Nodes), o.Nodes, func(i int) error {
 		if err := ctx.Err(); err != nil {
@@ -197,6 +252,7 @@ func (f *fleet) open(ctx context.Context) (Result, error) {
 		return nil
 	})
 	elapsed := time.Since(start)
+	cpu1 := readCPU(probes)
 	if err != nil {
 		return Result{}, fmt.Errorf("opening %d streams over %d servers: %w", o.Nodes, o.Servers, err)
 	}
@@ -208,48 +264,77 @@ func (f *fleet) open(ctx context.Context) (Result, error) {
 	r.RSSMiB = maxOf(rss)
 	r.Note = fmt.Sprintf("%d nodes' session streams over %d servers, %d opening at once: all open in %s (%d refusals tried again); servers' RSS %s MiB (empty %s)",
 		o.Nodes, o.Servers, o.Opening, fmtDur(float64(elapsed.Microseconds())), retries.Load(), mibList(rss), mibList(empty))
+	r.Note += "; CPU while opening, in seconds: " + cpuSpent(probes, cpu0, cpu1, func(d time.Duration) string {
+		return fmt.Sprintf("%.2f", d.Seconds())
+	})
 	if o.Idle > 0 {
 		r.Note += "; " + f.idle(ctx)
 	}
 	return r, nil
 }
 
+// cpuProbe is one process whose CPU the fleet reads.
+type cpuProbe struct {
+	name  string
+	probe CPUProbe
+}
+
+// cpuProbes are etcd's (if known), each server's and this process's, the
+// nodes'.
+func (f *fleet) cpuProbes() []cpuProbe {
+	var ps []cpuProbe
+	if f.o.EtcdCPU != nil {
+		ps = append(ps, cpuProbe{"etcd", f.o.EtcdCPU})
+	}
+	for i, base := range f.bases {
+		if f.alive[i] {
+			ps = append(ps, cpuProbe{fmt.Sprintf("server %d", i+1), MetricsCPU(base, f.o.Dialer)})
+		}
+	}
+	return append(ps, cpuProbe{"the nodes (bench)", ProcCPU(os.Getpid())})
+}
+
+// readCPU reads every probe; one that fails reads as -1.
+func readCPU(ps []cpuProbe) []time.Duration {
+	out := make([]time.Duration, len(ps))
+	for i, p := range ps {
+		v, err := p.probe()
+		if err != nil {
+			v = -1
+		}
+		out[i] = v
+	}
+	return out
+}
+
+// cpuSpent says what each probe spent between two readings, as
+// format does with the seconds (or percent of a core) of each.
+func cpuSpent(ps []cpuProbe, before, after []time.Duration, format func(time.Duration) string) string {
+	var parts []string
+	for i, p := range ps {
+		if before[i] < 0 || after[i] < 0 {
+			continue
+		}
+		parts = append(parts, p.name+" "+format(after[i]-before[i]))
+	}
+	return strings.Join(parts, ", ")
+}
+
 // idle reads, over o.Idle, the CPU etcd and each server use while the
 // sessions idle: their keepalives, the pings.
 func (f *fleet) idle(ctx context.Context) string {
-	probes := []CPUProbe{f.o.EtcdCPU}
-	for _, base := range f.bases {
-		probes = append(probes, MetricsCPU(base, f.o.Dialer))
-	}
-	before := make([]time.Duration, len(probes))
-	for i, p := range probes {
-		if p != nil {
-			before[i], _ = p()
-		}
-	}
+	probes := f.cpuProbes()
+	before := readCPU(probes)
 	t0 := time.Now()
 	select {
 	case <-time.After(f.o.Idle):
 	case <-ctx.Done():
 	}
 	secs := time.Since(t0).Seconds()
-	var parts []string
-	for i, p := range probes {
-		if p == nil {
-			continue
-		}
-		after, err := p()
-		if err != nil {
-			continue
-		}
-		pct := fmt.Sprintf("%.1f%%", 100*(after-before[i]).Seconds()/secs)
-		if i == 0 {
-			parts = append(parts, "etcd "+pct)
-		} else {
-			parts = append(parts, fmt.Sprintf("server %d %s", i, pct))
-		}
-	}
-	return fmt.Sprintf("idle for %.0f s, CPU in %% of one core: %s", secs, strings.Join(parts, ", "))
+	after := readCPU(probes)
+	return fmt.Sprintf("idle for %.0f s, CPU in %% of one core: %s", secs, cpuSpent(probes, before, after, func(d time.Duration) string {
+		return fmt.Sprintf("%.1f%%", 100*d.Seconds()/secs)
+	}))
 }
 
 // rss reads the RSS of every live server.
