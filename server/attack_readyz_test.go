@@ -13,8 +13,6 @@ import (
 	"time"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
-	clientv3 "go.etcd.io/etcd/client/v3"
-	"go.uber.org/zap"
 	"google.golang.org/grpc"
 
 	"github.com/dlock/dlock/internal/auth"
@@ -55,16 +53,7 @@ func (h *holdEveryOtherProbe) intercept(ctx context.Context, method string, req,
 // readiness allows: /readyz answered 503 about one second in four.
 func TestAttackReadyzOneMemberHolds(t *testing.T) {
 	h := &holdEveryOtherProbe{}
-	cli, err := clientv3.New(clientv3.Config{
-		Endpoints:   etcdtest.Shared(t).Endpoints(),
-		DialTimeout: 5 * time.Second,
-		Logger:      zap.NewNop(),
-		DialOptions: []grpc.DialOption{grpc.WithChainUnaryInterceptor(h.intercept)},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cli.Close() })
+	cli := etcdtest.Shared(t).Client(t, grpc.WithChainUnaryInterceptor(h.intercept))
 	cfg := etcd.DefaultConfig()
 	cfg.Prefix = etcdtest.Prefix(t)
 	b, err := etcd.New(context.Background(), cli, cfg)
@@ -103,16 +92,7 @@ func TestAttackReadyzOneMemberHolds(t *testing.T) {
 // etcd's or key of the data set.
 func TestAttackReadyzTellsNothing(t *testing.T) {
 	h := &holdAllProbes{}
-	cli, err := clientv3.New(clientv3.Config{
-		Endpoints:   etcdtest.Shared(t).Endpoints(),
-		DialTimeout: 5 * time.Second,
-		Logger:      zap.NewNop(),
-		DialOptions: []grpc.DialOption{grpc.WithChainUnaryInterceptor(h.intercept)},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cli.Close() })
+	cli := etcdtest.Shared(t).Client(t, grpc.WithChainUnaryInterceptor(h.intercept))
 	cfg := etcd.DefaultConfig()
 	cfg.Prefix = etcdtest.Prefix(t)
 	b, err := etcd.New(context.Background(), cli, cfg)

@@ -25,6 +25,7 @@ import (
 	"go.etcd.io/etcd/server/v3/embed"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
+	"google.golang.org/grpc"
 )
 
 // StartTimeout bounds how long a server or cluster may take to become ready.
@@ -162,11 +163,12 @@ func (s *Server) Endpoints() []string { return append([]string(nil), s.endpoints
 // Etcd is the embedded server itself, for what this type does not offer.
 func (s *Server) Etcd() *embed.Etcd { return s.etcd }
 
-// Client connects a new client to the server; it is closed at tb's cleanup
-// or when the server closes, whichever is first.
-func (s *Server) Client(tb testing.TB) *clientv3.Client {
+// Client connects a new client to the server, dialled with opts too (a
+// test's interceptors, which hold back, count or change its calls); it is
+// closed at tb's cleanup or when the server closes, whichever is first.
+func (s *Server) Client(tb testing.TB, opts ...grpc.DialOption) *clientv3.Client {
 	tb.Helper()
-	c, err := newClient(s.endpoints)
+	c, err := newClient(s.endpoints, opts...)
 	if err != nil {
 		tb.Fatalf("etcdtest: %v", err)
 	}
@@ -202,13 +204,15 @@ func (s *Server) Close() {
 	s.log.Close()
 }
 
-// newClient is a client of endpoints whose log has errors only.
-func newClient(endpoints []string) (*clientv3.Client, error) {
+// newClient is a client of endpoints, dialled with opts, that logs
+// nothing.
+func newClient(endpoints []string, opts ...grpc.DialOption) (*clientv3.Client, error) {
 	c, err := clientv3.New(clientv3.Config{
 		Endpoints:   endpoints,
 		DialTimeout: 5 * time.Second,
 		// The client's retries and reconnections are the test's business.
-		Logger: zap.NewNop(),
+		Logger:      zap.NewNop(),
+		DialOptions: opts,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("client of %v: %w", endpoints, err)

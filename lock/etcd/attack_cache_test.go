@@ -5,12 +5,9 @@ import (
 	"errors"
 	"sync"
 	"testing"
-	"time"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
-	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/server/v3/etcdserver/txn"
-	"go.uber.org/zap"
 	"google.golang.org/grpc"
 
 	"github.com/dlock/dlock/internal/dlocktest/kit"
@@ -62,16 +59,7 @@ func (l *txnLog) serializable() []*pb.TxnRequest {
 func TestAttackConfirmIsLinearizable(t *testing.T) {
 	srv := etcdtest.Shared(t)
 	log := &txnLog{}
-	cli, err := clientv3.New(clientv3.Config{
-		Endpoints:   srv.Endpoints(),
-		DialTimeout: 5 * time.Second,
-		Logger:      zap.NewNop(),
-		DialOptions: []grpc.DialOption{grpc.WithChainUnaryInterceptor(log.intercept)},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cli.Close()
+	cli := srv.Client(t, grpc.WithChainUnaryInterceptor(log.intercept))
 	cfg := DefaultConfig()
 	cfg.Prefix = etcdtest.Prefix(t)
 	ctx := context.Background()

@@ -11,8 +11,6 @@ import (
 	"time"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
-	clientv3 "go.etcd.io/etcd/client/v3"
-	"go.uber.org/zap"
 	"google.golang.org/grpc"
 
 	"github.com/dlock/dlock/internal/dlocktest/kit"
@@ -63,16 +61,7 @@ func writesMarked(r *pb.TxnRequest, marker string) bool {
 // intercepts.
 func newHeldBackend(t *testing.T, h *holdEtcd) *Backend {
 	t.Helper()
-	cli, err := clientv3.New(clientv3.Config{
-		Endpoints:   etcdtest.Shared(t).Endpoints(),
-		DialTimeout: 5 * time.Second,
-		Logger:      zap.NewNop(),
-		DialOptions: []grpc.DialOption{grpc.WithChainUnaryInterceptor(h.intercept)},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cli.Close() })
+	cli := etcdtest.Shared(t).Client(t, grpc.WithChainUnaryInterceptor(h.intercept))
 	cfg := DefaultConfig()
 	cfg.Prefix = etcdtest.Prefix(t)
 	b, err := New(context.Background(), cli, cfg)

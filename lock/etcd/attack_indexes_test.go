@@ -21,7 +21,6 @@ import (
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
-	"go.uber.org/zap"
 	"google.golang.org/grpc"
 
 	"github.com/dlock/dlock/internal/etcdtest"
@@ -102,16 +101,7 @@ func (s gatedStream) RecvMsg(m any) error {
 func gatedBackend(t *testing.T, cfg Config, more ...grpc.StreamClientInterceptor) (*Backend, *watchGate) {
 	t.Helper()
 	g := newWatchGate()
-	cli, err := clientv3.New(clientv3.Config{
-		Endpoints:   etcdtest.Shared(t).Endpoints(),
-		DialTimeout: 5 * time.Second,
-		Logger:      zap.NewNop(),
-		DialOptions: []grpc.DialOption{grpc.WithChainStreamInterceptor(append([]grpc.StreamClientInterceptor{g.intercept}, more...)...)},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cli.Close() })
+	cli := etcdtest.Shared(t).Client(t, grpc.WithChainStreamInterceptor(append([]grpc.StreamClientInterceptor{g.intercept}, more...)...))
 	b, err := New(t.Context(), cli, cfg)
 	if err != nil {
 		t.Fatal(err)

@@ -11,7 +11,6 @@ import (
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
-	"go.uber.org/zap"
 	"google.golang.org/grpc"
 
 	"github.com/dlock/dlock/internal/dlocktest/kit"
@@ -189,16 +188,7 @@ func (s *slowCounts) intercept(ctx context.Context, method string, req, reply an
 func TestAttackViewCountsConverge(t *testing.T) {
 	const nodes = 300 // three transactions of counts
 	slow := &slowCounts{delay: 4 * time.Second}
-	cli, err := clientv3.New(clientv3.Config{
-		Endpoints:   etcdtest.Shared(t).Endpoints(),
-		DialTimeout: 5 * time.Second,
-		Logger:      zap.NewNop(),
-		DialOptions: []grpc.DialOption{grpc.WithChainUnaryInterceptor(slow.intercept)},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cli.Close() })
+	cli := etcdtest.Shared(t).Client(t, grpc.WithChainUnaryInterceptor(slow.intercept))
 	cfg := DefaultConfig()
 	cfg.Prefix = etcdtest.Prefix(t)
 	cfg.SessionGrace = time.Hour

@@ -7,8 +7,6 @@ import (
 	"testing"
 	"time"
 
-	clientv3 "go.etcd.io/etcd/client/v3"
-	"go.uber.org/zap"
 	"google.golang.org/grpc"
 
 	"github.com/dlock/dlock/internal/etcdtest"
@@ -68,16 +66,7 @@ func TestAttackWarmupCompactedPastList(t *testing.T) {
 	lockAs(t, a, k, "w1", "queued")
 
 	h := &heldWatch{asked: make(chan struct{}), release: make(chan struct{})}
-	cli, err := clientv3.New(clientv3.Config{
-		Endpoints:   srv.Endpoints(),
-		DialTimeout: 5 * time.Second,
-		Logger:      zap.NewNop(),
-		DialOptions: []grpc.DialOption{grpc.WithChainStreamInterceptor(h.intercept)},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cli.Close() })
+	cli := srv.Client(t, grpc.WithChainStreamInterceptor(h.intercept))
 	type opened struct {
 		b   *Backend
 		err error

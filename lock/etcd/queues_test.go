@@ -13,7 +13,6 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
-	"go.uber.org/zap"
 	"google.golang.org/grpc"
 
 	"github.com/dlock/dlock/internal/etcdtest"
@@ -70,16 +69,7 @@ func (q *queueReads) count() int {
 func countingBackend(t *testing.T, p string, cfg Config) (*Backend, *queueReads) {
 	t.Helper()
 	reads := &queueReads{prefix: p + "q/"}
-	cli, err := clientv3.New(clientv3.Config{
-		Endpoints:   etcdtest.Shared(t).Endpoints(),
-		DialTimeout: 5 * time.Second,
-		Logger:      zap.NewNop(),
-		DialOptions: []grpc.DialOption{grpc.WithChainUnaryInterceptor(reads.intercept)},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cli.Close() })
+	cli := etcdtest.Shared(t).Client(t, grpc.WithChainUnaryInterceptor(reads.intercept))
 	cfg.Prefix = p
 	b, err := New(t.Context(), cli, cfg)
 	if err != nil {
