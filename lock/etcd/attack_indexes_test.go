@@ -556,12 +556,7 @@ func TestAttackSweepRace(t *testing.T) {
 	// call on the stale indexes meanwhile.
 	g := newRelistRig(t, srv, cfg, func(b *Backend) { LeaveIndexesForTest(b, 0, 50*time.Millisecond) })
 	cli := srv.Client(t)
-	var keys []lock.Key
-	for _, res := range []string{"a", "b"} {
-		for _, typ := range []lock.Type{lock.Pull, lock.Update, lock.Delete} {
-			keys = append(keys, lock.Key{Type: typ, Resource: res})
-		}
-	}
+	keys := keysOf([]string{"a", "b"}, lock.Pull, lock.Update, lock.Delete)
 	ctx, stop := context.WithTimeout(t.Context(), 5*time.Second)
 	defer stop()
 	var wg sync.WaitGroup

@@ -142,12 +142,7 @@ func TestAttackKeptQueues(t *testing.T) {
 
 	g := newRelistRig(t, srv, cfg, nil)
 	cli := srv.Client(t)
-	var keys []lock.Key
-	for _, res := range []string{"a", "b"} {
-		for _, typ := range []lock.Type{lock.Pull, lock.Update, lock.Delete} {
-			keys = append(keys, lock.Key{Type: typ, Resource: res})
-		}
-	}
+	keys := keysOf([]string{"a", "b"}, lock.Pull, lock.Update, lock.Delete)
 
 	ctx, stop := context.WithTimeout(t.Context(), 4*time.Second) // the run's length
 	defer stop()

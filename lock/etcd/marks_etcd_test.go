@@ -145,12 +145,7 @@ func TestAttackMarksMatchEtcd(t *testing.T) {
 		t.Cleanup(func() { staleHists.Delete(b) })
 	}, laggingWatch{5 * time.Millisecond}.intercept)
 	cli := srv.Client(t)
-	var keys []lock.Key
-	for _, res := range []string{"a", "b", "c/d", "e", "f", "g", "h", "i%j"} {
-		for _, typ := range []lock.Type{lock.Pull, lock.Update} {
-			keys = append(keys, lock.Key{Type: typ, Resource: res})
-		}
-	}
+	keys := keysOf([]string{"a", "b", "c/d", "e", "f", "g", "h", "i%j"}, lock.Pull, lock.Update)
 
 	ctx, stop := context.WithTimeout(t.Context(), 4*time.Second)
 	defer stop()

@@ -86,6 +86,19 @@ func (g *relistRig) open() *rigServer {
 	return &rigServer{b, k}
 }
 
+// keysOf is every key of the types on each of the resources: the keys
+// the racing nodes share, where the types of one resource meet (a pull's
+// success erases a delete's record).
+func keysOf(resources []string, types ...lock.Type) []lock.Key {
+	var keys []lock.Key
+	for _, res := range resources {
+		for _, typ := range types {
+			keys = append(keys, lock.Key{Type: typ, Resource: res})
+		}
+	}
+	return keys
+}
+
 // pick is one of the servers, at random.
 func (g *relistRig) pick(r *rand.Rand) *rigServer {
 	g.mu.Lock()
