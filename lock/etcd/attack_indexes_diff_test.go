@@ -12,11 +12,8 @@ import (
 	"slices"
 	"strings"
 	"testing"
-	"time"
 
-	"github.com/dlock/dlock/internal/etcdtest"
 	"github.com/dlock/dlock/lock"
-	"github.com/dlock/dlock/lock/etcd"
 )
 
 // TestDifferentialLeftIndexesInspect runs TestDifferentialLeftIndexes's
@@ -27,17 +24,7 @@ import (
 // either etcd server; with the sweep at once, the sweep must not take away
 // a waiter's index.
 func TestDifferentialLeftIndexesInspect(t *testing.T) {
-	srv := etcdtest.Shared(t)
-	for seed := uint64(101); seed <= 106; seed++ {
-		after := time.Duration(0)
-		if seed%2 == 1 {
-			after = time.Hour
-		}
-		t.Run(fmt.Sprintf("seed=%d/sweepAfter=%v", seed, after), func(t *testing.T) {
-			t.Parallel()
-			runDifferential(t, srv, seed, 120, func(b *etcd.Backend) { etcd.LeaveIndexesForTest(b, 0, after) }, compareNodeKeys)
-		})
-	}
+	runLeftIndexes(t, 101, 106, 120, compareNodeKeys)
 }
 
 // compareNodeKeys compares, for every node, the keys each server of each
