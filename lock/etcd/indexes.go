@@ -97,65 +97,57 @@ func (s *indexSweeper) later() time.Time {
 	return time.Now().Add(a + rand.N(a))
 }
 
-// next returns the key due first.
-func (s *indexSweeper) next() (lock.Key, time.Time, bool) {
+// takeDue removes and returns the keys due by now, and says how long
+// until the next of the others is (an hour when none is): one look at the
+// keys for all that are due, however many a list scheduled at once.
+func (s *indexSweeper) takeDue(now time.Time) ([]lock.Key, time.Duration) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	var k lock.Key
-	var at time.Time
-	ok := false
-	for key, d := range s.due {
-		if !ok || d.Before(at) {
-			k, at, ok = key, d, true
+	var keys []lock.Key
+	wait := time.Hour
+	for k, at := range s.due {
+		if d := at.Sub(now); d > 0 {
+			wait = min(wait, d)
+			continue
 		}
-	}
-	return k, at, ok
-}
-
-// take removes k from the keys due, unless it was asked for again since
-// at.
-func (s *indexSweeper) take(k lock.Key, at time.Time) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if d, ok := s.due[k]; ok && d.Equal(at) {
+		keys = append(keys, k)
 		delete(s.due, k)
 	}
+	return keys, wait
 }
 
-// run sweeps each key when it is due, until the backend closes.
+// run sweeps each key when it is due, until the backend closes. A key
+// asked for again while it is swept is swept again when next due.
 func (s *indexSweeper) run() {
 	b := s.b
 	defer b.wg.Done()
 	t := time.NewTimer(time.Hour)
 	defer t.Stop()
 	for {
-		k, at, ok := s.next()
-		wait := time.Hour
-		if ok {
-			wait = time.Until(at)
-		}
-		if !ok || wait > 0 {
-			t.Reset(wait)
-			select {
-			case <-b.ctx.Done():
+		keys, wait := s.takeDue(time.Now())
+		for _, k := range keys {
+			more, err := b.sweepIndexes(k)
+			switch {
+			case b.ctx.Err() != nil:
 				return
-			case <-s.kick:
-			case <-t.C:
+			case err != nil:
+				// etcd did not answer, or the key's calls kept it busy:
+				// the indexes are harmless meanwhile, and swept later.
+				b.log.Warn("etcd backend: sweeping the queue indexes a success left failed", "key", k.String(), "err", err)
+				s.schedule(k, time.Now().Add(max(time.Second, time.Duration(s.after.Load()))))
+			case more:
+				s.schedule(k, time.Now())
 			}
+		}
+		if len(keys) > 0 {
 			continue
 		}
-		s.take(k, at)
-		more, err := b.sweepIndexes(k)
-		switch {
-		case b.ctx.Err() != nil:
+		t.Reset(wait)
+		select {
+		case <-b.ctx.Done():
 			return
-		case err != nil:
-			// etcd did not answer, or the key's calls kept it busy:
-			// the indexes are harmless meanwhile, and swept later.
-			b.log.Warn("etcd backend: sweeping the queue indexes a success left failed", "key", k.String(), "err", err)
-			s.schedule(k, time.Now().Add(max(time.Second, time.Duration(s.after.Load()))))
-		case more:
-			s.schedule(k, time.Now())
+		case <-s.kick:
+		case <-t.C:
 		}
 	}
 }

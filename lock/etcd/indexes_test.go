@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -283,4 +284,28 @@ func mustStatus(t *testing.T, b *Backend, k lock.Key, node string) lock.Status {
 		t.Fatal(err)
 	}
 	return st
+}
+
+// TestTakeDue: the sweeper takes every key due at once, leaves the others,
+// says how long until the next, and keeps a key's soonest time.
+func TestTakeDue(t *testing.T) {
+	s := newIndexSweeper(nil)
+	now := time.Unix(1000, 0)
+	a, b, c := lock.Key{Type: lock.Pull, Resource: "a"}, lock.Key{Type: lock.Pull, Resource: "b"}, lock.Key{Type: lock.Pull, Resource: "c"}
+	s.schedule(a, now.Add(-time.Second))
+	s.schedule(b, now.Add(5*time.Second))
+	s.schedule(b, now.Add(2*time.Second)) // the sooner wins
+	s.schedule(b, now.Add(9*time.Second)) // a later one does not
+	s.schedule(c, now)
+	keys, wait := s.takeDue(now)
+	slices.SortFunc(keys, func(x, y lock.Key) int { return strings.Compare(x.String(), y.String()) })
+	if !slices.Equal(keys, []lock.Key{a, c}) || wait != 2*time.Second {
+		t.Fatalf("due now: %v, next in %v; want [a c] and 2s", keys, wait)
+	}
+	if keys, wait := s.takeDue(now); len(keys) != 0 || wait != 2*time.Second {
+		t.Fatalf("due again: %v, next in %v; want none and 2s", keys, wait)
+	}
+	if keys, wait := s.takeDue(now.Add(2 * time.Second)); !slices.Equal(keys, []lock.Key{b}) || wait != time.Hour {
+		t.Fatalf("due at +2s: %v, next in %v; want [b] and an hour", keys, wait)
+	}
 }
