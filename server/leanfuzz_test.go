@@ -8,6 +8,8 @@ import (
 	"io"
 	"net/http"
 	"net/textproto"
+	"net/url"
+	"reflect"
 	"strconv"
 	"strings"
 	"testing"
@@ -56,6 +58,9 @@ var framingCases = []struct{ name, raw string }{
 	{"two different lengths", rawPostCL("", "", "Content-Length: 3\r\n")},
 	{"transfer-ENCODING", rawPostCL("", "", "transfer-ENCODING: chunked\r\n") + "\r\n"},
 	{"Transfer-Encoding identity", rawPostCL("", "", "Transfer-Encoding: identity\r\n")},
+	// net/http reads a GET's body; the lean loop opens streams only of
+	// a GET without one.
+	{"a stream's GET with a body", "GET /subscribe HTTP/1.1\r\nHost: x\r\nContent-Length: " + strconv.Itoa(len(rawPost("/lock", smuggleLock))) + "\r\n\r\n" + rawPost("/lock", smuggleLock)},
 }
 
 // rawPostCL is a /lock of smuggleLock whose Content-Length value has before
@@ -66,10 +71,21 @@ func rawPostCL(before, after, extra string) string {
 
 // leanRead is a request as the lean loop read it.
 type leanRead struct {
-	path, auth string
-	body       []byte
-	end        int // offset just past it
-	close      bool
+	method, path, auth string
+	query, lastID      string // a stream's
+	body               []byte
+	end                int // offset just past it
+	close              bool
+}
+
+// readOf is the leanRead of req, which ends at end.
+func readOf(req leanRequest, end int) leanRead {
+	rq := request{head: req.head}
+	r := leanRead{method: http.MethodPost, path: req.path, auth: rq.header("Authorization"), body: bytes.Clone(req.body), end: end, close: req.close}
+	if req.stream {
+		r.method, r.query, r.lastID = http.MethodGet, req.query, rq.header("Last-Event-ID")
+	}
+	return r
 }
 
 // leanReads runs the lean loop's parser over data as serveLean does:
@@ -87,8 +103,7 @@ func leanReads(data []byte) []leanRead {
 			return out
 		}
 		pos += req.size
-		rq := request{head: req.head}
-		out = append(out, leanRead{path: req.path, auth: rq.header("Authorization"), body: bytes.Clone(req.body), end: pos, close: req.close})
+		out = append(out, readOf(req, pos))
 		_, _ = br.Discard(req.size)
 		if req.close {
 			return out
@@ -107,12 +122,11 @@ func pollerReads(data []byte) []leanRead {
 		b := data[pos:min(len(data), pos+leanBufSize)]
 		for len(b) > 0 {
 			req, st := leanNext(b)
-			if st != leanServe {
-				return out
+			if st != leanServe || req.stream {
+				return out // a stream is the lean loop's
 			}
 			pos += req.size
-			rq := request{head: req.head}
-			out = append(out, leanRead{path: req.path, auth: rq.header("Authorization"), body: bytes.Clone(req.body), end: pos, close: req.close})
+			out = append(out, readOf(req, pos))
 			b = b[req.size:]
 			if req.close {
 				return out
@@ -165,8 +179,9 @@ func serverChecks(req *http.Request, host []string) error {
 func netHTTPReads(data []byte, n int, check func(i int, req *http.Request, body []byte, end int) error) error {
 	cr := &countingReader{r: bytes.NewReader(data)}
 	br := bufio.NewReader(cr)
+	last := ""
 	for i := range n {
-		if i > 0 {
+		if last == http.MethodPost {
 			// After a POST the server skips up to 4 CR or LF (RFC 9112 §2.2).
 			peek, _ := br.Peek(4)
 			k := 0
@@ -190,6 +205,7 @@ func netHTTPReads(data []byte, n int, check func(i int, req *http.Request, body 
 		if err := check(i, req, body, cr.n-br.Buffered()); err != nil {
 			return fmt.Errorf("request %d: %v", i, err)
 		}
+		last = req.Method
 	}
 	return nil
 }
@@ -209,12 +225,19 @@ func hostsAt(data []byte) []string {
 	return h["Host"]
 }
 
+// queryOf is a raw query as net/http's URL.Query reads it.
+func queryOf(raw string) url.Values {
+	v, _ := url.ParseQuery(raw)
+	return v
+}
+
 // FuzzLeanMatchesNetHTTP holds the lean loop to net/http: every request
 // the lean loop answers on a connection is one net/http reads at the same
-// place, with the same method, path, body, Authorization and keep-alive,
-// and does not refuse. The event loop, which answers what it read before
-// it hands a connection to the lean loop, answers the same requests as the
-// lean loop, up to where it hands over.
+// place, with the same method, path, query, body, Authorization,
+// Last-Event-ID and keep-alive, and does not refuse. The event loop, which
+// answers what it read before it hands a connection to the lean loop,
+// answers the same requests as the lean loop, up to where it hands over (a
+// stream is always handed over).
 func FuzzLeanMatchesNetHTTP(f *testing.F) {
 	for _, c := range framingCases {
 		f.Add([]byte(c.raw))
@@ -223,6 +246,11 @@ func FuzzLeanMatchesNetHTTP(f *testing.F) {
 	f.Add([]byte(rawPost("/cancel", "{}", "Connection: keep-alive") + "\r\n" + rawPost("/lock", "{}")))
 	// Pipelined requests across the event loop's first read.
 	f.Add([]byte(strings.Repeat(rawPost("/lock", smuggleLock), 2*leanBufSize/len(rawPost("/lock", smuggleLock))+1)))
+	// Streams, and what follows one answered with an error.
+	f.Add([]byte("GET /subscribe?node_id=a HTTP/1.1\r\nHost: x\r\nLast-Event-ID: 7\r\n\r\n"))
+	f.Add([]byte("GET /subscribe?type=pull&resource_id=r%20s&node_id=a;b HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t\r\n\r\n" + rawPost("/lock", smuggleLock)))
+	f.Add([]byte("GET /subscribe?node_id=%zz#f HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"))
+	f.Add([]byte("GET /sub%73cribe?node_id=a HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		lean := leanReads(data)
 		polled := pollerReads(data)
@@ -230,7 +258,7 @@ func FuzzLeanMatchesNetHTTP(f *testing.F) {
 			t.Fatalf("%q: the event loop answers %d requests, the lean loop %d", data, len(polled), len(lean))
 		}
 		for i, p := range polled {
-			if l := lean[i]; p.path != l.path || !bytes.Equal(p.body, l.body) || p.end != l.end || p.auth != l.auth || p.close != l.close {
+			if l := lean[i]; !reflect.DeepEqual(p, l) {
 				t.Fatalf("%q: request %d: the event loop read %+v, the lean loop %+v", data, i, p, l)
 			}
 		}
@@ -240,8 +268,12 @@ func FuzzLeanMatchesNetHTTP(f *testing.F) {
 		err := netHTTPReads(data, len(lean), func(i int, req *http.Request, body []byte, end int) error {
 			l := lean[i]
 			switch {
-			case req.Method != http.MethodPost || req.URL.Path != l.path || req.RequestURI != l.path:
-				return fmt.Errorf("net/http read %s %s (%s), the lean loop POST %s", req.Method, req.URL.Path, req.RequestURI, l.path)
+			case req.Method != l.method || req.URL.Path != l.path || req.URL.RawQuery != l.query || (l.method == http.MethodPost && req.RequestURI != l.path):
+				return fmt.Errorf("net/http read %s %s (%s), the lean loop %s %s?%s", req.Method, req.URL.Path, req.RequestURI, l.method, l.path, l.query)
+			case !reflect.DeepEqual(req.URL.Query(), queryOf(l.query)):
+				return fmt.Errorf("net/http reads the query %v, the lean loop %v", req.URL.Query(), queryOf(l.query))
+			case req.Header.Get("Last-Event-ID") != l.lastID:
+				return fmt.Errorf("net/http reads Last-Event-ID %q, the lean loop %q", req.Header.Get("Last-Event-ID"), l.lastID)
 			case !bytes.Equal(body, l.body):
 				return fmt.Errorf("net/http read body %q, the lean loop %q", body, l.body)
 			case end != l.end:

@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/url"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -187,7 +188,19 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server, ho
 			return
 		}
 		rq := request{method: http.MethodPost, path: req.path, head: req.head, body: req.body, conn: lc.Conn, peer: lc.peer}
+		if req.stream {
+			// The answers to the requests before it go out before the
+			// stream's; a stream that opens has the connection.
+			if bw.Flush() != nil {
+				return
+			}
+			rq.method, rq.query, rq.take = http.MethodGet, req.query, lc.Conn
+		}
 		status, body := s.serveRequest(&rq, scratch[:0])
+		if rq.took {
+			passed = true
+			return
+		}
 		// The write deadline runs from when the answer is ready, not from
 		// when the request came: a backend call may wait on etcd for
 		// longer than the write timeout, and its answer must still go out
@@ -336,6 +349,10 @@ type leanRequest struct {
 	body  []byte
 	size  int // bytes of the whole request
 	close bool
+	// stream marks a GET of /subscribe, whose answer is an event stream
+	// (leanStream); query is its raw query, as net/http's URL.RawQuery.
+	stream bool
+	query  string
 }
 
 type leanStatus int
@@ -466,22 +483,42 @@ var plainHeadByte = func() (t [256]bool) {
 
 // parseHead reads a request head checked by headEnd. It takes only a
 // request whose framing it fully knows and net/http would read alike (RFC
-// 9112): the request line exactly "POST <lean path> HTTP/1.1", header names
-// that are tokens, exactly one valid Host, exactly one Content-Length of
-// digits only, at most one Authorization, Connection only close or
+// 9112): the request line exactly "POST <lean path> HTTP/1.1", or "GET
+// /subscribe?<query> HTTP/1.1" with a target net/http's url.ParseRequestURI
+// takes; header names that are tokens, exactly one valid Host, exactly one
+// Content-Length of digits only for a POST and none for a GET, at most one
+// Authorization and one Last-Event-ID, Connection only close or
 // keep-alive, and no Transfer-Encoding, Expect, Upgrade, Origin or
 // Sec-Fetch-Site in any spelling.
 func parseHead(head []byte) (req leanRequest, ok bool) {
 	line, rest := cutLine(head)
 	method, line, _ := bytes.Cut(line, []byte(" "))
 	target, proto, _ := bytes.Cut(line, []byte(" "))
-	path, known := leanPaths[string(target)]
-	if string(method) != http.MethodPost || !known || string(proto) != "HTTP/1.1" {
+	if string(proto) != "HTTP/1.1" {
 		return req, false
 	}
-	req.path = path
+	switch string(method) {
+	case http.MethodPost:
+		path, known := leanPaths[string(target)]
+		if !known {
+			return req, false
+		}
+		req.path = path
+	case http.MethodGet:
+		// The path exactly, unescaped; the query as net/http reads it.
+		if p, _, _ := bytes.Cut(target, []byte("?")); string(p) != streamPath {
+			return req, false
+		}
+		u, err := url.ParseRequestURI(string(target))
+		if err != nil || u.Path != streamPath || u.RawPath != "" {
+			return req, false
+		}
+		req.path, req.stream, req.query = streamPath, true, u.RawQuery
+	default:
+		return req, false
+	}
 	req.head = head[:len(head)-2]
-	length, hosts, auths := -1, 0, 0
+	length, hosts, auths, lastIDs := -1, 0, 0, 0
 	for {
 		var h []byte
 		h, rest = cutLine(rest)
@@ -511,6 +548,10 @@ func parseHead(head []byte) (req leanRequest, ok bool) {
 			if auths++; auths > 1 {
 				return req, false
 			}
+		case asciiEqualFold(name, "last-event-id"):
+			if lastIDs++; lastIDs > 1 {
+				return req, false
+			}
 		case asciiEqualFold(name, "connection"):
 			switch {
 			case asciiEqualFold(value, "close"):
@@ -527,12 +568,15 @@ func parseHead(head []byte) (req leanRequest, ok bool) {
 			return req, false
 		}
 	}
-	if length < 0 || hosts != 1 {
+	if hosts != 1 || (length < 0) != req.stream {
 		return req, false
 	}
-	req.size = len(head) + length
+	req.size = len(head) + max(length, 0)
 	return req, true
 }
+
+// streamPath is the path of the event streams the lean loop opens.
+const streamPath = "/subscribe"
 
 // cutLine cuts the first line off a head checked by headEnd, in which
 // every LF has a CR before it.

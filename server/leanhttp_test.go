@@ -120,3 +120,67 @@ func BenchmarkLeanParse(b *testing.B) {
 		}
 	}
 }
+
+// TestLeanStream: a plain GET of /subscribe opens its stream from the lean
+// loop, never net/http, on both loops: the answers to the requests before
+// it go out first, a /subscribe refused is answered and the connection
+// serves the next request, and the stream that opens has the connection.
+func TestLeanStream(t *testing.T) {
+	for _, l := range loops {
+		t.Run(l.name, func(t *testing.T) { testLeanStream(t, l.goroutines) })
+	}
+}
+
+func testLeanStream(t *testing.T, goroutines bool) {
+	e := newEnvWith(t, envConfig{goroutines: goroutines, prep: func(s *Server) {
+		s.routes["/subscribe"].h = func(w http.ResponseWriter, r *http.Request) error {
+			t.Errorf("net/http served %s", r.RequestURI)
+			return s.handleSubscribe(w, r)
+		}
+	}})
+	lockA := `{"type":"pull","resource_id":"r","node_id":"a"}`
+	c, err := net.Dial("tcp", e.addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	io.WriteString(c, rawPost("/lock", lockA)+
+		"GET /subscribe?node_id= HTTP/1.1\r\nHost: x\r\n\r\n"+ // refused: no node, no key
+		rawPost("/cancel", `{"type":"pull","resource_id":"r","node_id":"b"}`)+
+		"GET /subscribe?node_id=a HTTP/1.1\r\nHost: x\r\nLast-Event-ID: 0\r\n\r\n")
+	br := bufio.NewReader(c)
+	for i, want := range []struct {
+		status int
+		body   string
+	}{{200, `"acquired":true`}, {400, `"invalid_request"`}, {200, `"dequeued":false`}} {
+		r, err := http.ReadResponse(br, nil)
+		if err != nil {
+			t.Fatalf("answer %d: %v", i+1, err)
+		}
+		if body := bodyOf(r); r.StatusCode != want.status || !strings.Contains(body, want.body) {
+			t.Fatalf("answer %d: %d %s, want %d %s", i+1, r.StatusCode, body, want.status, want.body)
+		}
+	}
+	r, err := http.ReadResponse(br, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.StatusCode != 200 || r.Header.Get("Content-Type") != "text/event-stream" || r.Header.Get("Dlock-Epoch") != e.m.Info().Epoch {
+		t.Fatalf("the stream's answer: %d %v", r.StatusCode, r.Header)
+	}
+	// The stream is a's session's: a grant to a is told on it.
+	e.call("POST", "/lock", `{"type":"pull","resource_id":"r2","node_id":"a"}`)
+	sc := bufio.NewReader(r.Body)
+	seen := ""
+	for !strings.Contains(seen, "event: lock_assigned") {
+		line, err := sc.ReadString('\n')
+		if err != nil {
+			t.Fatalf("the stream ended: %v, after %q", err, seen)
+		}
+		seen += line
+	}
+	if !strings.Contains(seen, "event: subscribed") {
+		t.Fatalf("no subscribed event first: %q", seen)
+	}
+}

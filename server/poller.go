@@ -248,8 +248,8 @@ func (p *poller) serve(pc *pollConn, buf, out, scratch []byte) (_, _ []byte) {
 	closing := false
 	for len(data) > 0 && !closing {
 		req, st := leanNext(data)
-		if st != leanServe {
-			break
+		if st != leanServe || req.stream {
+			break // a stream's connection is the lean loop's (leanStream)
 		}
 		rq := request{method: http.MethodPost, path: req.path, head: req.head, body: req.body, conn: pc}
 		status, body := p.s.serveRequest(&rq, scratch)

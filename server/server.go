@@ -313,6 +313,11 @@ type request struct {
 	conn interface{ RemoteAddr() net.Addr }
 	// peer is the client certificate, with mTLS.
 	peer *auth.Peer
+	// A /subscribe of the lean loop: its raw query, and the connection
+	// its event stream takes (leanStream), which took then says.
+	query string
+	take  net.Conn
+	took  bool
 }
 
 // header returns the first value of the named header.
@@ -379,6 +384,8 @@ func (s *Server) serveRequest(rq *request, buf []byte) (int, []byte) {
 		return status, out
 	case rt.core != nil:
 		err = s.answer(rq.w, rq.r, rt.core)
+	case rq.take != nil:
+		err = s.leanStream(ctx, rq)
 	case rq.w == nil:
 		err = errLeanRoute
 	default:

@@ -2,7 +2,9 @@ package server
 
 import (
 	"context"
+	"net"
 	"net/http"
+	"net/url"
 	"strconv"
 	"strings"
 	"sync"
@@ -15,7 +17,18 @@ import (
 // handleSubscribe serves a node's session stream and/or an observer of one
 // key as Server-Sent Events.
 func (s *Server) handleSubscribe(w http.ResponseWriter, r *http.Request) error {
-	q := r.URL.Query()
+	first, src, err := s.openSubscription(r.Context(), r.URL.Query(), r.Header.Get("Last-Event-ID"))
+	if err != nil {
+		return err
+	}
+	return s.eventStream(w, r, first, src)
+}
+
+// openSubscription subscribes as a /subscribe request with query q and
+// Last-Event-ID lastEventID asks, for the caller in ctx, and returns the
+// stream's first events and its source. Both loops open streams with it:
+// net/http (handleSubscribe) and the lean loop (leanStream).
+func (s *Server) openSubscription(ctx context.Context, q url.Values, lastEventID string) ([]byte, source, error) {
 	// Copies: a node id or resource cut from the request line would keep
 	// all of that line for as long as the stream, or the session, lasts.
 	node := strings.Clone(q.Get("node_id"))
@@ -23,42 +36,42 @@ func (s *Server) handleSubscribe(w http.ResponseWriter, r *http.Request) error {
 	if q.Has("type") || q.Has("resource_id") {
 		t, err := lock.ParseType(q.Get("type"))
 		if err != nil {
-			return err
+			return nil, nil, err
 		}
 		if err := lock.ValidateResource(q.Get("resource_id")); err != nil {
-			return err
+			return nil, nil, err
 		}
 		observe = &lock.Key{Type: t, Resource: strings.Clone(q.Get("resource_id"))}
 	}
 	if s.draining.Load() {
-		return api.ErrUnavailable
+		return nil, nil, api.ErrUnavailable
 	}
 	if node != "" {
 		// A node's stream keeps its session alive and replays its events.
-		if err := s.mayActAs(r.Context(), node); err != nil {
-			return err
+		if err := s.mayActAs(ctx, node); err != nil {
+			return nil, nil, err
 		}
 	}
 	var lastID uint64
 	hasLast := false
-	if v := r.Header.Get("Last-Event-ID"); v != "" {
-		if id, err := strconv.ParseUint(v, 10, 64); err == nil {
+	if lastEventID != "" {
+		if id, err := strconv.ParseUint(lastEventID, 10, 64); err == nil {
 			lastID, hasLast = id, true
 		}
 	}
 	var releaseSlot func()
 	if observe != nil {
 		var err error
-		if releaseSlot, err = s.observerSlot(r.Context()); err != nil {
-			return err
+		if releaseSlot, err = s.observerSlot(ctx); err != nil {
+			return nil, nil, err
 		}
 	}
-	st, sub, err := s.b.Subscribe(r.Context(), lock.SubscribeRequest{Node: node, Observe: observe, LastID: lastID, HasLast: hasLast})
+	st, sub, err := s.b.Subscribe(ctx, lock.SubscribeRequest{Node: node, Observe: observe, LastID: lastID, HasLast: hasLast})
 	if err != nil {
 		if releaseSlot != nil {
 			releaseSlot()
 		}
-		return err
+		return nil, nil, err
 	}
 	first := make([]byte, 0, 512)
 	first = appendFrame(first, sub.ID, "subscribed", func(b []byte) []byte {
@@ -67,7 +80,28 @@ func (s *Server) handleSubscribe(w http.ResponseWriter, r *http.Request) error {
 	for _, d := range sub.Replay {
 		first = appendDelivery(first, d)
 	}
-	return s.eventStream(w, r, first, &feedSource[lock.Delivery]{f: st, appendItem: appendDelivery, release: releaseSlot})
+	return first, &feedSource[lock.Delivery]{f: st, appendItem: appendDelivery, release: releaseSlot}, nil
+}
+
+// leanStream serves rq, a /subscribe the lean loop read whole, as an event
+// stream on rq.take: what eventStream does with a connection it takes over
+// from net/http, without net/http's request, goroutine and buffers first
+// (docs/DESIGN.md, "Event streams"). rq.took says that the stream has the
+// connection; on an error it has not, and the lean loop answers.
+func (s *Server) leanStream(ctx context.Context, rq *request) error {
+	q, _ := url.ParseQuery(rq.query) // as net/http's URL.Query
+	first, src, err := s.openSubscription(ctx, q, rq.header("Last-Event-ID"))
+	if err != nil {
+		return err
+	}
+	if !s.hub.admit() {
+		src.close()
+		return api.ErrUnavailable // draining
+	}
+	s.metrics.streams.Inc()
+	s.takeStream(ctx, rq.take, first, src)
+	rq.took = true
+	return nil
 }
 
 // feedSource is the source of a feed whose items appendItem encodes. One
@@ -125,30 +159,7 @@ func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byt
 	s.metrics.streams.Inc()
 	if conn, brw, err := http.NewResponseController(w).Hijack(); err == nil {
 		brw.Reader.Reset(nil)
-		// net/http's read deadline for the request would end the stream;
-		// the hub sets the write deadlines it needs.
-		_ = conn.SetDeadline(time.Time{})
-		out := append(make([]byte, 0, 256+len(first)), "HTTP/1.1 200 OK\r\n"+
-			"Content-Type: text/event-stream\r\nCache-Control: no-cache\r\nX-Accel-Buffering: no\r\n"+
-			"Connection: close\r\n"+api.PingHeader+": "...)
-		out = strconv.AppendInt(out, s.ping.Milliseconds(), 10)
-		out = append(out, "\r\n"+api.EpochHeader+": "...)
-		out = append(out, s.info.Epoch...)
-		out = append(out, "\r\n\r\n"...)
-		out = append(out, first...)
-		revoked, stop := s.revocation(r.Context())
-		if revoked == nil {
-			stop = nil // nothing to stop: no closure kept a stream
-		}
-		if s.hub.start(conn, src, out, revoked, stop) == nil {
-			conn.Close()
-			if stop != nil {
-				stop()
-			}
-			src.close()
-			s.metrics.streams.Dec()
-			s.openStreams.Done()
-		}
+		s.takeStream(r.Context(), conn, first, src)
 		return nil
 	}
 	defer s.openStreams.Done()
@@ -197,6 +208,37 @@ func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byt
 		return rc.Flush()
 	})
 	return nil
+}
+
+// takeStream hands conn, an HTTP/1.1 connection whose request opened src,
+// to the hub as src's event stream: the answer's head and first go out
+// before any event. The stream was admitted (hub.admit) and counted; the
+// credential of the caller in ctx ends it when revoked.
+func (s *Server) takeStream(ctx context.Context, conn net.Conn, first []byte, src source) {
+	// A read deadline for the request would end the stream; the hub
+	// sets the write deadlines it needs.
+	_ = conn.SetDeadline(time.Time{})
+	out := append(make([]byte, 0, 256+len(first)), "HTTP/1.1 200 OK\r\n"+
+		"Content-Type: text/event-stream\r\nCache-Control: no-cache\r\nX-Accel-Buffering: no\r\n"+
+		"Connection: close\r\n"+api.PingHeader+": "...)
+	out = strconv.AppendInt(out, s.ping.Milliseconds(), 10)
+	out = append(out, "\r\n"+api.EpochHeader+": "...)
+	out = append(out, s.info.Epoch...)
+	out = append(out, "\r\n\r\n"...)
+	out = append(out, first...)
+	revoked, stop := s.revocation(ctx)
+	if revoked == nil {
+		stop = nil // nothing to stop: no closure kept a stream
+	}
+	if s.hub.start(conn, src, out, revoked, stop) == nil {
+		conn.Close()
+		if stop != nil {
+			stop()
+		}
+		src.close()
+		s.metrics.streams.Dec()
+		s.openStreams.Done()
+	}
 }
 
 // streamLoop writes first, then src's events as they come and a ping when
