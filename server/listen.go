@@ -19,18 +19,29 @@ import (
 // socket becomes readable (hub.go).
 func Listen(ctx context.Context, addr string, ping, deadPeer time.Duration) (net.Listener, error) {
 	userTimeout := int(deadPeer.Milliseconds())
+	idle := int(max(ping, time.Second) / time.Second) // the kernel counts in seconds
+	count := max(1, int((deadPeer+ping-1)/max(ping, time.Second)))
 	lc := net.ListenConfig{
-		KeepAliveConfig: net.KeepAliveConfig{
-			Enable:   true,
-			Idle:     max(ping, time.Second), // the kernel counts in seconds
-			Interval: max(ping, time.Second),
-			Count:    max(1, int((deadPeer+ping-1)/max(ping, time.Second))),
-		},
+		// Set on the listening socket, which every accepted one inherits
+		// on Linux, not by Go on each accepted socket: four system calls
+		// less a connection, a tenth of a session stream's opening on a
+		// machine whose system calls are dear (docs/BENCHMARKS.md,
+		// "Streams opened by the lean loop").
+		KeepAlive: -1,
 		Control: func(network, address string, c syscall.RawConn) error {
 			var serr error
 			err := c.Control(func(fd uintptr) {
-				// Accepted sockets inherit it from the listener on Linux.
-				serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, userTimeout)
+				for _, o := range []struct{ level, opt, v int }{
+					{unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1},
+					{unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, idle},
+					{unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, idle},
+					{unix.IPPROTO_TCP, unix.TCP_KEEPCNT, count},
+					{unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, userTimeout},
+				} {
+					if serr = unix.SetsockoptInt(int(fd), o.level, o.opt, o.v); serr != nil {
+						return
+					}
+				}
 			})
 			if err != nil {
 				return err

@@ -47,13 +47,14 @@ func TestListenSetsUserTimeout(t *testing.T) {
 	if gerr != nil || got != 3000 {
 		t.Fatalf("accepted connection has TCP_USER_TIMEOUT %d ms (%v), want the dead-peer timeout, 3000", got, gerr)
 	}
-	var idle, intvl, cnt int
+	var on, idle, intvl, cnt int
 	_ = raw.Control(func(fd uintptr) {
+		on, _ = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_KEEPALIVE)
 		idle, _ = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_KEEPIDLE)
 		intvl, _ = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_KEEPINTVL)
 		cnt, _ = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_KEEPCNT)
 	})
-	if idle != 1 || intvl != 1 || cnt != 3 {
-		t.Fatalf("keepalive idle %d s, interval %d s, count %d: want probes every ping (1 s) for the dead-peer timeout (3 probes)", idle, intvl, cnt)
+	if on != 1 || idle != 1 || intvl != 1 || cnt != 3 {
+		t.Fatalf("keepalive %d, idle %d s, interval %d s, count %d: want probes every ping (1 s) for the dead-peer timeout (3 probes), inherited from the listener", on, idle, intvl, cnt)
 	}
 }
