@@ -134,7 +134,24 @@ func (h *hub) admit() bool {
 // ended. start returns nil when the server is draining: the caller then
 // closes conn, and calls release and src's close.
 func (h *hub) start(conn net.Conn, src source, first []byte, revoked context.Context, release func()) *hubStream {
-	st := &hubStream{h: h, conn: conn, raw: rawConn(conn), src: src, release: release, out: first, fd: -1}
+	return h.startOn(conn, -1, src, first, revoked, release)
+}
+
+// startFD is start for a plain-TCP socket that an event loop read the
+// request from (poller.go): the stream owns fd, and the count of the
+// connection in Server.conns. It returns nil, fd and the count left to
+// the caller, when the server is draining, or when fd can go neither into
+// the poller nor into a connection (no descriptor to spare).
+func (h *hub) startFD(fd int, src source, first []byte, revoked context.Context, release func()) *hubStream {
+	return h.startOn(nil, fd, src, first, revoked, release)
+}
+
+// startOn is start on conn, or startFD on fd when conn is nil.
+func (h *hub) startOn(conn net.Conn, fd int, src source, first []byte, revoked context.Context, release func()) *hubStream {
+	st := &hubStream{h: h, conn: conn, src: src, release: release, out: first, fd: int32(fd)}
+	if conn != nil {
+		st.raw, st.fd = rawConn(conn), -1
+	}
 	st.lastWrite.Store(h.now())
 	// Set before the stream is in the hub, where the poller may end it at
 	// once. Revoked meanwhile, it is shut before it is served, and ends.
@@ -161,7 +178,28 @@ func (h *hub) start(conn net.Conn, src source, first []byte, revoked context.Con
 		h.run()
 	}
 	polled := false
-	if tc, counted := plainTCP(conn); tc != nil && !st.ending {
+	if conn == nil {
+		if !h.pollTried {
+			h.pollTried = true
+			h.startPoll()
+		}
+		polled = h.poll != nil && h.poll.add(st, fd, true)
+		if !polled {
+			// No poller (epoll failed), or its set takes no more: a
+			// connection and a reader goroutine, as for TLS.
+			c, err := dupConn(fd)
+			if err != nil {
+				h.mu.Unlock()
+				if stopShut != nil {
+					stopShut()
+				}
+				return nil
+			}
+			unix.Close(fd)
+			st.conn = &trackedConn{Conn: c, open: &h.s.conns}
+			st.raw, st.fd = rawConn(st.conn), -1
+		}
+	} else if tc, counted := plainTCP(conn); tc != nil && !st.ending {
 		if !h.pollTried {
 			h.pollTried = true
 			h.startPoll()

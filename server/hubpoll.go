@@ -77,14 +77,23 @@ func (p *hubPoll) take(st *hubStream, tc *net.TCPConn, counted bool) bool {
 	if !ok {
 		return false
 	}
-	ev := unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLRDHUP, Fd: int32(fd)}
-	if unix.EpollCtl(p.epfd, unix.EPOLL_CTL_ADD, fd, &ev) != nil {
+	if !p.add(st, fd, counted) {
 		unix.Close(fd)
 		return false
 	}
 	// The socket stays open through fd. The trackedConn around tc is not
 	// closed: its count goes with fd (letGo).
 	tc.Close()
+	return true
+}
+
+// add puts fd, a socket st is to own, into the set as st's; false (st and
+// fd as they were) when the set takes no more. h.mu is held.
+func (p *hubPoll) add(st *hubStream, fd int, counted bool) bool {
+	ev := unix.EpollEvent{Events: unix.EPOLLIN | unix.EPOLLRDHUP, Fd: int32(fd)}
+	if unix.EpollCtl(p.epfd, unix.EPOLL_CTL_ADD, fd, &ev) != nil {
+		return false
+	}
 	st.conn, st.raw, st.fd, st.counted = nil, nil, int32(fd), counted
 	if fd >= len(p.streams) {
 		p.streams = append(p.streams, make([]*hubStream, fd+1-len(p.streams))...)

@@ -194,7 +194,7 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server, ho
 			if bw.Flush() != nil {
 				return
 			}
-			rq.method, rq.query, rq.take = http.MethodGet, req.query, lc.Conn
+			rq.method, rq.query, rq.take = http.MethodGet, req.query, &streamConn{conn: lc.Conn, fd: -1}
 		}
 		status, body := s.serveRequest(&rq, scratch[:0])
 		if rq.took {

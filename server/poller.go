@@ -246,10 +246,15 @@ func (p *poller) serve(pc *pollConn, buf, out, scratch []byte) (_, _ []byte) {
 	}
 	data := buf[:n]
 	closing := false
+	var stream leanRequest
 	for len(data) > 0 && !closing {
 		req, st := leanNext(data)
-		if st != leanServe || req.stream {
-			break // a stream's connection is the lean loop's (leanStream)
+		if st != leanServe {
+			break
+		}
+		if req.stream {
+			stream = req // its socket goes to the hub (openStream)
+			break
 		}
 		rq := request{method: http.MethodPost, path: req.path, head: req.head, body: req.body, conn: pc}
 		status, body := p.s.serveRequest(&rq, scratch)
@@ -273,14 +278,57 @@ func (p *poller) serve(pc *pollConn, buf, out, scratch []byte) (_, _ []byte) {
 		w = max(w, 0)
 	}
 	switch {
-	case w < len(out) || len(data) > 0:
+	case w < len(out) || (len(data) > 0 && !stream.stream):
 		p.handOver(pc, handover{in: data, out: out[w:], close: closing})
+	case stream.stream:
+		p.openStream(pc, stream, data)
 	case closing:
 		// Closed at once, the socket could reset the answer away when
 		// the client has sent more: closeAfterAnswer, in the lean loop.
 		p.handOver(pc, handover{close: true})
 	}
 	return out, scratch
+}
+
+// openStream opens the event stream of req, a /subscribe at the start of
+// data, the bytes read from pc and not answered, all earlier answers
+// written: a goroutine of its own opens it (the backend may wait, and the
+// loop never does) and gives the hub pc's socket itself. Handed over to
+// the lean loop, the socket went through a connection of Go's netpoller,
+// which the hub then took it out of again: a third of the system calls of
+// a session's opening (docs/DESIGN.md, "Event streams"). A stream that
+// does not open is answered from the lean loop, which serves what follows.
+func (p *poller) openStream(pc *pollConn, req leanRequest, data []byte) {
+	if !p.remove(pc) {
+		return
+	}
+	req.head = clone(req.head) // they are the loop's buffers
+	rest := clone(data[req.size:])
+	s := p.s
+	s.leanWG.Add(1) // the loop holds one: never from zero
+	go func() {
+		defer s.leanWG.Done()
+		var ho handover
+		func() {
+			defer func() {
+				if r := recover(); r != nil {
+					s.panicked(r, pc.remote.String())
+					status, body := s.errorAnswer(errPanicked, nil)
+					ho = handover{out: appendLeanAnswer(nil, status, body, s.epoch[0], true), close: true}
+				}
+			}()
+			rq := request{method: http.MethodGet, path: req.path, head: req.head, conn: pc, query: req.query, take: &streamConn{fd: pc.fd}}
+			status, body := s.serveRequest(&rq, nil)
+			if rq.took {
+				return
+			}
+			closing := req.close || s.closing.Load()
+			ho = handover{in: rest, out: appendLeanAnswer(nil, status, body, s.epoch[0], closing), close: closing}
+		}()
+		if ho.out != nil {
+			p.handTo(pc, ho)
+		}
+	}()
 }
 
 // handOver moves a connection from the poller to a goroutine of its own in
@@ -290,6 +338,12 @@ func (p *poller) handOver(pc *pollConn, ho handover) {
 		return
 	}
 	ho.in, ho.out = clone(ho.in), clone(ho.out) // they are the loop's buffers
+	p.handTo(pc, ho)
+}
+
+// handTo is handOver for pc, out of the poller already, with ho's bytes
+// its own.
+func (p *poller) handTo(pc *pollConn, ho handover) {
 	f := os.NewFile(uintptr(pc.fd), "")
 	c, err := fileConn(f) // a duplicate, in Go's netpoller
 	if err != nil {

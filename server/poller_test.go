@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"os"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -220,4 +221,63 @@ func TestEventLoopHandOverWithoutDescriptor(t *testing.T) {
 		t.Fatalf("%d locks taken, %d answered (of %d requests sent)", held, answered, n)
 	}
 	kit.WaitFor(t, "the connection to be counted closed", func() bool { return e.srv.conns.Load() == 0 })
+}
+
+// TestEventLoopOpensStreams: a connection whose first request is a
+// /subscribe goes from the event loop to the hub as a bare socket, never
+// through a connection of Go's netpoller (fileConn); its stream carries the
+// session's events, and its count in the server's connections ends when
+// the client leaves. A /subscribe refused is answered, and the connection
+// serves what follows.
+func TestEventLoopOpensStreams(t *testing.T) {
+	var converted atomic.Int32
+	fileConn = func(f *os.File) (net.Conn, error) {
+		converted.Add(1)
+		return net.FileConn(f)
+	}
+	t.Cleanup(func() { fileConn = net.FileConn })
+	e := pollerEnv(t, envConfig{})
+	c, err := net.Dial("tcp", e.addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(kit.Patience))
+	if _, err := io.WriteString(c, "GET /subscribe?node_id=a HTTP/1.1\r\nHost: x\r\n\r\n"); err != nil {
+		t.Fatal(err)
+	}
+	br := bufio.NewReader(c)
+	r, err := http.ReadResponse(br, nil)
+	if err != nil || r.StatusCode != 200 || r.Header.Get("Content-Type") != "text/event-stream" {
+		t.Fatalf("the stream's answer: %v %v", r, err)
+	}
+	e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"a"}`)
+	seen := ""
+	for !strings.Contains(seen, "event: lock_assigned") {
+		line, err := br.ReadString('\n')
+		if err != nil {
+			t.Fatalf("the stream ended: %v, after %q", err, seen)
+		}
+		seen += line
+	}
+	if n := converted.Load(); n != 0 {
+		t.Fatalf("the stream's socket went through %d connections of Go's netpoller", n)
+	}
+	open := e.srv.conns.Load() // the stream's and e.call's, kept alive
+	c.Close()
+	kit.WaitFor(t, "the stream's connection uncounted", func() bool { return e.srv.conns.Load() == open-1 })
+
+	// Refused: answered, then the connection goes on in the lean loop.
+	c2, err := net.Dial("tcp", e.addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c2.Close()
+	_ = c2.SetDeadline(time.Now().Add(kit.Patience))
+	io.WriteString(c2, "GET /subscribe?node_id= HTTP/1.1\r\nHost: x\r\n\r\n"+rawPost("/cancel", `{"type":"pull","resource_id":"r","node_id":"b"}`))
+	readAnswers(t, bufio.NewReader(c2), 2, func(i, status int, body string) {
+		if want := []int{400, 200}[i]; status != want {
+			t.Fatalf("answer %d: %d %s, want %d", i+1, status, body, want)
+		}
+	})
 }

@@ -313,11 +313,19 @@ type request struct {
 	conn interface{ RemoteAddr() net.Addr }
 	// peer is the client certificate, with mTLS.
 	peer *auth.Peer
-	// A /subscribe of the lean loop: its raw query, and the connection
-	// its event stream takes (leanStream), which took then says.
+	// A /subscribe of the lean loop or an event loop: its raw query, and
+	// the connection its event stream takes (leanStream), which took then
+	// says.
 	query string
-	take  net.Conn
+	take  *streamConn
 	took  bool
+}
+
+// streamConn is the connection an event stream the lean loop opens takes:
+// conn, or from an event loop (poller.go) the socket fd alone.
+type streamConn struct {
+	conn net.Conn
+	fd   int
 }
 
 // header returns the first value of the named header.

@@ -2,7 +2,6 @@ package server
 
 import (
 	"context"
-	"net"
 	"net/http"
 	"net/url"
 	"strconv"
@@ -12,6 +11,7 @@ import (
 
 	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/lock"
+	"golang.org/x/sys/unix"
 )
 
 // handleSubscribe serves a node's session stream and/or an observer of one
@@ -99,7 +99,7 @@ func (s *Server) leanStream(ctx context.Context, rq *request) error {
 		return api.ErrUnavailable // draining
 	}
 	s.metrics.streams.Inc()
-	s.takeStream(ctx, rq.take, first, src)
+	s.takeStream(ctx, *rq.take, first, src)
 	rq.took = true
 	return nil
 }
@@ -159,7 +159,7 @@ func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byt
 	s.metrics.streams.Inc()
 	if conn, brw, err := http.NewResponseController(w).Hijack(); err == nil {
 		brw.Reader.Reset(nil)
-		s.takeStream(r.Context(), conn, first, src)
+		s.takeStream(r.Context(), streamConn{conn: conn, fd: -1}, first, src)
 		return nil
 	}
 	defer s.openStreams.Done()
@@ -210,14 +210,18 @@ func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byt
 	return nil
 }
 
-// takeStream hands conn, an HTTP/1.1 connection whose request opened src,
-// to the hub as src's event stream: the answer's head and first go out
-// before any event. The stream was admitted (hub.admit) and counted; the
-// credential of the caller in ctx ends it when revoked.
-func (s *Server) takeStream(ctx context.Context, conn net.Conn, first []byte, src source) {
-	// A read deadline for the request would end the stream; the hub
-	// sets the write deadlines it needs.
-	_ = conn.SetDeadline(time.Time{})
+// takeStream hands sc, an HTTP/1.1 connection whose request opened src, to
+// the hub as src's event stream: the answer's head and first go out before
+// any event. The stream was admitted (hub.admit) and counted; the
+// credential of the caller in ctx ends it when revoked. A socket without
+// its connection (sc.fd, from an event loop) carries the connection's
+// count in Server.conns.
+func (s *Server) takeStream(ctx context.Context, sc streamConn, first []byte, src source) {
+	if sc.conn != nil {
+		// A read deadline for the request would end the stream; the hub
+		// sets the write deadlines it needs.
+		_ = sc.conn.SetDeadline(time.Time{})
+	}
 	out := append(make([]byte, 0, 256+len(first)), "HTTP/1.1 200 OK\r\n"+
 		"Content-Type: text/event-stream\r\nCache-Control: no-cache\r\nX-Accel-Buffering: no\r\n"+
 		"Connection: close\r\n"+api.PingHeader+": "...)
@@ -230,8 +234,19 @@ func (s *Server) takeStream(ctx context.Context, conn net.Conn, first []byte, sr
 	if revoked == nil {
 		stop = nil // nothing to stop: no closure kept a stream
 	}
-	if s.hub.start(conn, src, out, revoked, stop) == nil {
-		conn.Close()
+	var st *hubStream
+	if sc.conn != nil {
+		st = s.hub.start(sc.conn, src, out, revoked, stop)
+	} else {
+		st = s.hub.startFD(sc.fd, src, out, revoked, stop)
+	}
+	if st == nil {
+		if sc.conn != nil {
+			sc.conn.Close()
+		} else {
+			unix.Close(sc.fd)
+			s.conns.Add(-1)
+		}
 		if stop != nil {
 			stop()
 		}
