@@ -11,9 +11,11 @@ import (
 	"runtime/debug"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/dlock/dlock/api"
+	"golang.org/x/sys/unix"
 )
 
 // Serve serves the API on ln: the lean loop (leanhttp.go) in front, and hs
@@ -38,6 +40,7 @@ func (s *Server) Serve(ln net.Listener, hs *http.Server) error {
 	s.listeners = append(s.listeners, ln)
 	s.https = append(s.https, hs)
 	s.mu.Unlock()
+	ka := listenerKeepAlive(ln)
 	errc := make(chan error, 1)
 	go func() { errc <- hs.Serve(pass) }()
 	defer pass.Close()
@@ -74,7 +77,7 @@ func (s *Server) Serve(ln net.Listener, hs *http.Server) error {
 			continue
 		}
 		s.conns.Add(1)
-		if p := s.pollerFor(c); p != nil && p.adopt(c, pass, hs) {
+		if p := s.pollerFor(c); p != nil && p.adopt(c, pass, hs, ka) {
 			continue
 		}
 		var conn net.Conn = &trackedConn{Conn: c, open: &s.conns}
@@ -324,4 +327,45 @@ func (s *Server) pollerFor(c net.Conn) *poller {
 	}
 	s.nextPoller++
 	return s.pollers[s.nextPoller%len(s.pollers)]
+}
+
+// listenerKeepAlive is the TCP keepalive of ln's socket, which its accepted
+// sockets inherit (Listen); nil when ln is not a socket. net.FileConn sets
+// Go's default keepalive on the socket it wraps, and an event loop's
+// connection handed to the lean loop goes through it (poller.handTo),
+// which then sets this one again: an idle connection whose peer vanished
+// is noticed as Listen says, not after Go's two and a half minutes.
+func listenerKeepAlive(ln net.Listener) *net.KeepAliveConfig {
+	sc, ok := ln.(syscall.Conn)
+	if !ok {
+		return nil
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return nil
+	}
+	var ka net.KeepAliveConfig
+	var on, idle, intvl, cnt int
+	var gerr error
+	if err := rc.Control(func(fd uintptr) {
+		for _, o := range []struct {
+			level, opt int
+			v          *int
+		}{
+			{unix.SOL_SOCKET, unix.SO_KEEPALIVE, &on},
+			{unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, &idle},
+			{unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, &intvl},
+			{unix.IPPROTO_TCP, unix.TCP_KEEPCNT, &cnt},
+		} {
+			if *o.v, gerr = unix.GetsockoptInt(int(fd), o.level, o.opt); gerr != nil {
+				return
+			}
+		}
+	}); err != nil || gerr != nil {
+		return nil
+	}
+	if on != 0 {
+		ka = net.KeepAliveConfig{Enable: true, Idle: time.Duration(idle) * time.Second, Interval: time.Duration(intvl) * time.Second, Count: cnt}
+	}
+	return &ka
 }

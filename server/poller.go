@@ -65,8 +65,9 @@ type pollConn struct {
 	remote net.Addr
 	pass   *passListener
 	hs     *http.Server
-	idle   time.Duration // the idle timeout
-	last   time.Duration // since poller.start: its last request
+	ka     *net.KeepAliveConfig // the listener's (listenerKeepAlive)
+	idle   time.Duration        // the idle timeout
+	last   time.Duration        // since poller.start: its last request
 }
 
 func (c *pollConn) RemoteAddr() net.Addr { return c.remote }
@@ -120,7 +121,7 @@ func openEpoll() (epfd, wakefd int, ok bool) {
 // adopt takes a new plain-TCP connection into the poller, or reports
 // false and leaves c as it was. An adopted c is closed: the poller keeps a
 // duplicate of its descriptor, outside Go's netpoller.
-func (p *poller) adopt(c net.Conn, pass *passListener, hs *http.Server) bool {
+func (p *poller) adopt(c net.Conn, pass *passListener, hs *http.Server, ka *net.KeepAliveConfig) bool {
 	tc, ok := c.(*net.TCPConn)
 	p.mu.Lock()
 	closed := p.closed // after an epoll_wait failure: serve c without it
@@ -132,7 +133,7 @@ func (p *poller) adopt(c net.Conn, pass *passListener, hs *http.Server) bool {
 	if !ok {
 		return false
 	}
-	pc := &pollConn{fd: fd, remote: tc.RemoteAddr(), pass: pass, hs: hs, idle: idleTimeout(hs)}
+	pc := &pollConn{fd: fd, remote: tc.RemoteAddr(), pass: pass, hs: hs, ka: ka, idle: idleTimeout(hs)}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	// Registered before c lets go of the socket: a poller closed since
@@ -376,6 +377,9 @@ func (p *poller) handTo(pc *pollConn, ho handover) {
 		return
 	}
 	f.Close()
+	if tc, ok := c.(*net.TCPConn); ok && pc.ka != nil {
+		_ = tc.SetKeepAliveConfig(*pc.ka) // net.FileConn set Go's
+	}
 	lc := &leanConn{Conn: &trackedConn{Conn: c, open: &p.s.conns}}
 	if !p.s.trackLean(lc, true, true) {
 		lc.Close()

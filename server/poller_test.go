@@ -2,6 +2,7 @@ package server
 
 import (
 	"bufio"
+	"context"
 	"fmt"
 	"io"
 	"net"
@@ -280,4 +281,48 @@ func TestEventLoopOpensStreams(t *testing.T) {
 			t.Fatalf("answer %d: %d %s, want %d", i+1, status, body, want)
 		}
 	})
+}
+
+// TestEventLoopHandOverKeepsKeepalive: a connection the event loop hands
+// to the lean loop keeps the keepalive its listener gave it (Listen), which
+// net.FileConn, on the way, sets to Go's default (15 s, nine probes).
+func TestEventLoopHandOverKeepsKeepalive(t *testing.T) {
+	var addr string
+	e := pollerEnv(t, envConfig{wrap: func(ln net.Listener) net.Listener {
+		ln.Close()
+		l, err := Listen(context.Background(), "127.0.0.1:0", time.Second, 3*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		addr = l.Addr().String()
+		return l
+	}})
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	// Half a request: the event loop hands the connection over.
+	io.WriteString(c, "POST /lock HTTP/1.1\r\nHost: x\r\n")
+	var lean []*leanConn
+	kit.WaitFor(t, "the connection in the lean loop", func() bool {
+		e.srv.mu.Lock()
+		defer e.srv.mu.Unlock()
+		lean = lean[:0]
+		for lc := range e.srv.leanConns {
+			lean = append(lean, lc)
+		}
+		return len(lean) == 1
+	})
+	var idle, intvl, cnt int
+	if err := rawConn(lean[0].Conn).Control(func(fd uintptr) {
+		idle, _ = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_KEEPIDLE)
+		intvl, _ = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_KEEPINTVL)
+		cnt, _ = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_KEEPCNT)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if idle != 1 || intvl != 1 || cnt != 3 {
+		t.Fatalf("keepalive idle %d s, interval %d s, count %d after the hand-over: want the listener's, 1 s, 1 s, 3", idle, intvl, cnt)
+	}
 }
