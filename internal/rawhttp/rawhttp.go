@@ -40,7 +40,10 @@ func (d Dialer) dial(base string) (net.Conn, string, error) {
 	if u.Port() == "" {
 		addr = net.JoinHostPort(u.Hostname(), map[string]string{"http": "80", "https": "443"}[u.Scheme])
 	}
-	c, err := net.Dial("tcp", addr)
+	// Without TCP keepalive, which Go's dialer sets with four system
+	// calls a connection: a load generator's connections live for one
+	// run, on loopback, and it must cost less than the server.
+	c, err := (&net.Dialer{KeepAlive: -1}).Dial("tcp", addr)
 	if err != nil {
 		return nil, "", err
 	}
@@ -186,35 +189,45 @@ func (d Dialer) OpenSubscribe(base, node string) (net.Conn, *http.Response, erro
 }
 
 func (d Dialer) openSubscribe(base, node, lastEventID string) (net.Conn, *http.Response, error) {
-	c, _, err := d.dial(base)
+	c, resp, _, err := d.open(base, node, lastEventID)
+	return c, resp, err
+}
+
+// open is openSubscribe, and also returns the reader the answer was read
+// from, which holds what of the stream came with it.
+func (d Dialer) open(base, node, lastEventID string) (net.Conn, *http.Response, *bufio.Reader, error) {
+	c, host, err := d.dial(base)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
-	req, err := http.NewRequest(http.MethodGet, base+"/subscribe?node_id="+url.QueryEscape(node), nil)
-	if err != nil {
-		c.Close()
-		return nil, nil, err
-	}
+	req := make([]byte, 0, 256)
+	req = append(req, "GET /subscribe?node_id="...)
+	req = append(req, url.QueryEscape(node)...)
+	req = append(req, " HTTP/1.1\r\nHost: "...)
+	req = append(req, host...)
+	req = append(req, "\r\n"...)
 	if d.Token != "" {
-		req.Header.Set("Authorization", "Bearer "+d.Token)
+		req = append(req, "Authorization: Bearer "+d.Token+"\r\n"...)
 	}
 	if lastEventID != "" {
-		req.Header.Set("Last-Event-ID", lastEventID)
+		req = append(req, "Last-Event-ID: "+lastEventID+"\r\n"...)
 	}
-	if err := req.Write(c); err != nil {
+	req = append(req, "\r\n"...)
+	if _, err := c.Write(req); err != nil {
 		c.Close()
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
-	resp, err := http.ReadResponse(bufio.NewReaderSize(c, 4096), req)
+	br := bufio.NewReaderSize(c, 4096)
+	resp, err := http.ReadResponse(br, nil)
 	if err != nil {
 		c.Close()
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	if resp.StatusCode != http.StatusOK {
 		c.Close()
-		return nil, nil, fmt.Errorf("subscribe: %s", resp.Status)
+		return nil, nil, nil, fmt.Errorf("subscribe: %s", resp.Status)
 	}
-	return c, resp, nil
+	return c, resp, br, nil
 }
 
 // Subscribe opens node's session stream and reads up to its subscribed event.
@@ -227,11 +240,17 @@ func (d Dialer) Subscribe(base, node string) (*Stream, error) {
 // up to its subscribed event; the events after lastEventID follow it. An
 // empty lastEventID opens the stream as Subscribe does.
 func (d Dialer) Resume(base, node, lastEventID string) (*Stream, error) {
-	c, resp, err := d.openSubscribe(base, node, lastEventID)
+	c, resp, br, err := d.open(base, node, lastEventID)
 	if err != nil {
 		return nil, err
 	}
-	s := &Stream{conn: c, resp: resp, r: bufio.NewReaderSize(resp.Body, 4096)}
+	// A stream's body is the rest of the connection: read from br itself,
+	// not through a second buffer, unless it is framed (chunked).
+	r := br
+	if len(resp.TransferEncoding) > 0 || resp.ContentLength >= 0 {
+		r = bufio.NewReaderSize(resp.Body, 4096)
+	}
+	s := &Stream{conn: c, resp: resp, r: r}
 	for {
 		name, _, err := s.Next()
 		if err != nil {
