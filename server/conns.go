@@ -330,11 +330,13 @@ func (s *Server) pollerFor(c net.Conn) *poller {
 }
 
 // listenerKeepAlive is the TCP keepalive of ln's socket, which its accepted
-// sockets inherit (Listen); nil when ln is not a socket. net.FileConn sets
-// Go's default keepalive on the socket it wraps, and an event loop's
-// connection handed to the lean loop goes through it (poller.handTo),
-// which then sets this one again: an idle connection whose peer vanished
-// is noticed as Listen says, not after Go's two and a half minutes.
+// sockets inherit (Listen); nil when ln is not a socket or has none (Go's
+// accept then set its default on each accepted socket, as net.FileConn
+// does). net.FileConn sets Go's default keepalive on the socket it wraps,
+// and an event loop's connection handed to the lean loop goes through it
+// (poller.handTo), which then sets this one again: an idle connection
+// whose peer vanished is noticed as Listen says, not after Go's two and a
+// half minutes.
 func listenerKeepAlive(ln net.Listener) *net.KeepAliveConfig {
 	sc, ok := ln.(syscall.Conn)
 	if !ok {
@@ -344,7 +346,6 @@ func listenerKeepAlive(ln net.Listener) *net.KeepAliveConfig {
 	if err != nil {
 		return nil
 	}
-	var ka net.KeepAliveConfig
 	var on, idle, intvl, cnt int
 	var gerr error
 	if err := rc.Control(func(fd uintptr) {
@@ -364,8 +365,8 @@ func listenerKeepAlive(ln net.Listener) *net.KeepAliveConfig {
 	}); err != nil || gerr != nil {
 		return nil
 	}
-	if on != 0 {
-		ka = net.KeepAliveConfig{Enable: true, Idle: time.Duration(idle) * time.Second, Interval: time.Duration(intvl) * time.Second, Count: cnt}
+	if on == 0 {
+		return nil
 	}
-	return &ka
+	return &net.KeepAliveConfig{Enable: true, Idle: time.Duration(idle) * time.Second, Interval: time.Duration(intvl) * time.Second, Count: cnt}
 }

@@ -167,6 +167,10 @@ func (h *hub) startOn(conn net.Conn, fd int, src source, first []byte, revoked c
 	}
 	h.mu.Lock()
 	if h.stopped {
+		// A revocation's shut that runs late must not shut down a
+		// descriptor the caller closes, whose number a new connection
+		// may have by then.
+		st.fdClosed = true
 		h.mu.Unlock()
 		if stopShut != nil {
 			stopShut()
@@ -189,6 +193,7 @@ func (h *hub) startOn(conn net.Conn, fd int, src source, first []byte, revoked c
 			// connection and a reader goroutine, as for TLS.
 			c, err := dupConn(fd)
 			if err != nil {
+				st.fdClosed = true // as when stopped, above
 				h.mu.Unlock()
 				if stopShut != nil {
 					stopShut()

@@ -61,12 +61,16 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server, ho
 	passed := false
 	var bw *bufio.Writer // nil until the loop serves requests
 	serving := false     // a request was read and is not answered yet
+	var rq request       // the request being served
 	defer func() {
 		if p := recover(); p != nil {
 			// As net/http does: log, keep serving the others; this
 			// connection's request gets an answer, and then it closes.
+			// A stream that took the connection has it: no answer then.
 			s.panicked(p, lc.RemoteAddr().String())
-			if serving && bw != nil {
+			if rq.took {
+				passed = true
+			} else if serving && bw != nil {
 				s.answerPanic(lc, bw)
 			}
 		}
@@ -187,7 +191,7 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server, ho
 			passed = true
 			return
 		}
-		rq := request{method: http.MethodPost, path: req.path, head: req.head, body: req.body, conn: lc.Conn, peer: lc.peer}
+		rq = request{method: http.MethodPost, path: req.path, head: req.head, body: req.body, conn: lc.Conn, peer: lc.peer}
 		if req.stream {
 			// The answers to the requests before it go out before the
 			// stream's; a stream that opens has the connection.

@@ -19,7 +19,7 @@ import (
 // socket becomes readable (hub.go).
 func Listen(ctx context.Context, addr string, ping, deadPeer time.Duration) (net.Listener, error) {
 	userTimeout := int(deadPeer.Milliseconds())
-	idle := int(max(ping, time.Second) / time.Second) // the kernel counts in seconds
+	idle := int((max(ping, time.Second) + time.Second - 1) / time.Second) // the kernel counts in seconds; rounded up, as Go does
 	count := max(1, int((deadPeer+ping-1)/max(ping, time.Second)))
 	lc := net.ListenConfig{
 		// Set on the listening socket, which every accepted one inherits

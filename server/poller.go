@@ -310,15 +310,18 @@ func (p *poller) openStream(pc *pollConn, req leanRequest, data []byte) {
 	go func() {
 		defer s.leanWG.Done()
 		var ho handover
+		rq := request{method: http.MethodGet, path: req.path, head: req.head, conn: pc, query: req.query, take: &streamConn{fd: pc.fd}}
 		func() {
 			defer func() {
 				if r := recover(); r != nil {
 					s.panicked(r, pc.remote.String())
+					if rq.took {
+						return // the socket is the hub's, or closed
+					}
 					status, body := s.errorAnswer(errPanicked, nil)
 					ho = handover{out: appendLeanAnswer(nil, status, body, s.epoch[0], true), close: true}
 				}
 			}()
-			rq := request{method: http.MethodGet, path: req.path, head: req.head, conn: pc, query: req.query, take: &streamConn{fd: pc.fd}}
 			status, body := s.serveRequest(&rq, nil)
 			if rq.took {
 				return

@@ -99,8 +99,11 @@ func (s *Server) leanStream(ctx context.Context, rq *request) error {
 		return api.ErrUnavailable // draining
 	}
 	s.metrics.streams.Inc()
-	s.takeStream(ctx, *rq.take, first, src)
+	// Set first: from here the hub has the connection, or takeStream has
+	// closed it, even if what follows panics (the loops' recovery then
+	// leaves it alone).
 	rq.took = true
+	s.takeStream(ctx, *rq.take, first, src)
 	return nil
 }
 
