@@ -796,11 +796,11 @@ func TestAttackLeanStreamMTLS(t *testing.T) {
 	ae.baseline("the TLS stream ended")
 }
 
-// boomBackend panics subscribing node "boom".
+// boomBackend panics subscribing node "boom", or observing resource "boom".
 type boomBackend struct{ lock.Backend }
 
 func (b boomBackend) Subscribe(ctx context.Context, req lock.SubscribeRequest) (lock.Stream, lock.Subscription, error) {
-	if req.Node == "boom" {
+	if req.Node == "boom" || (req.Observe != nil && req.Observe.Resource == "boom") {
 		panic("attack: Subscribe panics")
 	}
 	return b.Backend.Subscribe(ctx, req)
@@ -960,5 +960,33 @@ func TestAttackLeanStreamPanicAfterHubTook(t *testing.T) {
 				t.Fatalf("%d connections counted once the client and its stream are gone: the connection was closed by the panic's recovery and by the hub", n)
 			}
 		})
+	}
+}
+
+// TestAttackLeanStreamPanicGivesSlotBack: a panic in the backend's
+// Subscribe, after the observer's slot was taken, gives the slot back, on
+// the lean loop and on net/http: recovered and answered, it must not cost
+// the credential one of its MaxObserversPerCredential for the server's
+// life.
+func TestAttackLeanStreamPanicGivesSlotBack(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "tokens")
+	authtest.WriteFile(t, path, []byte(tokenFile))
+	tk, err := auth.LoadTokens(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := newEnvWith(t, envConfig{opts: Options{Tokens: tk}, prep: func(s *Server) { s.b = boomBackend{s.b} }})
+	for _, route := range []string{"/subscribe", "/lock/subscribe"} {
+		a, c, _ := streamExchange(t, e, subscribeRaw(route+"?type=pull&resource_id=boom", "Authorization: Bearer "+tokA))
+		c.Close()
+		if a.status != 500 {
+			t.Fatalf("%s: a panic observing: %d %s", route, a.status, a.body)
+		}
+		e.srv.obsMu.Lock()
+		held := e.srv.observers["a"]
+		e.srv.obsMu.Unlock()
+		if held != 0 {
+			t.Fatalf("%s: a's credential holds %d observer slots after the panic, want 0", route, held)
+		}
 	}
 }

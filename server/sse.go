@@ -66,11 +66,25 @@ func (s *Server) openSubscription(ctx context.Context, q url.Values, lastEventID
 			return nil, nil, err
 		}
 	}
-	st, sub, err := s.b.Subscribe(ctx, lock.SubscribeRequest{Node: node, Observe: observe, LastID: lastID, HasLast: hasLast})
-	if err != nil {
+	// The slot, and the feed once there is one, go back unless the
+	// stream's source has them: on an error, and on a panic too, which
+	// the loops recover from and answer.
+	var st lock.Stream
+	opened := false
+	defer func() {
+		if opened {
+			return
+		}
+		if st != nil {
+			st.Close()
+		}
 		if releaseSlot != nil {
 			releaseSlot()
 		}
+	}()
+	st, sub, err := s.b.Subscribe(ctx, lock.SubscribeRequest{Node: node, Observe: observe, LastID: lastID, HasLast: hasLast})
+	if err != nil {
+		st = nil // a backend's error leaves nothing to close
 		return nil, nil, err
 	}
 	first := make([]byte, 0, 512)
@@ -80,6 +94,7 @@ func (s *Server) openSubscription(ctx context.Context, q url.Values, lastEventID
 	for _, d := range sub.Replay {
 		first = appendDelivery(first, d)
 	}
+	opened = true
 	return first, &feedSource[lock.Delivery]{f: st, appendItem: appendDelivery, release: releaseSlot}, nil
 }
 
