@@ -65,6 +65,15 @@ func (d Dialer) dial(base string) (net.Conn, string, error) {
 	return tc, u.Host, nil
 }
 
+// authLine is the Authorization header line of every request, "" without
+// a token.
+func (d Dialer) authLine() string {
+	if d.Token == "" {
+		return ""
+	}
+	return "Authorization: Bearer " + d.Token + "\r\n"
+}
+
 // Dial connects to a dlock server at base without credentials.
 func Dial(base string) (*Conn, error) { return Dialer{}.Dial(base) }
 
@@ -91,11 +100,7 @@ func (d Dialer) Dial(base string) (*Conn, error) {
 	if err != nil {
 		return nil, err
 	}
-	conn := &Conn{Conn: c, host: host, r: bufio.NewReaderSize(c, 8192)}
-	if d.Token != "" {
-		conn.auth = "Authorization: Bearer " + d.Token + "\r\n"
-	}
-	return conn, nil
+	return &Conn{Conn: c, host: host, auth: d.authLine(), r: bufio.NewReaderSize(c, 8192)}, nil
 }
 
 // Post sends one POST and reads the answer; it returns the status code.
@@ -206,9 +211,7 @@ func (d Dialer) open(base, node, lastEventID string) (net.Conn, *http.Response, 
 	req = append(req, " HTTP/1.1\r\nHost: "...)
 	req = append(req, host...)
 	req = append(req, "\r\n"...)
-	if d.Token != "" {
-		req = append(req, "Authorization: Bearer "+d.Token+"\r\n"...)
-	}
+	req = append(req, d.authLine()...)
 	if lastEventID != "" {
 		req = append(req, "Last-Event-ID: "+lastEventID+"\r\n"...)
 	}
