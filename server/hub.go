@@ -165,8 +165,8 @@ func (h *hub) startOn(conn net.Conn, fd int, src source, first []byte, revoked c
 			}
 		}
 	}
-	h.mu.Lock()
-	if h.stopped {
+	// refuse gives conn or fd back to the caller; h.mu is held.
+	refuse := func() *hubStream {
 		// A revocation's shut that runs late must not shut down a
 		// descriptor the caller closes, whose number a new connection
 		// may have by then.
@@ -177,39 +177,30 @@ func (h *hub) startOn(conn net.Conn, fd int, src source, first []byte, revoked c
 		}
 		return nil
 	}
+	h.mu.Lock()
+	if h.stopped {
+		return refuse()
+	}
 	if !h.started {
 		h.started = true
 		h.run()
 	}
 	polled := false
 	if conn == nil {
-		if !h.pollTried {
-			h.pollTried = true
-			h.startPoll()
-		}
-		polled = h.poll != nil && h.poll.add(st, fd, true)
+		polled = h.pollSet() != nil && h.poll.add(st, fd, true)
 		if !polled {
 			// No poller (epoll failed), or its set takes no more: a
 			// connection and a reader goroutine, as for TLS.
 			c, err := dupConn(fd)
 			if err != nil {
-				st.fdClosed = true // as when stopped, above
-				h.mu.Unlock()
-				if stopShut != nil {
-					stopShut()
-				}
-				return nil
+				return refuse()
 			}
 			unix.Close(fd)
 			st.conn = &trackedConn{Conn: c, open: &h.s.conns}
 			st.raw, st.fd = rawConn(st.conn), -1
 		}
 	} else if tc, counted := plainTCP(conn); tc != nil && !st.ending {
-		if !h.pollTried {
-			h.pollTried = true
-			h.startPoll()
-		}
-		polled = h.poll != nil && h.poll.take(st, tc, counted)
+		polled = h.pollSet() != nil && h.poll.take(st, tc, counted)
 	}
 	h.all[st] = struct{}{}
 	st.state = streamQueued
@@ -221,6 +212,16 @@ func (h *hub) startOn(conn net.Conn, fd int, src source, first []byte, revoked c
 	}
 	src.notify(st.wakeUp)
 	return st
+}
+
+// pollSet is the poller, started by the first plain-TCP stream; nil when
+// it could not be. h.mu is held.
+func (h *hub) pollSet() *hubPoll {
+	if !h.pollTried {
+		h.pollTried = true
+		h.startPoll()
+	}
+	return h.poll
 }
 
 // startPoll starts the poller, which stops once the server is drained and

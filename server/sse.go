@@ -109,11 +109,9 @@ func (s *Server) leanStream(ctx context.Context, rq *request) error {
 	if err != nil {
 		return err
 	}
-	if !s.hub.admit() {
-		src.close()
-		return api.ErrUnavailable // draining
+	if err := s.admitStream(src); err != nil {
+		return err
 	}
-	s.metrics.streams.Inc()
 	// Set first: from here the hub has the connection, or takeStream has
 	// closed it, even if what follows panics (the loops' recovery then
 	// leaves it alone).
@@ -170,11 +168,9 @@ func (fs *feedSource[T]) fill(b []byte) []byte {
 // sessions. Other protocols (HTTP/2 behind TLS) stream through the
 // ResponseWriter, from the handler's goroutine.
 func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byte, src source) error {
-	if !s.hub.admit() {
-		src.close()
-		return api.ErrUnavailable // draining
+	if err := s.admitStream(src); err != nil {
+		return err
 	}
-	s.metrics.streams.Inc()
 	if conn, brw, err := http.NewResponseController(w).Hijack(); err == nil {
 		brw.Reader.Reset(nil)
 		s.takeStream(r.Context(), streamConn{conn: conn, fd: -1}, first, src)
@@ -225,6 +221,17 @@ func (s *Server) eventStream(w http.ResponseWriter, r *http.Request, first []byt
 		}
 		return rc.Flush()
 	})
+	return nil
+}
+
+// admitStream counts a new event stream of src (hub.admit, and the streams
+// gauge), or closes src and refuses it while the server drains.
+func (s *Server) admitStream(src source) error {
+	if !s.hub.admit() {
+		src.close()
+		return api.ErrUnavailable
+	}
+	s.metrics.streams.Inc()
 	return nil
 }
 
