@@ -110,6 +110,16 @@ func (e *env) baseline(what string) {
 	})
 }
 
+// noObserverSlots fails the test if any credential holds an observer slot.
+func (e *env) noObserverSlots() {
+	e.t.Helper()
+	e.srv.obsMu.Lock()
+	defer e.srv.obsMu.Unlock()
+	if len(e.srv.observers) != 0 {
+		e.t.Fatalf("observer slots held: %v", e.srv.observers)
+	}
+}
+
 // TestAttackLeanStreamAuthMatchesNetHTTP: with tokens, a /subscribe the
 // lean loop (or the event loop) opens itself is refused exactly as the
 // same request net/http serves (/lock/subscribe): no token, an unknown
@@ -381,25 +391,6 @@ func TestAttackLeanStreamConnsBaseline(t *testing.T) {
 	}
 }
 
-// keepalive reads a socket's keepalive: on, idle, interval, count.
-func keepalive(t *testing.T, fd int) [4]int {
-	t.Helper()
-	var ka [4]int
-	for i, o := range []struct{ level, opt int }{
-		{unix.SOL_SOCKET, unix.SO_KEEPALIVE},
-		{unix.IPPROTO_TCP, unix.TCP_KEEPIDLE},
-		{unix.IPPROTO_TCP, unix.TCP_KEEPINTVL},
-		{unix.IPPROTO_TCP, unix.TCP_KEEPCNT},
-	} {
-		v, err := unix.GetsockoptInt(fd, o.level, o.opt)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ka[i] = v
-	}
-	return ka
-}
-
 // TestAttackHandOverKeepsAcceptedKeepalive: a connection the event loop
 // hands to the lean loop keeps the keepalive it was accepted with, on a
 // listener Serve is given that is not Listen's (net.Listen, as httptest
@@ -437,22 +428,7 @@ func TestAttackHandOverKeepsAcceptedKeepalive(t *testing.T) {
 	if before[0] == 0 {
 		t.Fatalf("accepted without keepalive: %v (the test assumes Go's accept sets it)", before)
 	}
-	// Half a request: the event loop hands the connection over.
-	io.WriteString(c, "POST /lock HTTP/1.1\r\nHost: x\r\n")
-	var lc *leanConn
-	kit.WaitFor(t, "the connection in the lean loop", func() bool {
-		e.srv.mu.Lock()
-		defer e.srv.mu.Unlock()
-		for l := range e.srv.leanConns {
-			lc = l
-		}
-		return lc != nil
-	})
-	var after [4]int
-	if err := rawConn(lc.Conn).Control(func(fd uintptr) { after = keepalive(t, int(fd)) }); err != nil {
-		t.Fatal(err)
-	}
-	if after != before {
+	if after := handedOverKeepalive(t, e, c); after != before {
 		t.Fatalf("keepalive (on, idle s, interval s, count) %v after the hand-over, %v before", after, before)
 	}
 }
@@ -544,14 +520,7 @@ func TestAttackHubStartFDRefusedThenRevoked(t *testing.T) {
 // dupConn); a revocation and a client's leaving still end them, and their
 // connections, counts and descriptors are all given back.
 func TestAttackLeanStreamFallbackAccounting(t *testing.T) {
-	var fail atomic.Bool
-	epollWait = func(epfd int, events []unix.EpollEvent, msec int) (int, error) {
-		if fail.Load() {
-			return 0, unix.EBADF
-		}
-		return unix.EpollWait(epfd, events, msec)
-	}
-	t.Cleanup(func() { epollWait = unix.EpollWait })
+	fail := failableEpollWait(t)
 	for _, l := range loops {
 		t.Run(l.name, func(t *testing.T) {
 			fail.Store(false)
@@ -629,11 +598,7 @@ func TestAttackLeanStreamOpenRacesDrain(t *testing.T) {
 			})
 			c.Close()
 			e.baseline("a stream refused by Drain")
-			e.srv.obsMu.Lock()
-			defer e.srv.obsMu.Unlock()
-			if len(e.srv.observers) != 0 {
-				t.Fatalf("observer slots held: %v", e.srv.observers)
-			}
+			e.noObserverSlots()
 		})
 		t.Run(l.name+"/shutdown", func(t *testing.T) {
 			e, _ := tokenEnv(t, l.goroutines)
@@ -879,11 +844,7 @@ func TestAttackLeanStreamRevokedWhileOpening(t *testing.T) {
 			}
 			c.Close()
 			e.baseline("a stream whose token was removed while it opened")
-			e.srv.obsMu.Lock()
-			defer e.srv.obsMu.Unlock()
-			if len(e.srv.observers) != 0 {
-				t.Fatalf("observer slots held: %v", e.srv.observers)
-			}
+			e.noObserverSlots()
 		})
 	}
 }

@@ -224,13 +224,10 @@ func TestHubPollOldReportLeavesStreamOpen(t *testing.T) {
 	l.waitData(t, "still-open")
 }
 
-// TestHubPollFailureEndsItsStreams: when the poll set cannot be waited on
-// (epoll_wait fails), every stream in it ends (its client opens a new one
-// and replays what it missed), and the streams opened after get a reader
-// goroutine each: their peers leaving still ends them, and Drain still
-// waits for all of it (goleak checks the goroutines at the end of the
-// package).
-func TestHubPollFailureEndsItsStreams(t *testing.T) {
+// failableEpollWait makes the hub's poller's epoll_wait fail with EBADF
+// once the flag it returns is set, until the test's cleanup, which runs
+// after the servers' cleanups that the test registers later.
+func failableEpollWait(t *testing.T) *atomic.Bool {
 	var fail atomic.Bool
 	epollWait = func(epfd int, events []unix.EpollEvent, msec int) (int, error) {
 		if fail.Load() {
@@ -238,7 +235,18 @@ func TestHubPollFailureEndsItsStreams(t *testing.T) {
 		}
 		return unix.EpollWait(epfd, events, msec)
 	}
-	t.Cleanup(func() { epollWait = unix.EpollWait }) // after the server's cleanup
+	t.Cleanup(func() { epollWait = unix.EpollWait })
+	return &fail
+}
+
+// TestHubPollFailureEndsItsStreams: when the poll set cannot be waited on
+// (epoll_wait fails), every stream in it ends (its client opens a new one
+// and replays what it missed), and the streams opened after get a reader
+// goroutine each: their peers leaving still ends them, and Drain still
+// waits for all of it (goleak checks the goroutines at the end of the
+// package).
+func TestHubPollFailureEndsItsStreams(t *testing.T) {
+	fail := failableEpollWait(t)
 	e := newEnv(t, nil)
 	a, _ := e.openPlain("a")
 	b, _ := e.openPlain("b")

@@ -121,6 +121,21 @@ func BenchmarkLeanParse(b *testing.B) {
 	}
 }
 
+// readUntil reads a stream's lines up to the one that holds want, and
+// returns them all.
+func readUntil(t *testing.T, br *bufio.Reader, want string) string {
+	t.Helper()
+	seen := ""
+	for !strings.Contains(seen, want) {
+		line, err := br.ReadString('\n')
+		if err != nil {
+			t.Fatalf("the stream ended: %v, after %q", err, seen)
+		}
+		seen += line
+	}
+	return seen
+}
+
 // TestLeanStream: a plain GET of /subscribe opens its stream from the lean
 // loop, never net/http, on both loops: the answers to the requests before
 // it go out first, a /subscribe refused is answered and the connection
@@ -132,12 +147,7 @@ func TestLeanStream(t *testing.T) {
 }
 
 func testLeanStream(t *testing.T, goroutines bool) {
-	e := newEnvWith(t, envConfig{goroutines: goroutines, prep: func(s *Server) {
-		s.routes["/subscribe"].h = func(w http.ResponseWriter, r *http.Request) error {
-			t.Errorf("net/http served %s", r.RequestURI)
-			return s.handleSubscribe(w, r)
-		}
-	}})
+	e := newEnvWith(t, envConfig{goroutines: goroutines, prep: leanOnly(t)})
 	lockA := `{"type":"pull","resource_id":"r","node_id":"a"}`
 	c, err := net.Dial("tcp", e.addr())
 	if err != nil {
@@ -171,16 +181,7 @@ func testLeanStream(t *testing.T, goroutines bool) {
 	}
 	// The stream is a's session's: a grant to a is told on it.
 	e.call("POST", "/lock", `{"type":"pull","resource_id":"r2","node_id":"a"}`)
-	sc := bufio.NewReader(r.Body)
-	seen := ""
-	for !strings.Contains(seen, "event: lock_assigned") {
-		line, err := sc.ReadString('\n')
-		if err != nil {
-			t.Fatalf("the stream ended: %v, after %q", err, seen)
-		}
-		seen += line
-	}
-	if !strings.Contains(seen, "event: subscribed") {
+	if seen := readUntil(t, bufio.NewReader(r.Body), "event: lock_assigned"); !strings.Contains(seen, "event: subscribed") {
 		t.Fatalf("no subscribed event first: %q", seen)
 	}
 }

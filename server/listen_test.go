@@ -47,14 +47,9 @@ func TestListenSetsUserTimeout(t *testing.T) {
 	if gerr != nil || got != 3000 {
 		t.Fatalf("accepted connection has TCP_USER_TIMEOUT %d ms (%v), want the dead-peer timeout, 3000", got, gerr)
 	}
-	var on, idle, intvl, cnt int
-	_ = raw.Control(func(fd uintptr) {
-		on, _ = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_KEEPALIVE)
-		idle, _ = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_KEEPIDLE)
-		intvl, _ = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_KEEPINTVL)
-		cnt, _ = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_KEEPCNT)
-	})
-	if on != 1 || idle != 1 || intvl != 1 || cnt != 3 {
-		t.Fatalf("keepalive %d, idle %d s, interval %d s, count %d: want probes every ping (1 s) for the dead-peer timeout (3 probes), inherited from the listener", on, idle, intvl, cnt)
+	var ka [4]int
+	_ = raw.Control(func(fd uintptr) { ka = keepalive(t, int(fd)) })
+	if ka != [4]int{1, 1, 1, 3} {
+		t.Fatalf("keepalive (on, idle s, interval s, count) %v: want probes every ping (1 s) for the dead-peer timeout (3 probes), inherited from the listener", ka)
 	}
 }

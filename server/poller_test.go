@@ -253,14 +253,7 @@ func TestEventLoopOpensStreams(t *testing.T) {
 		t.Fatalf("the stream's answer: %v %v", r, err)
 	}
 	e.call("POST", "/lock", `{"type":"pull","resource_id":"r","node_id":"a"}`)
-	seen := ""
-	for !strings.Contains(seen, "event: lock_assigned") {
-		line, err := br.ReadString('\n')
-		if err != nil {
-			t.Fatalf("the stream ended: %v, after %q", err, seen)
-		}
-		seen += line
-	}
+	readUntil(t, br, "event: lock_assigned")
 	if n := converted.Load(); n != 0 {
 		t.Fatalf("the stream's socket went through %d connections of Go's netpoller", n)
 	}
@@ -302,27 +295,48 @@ func TestEventLoopHandOverKeepsKeepalive(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	// Half a request: the event loop hands the connection over.
+	if ka := handedOverKeepalive(t, e, c); ka != [4]int{1, 1, 1, 3} {
+		t.Fatalf("keepalive (on, idle s, interval s, count) %v after the hand-over: want the listener's, [1 1 1 3]", ka)
+	}
+}
+
+// handedOverKeepalive sends half a request on c, the one connection of e,
+// in its event loop, so that the loop hands it over, and returns the
+// keepalive of its socket in the lean loop.
+func handedOverKeepalive(t *testing.T, e *env, c net.Conn) [4]int {
+	t.Helper()
 	io.WriteString(c, "POST /lock HTTP/1.1\r\nHost: x\r\n")
-	var lean []*leanConn
+	var lc *leanConn
 	kit.WaitFor(t, "the connection in the lean loop", func() bool {
 		e.srv.mu.Lock()
 		defer e.srv.mu.Unlock()
-		lean = lean[:0]
-		for lc := range e.srv.leanConns {
-			lean = append(lean, lc)
+		for l := range e.srv.leanConns {
+			lc = l
 		}
-		return len(lean) == 1
+		return len(e.srv.leanConns) == 1
 	})
-	var idle, intvl, cnt int
-	if err := rawConn(lean[0].Conn).Control(func(fd uintptr) {
-		idle, _ = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_KEEPIDLE)
-		intvl, _ = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_KEEPINTVL)
-		cnt, _ = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_KEEPCNT)
-	}); err != nil {
+	var ka [4]int
+	if err := rawConn(lc.Conn).Control(func(fd uintptr) { ka = keepalive(t, int(fd)) }); err != nil {
 		t.Fatal(err)
 	}
-	if idle != 1 || intvl != 1 || cnt != 3 {
-		t.Fatalf("keepalive idle %d s, interval %d s, count %d after the hand-over: want the listener's, 1 s, 1 s, 3", idle, intvl, cnt)
+	return ka
+}
+
+// keepalive reads a socket's keepalive: on, idle, interval, count.
+func keepalive(t *testing.T, fd int) [4]int {
+	t.Helper()
+	var ka [4]int
+	for i, o := range []struct{ level, opt int }{
+		{unix.SOL_SOCKET, unix.SO_KEEPALIVE},
+		{unix.IPPROTO_TCP, unix.TCP_KEEPIDLE},
+		{unix.IPPROTO_TCP, unix.TCP_KEEPINTVL},
+		{unix.IPPROTO_TCP, unix.TCP_KEEPCNT},
+	} {
+		v, err := unix.GetsockoptInt(fd, o.level, o.opt)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ka[i] = v
 	}
+	return ka
 }
