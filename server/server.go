@@ -195,6 +195,7 @@ func New(b lock.Backend, opts Options) *Server {
 	s.core("/cancel", s.cancelAnswer)
 	s.route("/status", http.MethodGet, s.handleStatus)
 	s.route("/subscribe", http.MethodGet, s.handleSubscribe)
+	s.routes[streamPath].stream = s.leanStream // the lean loop's (parseHead)
 	s.route("/lock/subscribe", http.MethodGet, s.handleSubscribe)
 	s.route("/refcount", http.MethodGet, s.handleRefCount)
 	s.route("/refcount/add", http.MethodPost, s.handleRefAdd)
@@ -392,8 +393,8 @@ func (s *Server) serveRequest(rq *request, buf []byte) (int, []byte) {
 		return status, out
 	case rt.core != nil:
 		err = s.answer(rq.w, rq.r, rt.core)
-	case rq.take != nil:
-		err = s.leanStream(ctx, rq)
+	case rt.stream != nil && rq.take != nil:
+		err = rt.stream(ctx, rq)
 	case rq.w == nil:
 		err = errLeanRoute
 	default:
@@ -424,11 +425,14 @@ var errLeanRoute = errors.New("server: the lean loop cannot serve this path")
 type handler func(w http.ResponseWriter, r *http.Request) error
 
 // route is one path's handling. A core answers from the request body alone
-// and serves both loops; a handler serves net/http only.
+// and serves both loops; a handler serves net/http only; stream opens the
+// event stream of a request the lean loop or an event loop read, on the
+// connection it takes (rq.take).
 type route struct {
 	method string
 	core   func(ctx context.Context, body, buf []byte) (int, []byte)
 	h      handler
+	stream func(ctx context.Context, rq *request) error
 	hist   prometheus.Observer
 	access access // who may use it when identities are checked (auth.go)
 }
