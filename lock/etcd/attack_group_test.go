@@ -194,6 +194,20 @@ func TestAttackGroupResumeMidRevision(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer st.Close()
+	// n's session gets its own lease first (docs/DESIGN.md, "Home
+	// leases"): two calls that both gave it one would not share a
+	// revision, the second's guard failing on the first's put.
+	if r, err := a.TryLock(ctx, lock.LockRequest{Type: lock.Pull, Resource: resource("own"), Node: "n", Lease: lock.LeaseSession}); err != nil || !r.Acquired {
+		t.Fatalf("n's first hold: %+v %v", r, err)
+	}
+	for got := 0; got < 1; {
+		select {
+		case <-st.Ready():
+			got = len(st.Take(nil))
+		case <-time.After(10 * time.Second):
+			t.Fatal("n's stream was not told of its first hold")
+		}
+	}
 
 	// Both request slots held by a call each, so that n's two calls wait
 	// together and leave in one request.

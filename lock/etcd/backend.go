@@ -46,6 +46,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
@@ -58,6 +59,7 @@ const DefaultPrefix = "/dlock/"
 // Backend is the etcd lock.Backend. Make one with New.
 type Backend struct {
 	cli         *clientv3.Client
+	leases      pb.LeaseClient // for grants of a lease id the backend chose (grantID)
 	n           names
 	cfg         Config
 	log         *slog.Logger
@@ -98,6 +100,7 @@ type Backend struct {
 	refusedSessions, refusedNodeStreams, refusedQueue      atomic.Uint64
 	refusedKeys, refusedWatchers, truncatedErrors, replays atomic.Uint64
 	conflicts                                              atomic.Uint64
+	promotions                                             atomic.Uint64 // sessions given their own lease (promote)
 	cacheStale                                             atomic.Uint64 // first attempts the cache misled
 }
 
@@ -144,6 +147,7 @@ func New(ctx context.Context, cli *clientv3.Client, cfg Config) (*Backend, error
 	}
 	b := &Backend{
 		cli:         cli,
+		leases:      clientv3.RetryLeaseClient(cli),
 		n:           names{p: prefix},
 		cfg:         cfg,
 		log:         log,

@@ -14,8 +14,10 @@ import (
 )
 
 // TestKeeperSessionsOpeningTogether: many nodes open their session streams
-// on one server at once, as a fleet does when it starts or moves from a
-// server that died. Every lease must stay kept alive meanwhile, so no
+// on one server at once, as a fleet does when it moves from a server that
+// died: each session, made on the other server's home lease, gets a lease
+// of its own here (docs/DESIGN.md, "Home leases"), which this server keeps
+// alive. Every lease must stay kept alive meanwhile, so no
 // stream ends and no session is lost. The server's one keepalive stream
 // must be read while the sessions open: a server that stopped reading its
 // answers (each open kept its first keepalive under the sessions' lock,
@@ -24,10 +26,29 @@ import (
 // from etcd (docs/BENCHMARKS.md, "Fleet scale on etcd").
 func TestKeeperSessionsOpeningTogether(t *testing.T) {
 	const n, workers = 3000, 64
-	b, _ := open(t, func(c *etcd.Config) {
+	cfg := func(c *etcd.Config) {
 		c.SessionGrace = 2 * time.Second // TTL 2 s: silence ends streams after 1.33 s
 		c.MaxSessions = 2 * n
-	})
+	}
+	home, p := open(t, cfg)
+	b := openAt(t, p, cfg)
+	// The sessions, made on home's lease by a stream each that stays
+	// open: the node moves while its first server still stands.
+	homed := make([]lock.Stream, n)
+	defer func() {
+		for _, s := range homed {
+			if s != nil {
+				s.Close()
+			}
+		}
+	}()
+	for i := range homed {
+		s, _, err := home.Subscribe(context.Background(), lock.SubscribeRequest{Node: fmt.Sprintf("node-%d", i)})
+		if err != nil {
+			t.Fatalf("stream %d on its first server: %v", i, err)
+		}
+		homed[i] = s
+	}
 	streams := make([]lock.Stream, n)
 	defer func() {
 		for _, s := range streams {

@@ -33,6 +33,8 @@ var (
 		"Time this server held its etcd requests back, one at a time or none, because its keepalives waited on etcd (an eighth of a keepalive period or more): the sessions' leases first.", nil, nil)
 	descIndexSweeps = prometheus.NewDesc("dlock_etcd_queue_index_sweeps_total",
 		"Transactions of this server that deleted the queue indexes a success with many waiters left behind (docs/DESIGN.md, \"Queue indexes a success leaves\").", nil, nil)
+	descPromotions = prometheus.NewDesc("dlock_etcd_session_promotions_total",
+		"Sessions this server gave a lease of their own (a session-leased hold or wait, or a stream on a second server), which had lived on their server's home lease (docs/DESIGN.md, \"Home leases\").", nil, nil)
 	descStalled = prometheus.NewDesc("dlock_etcd_stalled_requests_total",
 		"Those requests that etcd had not answered within 100 ms, after which the next ones went without waiting for them (a slow or unreachable etcd member).", nil, nil)
 )
@@ -51,12 +53,14 @@ func (b *Backend) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descStalled
 	ch <- descThrottled
 	ch <- descIndexSweeps
+	ch <- descPromotions
 }
 
 // Collect implements prometheus.Collector.
 func (b *Backend) Collect(ch chan<- prometheus.Metric) {
 	hits, misses := b.rc.stats()
 	ch <- prometheus.MustNewConstMetric(descConflicts, prometheus.CounterValue, float64(b.conflicts.Load()))
+	ch <- prometheus.MustNewConstMetric(descPromotions, prometheus.CounterValue, float64(b.promotions.Load()))
 	ch <- prometheus.MustNewConstMetric(descCacheReads, prometheus.CounterValue, float64(hits), "hit")
 	ch <- prometheus.MustNewConstMetric(descCacheReads, prometheus.CounterValue, float64(misses), "miss")
 	ch <- prometheus.MustNewConstMetric(descCacheStale, prometheus.CounterValue, float64(b.cacheStale.Load()))

@@ -26,6 +26,9 @@ func (b *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 		res      lock.LockResult
 		newLease int64 // a session lease granted for this call, kept across attempts
 		usedNew  bool
+		home     int64 // the home lease node's session lives on, as the attempt read it
+		ownLease int64 // the session lease this call granted to give a session its own
+		promoted int64 // the session lease this attempt gives its session, 0 for none
 		granted  bool
 		ends     holdEnds // what ends the hold, when res.Acquired
 	)
@@ -35,9 +38,23 @@ func (b *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 		}
 	}()
 	// sessionLease returns node's session lease, making one (a session
-	// already in its grace) when it has none.
+	// already in its grace) when it has none. A session on its server's
+	// home lease gets its own here, in the same transaction, guarded by
+	// the record's revision (docs/DESIGN.md, "Home leases"): a hold or
+	// wait under it must outlive that server while the node moves on.
 	sessionLease := func(t *tx, have int64) (int64, error) {
+		if have != 0 && home == 0 {
+			return have, nil
+		}
 		if have != 0 {
+			if ownLease != have {
+				if _, err := b.grantID(t.ctx, have); err != nil {
+					return 0, err
+				}
+				ownLease = have
+			}
+			t.leasedOp(clientv3.OpPut(b.n.session(req.Node), encode(sessRec{Lease: have}), clientv3.WithLease(clientv3.LeaseID(have))))
+			promoted, home = have, 0
 			return have, nil
 		}
 		if err := b.roomForSession(); err != nil {
@@ -58,10 +75,11 @@ func (b *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 		res, usedNew, granted = lock.LockResult{}, false, false
 		now := time.Now()
 		rec := &t.rec
-		sl, err := t.session(req.Node)
+		sl, h, err := t.session(req.Node)
 		if err != nil {
 			return err
 		}
+		home, promoted = h, 0
 		// 2. The holder again: the same grant, renewed.
 		if rec.Holder == req.Node {
 			res = lock.LockResult{Acquired: true, Token: rec.Token, Holder: rec.Holder}
@@ -191,6 +209,10 @@ func (b *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 	}, b.n.session(req.Node), b.n.queueNode(k, req.Node))
 	if err != nil {
 		return lock.LockResult{}, err
+	}
+	if promoted != 0 {
+		b.promotions.Add(1)
+		b.s.promoted(req.Node, promoted)
 	}
 	if granted {
 		b.grants.Add(1)

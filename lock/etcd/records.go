@@ -84,9 +84,16 @@ type refRec struct {
 	Nodes []string `json:"n"` // sorted
 }
 
-// sessRec is a session's record.
+// sessRec is a session's record. Lease names the session: its
+// session-leased holds and waits, its index entries and its end carry it.
+// A record with Home lives on that lease, the home lease of the server
+// that made it, and its own lease is reserved, not granted: it is granted,
+// and the record put under it, when the session first needs to outlive
+// that server, at its first session-leased hold or wait or when another
+// server takes one of its streams (docs/DESIGN.md, "Home leases").
 type sessRec struct {
 	Lease int64 `json:"l"`
+	Home  int64 `json:"h,omitempty"`
 }
 
 func (r *keyRec) held() bool { return r.Holder != "" }

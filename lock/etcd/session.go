@@ -2,12 +2,16 @@ package etcd
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
@@ -29,6 +33,14 @@ type sessions struct {
 	revNext    *revRead // the read the next calls of currentRev wait for
 	revReading bool     // readRevs runs
 
+	homeMu  sync.Mutex    // held across the grant of a home lease
+	home    int64         // this server's home lease (homeLease), under mu
+	homeTTL time.Duration // its TTL as etcd granted it
+
+	// seenHook, when set, runs in acquire after it read the watch's view
+	// of the session (tests: what may happen before it counts).
+	seenHook atomic.Pointer[func()]
+
 	claimMu sync.Mutex       // held across the grant of a claim lease: one at a time
 	claim   clientv3.LeaseID // the lease of this server's claims, granted at claimAt
 	claimAt time.Time
@@ -36,7 +48,16 @@ type sessions struct {
 
 type localSession struct {
 	lease   int64
+	home    int64 // the home lease it lives on, 0 when it has its own
 	streams int
+	end     *time.Timer // set while it has no stream here (endHomed)
+}
+
+func (ls *localSession) stopEnd() {
+	if ls.end != nil {
+		ls.end.Stop()
+		ls.end = nil
+	}
 }
 
 func newSessions(b *Backend) *sessions {
@@ -232,7 +253,7 @@ func (s *sessions) readRevs() {
 }
 
 // acquire counts one more stream of node on this server, finding or making
-// its session and keeping its lease alive. It returns the lease and a
+// its session and keeping it alive. It returns the session's lease and a
 // revision at which the session exists; asked says that etcd answered
 // that revision during this call (the session's transaction), so that no
 // revision etcd had when the call began is newer.
@@ -248,41 +269,68 @@ func (s *sessions) acquire(ctx context.Context, node string) (lease, rev int64, 
 	// The session as the watch saw it: no read of etcd (keep).
 	w := b.w
 	w.mu.Lock()
-	var seen int64
+	var seen sessRec
+	var modRev int64
 	if si := w.sessions[node]; si != nil {
-		seen = si.lease
+		seen, modRev = sessRec{Lease: si.lease, Home: si.home}, si.modRev
 	}
 	rev = w.processed
 	w.mu.Unlock()
-	if seen != 0 {
-		if err := s.keep(node, seen); err != nil {
+	if f := s.seenHook.Load(); f != nil {
+		(*f)()
+	}
+	for range maxJoins {
+		if seen.Lease == 0 {
+			var made bool
+			var r int64
+			seen, modRev, r, made, err = s.make(ctx, node)
+			if err != nil {
+				return 0, 0, false, err
+			}
+			rev, asked = max(rev, r), true
+			if made {
+				return seen.Lease, rev, true, nil
+			}
+		}
+		switch {
+		case seen.Home == 0:
+			return seen.Lease, rev, asked, s.count(node, seen.Lease, 0, time.Time{}, time.Time{})
+		case seen.Home == s.homeID():
+			return seen.Lease, rev, asked, s.countHomed(node, seen)
+		}
+		// The session lives on another server's home lease, which ends
+		// with that server: from now on it needs its own, which every
+		// server with one of its streams keeps alive.
+		var ok bool
+		var r int64
+		var until time.Time
+		sent := time.Now()
+		seen, modRev, r, until, ok, err = s.promote(ctx, node, seen, modRev)
+		if err != nil {
 			return 0, 0, false, err
 		}
-		return seen, rev, false, nil
-	}
-	lease, rev, made, err := s.make(ctx, node)
-	if err != nil {
-		return 0, 0, false, err
-	}
-	if !made {
-		// Another server made it first, or the watch was behind.
-		if err := s.keep(node, lease); err != nil {
-			return 0, 0, false, err
+		rev, asked = max(rev, r), true
+		if ok {
+			return seen.Lease, rev, asked, s.count(node, seen.Lease, 0, sent, until)
 		}
 	}
-	return lease, rev, true, nil
+	return 0, 0, false, fmt.Errorf("%w: the session of %s changed %d times while its stream opened", lock.ErrUnavailable, node, maxJoins)
 }
 
+// maxJoins bounds the tries of acquire, each after the session changed.
+const maxJoins = 4
+
 // make makes node's session, or reads the one that exists, in one
-// transaction after its lease's grant; made says which. A session made
-// here counts a stream of node, its lease kept alive from here. At most
-// maxMaking sessions are made at once: each is two writes, and a fleet
-// opening together would queue thousands before etcd, whose apply then
-// lags its commits by seconds; etcd 3.4 holds every keepalive until the
-// writes committed before it are applied, and the sessions already open
-// would lose their leases to the ones opening (docs/BENCHMARKS.md, "Fleet
-// scale on etcd").
-func (s *sessions) make(ctx context.Context, node string) (lease, rev int64, made bool, err error) {
+// transaction; made says which. A session made here lives on this
+// server's home lease (homeLease) and counts a stream of node: a fleet
+// opening its sessions grants no lease and keeps none alive but one per
+// server (docs/DESIGN.md, "Home leases"). At most maxMaking sessions are
+// made at once: a fleet opening together would queue thousands of writes
+// before etcd, whose apply then lags its commits by seconds; etcd 3.4
+// holds every keepalive until the writes committed before it are applied,
+// and the sessions already open would lose their leases to the ones
+// opening (docs/BENCHMARKS.md, "Fleet scale on etcd").
+func (s *sessions) make(ctx context.Context, node string) (rec sessRec, modRev, rev int64, made bool, err error) {
 	b := s.b
 	// Without pressure, up to maxMakingFree at once: more of them share
 	// etcd's requests and fsyncs, and the keepalives say when etcd is
@@ -297,7 +345,7 @@ func (s *sessions) make(ctx context.Context, node string) (lease, rev int64, mad
 	case more <- struct{}{}:
 		defer func() { <-more }()
 	case <-ctx.Done():
-		return 0, 0, false, ctx.Err()
+		return sessRec{}, 0, 0, false, ctx.Err()
 	}
 	// The sessions that stand come first: while their keepalives wait on
 	// etcd, no session is made (a fleet opening together then opens as
@@ -308,55 +356,56 @@ func (s *sessions) make(ctx context.Context, node string) (lease, rev int64, mad
 		}
 		select {
 		case <-ctx.Done():
-			return 0, 0, false, ctx.Err()
+			return sessRec{}, 0, 0, false, ctx.Err()
 		case <-time.After(pressurePoll):
 		}
 	}
 	if err := b.roomForSession(); err != nil {
-		return 0, 0, false, err
+		return sessRec{}, 0, 0, false, err
 	}
-	sent := time.Now()
-	g, err := b.cli.Grant(ctx, b.graceTTL)
-	if err != nil {
-		return 0, 0, false, b.etcdErr("granting a session lease", err)
-	}
-	// The sessions made together share a request (group.go): a lease
-	// granted moments ago is there still, and were one gone, each would
-	// be sent again alone.
 	key := b.n.session(node)
-	rev, tr, err := b.g.txn(ctx, []clientv3.Cmp{clientv3.Compare(clientv3.CreateRevision(key), "=", 0)},
-		[]clientv3.Op{clientv3.OpPut(key, encode(sessRec{Lease: int64(g.ID)}), clientv3.WithLease(g.ID))},
-		[]clientv3.Op{clientv3.OpGet(key)}, true)
-	if err != nil {
-		b.revokeLater(int64(g.ID))
+	for try := 0; ; try++ {
+		home, err := s.homeLease(ctx)
+		if err != nil {
+			return sessRec{}, 0, 0, false, err
+		}
+		rec = sessRec{Lease: newSessionID(), Home: home}
+		// The sessions made together share a request (group.go), and
+		// their home lease: were it gone, etcd refuses them all, and
+		// each is sent again alone.
+		rev, tr, err := b.g.txn(ctx, []clientv3.Cmp{clientv3.Compare(clientv3.CreateRevision(key), "=", 0)},
+			[]clientv3.Op{clientv3.OpPut(key, encode(rec), clientv3.WithLease(clientv3.LeaseID(home)))},
+			[]clientv3.Op{clientv3.OpGet(key)}, true)
 		if errors.Is(err, rpctypes.ErrLeaseNotFound) {
-			// Its lease ran out before its record could be written:
-			// etcd is a TTL behind, and nothing was written. The client
-			// is told to try again, as for any etcd that does not keep up.
-			return 0, 0, false, fmt.Errorf("%w: making a session: its new lease ran out before etcd wrote its record", lock.ErrUnavailable)
+			// The home lease ran out (etcd did not hear from this
+			// server for a grace, or is a TTL behind): nothing was
+			// written; the next session gets a new one.
+			s.homeLost(home)
+			if try == 0 {
+				continue
+			}
+			return sessRec{}, 0, 0, false, fmt.Errorf("%w: making a session: its home lease ran out before etcd wrote its record", lock.ErrUnavailable)
 		}
-		return 0, 0, false, fmt.Errorf("making a session: %w", err)
-	}
-	if !tr.Succeeded {
-		b.revokeLater(int64(g.ID))
-		kvs := tr.Responses[0].GetResponseRange().GetKvs()
-		if len(kvs) == 0 {
-			return 0, 0, false, fmt.Errorf("etcd backend: the session of %s vanished while read", node)
+		if err != nil {
+			return sessRec{}, 0, 0, false, fmt.Errorf("making a session: %w", err)
 		}
-		var sr sessRec
-		if err := jsonUnmarshal(kvs[0].Value, &sr); err != nil {
-			return 0, 0, false, err
+		if !tr.Succeeded {
+			kvs := tr.Responses[0].GetResponseRange().GetKvs()
+			if len(kvs) == 0 {
+				return sessRec{}, 0, 0, false, fmt.Errorf("etcd backend: the session of %s vanished while read", node)
+			}
+			var sr sessRec
+			if err := jsonUnmarshal(kvs[0].Value, &sr); err != nil {
+				return sessRec{}, 0, 0, false, err
+			}
+			return sr, kvs[0].ModRevision, rev, false, nil
 		}
-		return sr.Lease, rev, false, nil
+		b.committed(rev)
+		if err := s.countHomed(node, rec); err != nil {
+			return sessRec{}, 0, 0, false, err
+		}
+		return rec, rev, rev, true, nil
 	}
-	b.committed(rev)
-	// etcd set the new lease's expiry when it applied the grant, sent at
-	// sent: no keepalive is needed to know it stands until sent plus the
-	// TTL.
-	if err := s.count(node, int64(g.ID), sent, sent.Add(time.Duration(g.TTL)*time.Second)); err != nil {
-		return 0, 0, false, err
-	}
-	return int64(g.ID), rev, true, nil
 }
 
 // maxMaking bounds the sessions a server makes at once (make) while its
@@ -366,23 +415,149 @@ const (
 	maxMakingFree = 64
 )
 
-// keep counts a stream of node with lease, a session that exists (the
-// watch saw it, or etcd answered it), and keeps the lease alive from this
-// server. Its first keepalive from here goes out on the keeper's streams
-// at once; whether etcd still has the lease is not waited for: a lease
-// that ran out ends its session, which the watch sees and ends the
-// stream with. A fleet moving from a server that died opens thousands of
-// streams at once: a KeepAliveOnce each, a stream of etcd's each, did not
-// get through within their grace.
-func (s *sessions) keep(node string, lease int64) error {
-	return s.count(node, lease, time.Time{}, time.Time{})
+// newSessionID reserves a session's lease id: random, positive, not 0.
+// etcd grants it, on promote, as asked; an id etcd has for another lease
+// already (one chance in 2^63 per lease there) would make the session
+// live as long as that lease.
+func newSessionID() int64 {
+	var raw [8]byte
+	for {
+		_, _ = rand.Read(raw[:])
+		if id := int64(binary.BigEndian.Uint64(raw[:]) &^ (1 << 63)); id != 0 {
+			return id
+		}
+	}
 }
 
-// count counts a stream of node with lease. A lease this server keeps
-// already just counts one more; another is kept from now on, shown alive
+// homeID is this server's home lease, 0 before the first session.
+func (s *sessions) homeID() int64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.home
+}
+
+// homeLease returns this server's home lease, granting it at the first
+// session made here or after the last one ran out. The keeper keeps it
+// alive; it runs out one grace after this server stops, or is cut off,
+// and takes the sessions that live on it with it: what a lease per
+// session did when nobody kept them.
+func (s *sessions) homeLease(ctx context.Context) (int64, error) {
+	if h := s.homeID(); h != 0 {
+		return h, nil
+	}
+	s.homeMu.Lock()
+	defer s.homeMu.Unlock()
+	if h := s.homeID(); h != 0 {
+		return h, nil
+	}
+	sent := time.Now()
+	g, err := s.b.cli.Grant(ctx, s.b.graceTTL)
+	if err != nil {
+		return 0, s.b.etcdErr("granting a home lease", err)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.b.alive(); err != nil {
+		go s.b.revokeLater(int64(g.ID))
+		return 0, err
+	}
+	s.home, s.homeTTL = int64(g.ID), time.Duration(g.TTL)*time.Second
+	s.b.keeper.add(s.home, sent, sent.Add(s.homeTTL))
+	return s.home, nil
+}
+
+// homeLost forgets home, a home lease etcd no longer has.
+func (s *sessions) homeLost(home int64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.home == home {
+		s.home = 0
+		s.b.keeper.remove(home)
+	}
+}
+
+// promote grants the lease node's session reserved (seen, its record at
+// modRev living on a home lease) and puts the record under it, if the
+// record is still the one seen. A lease etcd has already was granted by
+// another server promoting the same session, and the put decides. ok says
+// that the session now has its own lease, whoever put it; otherwise cur is
+// the record that stands instead (none when the session ended). A lease
+// granted here is never revoked: another server may have put the record
+// under it after its own grant was refused; unused, it runs out in a
+// grace.
+func (s *sessions) promote(ctx context.Context, node string, seen sessRec, modRev int64) (cur sessRec, curRev, rev int64, until time.Time, ok bool, err error) {
+	b := s.b
+	until, err = b.grantID(ctx, seen.Lease)
+	if err != nil {
+		return sessRec{}, 0, 0, time.Time{}, false, err
+	}
+	key := b.n.session(node)
+	own := sessRec{Lease: seen.Lease}
+	rev, tr, err := b.g.txn(ctx, []clientv3.Cmp{clientv3.Compare(clientv3.ModRevision(key), "=", modRev)},
+		[]clientv3.Op{clientv3.OpPut(key, encode(own), clientv3.WithLease(clientv3.LeaseID(own.Lease)))},
+		[]clientv3.Op{clientv3.OpGet(key)}, true)
+	if errors.Is(err, rpctypes.ErrLeaseNotFound) {
+		return sessRec{}, 0, 0, time.Time{}, false, fmt.Errorf("%w: promoting a session: its lease ran out before etcd wrote its record", lock.ErrUnavailable)
+	}
+	if err != nil {
+		return sessRec{}, 0, 0, time.Time{}, false, fmt.Errorf("promoting a session: %w", err)
+	}
+	if tr.Succeeded {
+		b.committed(rev)
+		b.promotions.Add(1)
+		return own, rev, rev, until, true, nil
+	}
+	kvs := tr.Responses[0].GetResponseRange().GetKvs()
+	if len(kvs) == 0 {
+		return sessRec{}, 0, rev, time.Time{}, false, nil // it ended: make a new one
+	}
+	if err := jsonUnmarshal(kvs[0].Value, &cur); err != nil {
+		return sessRec{}, 0, 0, time.Time{}, false, err
+	}
+	return cur, kvs[0].ModRevision, rev, until, cur == own, nil
+}
+
+// grantID grants the session lease id, reserved by a session that lives on
+// a home lease, and returns until when it stands at least. One etcd has
+// already is another server's grant of it, for the same session, made any
+// time since: it is kept alive once at once, so that it stands a whole TTL
+// from now, as a grant of its own would.
+func (b *Backend) grantID(ctx context.Context, id int64) (until time.Time, err error) {
+	for range 2 {
+		sent := time.Now()
+		g, err := b.leases.LeaseGrant(ctx, &pb.LeaseGrantRequest{TTL: b.graceTTL, ID: id})
+		if err == nil {
+			return sent.Add(time.Duration(g.TTL) * time.Second), nil
+		}
+		if err = rpctypes.Error(err); !errors.Is(err, rpctypes.ErrLeaseExist) {
+			return time.Time{}, b.etcdErr("granting a session lease", err)
+		}
+		sent = time.Now()
+		ka, err := b.cli.KeepAliveOnce(ctx, clientv3.LeaseID(id))
+		if err == nil {
+			return sent.Add(time.Duration(ka.TTL) * time.Second), nil
+		}
+		if !errors.Is(err, rpctypes.ErrLeaseNotFound) {
+			return time.Time{}, b.etcdErr("keeping a session lease alive", err)
+		}
+		// It ran out in between: granted again.
+	}
+	return time.Time{}, fmt.Errorf("%w: granting a session lease: it ran out while another server granted it", lock.ErrUnavailable)
+}
+
+// count counts a stream of node's session with lease, a session that
+// exists (the watch saw it, or etcd answered it). A session that lives on
+// this server's home lease (home) needs no keepalive of its own; one that
+// has its own lease is kept alive from here: a lease this server keeps
+// already just counts one more, another is kept from now on, shown alive
 // by a keepalive or grant sent at sent that makes it stand until until
-// (zero when not known: the keeper asks etcd at once).
-func (s *sessions) count(node string, lease int64, sent, until time.Time) error {
+// (zero when not known: the keeper asks etcd at once, and whether etcd
+// still has the lease is not waited for: a lease that ran out ends its
+// session, which the watch sees and ends the stream with). A fleet moving
+// from a server that died opens thousands of streams at once: a
+// KeepAliveOnce each, a stream of etcd's each, did not get through within
+// their grace.
+func (s *sessions) count(node string, lease, home int64, sent, until time.Time) error {
 	b := s.b
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -397,17 +572,54 @@ func (s *sessions) count(node string, lease int64, sent, until time.Time) error 
 			return fmt.Errorf("%w: %s has %d streams, at most %d are allowed", lock.ErrTooManySessions, node, ls.streams, b.cfg.MaxSessionsPerNode)
 		}
 		ls.streams++
-		if !until.IsZero() {
+		ls.stopEnd()
+		// A session's own lease, once granted, stays: a home seen
+		// after it is an older record.
+		if home == 0 && (ls.home != 0 || !until.IsZero()) {
+			ls.home = 0
 			b.keeper.add(lease, sent, until)
 		}
 		return nil
 	}
 	if old := s.local[node]; old != nil {
-		b.keeper.remove(old.lease) // a session that ended and began anew
+		s.dropLocked(node, old) // a session that ended and began anew
 	}
-	b.keeper.add(lease, sent, until)
-	s.local[node] = &localSession{lease: lease, streams: 1}
+	if home == 0 {
+		b.keeper.add(lease, sent, until)
+	}
+	s.local[node] = &localSession{lease: lease, home: home, streams: 1}
 	return nil
+}
+
+// countHomed counts a stream of node's session rec, which lives on this
+// server's home lease as far as the caller saw. Another server may have
+// given it its own lease since, and this server's watch may have applied
+// that and told these sessions (promoted) before this count, which then
+// needs no keepalive it would never get: the watch's view after the count
+// says. The watch updates its view before it tells, so a promotion is
+// either seen here or told after the count.
+func (s *sessions) countHomed(node string, rec sessRec) error {
+	if err := s.count(node, rec.Lease, rec.Home, time.Time{}, time.Time{}); err != nil {
+		return err
+	}
+	w := s.b.w
+	w.mu.Lock()
+	si := w.sessions[node]
+	own := si != nil && si.lease == rec.Lease && si.home == 0
+	w.mu.Unlock()
+	if own {
+		s.promoted(node, rec.Lease)
+	}
+	return nil
+}
+
+// dropLocked forgets node's local session ls; s.mu held.
+func (s *sessions) dropLocked(node string, ls *localSession) {
+	ls.stopEnd()
+	if ls.home == 0 {
+		s.b.keeper.remove(ls.lease)
+	}
+	delete(s.local, node)
 }
 
 // release counts one stream of f's node less, once per stream.
@@ -422,7 +634,10 @@ func (s *sessions) release(f *feed) {
 
 // releaseNode counts one stream of node's session with lease less. A
 // stream of a session that ended counts for none: the node's new session,
-// made here since, keeps its own count.
+// made here since, keeps its own count. A session that has its own lease
+// runs out one grace after its last keepalive, unless another server
+// keeps it; one on this server's home lease is ended a grace from now by
+// endHomed, unless a stream of it comes back first.
 func (s *sessions) releaseNode(node string, lease int64) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -430,18 +645,98 @@ func (s *sessions) releaseNode(node string, lease int64) {
 	if ls == nil || ls.lease != lease {
 		return
 	}
-	if ls.streams--; ls.streams <= 0 {
-		s.b.keeper.remove(ls.lease)
-		delete(s.local, node)
+	if ls.streams--; ls.streams > 0 {
+		return
+	}
+	if ls.home == 0 || s.b.ctx.Err() != nil {
+		s.dropLocked(node, ls)
+		return
+	}
+	ls.streams = 0
+	ls.end = time.AfterFunc(max(s.homeTTL, time.Duration(s.b.graceTTL)*time.Second), func() { s.endHomed(node, ls) })
+}
+
+// endHomed deletes the record of node's session ls, which lives on this
+// server's home lease and has had no stream here for a grace, if it is
+// still that record: a session another server took a stream of since has
+// its own lease and a new record, and stands.
+func (s *sessions) endHomed(node string, ls *localSession) {
+	b := s.b
+	s.mu.Lock()
+	if s.local[node] != ls || ls.streams > 0 || ls.home == 0 || b.ctx.Err() != nil {
+		s.mu.Unlock()
+		return
+	}
+	delete(s.local, node)
+	b.wg.Add(1)
+	s.mu.Unlock()
+	defer b.wg.Done()
+	key := b.n.session(node)
+	was := encode(sessRec{Lease: ls.lease, Home: ls.home})
+	for {
+		ctx, cancel := context.WithTimeout(b.ctx, callTimeout)
+		_, _, err := b.g.txn(ctx, []clientv3.Cmp{clientv3.Compare(clientv3.Value(key), "=", was)},
+			[]clientv3.Op{clientv3.OpDelete(key)}, nil, false)
+		cancel()
+		if err == nil {
+			return
+		}
+		// etcd is away: tried again while this server stands and the
+		// node did not come back. Away for a grace, the home lease
+		// runs out and ends the session anyway.
+		select {
+		case <-b.ctx.Done():
+			return
+		case <-time.After(time.Second):
+		}
+		s.mu.Lock()
+		back := s.local[node] != nil
+		s.mu.Unlock()
+		if back {
+			return
+		}
 	}
 }
 
-// closeAll stops every keepalive of this server (Close). The leases run
-// out one TTL later unless another server keeps them.
+// promoted notes that node's session with lease has its own lease now:
+// its streams here keep that lease alive, and no longer end it at a grace
+// without them.
+func (s *sessions) promoted(node string, lease int64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	ls := s.local[node]
+	if ls == nil || ls.lease != lease || ls.home == 0 {
+		return
+	}
+	if ls.streams == 0 {
+		ls.stopEnd()
+		delete(s.local, node)
+		return
+	}
+	ls.home = 0
+	s.b.keeper.add(lease, time.Time{}, time.Time{})
+}
+
+// ended forgets node's session with lease, which the watch saw end.
+func (s *sessions) ended(node string, lease int64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if ls := s.local[node]; ls != nil && ls.lease == lease {
+		s.dropLocked(node, ls)
+	}
+}
+
+// closeAll stops every keepalive of this server and every session end it
+// waits to make (Close). The leases run out one TTL later unless another
+// server keeps them; the home lease with every session on it.
 func (s *sessions) closeAll() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	for _, ls := range s.local {
+		ls.stopEnd()
+	}
 	clear(s.local)
+	s.home = 0
 	s.b.keeper.removeAll()
 }
 

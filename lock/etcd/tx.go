@@ -370,17 +370,18 @@ func (t *tx) refs() (refRec, error) {
 	return r, nil
 }
 
-// session reads a node's session: its etcd lease, 0 when it has none.
-func (t *tx) session(node string) (int64, error) {
+// session reads a node's session: its lease, 0 when it has none, and the
+// home lease it lives on while its own is not granted (sessRec).
+func (t *tx) session(node string) (lease, home int64, err error) {
 	v, _, err := t.get(t.b.n.session(node))
 	if err != nil || v == nil {
-		return 0, err
+		return 0, 0, err
 	}
 	var s sessRec
 	if err := jsonUnmarshal(v, &s); err != nil {
-		return 0, err
+		return 0, 0, err
 	}
-	return s.Lease, nil
+	return s.Lease, s.Home, nil
 }
 
 // atRead reads the queue as of the revision the key's record was read at.

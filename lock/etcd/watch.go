@@ -101,6 +101,8 @@ type keyInfo struct {
 // sessInfo is a session as the watch saw it, with its replay log.
 type sessInfo struct {
 	lease   int64
+	home    int64 // the home lease its record lives on, 0 once its own is granted
+	modRev  int64 // its record's
 	created int64
 	log     lock.ReplayLog
 	dropped uint64 // the id of the newest event the log let go
@@ -250,7 +252,7 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 		if !ok || jsonUnmarshal(kv.Value, &s) != nil {
 			return
 		}
-		sessions[node] = &sessInfo{lease: s.Lease, created: kv.CreateRevision, dropped: revID(rev+1) - 1}
+		sessions[node] = &sessInfo{lease: s.Lease, home: s.Home, modRev: kv.ModRevision, created: kv.CreateRevision, dropped: revID(rev+1) - 1}
 		if first {
 			// The warm-up reads the history from warmFrom (start).
 			sessions[node].dropped = revID(max(kv.CreateRevision, rev-warmRevisions+1)) - 1
@@ -285,9 +287,15 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 	keys.c = b.rc
 	w.keys, w.nKeys, w.nHeld, w.nQd, w.deadlines = keys, nKeys, nHeld, nQd, dl
 	w.nDone, w.dones = nDone, dones
+	var promoted []endedSession
 	for node, s := range sessions {
 		if old := w.sessions[node]; old != nil && old.lease == s.lease {
-			continue // a relist keeps the logs of sessions that go on
+			// A relist keeps the logs of sessions that go on.
+			if old.home != 0 && s.home == 0 {
+				promoted = append(promoted, endedSession{node, s.lease})
+			}
+			old.home, old.modRev = s.home, s.modRev
+			continue
 		}
 		w.sessions[node] = s
 	}
@@ -299,6 +307,9 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 	w.floor = max(w.floor, rev)
 	w.setProcessed(rev)
 	w.mu.Unlock()
+	for _, p := range promoted {
+		b.s.promoted(p.node, p.lease)
+	}
 	w.poke()
 	return rev, nil
 }
@@ -602,8 +613,9 @@ func (w *watcher) apply(evs []*clientv3.Event, rev int64) {
 	b.qs.apply(evs, keys, changes, rev)
 	b.rc.apply(evs, keys, vals, rev)
 	var (
-		skipped map[lock.Key][]string
-		ended   []endedSession
+		skipped  map[lock.Key][]string
+		ended    []endedSession
+		promoted []endedSession // sessions whose own lease was granted
 	)
 	w.mu.Lock()
 	for i, ev := range evs {
@@ -638,11 +650,16 @@ func (w *watcher) apply(evs []*clientv3.Event, rev int64) {
 				continue
 			}
 			if s := w.sessions[node]; s != nil && s.lease == sr.Lease {
+				// The same session, put again: its own lease granted.
+				if s.home != 0 && sr.Home == 0 {
+					promoted = append(promoted, endedSession{node, sr.Lease})
+				}
+				s.home, s.modRev = sr.Home, ev.Kv.ModRevision
 				continue
 			}
 			// A session begins: its log starts before this revision's
 			// events, which it receives.
-			w.sessions[node] = &sessInfo{lease: sr.Lease, created: rev, dropped: revID(rev) - 1}
+			w.sessions[node] = &sessInfo{lease: sr.Lease, home: sr.Home, modRev: ev.Kv.ModRevision, created: rev, dropped: revID(rev) - 1}
 		}
 	}
 	var released []*feed
@@ -669,6 +686,12 @@ func (w *watcher) apply(evs []*clientv3.Event, rev int64) {
 	b.vw.revision(evs, rev)
 	w.setProcessed(rev)
 	w.mu.Unlock()
+	for _, p := range promoted {
+		b.s.promoted(p.node, p.lease)
+	}
+	for _, e := range ended {
+		b.s.ended(e.node, e.lease)
+	}
 	for _, f := range released {
 		b.s.release(f)
 	}
