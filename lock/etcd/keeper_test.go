@@ -26,28 +26,42 @@ import (
 // from etcd (docs/BENCHMARKS.md, "Fleet scale on etcd").
 func TestKeeperSessionsOpeningTogether(t *testing.T) {
 	const n, workers = 3000, 64
-	cfg := func(c *etcd.Config) {
+	// The sessions' first server, whose home lease outlives the test
+	// (a grace of a minute), makes them and sees their streams close:
+	// they wait in their grace, on its home lease, for the nodes to come
+	// to b, which gives each its own lease, with b's grace, and alone
+	// keeps them alive.
+	home, p := open(t, func(c *etcd.Config) {
+		c.SessionGrace = time.Minute
+		c.MaxSessions = 2 * n
+	})
+	b := openAt(t, p, func(c *etcd.Config) {
 		c.SessionGrace = 2 * time.Second // TTL 2 s: silence ends streams after 1.33 s
 		c.MaxSessions = 2 * n
-	}
-	home, p := open(t, cfg)
-	b := openAt(t, p, cfg)
-	// The sessions, made on home's lease by a stream each that stays
-	// open: the node moves while its first server still stands.
-	homed := make([]lock.Stream, n)
-	defer func() {
-		for _, s := range homed {
-			if s != nil {
+	})
+	var made atomic.Int64
+	var mg sync.WaitGroup
+	mErrs := make(chan error, workers)
+	for range workers {
+		mg.Go(func() {
+			for {
+				i := int(made.Add(1) - 1)
+				if i >= n {
+					return
+				}
+				s, _, err := home.Subscribe(context.Background(), lock.SubscribeRequest{Node: fmt.Sprintf("node-%d", i)})
+				if err != nil {
+					mErrs <- fmt.Errorf("stream %d on its first server: %w", i, err)
+					return
+				}
 				s.Close()
 			}
-		}
-	}()
-	for i := range homed {
-		s, _, err := home.Subscribe(context.Background(), lock.SubscribeRequest{Node: fmt.Sprintf("node-%d", i)})
-		if err != nil {
-			t.Fatalf("stream %d on its first server: %v", i, err)
-		}
-		homed[i] = s
+		})
+	}
+	mg.Wait()
+	close(mErrs)
+	for err := range mErrs {
+		t.Fatal(err)
 	}
 	streams := make([]lock.Stream, n)
 	defer func() {
