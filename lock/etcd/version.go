@@ -10,10 +10,10 @@ import (
 // checkVersions warns once, when the backend opens, of each etcd endpoint
 // it was given whose member runs a version before 3.5. In etcd 3.4.23 every
 // lease keepalive copies the write buffer not yet committed to disk, so a
-// fleet's sessions (a lease each, 3,000 keepalives a second for 10,000
-// sessions at a 10 s grace) starve its apply after a burst of writes, and
-// sessions run out: docs/PERFORMANCE.md, "On etcd", says what was measured
-// on each version. Later 3.4 releases took etcd 3.5's shared read buffer
+// fleet's sessions that hold locks (a lease each, 3,000 keepalives a second
+// for 10,000 sessions at a 10 s grace) starve its apply after a burst of
+// writes, and sessions run out: docs/PERFORMANCE.md, "On etcd", says what
+// was measured on each version. Later 3.4 releases took etcd 3.5's shared read buffer
 // but were not measured, so every 3.4 is warned of. An endpoint that does
 // not answer is passed over: the warning is advice, and the watch and the
 // calls report an etcd that is away.
