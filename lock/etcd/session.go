@@ -324,42 +324,19 @@ const maxJoins = 4
 // transaction; made says which. A session made here lives on this
 // server's home lease (homeLease) and counts a stream of node: a fleet
 // opening its sessions grants no lease and keeps none alive but one per
-// server (docs/DESIGN.md, "Home leases"). At most maxMaking sessions are
-// made at once: a fleet opening together would queue thousands of writes
+// server (docs/DESIGN.md, "Home leases"). Sessions are made as admit lets
+// them: a fleet opening together would queue thousands of writes
 // before etcd, whose apply then lags its commits by seconds; etcd 3.4
 // holds every keepalive until the writes committed before it are applied,
 // and the sessions already open would lose their leases to the ones
 // opening (docs/BENCHMARKS.md, "Fleet scale on etcd").
 func (s *sessions) make(ctx context.Context, node string) (rec sessRec, modRev, rev int64, made bool, err error) {
 	b := s.b
-	// Without pressure, up to maxMakingFree at once: more of them share
-	// etcd's requests and fsyncs, and the keepalives say when etcd is
-	// behind; with it, maxMaking (and none while held, below).
-	var more chan struct{}
-	if p, _ := b.g.pressure(time.Now()); p == pressureNone {
-		more = s.more
+	done, err := s.admit(ctx)
+	if err != nil {
+		return sessRec{}, 0, 0, false, err
 	}
-	select {
-	case s.making <- struct{}{}:
-		defer func() { <-s.making }()
-	case more <- struct{}{}:
-		defer func() { <-more }()
-	case <-ctx.Done():
-		return sessRec{}, 0, 0, false, ctx.Err()
-	}
-	// The sessions that stand come first: while their keepalives wait on
-	// etcd, no session is made (a fleet opening together then opens as
-	// fast as etcd keeps up, and none loses its lease to the others).
-	for {
-		if p, _ := b.g.pressure(time.Now()); p != pressureHeld {
-			break
-		}
-		select {
-		case <-ctx.Done():
-			return sessRec{}, 0, 0, false, ctx.Err()
-		case <-time.After(pressurePoll):
-		}
-	}
+	defer done()
 	if err := b.roomForSession(); err != nil {
 		return sessRec{}, 0, 0, false, err
 	}
@@ -408,8 +385,43 @@ func (s *sessions) make(ctx context.Context, node string) (rec sessRec, modRev, 
 	}
 }
 
-// maxMaking bounds the sessions a server makes at once (make) while its
-// keepalives wait on etcd, maxMakingFree while they do not.
+// admit waits for a place among the sessions being made or given their own
+// lease here (make, promote), and returns its release. Without pressure,
+// up to maxMakingFree at once: more of them share etcd's requests and
+// fsyncs, and the keepalives say when etcd is behind; with it, maxMaking,
+// and none while it is held: the sessions that stand come first, and while
+// their keepalives wait on etcd no session is made or moved (a fleet
+// opening together, or moving from a server that died, then goes as fast
+// as etcd keeps up, and none loses its lease to the others).
+func (s *sessions) admit(ctx context.Context) (func(), error) {
+	var more chan struct{}
+	if p, _ := s.b.g.pressure(time.Now()); p == pressureNone {
+		more = s.more
+	}
+	var done func()
+	select {
+	case s.making <- struct{}{}:
+		done = func() { <-s.making }
+	case more <- struct{}{}:
+		done = func() { <-more }
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	for {
+		if p, _ := s.b.g.pressure(time.Now()); p != pressureHeld {
+			return done, nil
+		}
+		select {
+		case <-ctx.Done():
+			done()
+			return nil, ctx.Err()
+		case <-time.After(pressurePoll):
+		}
+	}
+}
+
+// maxMaking bounds the sessions a server makes or moves at once (admit)
+// while its keepalives wait on etcd, maxMakingFree while they do not.
 const (
 	maxMaking     = 16
 	maxMakingFree = 64
@@ -484,9 +496,15 @@ func (s *sessions) homeLost(home int64) {
 // the record that stands instead (none when the session ended). A lease
 // granted here is never revoked: another server may have put the record
 // under it after its own grant was refused; unused, it runs out in a
-// grace.
+// grace. Promotions wait for admit as sessions made do: a fleet moving from
+// a server that died is thousands at once.
 func (s *sessions) promote(ctx context.Context, node string, seen sessRec, modRev int64) (cur sessRec, curRev, rev int64, until time.Time, ok bool, err error) {
 	b := s.b
+	done, err := s.admit(ctx)
+	if err != nil {
+		return sessRec{}, 0, 0, time.Time{}, false, err
+	}
+	defer done()
 	until, err = b.grantID(ctx, seen.Lease)
 	if err != nil {
 		return sessRec{}, 0, 0, time.Time{}, false, err
