@@ -26,9 +26,10 @@ func (b *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 		res      lock.LockResult
 		newLease int64 // a session lease granted for this call, kept across attempts
 		usedNew  bool
-		home     int64 // the home lease node's session lives on, as the attempt read it
-		ownLease int64 // the session lease this call granted to give a session its own
-		promoted int64 // the session lease this attempt gives its session, 0 for none
+		home     int64     // the home lease node's session lives on, as the attempt read it
+		ownLease int64     // the session lease this call granted to give a session its own
+		ownUntil time.Time // when that grant stands to at least
+		promoted int64     // the session lease this attempt gives its session, 0 for none
 		granted  bool
 		ends     holdEnds // what ends the hold, when res.Acquired
 	)
@@ -47,11 +48,14 @@ func (b *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 			return have, nil
 		}
 		if have != 0 {
-			if ownLease != have {
-				if _, err := b.grantID(t.ctx, have); err != nil {
+			// Granted again (grantID keeps it alive) when the call
+			// waited for its turn a third of the TTL since.
+			if ownLease != have || time.Until(ownUntil) < time.Duration(b.graceTTL)*time.Second*2/3 {
+				until, err := b.grantID(t.ctx, have)
+				if err != nil {
 					return 0, err
 				}
-				ownLease = have
+				ownLease, ownUntil = have, until
 			}
 			t.leasedOp(clientv3.OpPut(b.n.session(req.Node), encode(sessRec{Lease: have}), clientv3.WithLease(clientv3.LeaseID(have))))
 			promoted, home = have, 0
@@ -70,6 +74,20 @@ func (b *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 		t.leasedOp(clientv3.OpPut(b.n.session(req.Node), encode(sessRec{Lease: newLease}), clientv3.WithLease(clientv3.LeaseID(newLease))))
 		usedNew = true
 		return newLease, nil
+	}
+	// A session on this server's home lease gets its own at this call
+	// (sessionLease). The grant is a round trip of its own (a raft entry),
+	// made here before the call joins its key's transaction: inside, it
+	// would hold up the key's stripe and every call combined with this
+	// one, one grant after another. A grant the transaction then finds no
+	// use for runs out in a grace; a session this server does not keep
+	// (the node's stream is on another) is granted inside.
+	if req.Lease != lock.LeaseTTL {
+		if l := b.s.homed(req.Node); l != 0 {
+			if until, err := b.grantID(ctx, l); err == nil {
+				ownLease, ownUntil = l, until
+			}
+		}
 	}
 	_, err := b.runCombined(ctx, k, req.Node, func(t *tx) error {
 		res, usedNew, granted = lock.LockResult{}, false, false

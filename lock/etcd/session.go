@@ -266,16 +266,8 @@ func (s *sessions) acquire(ctx context.Context, node string) (lease, rev int64, 
 		return 0, 0, false, fmt.Errorf("%w: %s has %d streams, at most %d are allowed", lock.ErrTooManySessions, node, ls.streams, b.cfg.MaxSessionsPerNode)
 	}
 	s.mu.Unlock()
-	// The session as the watch saw it: no read of etcd (keep).
-	w := b.w
-	w.mu.Lock()
-	var seen sessRec
-	var modRev int64
-	if si := w.sessions[node]; si != nil {
-		seen, modRev = sessRec{Lease: si.lease, Home: si.home}, si.modRev
-	}
-	rev = w.processed
-	w.mu.Unlock()
+	// The session as the watch saw it: no read of etcd (count).
+	seen, modRev, rev := b.w.session(node)
 	if f := s.seenHook.Load(); f != nil {
 		(*f)()
 	}
@@ -620,15 +612,21 @@ func (s *sessions) countHomed(node string, rec sessRec) error {
 	if err := s.count(node, rec.Lease, rec.Home, time.Time{}, time.Time{}); err != nil {
 		return err
 	}
-	w := s.b.w
-	w.mu.Lock()
-	si := w.sessions[node]
-	own := si != nil && si.lease == rec.Lease && si.home == 0
-	w.mu.Unlock()
-	if own {
+	if now, _, _ := s.b.w.session(node); now == (sessRec{Lease: rec.Lease}) {
 		s.promoted(node, rec.Lease)
 	}
 	return nil
+}
+
+// homed returns the lease of node's session when it lives on this server's
+// home lease and has a stream here, 0 otherwise.
+func (s *sessions) homed(node string) int64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if ls := s.local[node]; ls != nil && ls.home != 0 {
+		return ls.lease
+	}
+	return 0
 }
 
 // dropLocked forgets node's local session ls; s.mu held.

@@ -108,6 +108,17 @@ type sessInfo struct {
 	dropped uint64 // the id of the newest event the log let go
 }
 
+// session is node's session record as the watch saw it (zero for none),
+// with its mod revision, and the revision the watch had processed.
+func (w *watcher) session(node string) (rec sessRec, modRev, processed int64) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if si := w.sessions[node]; si != nil {
+		rec, modRev = sessRec{Lease: si.lease, Home: si.home}, si.modRev
+	}
+	return rec, modRev, w.processed
+}
+
 func newWatcher(b *Backend) *watcher {
 	return &watcher{
 		b:         b,
