@@ -330,17 +330,11 @@ func TestAttackStaleIndexAfterDrop(t *testing.T) {
 	if s, i := seqOf(t, cli, bs[0], k, "b"), queueIndexOf(t, cli, bs[0], k, "a"); s != 0 || i != 0 {
 		t.Fatalf("b waits at %d, a's stale index is %d: want both 0", s, i)
 	}
-	lease := func() int64 {
-		resp, err := cli.Get(ctx, bs[0].n.session("a"))
-		if err != nil || len(resp.Kvs) == 0 {
-			t.Fatalf("a's session: %v %v", resp, err)
-		}
-		var s sessRec
-		if err := jsonUnmarshal(resp.Kvs[0].Value, &s); err != nil {
-			t.Fatal(err)
-		}
-		return s.Lease
-	}()
+	rec, _, ok := sessionOf(t, cli, bs[0], "a")
+	if !ok {
+		t.Fatal("a has no session")
+	}
+	lease := rec.Lease
 	id := bs[0].qs.recID(bs[0].n.key(k))
 	for i, b := range bs {
 		for _, fromEtcd := range []bool{false, true} {

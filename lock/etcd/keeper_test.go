@@ -39,30 +39,25 @@ func TestKeeperSessionsOpeningTogether(t *testing.T) {
 		c.SessionGrace = 2 * time.Second // TTL 2 s: silence ends streams after 1.33 s
 		c.MaxSessions = 2 * n
 	})
-	var made atomic.Int64
-	var mg sync.WaitGroup
-	mErrs := make(chan error, workers)
-	for range workers {
-		mg.Go(func() {
-			for {
-				i := int(made.Add(1) - 1)
-				if i >= n {
-					return
-				}
-				s, _, err := home.Subscribe(context.Background(), lock.SubscribeRequest{Node: fmt.Sprintf("node-%d", i)})
-				if err != nil {
-					mErrs <- fmt.Errorf("stream %d on its first server: %w", i, err)
-					return
-				}
-				s.Close()
+	// A node tries again when the server answers that etcd is busy
+	// (503), as a client does.
+	subscribe := func(b *etcd.Backend, i int) (s lock.Stream, err error) {
+		for try := 0; try < 10; try++ {
+			s, _, err = b.Subscribe(context.Background(), lock.SubscribeRequest{Node: fmt.Sprintf("node-%d", i)})
+			if !errors.Is(err, lock.ErrUnavailable) {
+				break
 			}
-		})
+		}
+		return s, err
 	}
-	mg.Wait()
-	close(mErrs)
-	for err := range mErrs {
-		t.Fatal(err)
-	}
+	eachNode(t, n, workers, func(i int) error {
+		s, err := subscribe(home, i)
+		if err != nil {
+			return fmt.Errorf("stream %d on its first server: %w", i, err)
+		}
+		s.Close()
+		return nil
+	})
 	streams := make([]lock.Stream, n)
 	defer func() {
 		for _, s := range streams {
@@ -71,39 +66,14 @@ func TestKeeperSessionsOpeningTogether(t *testing.T) {
 			}
 		}
 	}()
-	var next atomic.Int64
-	var wg sync.WaitGroup
-	errs := make(chan error, workers)
-	for range workers {
-		wg.Go(func() {
-			for {
-				i := int(next.Add(1) - 1)
-				if i >= n {
-					return
-				}
-				// A node tries again when the server answers that
-				// etcd is busy (503), as a client does.
-				var s lock.Stream
-				var err error
-				for try := 0; try < 10; try++ {
-					s, _, err = b.Subscribe(context.Background(), lock.SubscribeRequest{Node: fmt.Sprintf("node-%d", i)})
-					if !errors.Is(err, lock.ErrUnavailable) {
-						break
-					}
-				}
-				if err != nil {
-					errs <- fmt.Errorf("stream %d: %w", i, err)
-					return
-				}
-				streams[i] = s
-			}
-		})
-	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		t.Fatal(err)
-	}
+	eachNode(t, n, workers, func(i int) error {
+		s, err := subscribe(b, i)
+		if err != nil {
+			return fmt.Errorf("stream %d: %w", i, err)
+		}
+		streams[i] = s
+		return nil
+	})
 	// Every lease kept alive twice more after the last open (a period
 	// and more), unless a stream ends first.
 	want := etcd.KeepalivesAnsweredForTest(b) + 2*n
@@ -130,5 +100,33 @@ func TestKeeperSessionsOpeningTogether(t *testing.T) {
 	}
 	if st := b.Stats(); st.SessionsLost != 0 || st.Sessions != n {
 		t.Fatalf("sessions %d (want %d), lost %d (want 0)", st.Sessions, n, st.SessionsLost)
+	}
+}
+
+// eachNode runs fn for 0 to n-1 on workers goroutines, and fails t with
+// the errors they returned (each worker stops at its first).
+func eachNode(t *testing.T, n, workers int, fn func(i int) error) {
+	t.Helper()
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	errs := make(chan error, workers)
+	for range workers {
+		wg.Go(func() {
+			for {
+				i := int(next.Add(1) - 1)
+				if i >= n {
+					return
+				}
+				if err := fn(i); err != nil {
+					errs <- err
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
 	}
 }
