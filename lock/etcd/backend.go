@@ -101,6 +101,7 @@ type Backend struct {
 	refusedKeys, refusedWatchers, truncatedErrors, replays atomic.Uint64
 	conflicts                                              atomic.Uint64
 	promotions                                             atomic.Uint64 // sessions given their own lease (promote)
+	rehomes                                                atomic.Uint64 // sessions moved onto this server's home lease (rehome)
 	cacheStale                                             atomic.Uint64 // first attempts the cache misled
 }
 

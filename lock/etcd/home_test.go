@@ -138,41 +138,79 @@ func TestHomeSessionEndsAfterItsGrace(t *testing.T) {
 }
 
 // TestHomeSessionMovesOn: a node whose session lives on server A's home
-// lease opens a stream on server B (it moves, A being about to die): B
-// gives the session its own lease before it counts the stream, so that A's
-// death (its home lease revoked here, as etcd would let it run out) ends
-// nothing. A, whose stream stays, keeps the new lease alive too.
+// lease leaves A and opens a stream on server B (A died, or its stream
+// broke): B moves the session onto its own home lease before it counts
+// the stream, granting nothing, so that A's home lease running out (revoked
+// here) ends nothing. A, with no stream of the node, forgets it.
 func TestHomeSessionMovesOn(t *testing.T) {
 	bs, cli := homeCluster(t, 2, 10*time.Second)
 	a, b := bs[0], bs[1]
 	sa := subscribe(t, a, "mover")
-	defer sa.Close()
 	rec, _, _ := sessionOf(t, cli, a, "mover")
 	if rec.Home != a.s.homeID() {
 		t.Fatalf("the session %+v, want it on A's home lease %x", rec, a.s.homeID())
 	}
+	sa.Close()
 	caughtUp(t, b, a)
 	sb := subscribe(t, b, "mover")
 	defer sb.Close()
-	own, attached, ok := sessionOf(t, cli, a, "mover")
-	if !ok || own.Lease != rec.Lease || own.Home != 0 || attached != rec.Lease || !leaseExists(t, cli, rec.Lease) {
-		t.Fatalf("after B's stream: %+v attached to %x, want the same session on its own lease %x", own, attached, rec.Lease)
+	moved, attached, ok := sessionOf(t, cli, a, "mover")
+	if !ok || moved.Lease != rec.Lease || moved.Home != b.s.homeID() || attached != moved.Home {
+		t.Fatalf("after B's stream: %+v attached to %x, want the same session on B's home lease %x", moved, attached, b.s.homeID())
 	}
-	if b.keeper.until(rec.Lease).IsZero() {
-		t.Errorf("B does not keep the session's lease alive")
+	if leaseExists(t, cli, rec.Lease) || a.promotions.Load()+b.promotions.Load() != 0 || b.rehomes.Load() != 1 {
+		t.Errorf("the move granted the session's lease (%v), promoted %d times, moved %d times: want a move alone",
+			leaseExists(t, cli, rec.Lease), a.promotions.Load()+b.promotions.Load(), b.rehomes.Load())
 	}
-	kit.WaitFor(t, "A to keep the promoted lease alive", func() bool { return !a.keeper.until(rec.Lease).IsZero() })
+	kit.WaitFor(t, "A to forget the session", func() bool { _, ok := localOf(a, "mover"); return !ok })
 	if _, err := cli.Revoke(t.Context(), clientv3.LeaseID(rec.Home)); err != nil {
 		t.Fatal(err)
 	}
-	caughtUp(t, a, b)
-	if again, _, ok := sessionOf(t, cli, a, "mover"); !ok || again.Lease != rec.Lease {
+	caughtUp(t, b, a)
+	if again, _, ok := sessionOf(t, cli, a, "mover"); !ok || again != moved {
 		t.Fatalf("A's home lease gone, the moved session is %+v (exists %v)", again, ok)
 	}
 	select {
 	case <-sb.Done():
 		t.Fatal("B's stream ended with A's home lease")
 	default:
+	}
+}
+
+// TestHomeSessionOnTwoServers: a node whose session lives on A's home lease
+// opens a second stream on B while its stream on A stays. B moves the
+// session onto its home lease; A, seeing its node's session leave with a
+// stream still here, gives it its own lease (adopt), which both keep
+// alive: neither server's home lease running out ends it.
+func TestHomeSessionOnTwoServers(t *testing.T) {
+	bs, cli := homeCluster(t, 2, 10*time.Second)
+	a, b := bs[0], bs[1]
+	sa := subscribe(t, a, "twice")
+	defer sa.Close()
+	rec, _, _ := sessionOf(t, cli, a, "twice")
+	caughtUp(t, b, a)
+	sb := subscribe(t, b, "twice")
+	defer sb.Close()
+	kit.WaitFor(t, "the session on its own lease", func() bool {
+		own, attached, ok := sessionOf(t, cli, a, "twice")
+		return ok && own == sessRec{Lease: rec.Lease} && attached == rec.Lease
+	})
+	kit.WaitFor(t, "A and B to keep its lease alive", func() bool {
+		return !a.keeper.until(rec.Lease).IsZero() && !b.keeper.until(rec.Lease).IsZero()
+	})
+	for _, home := range []int64{a.s.homeID(), b.s.homeID()} {
+		if _, err := cli.Revoke(t.Context(), clientv3.LeaseID(home)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	caughtUp(t, a, b)
+	if again, _, ok := sessionOf(t, cli, a, "twice"); !ok || again.Lease != rec.Lease {
+		t.Fatalf("both home leases gone, the session is %+v (exists %v)", again, ok)
+	}
+	for name, s := range map[string]lock.Stream{"A": sa, "B": sb} {
+		if streamDone(s) {
+			t.Errorf("%s's stream ended with the home leases", name)
+		}
 	}
 }
 
@@ -239,8 +277,8 @@ func TestHomeLeaseLost(t *testing.T) {
 }
 
 // TestHomeEndGuarded: the end of a session on the home lease deletes its
-// record only while it is that record: a session another server gave its
-// own lease since stands.
+// record only while it is that record: a session another server moved onto
+// its own home lease since stands.
 func TestHomeEndGuarded(t *testing.T) {
 	bs, cli := homeCluster(t, 2, 10*time.Second)
 	a, b := bs[0], bs[1]
@@ -257,13 +295,13 @@ func TestHomeEndGuarded(t *testing.T) {
 	caughtUp(t, b, a)
 	sb := subscribe(t, b, "raced")
 	defer sb.Close()
-	// A's watch tells it of the promotion, which forgets the end: put
-	// the entry back, as if the timer had fired first.
+	// A's watch tells it of the move, which forgets the end: put the
+	// entry back, as if the timer had fired first.
 	a.s.mu.Lock()
 	a.s.local["raced"] = ls
 	a.s.mu.Unlock()
 	a.s.endHomed("raced", ls)
-	if rec, _, ok := sessionOf(t, cli, a, "raced"); !ok || rec.Home != 0 || rec.Lease != ls.lease {
-		t.Fatalf("a late end of A's deleted %+v (exists %v)", rec, ok)
+	if rec, _, ok := sessionOf(t, cli, a, "raced"); !ok || rec.Home != b.s.homeID() || rec.Lease != ls.lease {
+		t.Fatalf("a late end of A's deleted %+v (exists %v), want it on B's home lease %x", rec, ok, b.s.homeID())
 	}
 }

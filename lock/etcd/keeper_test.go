@@ -15,22 +15,23 @@ import (
 
 // TestKeeperSessionsOpeningTogether: many nodes open their session streams
 // on one server at once, as a fleet does when it moves from a server that
-// died: each session, made on the other server's home lease, gets a lease
-// of its own here (docs/DESIGN.md, "Home leases"), which this server keeps
-// alive. Every lease must stay kept alive meanwhile, so no
-// stream ends and no session is lost. The server's one keepalive stream
-// must be read while the sessions open: a server that stopped reading its
-// answers (each open kept its first keepalive under the sessions' lock,
-// which every answer waited for) left etcd unable to send them, heard no
-// answer for two thirds of the TTL, and ended every stream as if cut off
-// from etcd (docs/BENCHMARKS.md, "Fleet scale on etcd").
+// died, and take a session-leased lock each: each session, made on the
+// other server's home lease and moved onto this one's, gets a lease of its
+// own here (docs/DESIGN.md, "Home leases"), which this server keeps alive.
+// Every lease must stay kept alive meanwhile, so no stream ends and no
+// session is lost. The server's one keepalive stream must be read while
+// the sessions open: a server that stopped reading its answers (each open
+// kept its first keepalive under the sessions' lock, which every answer
+// waited for) left etcd unable to send them, heard no answer for two
+// thirds of the TTL, and ended every stream as if cut off from etcd
+// (docs/BENCHMARKS.md, "Fleet scale on etcd").
 func TestKeeperSessionsOpeningTogether(t *testing.T) {
 	const n, workers = 3000, 64
 	// The sessions' first server, whose home lease outlives the test
 	// (a grace of a minute), makes them and sees their streams close:
 	// they wait in their grace, on its home lease, for the nodes to come
-	// to b, which gives each its own lease, with b's grace, and alone
-	// keeps them alive.
+	// to b, which moves each onto its home lease and, at its lock, gives
+	// it its own lease, with b's grace, and alone keeps them alive.
 	home, p := open(t, func(c *etcd.Config) {
 		c.SessionGrace = time.Minute
 		c.MaxSessions = 2 * n
@@ -49,6 +50,19 @@ func TestKeeperSessionsOpeningTogether(t *testing.T) {
 			}
 		}
 		return s, err
+	}
+	hold := func(b *etcd.Backend, i int) (err error) {
+		for try := 0; try < 10; try++ {
+			var r lock.LockResult
+			r, err = b.TryLock(context.Background(), lock.LockRequest{Type: lock.Pull, Resource: fmt.Sprintf("layer-%d", i), Node: fmt.Sprintf("node-%d", i), Lease: lock.LeaseSession})
+			if err == nil && !r.Acquired {
+				err = fmt.Errorf("not acquired: %+v", r)
+			}
+			if !errors.Is(err, lock.ErrUnavailable) {
+				break
+			}
+		}
+		return err
 	}
 	eachNode(t, n, workers, func(i int) error {
 		s, err := subscribe(home, i)
@@ -72,6 +86,9 @@ func TestKeeperSessionsOpeningTogether(t *testing.T) {
 			return fmt.Errorf("stream %d: %w", i, err)
 		}
 		streams[i] = s
+		if err := hold(b, i); err != nil {
+			return fmt.Errorf("lock %d: %w", i, err)
+		}
 		return nil
 	})
 	// Every lease kept alive twice more after the last open (a period

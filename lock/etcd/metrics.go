@@ -35,6 +35,8 @@ var (
 		"Transactions of this server that deleted the queue indexes a success with many waiters left behind (docs/DESIGN.md, \"Queue indexes a success leaves\").", nil, nil)
 	descPromotions = prometheus.NewDesc("dlock_etcd_session_promotions_total",
 		"Sessions this server gave a lease of their own (a session-leased hold or wait, or a stream on a second server), which had lived on their server's home lease (docs/DESIGN.md, \"Home leases\").", nil, nil)
+	descRehomes = prometheus.NewDesc("dlock_etcd_session_rehomes_total",
+		"Sessions this server moved onto its own home lease when their node's stream came here from the server whose home lease they lived on (docs/DESIGN.md, \"Home leases\").", nil, nil)
 	descStalled = prometheus.NewDesc("dlock_etcd_stalled_requests_total",
 		"Those requests that etcd had not answered within 100 ms, after which the next ones went without waiting for them (a slow or unreachable etcd member).", nil, nil)
 )
@@ -54,6 +56,7 @@ func (b *Backend) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descThrottled
 	ch <- descIndexSweeps
 	ch <- descPromotions
+	ch <- descRehomes
 }
 
 // Collect implements prometheus.Collector.
@@ -61,6 +64,7 @@ func (b *Backend) Collect(ch chan<- prometheus.Metric) {
 	hits, misses := b.rc.stats()
 	ch <- prometheus.MustNewConstMetric(descConflicts, prometheus.CounterValue, float64(b.conflicts.Load()))
 	ch <- prometheus.MustNewConstMetric(descPromotions, prometheus.CounterValue, float64(b.promotions.Load()))
+	ch <- prometheus.MustNewConstMetric(descRehomes, prometheus.CounterValue, float64(b.rehomes.Load()))
 	ch <- prometheus.MustNewConstMetric(descCacheReads, prometheus.CounterValue, float64(hits), "hit")
 	ch <- prometheus.MustNewConstMetric(descCacheReads, prometheus.CounterValue, float64(misses), "miss")
 	ch <- prometheus.MustNewConstMetric(descCacheStale, prometheus.CounterValue, float64(b.cacheStale.Load()))

@@ -51,6 +51,9 @@ type localSession struct {
 	home    int64 // the home lease it lives on, 0 when it has its own
 	streams int
 	end     *time.Timer // set while it has no stream here (endHomed)
+	// adopting: a promotion of it runs here (adopt), after another
+	// server moved it onto its home lease while it had a stream here.
+	adopting bool
 }
 
 func (ls *localSession) stopEnd() {
@@ -288,22 +291,23 @@ func (s *sessions) acquire(ctx context.Context, node string) (lease, rev int64, 
 		case seen.Home == 0:
 			return seen.Lease, rev, asked, s.count(node, seen.Lease, 0, time.Time{}, time.Time{})
 		case seen.Home == s.homeID():
-			return seen.Lease, rev, asked, s.countHomed(node, seen)
+			return seen.Lease, rev, asked, s.countHomed(node, seen, modRev)
 		}
 		// The session lives on another server's home lease, which ends
-		// with that server: from now on it needs its own, which every
-		// server with one of its streams keeps alive.
+		// with that server: the node moved here (its server died, or
+		// its stream broke), and the session moves onto this server's
+		// home lease. Were the node's stream on that server still, that
+		// server gives the session its own lease when its watch sees the
+		// move (rehomed).
 		var ok bool
 		var r int64
-		var until time.Time
-		sent := time.Now()
-		seen, modRev, r, until, ok, err = s.promote(ctx, node, seen, modRev)
+		seen, modRev, r, ok, err = s.rehome(ctx, node, seen, modRev)
 		if err != nil {
 			return 0, 0, false, err
 		}
 		rev, asked = max(rev, r), true
 		if ok {
-			return seen.Lease, rev, asked, s.count(node, seen.Lease, 0, sent, until)
+			return seen.Lease, rev, asked, s.countHomed(node, seen, modRev)
 		}
 	}
 	return 0, 0, false, fmt.Errorf("%w: the session of %s changed %d times while its stream opened", lock.ErrUnavailable, node, maxJoins)
@@ -370,7 +374,7 @@ func (s *sessions) make(ctx context.Context, node string) (rec sessRec, modRev, 
 			return sr, kvs[0].ModRevision, rev, false, nil
 		}
 		b.committed(rev)
-		if err := s.countHomed(node, rec); err != nil {
+		if err := s.countHomed(node, rec, rev); err != nil {
 			return sessRec{}, 0, 0, false, err
 		}
 		return rec, rev, rev, true, nil
@@ -527,6 +531,56 @@ func (s *sessions) promote(ctx context.Context, node string, seen sessRec, modRe
 	return cur, kvs[0].ModRevision, rev, until, cur == own, nil
 }
 
+// rehome moves node's session (seen, its record at modRev on another
+// server's home lease) onto this server's home lease, if the record is
+// still the one seen: one transaction, shared with the sessions made and
+// moved at the moment, and no grant: a fleet moving from a server that
+// died moves as fast as it opens (docs/DESIGN.md, "Home leases"). ok says
+// that the session lives here now; otherwise cur is the record that
+// stands instead (none when the session ended).
+func (s *sessions) rehome(ctx context.Context, node string, seen sessRec, modRev int64) (cur sessRec, curRev, rev int64, ok bool, err error) {
+	b := s.b
+	done, err := s.admit(ctx)
+	if err != nil {
+		return sessRec{}, 0, 0, false, err
+	}
+	defer done()
+	key := b.n.session(node)
+	for try := 0; ; try++ {
+		home, err := s.homeLease(ctx)
+		if err != nil {
+			return sessRec{}, 0, 0, false, err
+		}
+		moved := sessRec{Lease: seen.Lease, Home: home}
+		rev, tr, err := b.g.txn(ctx, []clientv3.Cmp{clientv3.Compare(clientv3.ModRevision(key), "=", modRev)},
+			[]clientv3.Op{clientv3.OpPut(key, encode(moved), clientv3.WithLease(clientv3.LeaseID(home)))},
+			[]clientv3.Op{clientv3.OpGet(key)}, true)
+		if errors.Is(err, rpctypes.ErrLeaseNotFound) {
+			s.homeLost(home) // as in make: nothing was written
+			if try == 0 {
+				continue
+			}
+			return sessRec{}, 0, 0, false, fmt.Errorf("%w: moving a session: this server's home lease ran out before etcd wrote its record", lock.ErrUnavailable)
+		}
+		if err != nil {
+			return sessRec{}, 0, 0, false, fmt.Errorf("moving a session: %w", err)
+		}
+		if tr.Succeeded {
+			b.committed(rev)
+			b.rehomes.Add(1)
+			return moved, rev, rev, true, nil
+		}
+		kvs := tr.Responses[0].GetResponseRange().GetKvs()
+		if len(kvs) == 0 {
+			return sessRec{}, 0, rev, false, nil // it ended: make a new one
+		}
+		if err := jsonUnmarshal(kvs[0].Value, &cur); err != nil {
+			return sessRec{}, 0, 0, false, err
+		}
+		return cur, kvs[0].ModRevision, rev, false, nil
+	}
+}
+
 // grantID grants the session lease id, reserved by a session that lives on
 // a home lease, and returns until when it stands at least. One etcd has
 // already is another server's grant of it, for the same session, made any
@@ -602,18 +656,27 @@ func (s *sessions) count(node string, lease, home int64, sent, until time.Time) 
 }
 
 // countHomed counts a stream of node's session rec, which lives on this
-// server's home lease as far as the caller saw. Another server may have
-// given it its own lease since, and this server's watch may have applied
-// that and told these sessions (promoted) before this count, which then
-// needs no keepalive it would never get: the watch's view after the count
-// says. The watch updates its view before it tells, so a promotion is
-// either seen here or told after the count.
-func (s *sessions) countHomed(node string, rec sessRec) error {
+// server's home lease as far as the caller saw (its record at modRev).
+// Another server may have given it its own lease since, or moved it onto
+// its own home lease, and this server's watch may have applied that and
+// told these sessions (promoted, rehomed) before this count, which would
+// then keep nothing alive or wait for a home lease the session no longer
+// lives on: the watch's view after the count says. The watch updates its
+// view before it tells, so a change is either seen here or told after the
+// count.
+func (s *sessions) countHomed(node string, rec sessRec, modRev int64) error {
 	if err := s.count(node, rec.Lease, rec.Home, time.Time{}, time.Time{}); err != nil {
 		return err
 	}
-	if now, _, _ := s.b.w.session(node); now == (sessRec{Lease: rec.Lease}) {
+	now, nowRev, _ := s.b.w.session(node)
+	if now.Lease != rec.Lease || nowRev <= modRev {
+		return nil
+	}
+	switch {
+	case now.Home == 0:
 		s.promoted(node, rec.Lease)
+	case now.Home != rec.Home:
+		s.rehomed(node, now, nowRev)
 	}
 	return nil
 }
@@ -731,6 +794,88 @@ func (s *sessions) promoted(node string, lease int64) {
 	}
 	ls.home = 0
 	s.b.keeper.add(lease, time.Time{}, time.Time{})
+}
+
+// rehomed notes that node's session, which lives on this server's home
+// lease as far as these sessions know, was moved onto another server's
+// (rec, at modRev): its node opened a stream there. Without a stream here
+// the session is that server's now, and is forgotten here; with one, it
+// needs a lease of its own, which both servers keep alive, or it would end
+// with the other server although this one holds its stream (adopt).
+func (s *sessions) rehomed(node string, rec sessRec, modRev int64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	ls := s.local[node]
+	if ls == nil || ls.lease != rec.Lease || ls.home == 0 || ls.home == rec.Home {
+		return
+	}
+	if ls.streams == 0 {
+		ls.stopEnd()
+		delete(s.local, node)
+		return
+	}
+	if ls.adopting || s.b.ctx.Err() != nil {
+		return
+	}
+	ls.adopting = true
+	s.b.wg.Add(1)
+	go s.adopt(node, ls, rec, modRev)
+}
+
+// adopt gives node's session ls its own lease (promote), as rehomed found
+// it needed, and keeps that lease alive from here. It tries again, from
+// the record that stands, while ls has a stream here and the session lives
+// on another server's home lease: a failed promotion would leave the
+// session to end with that server.
+func (s *sessions) adopt(node string, ls *localSession, rec sessRec, modRev int64) {
+	b := s.b
+	defer b.wg.Done()
+	defer func() {
+		s.mu.Lock()
+		ls.adopting = false
+		s.mu.Unlock()
+	}()
+	for {
+		// Not needed when another server promoted it (the watch tells
+		// promoted), or it came back onto this server's home lease, or
+		// it ended, or its last stream here closed.
+		s.mu.Lock()
+		needed := s.local[node] == ls && ls.streams > 0 && ls.home != 0 &&
+			rec.Lease == ls.lease && rec.Home != 0 && rec.Home != ls.home
+		s.mu.Unlock()
+		if !needed || b.ctx.Err() != nil {
+			return
+		}
+		ctx, cancel := context.WithTimeout(b.ctx, callTimeout)
+		sent := time.Now()
+		cur, curRev, _, until, ok, err := s.promote(ctx, node, rec, modRev)
+		cancel()
+		switch {
+		case ok:
+			s.mu.Lock()
+			if s.local[node] == ls && ls.home != 0 {
+				if ls.streams == 0 {
+					ls.stopEnd()
+					delete(s.local, node)
+				} else {
+					ls.home = 0
+					b.keeper.add(ls.lease, sent, until)
+				}
+			}
+			s.mu.Unlock()
+			return
+		case err != nil:
+			// etcd is away: tried again while the session needs it.
+			select {
+			case <-b.ctx.Done():
+				return
+			case <-time.After(time.Second):
+			}
+			rec, modRev, _ = b.w.session(node)
+		default:
+			rec, modRev = cur, curRev // changed since: decided again
+		}
+	}
 }
 
 // ended forgets node's session with lease, which the watch saw end.

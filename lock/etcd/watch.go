@@ -299,11 +299,15 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 	w.keys, w.nKeys, w.nHeld, w.nQd, w.deadlines = keys, nKeys, nHeld, nQd, dl
 	w.nDone, w.dones = nDone, dones
 	var promoted []endedSession
+	var rehomed []movedSession
 	for node, s := range sessions {
 		if old := w.sessions[node]; old != nil && old.lease == s.lease {
 			// A relist keeps the logs of sessions that go on.
-			if old.home != 0 && s.home == 0 {
+			switch {
+			case old.home != 0 && s.home == 0:
 				promoted = append(promoted, endedSession{node, s.lease})
+			case old.home != 0 && s.home != old.home:
+				rehomed = append(rehomed, movedSession{node, sessRec{Lease: s.lease, Home: s.home}, s.modRev})
 			}
 			old.home, old.modRev = s.home, s.modRev
 			continue
@@ -320,6 +324,9 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 	w.mu.Unlock()
 	for _, p := range promoted {
 		b.s.promoted(p.node, p.lease)
+	}
+	for _, m := range rehomed {
+		b.s.rehomed(m.node, m.rec, m.modRev)
 	}
 	w.poke()
 	return rev, nil
@@ -627,6 +634,7 @@ func (w *watcher) apply(evs []*clientv3.Event, rev int64) {
 		skipped  map[lock.Key][]string
 		ended    []endedSession
 		promoted []endedSession // sessions whose own lease was granted
+		rehomed  []movedSession // sessions moved onto another home lease
 	)
 	w.mu.Lock()
 	for i, ev := range evs {
@@ -661,9 +669,13 @@ func (w *watcher) apply(evs []*clientv3.Event, rev int64) {
 				continue
 			}
 			if s := w.sessions[node]; s != nil && s.lease == sr.Lease {
-				// The same session, put again: its own lease granted.
-				if s.home != 0 && sr.Home == 0 {
+				// The same session, put again: its own lease granted,
+				// or moved onto another server's home lease.
+				switch {
+				case s.home != 0 && sr.Home == 0:
 					promoted = append(promoted, endedSession{node, sr.Lease})
+				case s.home != 0 && sr.Home != s.home:
+					rehomed = append(rehomed, movedSession{node, sr, ev.Kv.ModRevision})
 				}
 				s.home, s.modRev = sr.Home, ev.Kv.ModRevision
 				continue
@@ -699,6 +711,9 @@ func (w *watcher) apply(evs []*clientv3.Event, rev int64) {
 	w.mu.Unlock()
 	for _, p := range promoted {
 		b.s.promoted(p.node, p.lease)
+	}
+	for _, m := range rehomed {
+		b.s.rehomed(m.node, m.rec, m.modRev)
 	}
 	for _, e := range ended {
 		b.s.ended(e.node, e.lease)
@@ -749,6 +764,14 @@ func (w *watcher) applyLog(evs []*clientv3.Event, rev int64) {
 type endedSession struct {
 	node  string
 	lease int64
+}
+
+// movedSession is a session whose record the watch saw put on another home
+// lease, at modRev.
+type movedSession struct {
+	node   string
+	rec    sessRec
+	modRev int64
 }
 
 // track updates the counts and deadlines for a key's new record; w.mu held.
