@@ -738,7 +738,11 @@ func (s *sessions) releaseNode(node string, lease int64) {
 // endHomed deletes the record of node's session ls, which lives on this
 // server's home lease and has had no stream here for a grace, if it is
 // still that record: a session another server took a stream of since has
-// its own lease and a new record, and stands.
+// its own lease, or lives on that server's home lease, and stands. The
+// delete is guarded by the record's mod revision, not its value: a session
+// that moved to another server and back is the same value again, put by
+// this server for a stream of the node here, and a late delete of the
+// first must not end it.
 func (s *sessions) endHomed(node string, ls *localSession) {
 	b := s.b
 	s.mu.Lock()
@@ -751,11 +755,10 @@ func (s *sessions) endHomed(node string, ls *localSession) {
 	s.mu.Unlock()
 	defer b.wg.Done()
 	key := b.n.session(node)
-	was := encode(sessRec{Lease: ls.lease, Home: ls.home})
+	was := sessRec{Lease: ls.lease, Home: ls.home}
 	for {
 		ctx, cancel := context.WithTimeout(b.ctx, callTimeout)
-		_, _, err := b.g.txn(ctx, []clientv3.Cmp{clientv3.Compare(clientv3.Value(key), "=", was)},
-			[]clientv3.Op{clientv3.OpDelete(key)}, nil, false)
+		err := s.deleteHomed(ctx, key, node, was)
 		cancel()
 		if err == nil {
 			return
@@ -775,6 +778,35 @@ func (s *sessions) endHomed(node string, ls *localSession) {
 			return
 		}
 	}
+}
+
+// deleteHomed deletes node's session record at key if it is was, at the
+// mod revision the watch saw it at, or, when the watch has no record of
+// the node (one that lags), at the revision etcd answers for it.
+func (s *sessions) deleteHomed(ctx context.Context, key, node string, was sessRec) error {
+	b := s.b
+	rec, modRev, _ := b.w.session(node)
+	switch {
+	case rec == was:
+	case rec.Lease != 0:
+		return nil // promoted, moved, or a new session: not this one to end
+	default:
+		resp, err := b.cli.Get(ctx, key)
+		if err != nil {
+			return err
+		}
+		if len(resp.Kvs) == 0 {
+			return nil
+		}
+		var cur sessRec
+		if err := jsonUnmarshal(resp.Kvs[0].Value, &cur); err != nil || cur != was {
+			return nil
+		}
+		modRev = resp.Kvs[0].ModRevision
+	}
+	_, _, err := b.g.txn(ctx, []clientv3.Cmp{clientv3.Compare(clientv3.ModRevision(key), "=", modRev)},
+		[]clientv3.Op{clientv3.OpDelete(key)}, nil, false)
+	return err
 }
 
 // promoted notes that node's session with lease has its own lease now:
@@ -830,11 +862,7 @@ func (s *sessions) rehomed(node string, rec sessRec, modRev int64) {
 func (s *sessions) adopt(node string, ls *localSession, rec sessRec, modRev int64) {
 	b := s.b
 	defer b.wg.Done()
-	defer func() {
-		s.mu.Lock()
-		ls.adopting = false
-		s.mu.Unlock()
-	}()
+	defer func() { s.adopted(node, ls, modRev) }()
 	for {
 		// Not needed when another server promoted it (the watch tells
 		// promoted), or it came back onto this server's home lease, or
@@ -875,6 +903,18 @@ func (s *sessions) adopt(node string, ls *localSession, rec sessRec, modRev int6
 		default:
 			rec, modRev = cur, curRev // changed since: decided again
 		}
+	}
+}
+
+// adopted ends an adopt of node's session ls whose last look at its record
+// was at modRev. A move told while it ran (rehomed let it be) is in the
+// watch's view, which is updated before it tells: decided again.
+func (s *sessions) adopted(node string, ls *localSession, modRev int64) {
+	s.mu.Lock()
+	ls.adopting = false
+	s.mu.Unlock()
+	if now, nowRev, _ := s.b.w.session(node); now.Lease == ls.lease && nowRev > modRev && now.Home != 0 {
+		s.rehomed(node, now, nowRev)
 	}
 }
 
