@@ -81,11 +81,17 @@ func (b *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 	// would hold up the key's stripe and every call combined with this
 	// one, one grant after another. A grant the transaction then finds no
 	// use for runs out in a grace; a session this server does not keep
-	// (the node's stream is on another) is granted inside.
+	// (the node's stream is on another) is granted inside. The grant waits
+	// for admit, as the sessions made and promoted do: a fleet taking its
+	// first session-leased locks together is thousands of new leases,
+	// whose keepalives come first.
 	if req.Lease != lock.LeaseTTL {
 		if l := b.s.homed(req.Node); l != 0 {
-			if until, err := b.grantID(ctx, l); err == nil {
-				ownLease, ownUntil = l, until
+			if done, err := b.s.admit(ctx); err == nil {
+				if until, err := b.grantID(ctx, l); err == nil {
+					ownLease, ownUntil = l, until
+				}
+				done()
 			}
 		}
 	}
