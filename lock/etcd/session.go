@@ -12,6 +12,7 @@ import (
 	"time"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
@@ -337,48 +338,71 @@ func (s *sessions) make(ctx context.Context, node string) (rec sessRec, modRev, 
 		return sessRec{}, 0, 0, false, err
 	}
 	key := b.n.session(node)
+	rec, modRev, rev, made, err = s.putHomed(ctx, key, clientv3.Compare(clientv3.CreateRevision(key), "=", 0), newSessionID(), "making a session")
+	switch {
+	case err != nil:
+		return sessRec{}, 0, 0, false, err
+	case !made && rec.Lease == 0:
+		return sessRec{}, 0, 0, false, fmt.Errorf("etcd backend: the session of %s vanished while read", node)
+	case !made:
+		return rec, modRev, rev, false, nil
+	}
+	if err := s.countHomed(node, rec, rev); err != nil {
+		return sessRec{}, 0, 0, false, err
+	}
+	return rec, rev, rev, true, nil
+}
+
+// putHomed puts node's session record (key), with id, on this server's
+// home lease if guard holds, for make and rehome. ok says it was put:
+// rec is then the record and modRev the request's revision rev; otherwise
+// rec is the record that stands, at modRev (none when there is none). The
+// sessions made and moved together share a request (group.go), and their
+// home lease: were it gone, etcd refuses them all, nothing is written, and
+// each is sent again alone on a new one.
+func (s *sessions) putHomed(ctx context.Context, key string, guard clientv3.Cmp, id int64, what string) (rec sessRec, modRev, rev int64, ok bool, err error) {
+	b := s.b
 	for try := 0; ; try++ {
 		home, err := s.homeLease(ctx)
 		if err != nil {
 			return sessRec{}, 0, 0, false, err
 		}
-		rec = sessRec{Lease: newSessionID(), Home: home}
-		// The sessions made together share a request (group.go), and
-		// their home lease: were it gone, etcd refuses them all, and
-		// each is sent again alone.
-		rev, tr, err := b.g.txn(ctx, []clientv3.Cmp{clientv3.Compare(clientv3.CreateRevision(key), "=", 0)},
+		rec = sessRec{Lease: id, Home: home}
+		rev, tr, err := b.g.txn(ctx, []clientv3.Cmp{guard},
 			[]clientv3.Op{clientv3.OpPut(key, encode(rec), clientv3.WithLease(clientv3.LeaseID(home)))},
 			[]clientv3.Op{clientv3.OpGet(key)}, true)
 		if errors.Is(err, rpctypes.ErrLeaseNotFound) {
 			// The home lease ran out (etcd did not hear from this
-			// server for a grace, or is a TTL behind): nothing was
-			// written; the next session gets a new one.
+			// server for a grace, or is a TTL behind).
 			s.homeLost(home)
 			if try == 0 {
 				continue
 			}
-			return sessRec{}, 0, 0, false, fmt.Errorf("%w: making a session: its home lease ran out before etcd wrote its record", lock.ErrUnavailable)
+			return sessRec{}, 0, 0, false, fmt.Errorf("%w: %s: this server's home lease ran out before etcd wrote its record", lock.ErrUnavailable, what)
 		}
 		if err != nil {
-			return sessRec{}, 0, 0, false, fmt.Errorf("making a session: %w", err)
+			return sessRec{}, 0, 0, false, fmt.Errorf("%s: %w", what, err)
 		}
-		if !tr.Succeeded {
-			kvs := tr.Responses[0].GetResponseRange().GetKvs()
-			if len(kvs) == 0 {
-				return sessRec{}, 0, 0, false, fmt.Errorf("etcd backend: the session of %s vanished while read", node)
-			}
-			var sr sessRec
-			if err := jsonUnmarshal(kvs[0].Value, &sr); err != nil {
-				return sessRec{}, 0, 0, false, err
-			}
-			return sr, kvs[0].ModRevision, rev, false, nil
+		if tr.Succeeded {
+			b.committed(rev)
+			return rec, rev, rev, true, nil
 		}
-		b.committed(rev)
-		if err := s.countHomed(node, rec, rev); err != nil {
-			return sessRec{}, 0, 0, false, err
-		}
-		return rec, rev, rev, true, nil
+		rec, modRev, err = standing(tr.Responses[0].GetResponseRange().GetKvs())
+		return rec, modRev, rev, false, err
 	}
+}
+
+// standing decodes the session record etcd answered (kvs, one key at
+// most) and its mod revision: zero when there is none.
+func standing(kvs []*mvccpb.KeyValue) (sessRec, int64, error) {
+	var rec sessRec
+	if len(kvs) == 0 {
+		return rec, 0, nil
+	}
+	if err := jsonUnmarshal(kvs[0].Value, &rec); err != nil {
+		return sessRec{}, 0, err
+	}
+	return rec, kvs[0].ModRevision, nil
 }
 
 // admit waits for a place among the sessions being made or given their own
@@ -521,14 +545,12 @@ func (s *sessions) promote(ctx context.Context, node string, seen sessRec, modRe
 		b.promotions.Add(1)
 		return own, rev, rev, until, true, nil
 	}
-	kvs := tr.Responses[0].GetResponseRange().GetKvs()
-	if len(kvs) == 0 {
-		return sessRec{}, 0, rev, time.Time{}, false, nil // it ended: make a new one
-	}
-	if err := jsonUnmarshal(kvs[0].Value, &cur); err != nil {
+	// None stands when it ended: the caller makes a new one.
+	cur, curRev, err = standing(tr.Responses[0].GetResponseRange().GetKvs())
+	if err != nil {
 		return sessRec{}, 0, 0, time.Time{}, false, err
 	}
-	return cur, kvs[0].ModRevision, rev, until, cur == own, nil
+	return cur, curRev, rev, until, cur == own, nil
 }
 
 // rehome moves node's session (seen, its record at modRev on another
@@ -539,46 +561,17 @@ func (s *sessions) promote(ctx context.Context, node string, seen sessRec, modRe
 // that the session lives here now; otherwise cur is the record that
 // stands instead (none when the session ended).
 func (s *sessions) rehome(ctx context.Context, node string, seen sessRec, modRev int64) (cur sessRec, curRev, rev int64, ok bool, err error) {
-	b := s.b
 	done, err := s.admit(ctx)
 	if err != nil {
 		return sessRec{}, 0, 0, false, err
 	}
 	defer done()
-	key := b.n.session(node)
-	for try := 0; ; try++ {
-		home, err := s.homeLease(ctx)
-		if err != nil {
-			return sessRec{}, 0, 0, false, err
-		}
-		moved := sessRec{Lease: seen.Lease, Home: home}
-		rev, tr, err := b.g.txn(ctx, []clientv3.Cmp{clientv3.Compare(clientv3.ModRevision(key), "=", modRev)},
-			[]clientv3.Op{clientv3.OpPut(key, encode(moved), clientv3.WithLease(clientv3.LeaseID(home)))},
-			[]clientv3.Op{clientv3.OpGet(key)}, true)
-		if errors.Is(err, rpctypes.ErrLeaseNotFound) {
-			s.homeLost(home) // as in make: nothing was written
-			if try == 0 {
-				continue
-			}
-			return sessRec{}, 0, 0, false, fmt.Errorf("%w: moving a session: this server's home lease ran out before etcd wrote its record", lock.ErrUnavailable)
-		}
-		if err != nil {
-			return sessRec{}, 0, 0, false, fmt.Errorf("moving a session: %w", err)
-		}
-		if tr.Succeeded {
-			b.committed(rev)
-			b.rehomes.Add(1)
-			return moved, rev, rev, true, nil
-		}
-		kvs := tr.Responses[0].GetResponseRange().GetKvs()
-		if len(kvs) == 0 {
-			return sessRec{}, 0, rev, false, nil // it ended: make a new one
-		}
-		if err := jsonUnmarshal(kvs[0].Value, &cur); err != nil {
-			return sessRec{}, 0, 0, false, err
-		}
-		return cur, kvs[0].ModRevision, rev, false, nil
+	key := s.b.n.session(node)
+	cur, curRev, rev, ok, err = s.putHomed(ctx, key, clientv3.Compare(clientv3.ModRevision(key), "=", modRev), seen.Lease, "moving a session")
+	if ok {
+		s.b.rehomes.Add(1)
 	}
+	return cur, curRev, rev, ok, err
 }
 
 // grantID grants the session lease id, reserved by a session that lives on
@@ -668,15 +661,8 @@ func (s *sessions) countHomed(node string, rec sessRec, modRev int64) error {
 	if err := s.count(node, rec.Lease, rec.Home, time.Time{}, time.Time{}); err != nil {
 		return err
 	}
-	now, nowRev, _ := s.b.w.session(node)
-	if now.Lease != rec.Lease || nowRev <= modRev {
-		return nil
-	}
-	switch {
-	case now.Home == 0:
-		s.promoted(node, rec.Lease)
-	case now.Home != rec.Home:
-		s.rehomed(node, now, nowRev)
+	if now, nowRev, _ := s.b.w.session(node); now.Lease == rec.Lease && nowRev > modRev && now.Home != rec.Home {
+		s.moved(node, now, nowRev)
 	}
 	return nil
 }
@@ -795,14 +781,11 @@ func (s *sessions) deleteHomed(ctx context.Context, key, node string, was sessRe
 		if err != nil {
 			return err
 		}
-		if len(resp.Kvs) == 0 {
+		cur, curRev, err := standing(resp.Kvs)
+		if err != nil || cur != was {
 			return nil
 		}
-		var cur sessRec
-		if err := jsonUnmarshal(resp.Kvs[0].Value, &cur); err != nil || cur != was {
-			return nil
-		}
-		modRev = resp.Kvs[0].ModRevision
+		modRev = curRev
 	}
 	_, _, err := b.g.txn(ctx, []clientv3.Cmp{clientv3.Compare(clientv3.ModRevision(key), "=", modRev)},
 		[]clientv3.Op{clientv3.OpDelete(key)}, nil, false)
@@ -913,9 +896,21 @@ func (s *sessions) adopted(node string, ls *localSession, modRev int64) {
 	s.mu.Lock()
 	ls.adopting = false
 	s.mu.Unlock()
-	if now, nowRev, _ := s.b.w.session(node); now.Lease == ls.lease && nowRev > modRev && now.Home != 0 {
-		s.rehomed(node, now, nowRev)
+	if now, nowRev, _ := s.b.w.session(node); now.Lease == ls.lease && nowRev > modRev {
+		s.moved(node, now, nowRev)
 	}
+}
+
+// moved tells these sessions that node's session record is rec at modRev
+// now, on another lease than they knew (the watch, or a look at its view
+// after a count or a promotion): its own (promoted), or another server's
+// home lease (rehomed).
+func (s *sessions) moved(node string, rec sessRec, modRev int64) {
+	if rec.Home == 0 {
+		s.promoted(node, rec.Lease)
+		return
+	}
+	s.rehomed(node, rec, modRev)
 }
 
 // ended forgets node's session with lease, which the watch saw end.

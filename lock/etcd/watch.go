@@ -298,16 +298,12 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 	keys.c = b.rc
 	w.keys, w.nKeys, w.nHeld, w.nQd, w.deadlines = keys, nKeys, nHeld, nQd, dl
 	w.nDone, w.dones = nDone, dones
-	var promoted []endedSession
-	var rehomed []movedSession
+	var moved []movedSession
 	for node, s := range sessions {
 		if old := w.sessions[node]; old != nil && old.lease == s.lease {
 			// A relist keeps the logs of sessions that go on.
-			switch {
-			case old.home != 0 && s.home == 0:
-				promoted = append(promoted, endedSession{node, s.lease})
-			case old.home != 0 && s.home != old.home:
-				rehomed = append(rehomed, movedSession{node, sessRec{Lease: s.lease, Home: s.home}, s.modRev})
+			if s.home != old.home {
+				moved = append(moved, movedSession{node, sessRec{Lease: s.lease, Home: s.home}, s.modRev})
 			}
 			old.home, old.modRev = s.home, s.modRev
 			continue
@@ -322,11 +318,8 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 	w.floor = max(w.floor, rev)
 	w.setProcessed(rev)
 	w.mu.Unlock()
-	for _, p := range promoted {
-		b.s.promoted(p.node, p.lease)
-	}
-	for _, m := range rehomed {
-		b.s.rehomed(m.node, m.rec, m.modRev)
+	for _, m := range moved {
+		b.s.moved(m.node, m.rec, m.modRev)
 	}
 	w.poke()
 	return rev, nil
@@ -631,10 +624,9 @@ func (w *watcher) apply(evs []*clientv3.Event, rev int64) {
 	b.qs.apply(evs, keys, changes, rev)
 	b.rc.apply(evs, keys, vals, rev)
 	var (
-		skipped  map[lock.Key][]string
-		ended    []endedSession
-		promoted []endedSession // sessions whose own lease was granted
-		rehomed  []movedSession // sessions moved onto another home lease
+		skipped map[lock.Key][]string
+		ended   []endedSession
+		moved   []movedSession // sessions given their own lease, or another home lease
 	)
 	w.mu.Lock()
 	for i, ev := range evs {
@@ -671,11 +663,8 @@ func (w *watcher) apply(evs []*clientv3.Event, rev int64) {
 			if s := w.sessions[node]; s != nil && s.lease == sr.Lease {
 				// The same session, put again: its own lease granted,
 				// or moved onto another server's home lease.
-				switch {
-				case s.home != 0 && sr.Home == 0:
-					promoted = append(promoted, endedSession{node, sr.Lease})
-				case s.home != 0 && sr.Home != s.home:
-					rehomed = append(rehomed, movedSession{node, sr, ev.Kv.ModRevision})
+				if sr.Home != s.home {
+					moved = append(moved, movedSession{node, sr, ev.Kv.ModRevision})
 				}
 				s.home, s.modRev = sr.Home, ev.Kv.ModRevision
 				continue
@@ -709,11 +698,8 @@ func (w *watcher) apply(evs []*clientv3.Event, rev int64) {
 	b.vw.revision(evs, rev)
 	w.setProcessed(rev)
 	w.mu.Unlock()
-	for _, p := range promoted {
-		b.s.promoted(p.node, p.lease)
-	}
-	for _, m := range rehomed {
-		b.s.rehomed(m.node, m.rec, m.modRev)
+	for _, m := range moved {
+		b.s.moved(m.node, m.rec, m.modRev)
 	}
 	for _, e := range ended {
 		b.s.ended(e.node, e.lease)
@@ -766,8 +752,8 @@ type endedSession struct {
 	lease int64
 }
 
-// movedSession is a session whose record the watch saw put on another home
-// lease, at modRev.
+// movedSession is a session whose record the watch saw put again at modRev
+// on another lease: its own, or another server's home lease.
 type movedSession struct {
 	node   string
 	rec    sessRec
