@@ -36,6 +36,7 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzBasicMatchesNetHTTP$$' $(call fuzzfor,80000x) ./internal/auth
 	$(GO) test -run '^$$' -fuzz '^FuzzRecordMatchesJSON$$' $(call fuzzfor,5000x) ./lock/etcd
 	$(GO) test -run '^$$' -fuzz '^FuzzHoldingForms$$' $(call fuzzfor,5000x) ./lock/etcd
+	$(GO) test -run '^$$' -fuzz '^FuzzSessionMatchesJSON$$' $(call fuzzfor,20000x) ./lock/etcd
 
 # deps installs, as root, what some tests run for real: Debian's containerd,
 # runc and docker-registry (three containerd daemons sharing one store; the

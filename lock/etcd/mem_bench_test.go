@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -228,7 +229,7 @@ func liveHeap() uint64 {
 	return m.HeapAlloc
 }
 
-// TestMemoryBenchmarksRun runs the benchmarks above small, as
+// TestMemoryBenchmarksRun runs the benchmarks of this file small, as
 // docs/BENCHMARKS.md shows them run: each must measure and report.
 func TestMemoryBenchmarksRun(t *testing.T) {
 	etcdtest.EtcdBinary(t)
@@ -245,10 +246,65 @@ func TestMemoryBenchmarksRun(t *testing.T) {
 	for _, c := range []struct {
 		name, unit string
 		fn         func(*testing.B)
-	}{{"BenchmarkMemoryHeld", "B/lock", BenchmarkMemoryHeld}, {"BenchmarkMemorySessions", "B/session", BenchmarkMemorySessions}} {
+	}{
+		{"BenchmarkMemoryHeld", "B/lock", BenchmarkMemoryHeld},
+		{"BenchmarkMemorySessions", "B/session", BenchmarkMemorySessions},
+		{"BenchmarkSessionsOpen", "cpu-µs/session", BenchmarkSessionsOpen},
+	} {
 		r := testing.Benchmark(c.fn)
 		if _, ok := r.Extra[c.unit]; r.N != 1 || !ok {
 			t.Errorf("%s: %d runs, metrics %v; want one run reporting %s", c.name, r.N, r.Extra, c.unit)
 		}
 	}
+}
+
+// BenchmarkSessionsOpen opens b.N sessions on one server, 64 at once, as
+// a fleet's streams reach it, on an etcd of its own process, and reports
+// the server's CPU per session (getrusage: every goroutine of this
+// process, the benchmark's own included; etcd's not), which a fleet's
+// opening spends on every server (docs/BENCHMARKS.md, "Fleet scale on
+// etcd"). Run it with -benchtime 10000x -count 6.
+func BenchmarkSessionsOpen(b *testing.B) {
+	c := etcdtest.StartCluster(b, 1)
+	cfg := etcd.DefaultConfig()
+	cfg.Prefix = "/open/"
+	be, err := etcd.New(b.Context(), c.Client(b), cfg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { be.Close() })
+	all := make([]lock.Stream, b.N)
+	b.Cleanup(func() {
+		for _, st := range all {
+			if st != nil {
+				st.Close()
+			}
+		}
+	})
+	before := cpuTime(b)
+	b.ReportAllocs()
+	b.ResetTimer()
+	var g errgroup.Group
+	g.SetLimit(64)
+	for i := range b.N {
+		g.Go(func() error {
+			st, _, err := be.Subscribe(context.Background(), lock.SubscribeRequest{Node: memNode(i)})
+			all[i] = st
+			return err
+		})
+	}
+	if err := g.Wait(); err != nil {
+		b.Fatal(err)
+	}
+	b.StopTimer()
+	b.ReportMetric(float64((cpuTime(b)-before).Microseconds())/float64(b.N), "cpu-µs/session")
+}
+
+// cpuTime is the CPU time this process has used, user and system.
+func cpuTime(b *testing.B) time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		b.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }

@@ -57,7 +57,7 @@ func (b *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 				}
 				ownLease, ownUntil = have, until
 			}
-			t.leasedOp(clientv3.OpPut(b.n.session(req.Node), encode(sessRec{Lease: have}), clientv3.WithLease(clientv3.LeaseID(have))))
+			t.leasedOp(clientv3.OpPut(b.n.session(req.Node), encodeSess(sessRec{Lease: have}), clientv3.WithLease(clientv3.LeaseID(have))))
 			promoted, home = have, 0
 			return have, nil
 		}
@@ -71,7 +71,7 @@ func (b *Backend) TryLock(ctx context.Context, req lock.LockRequest) (lock.LockR
 			}
 			newLease = int64(l.ID)
 		}
-		t.leasedOp(clientv3.OpPut(b.n.session(req.Node), encode(sessRec{Lease: newLease}), clientv3.WithLease(clientv3.LeaseID(newLease))))
+		t.leasedOp(clientv3.OpPut(b.n.session(req.Node), encodeSess(sessRec{Lease: newLease}), clientv3.WithLease(clientv3.LeaseID(newLease))))
 		usedNew = true
 		return newLease, nil
 	}

@@ -88,3 +88,48 @@ func BenchmarkDecodeKey(b *testing.B) {
 		}
 	})
 }
+
+// FuzzSessionMatchesJSON holds decodeSess, whose fastSess reads the session
+// records encodeSess makes without encoding/json, to encoding/json's answer
+// for any bytes, and encodeSess to encode for any record read.
+func FuzzSessionMatchesJSON(f *testing.F) {
+	for _, r := range []sessRec{{}, {Lease: 1}, {Lease: 7587889123456789012, Home: 1234567}, {Lease: -1, Home: -9223372036854775808}, {Lease: 9223372036854775807}} {
+		f.Add([]byte(encode(r)))
+	}
+	for _, s := range []string{
+		`{`, `null`, `[]`, `{}`, `{"l":1,"l":2}`, `{"L":3}`, `{"l":1,"H":2}`, `{"l":-0}`, `{"l":01}`, `{"l":1e3}`,
+		`{"l":1.0}`, `{"l":9223372036854775808}`, `{"l":-9223372036854775809}`, `{"l":"1"}`, `{"l":null}`,
+		`{"l":1,"x":{"y":[1]}}`, ` {"l":1}`, `{"l":1} `, `{"l":1,}`, `{"h":5}`, `{"l" :1}`,
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		var want sessRec
+		werr := json.Unmarshal(b, &want)
+		got, err := decodeSess(b)
+		if (err == nil) != (werr == nil) {
+			t.Fatalf("%q: decodeSess's error %v, encoding/json's %v", b, err, werr)
+		}
+		if err != nil {
+			return
+		}
+		if got != want {
+			t.Fatalf("%q: decodeSess read %+v, encoding/json %+v", b, got, want)
+		}
+		if e, w := encodeSess(got), encode(got); e != w {
+			t.Fatalf("%+v: encodeSess made %s, encode %s", got, e, w)
+		}
+	})
+}
+
+// TestFastSessReadsEncode: the records encodeSess makes are read by
+// fastSess itself, not left to encoding/json.
+func TestFastSessReadsEncode(t *testing.T) {
+	for _, r := range []sessRec{{Lease: 1}, {Lease: 7587889123456789012, Home: 1234567}, {Lease: -5, Home: -9223372036854775808}} {
+		b := []byte(encodeSess(r))
+		got, ok := fastSess(b)
+		if !ok || got != r {
+			t.Errorf("%s: fastSess read %+v (%v)", b, got, ok)
+		}
+	}
+}

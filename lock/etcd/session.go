@@ -369,7 +369,7 @@ func (s *sessions) putHomed(ctx context.Context, key string, guard clientv3.Cmp,
 		}
 		rec = sessRec{Lease: id, Home: home}
 		rev, tr, err := b.g.txn(ctx, []clientv3.Cmp{guard},
-			[]clientv3.Op{clientv3.OpPut(key, encode(rec), clientv3.WithLease(clientv3.LeaseID(home)))},
+			[]clientv3.Op{clientv3.OpPut(key, encodeSess(rec), clientv3.WithLease(clientv3.LeaseID(home)))},
 			[]clientv3.Op{clientv3.OpGet(key)}, true)
 		if errors.Is(err, rpctypes.ErrLeaseNotFound) {
 			// The home lease ran out (etcd did not hear from this
@@ -395,11 +395,11 @@ func (s *sessions) putHomed(ctx context.Context, key string, guard clientv3.Cmp,
 // standing decodes the session record etcd answered (kvs, one key at
 // most) and its mod revision: zero when there is none.
 func standing(kvs []*mvccpb.KeyValue) (sessRec, int64, error) {
-	var rec sessRec
 	if len(kvs) == 0 {
-		return rec, 0, nil
+		return sessRec{}, 0, nil
 	}
-	if err := jsonUnmarshal(kvs[0].Value, &rec); err != nil {
+	rec, err := decodeSess(kvs[0].Value)
+	if err != nil {
 		return sessRec{}, 0, err
 	}
 	return rec, kvs[0].ModRevision, nil
@@ -532,7 +532,7 @@ func (s *sessions) promote(ctx context.Context, node string, seen sessRec, modRe
 	key := b.n.session(node)
 	own := sessRec{Lease: seen.Lease}
 	rev, tr, err := b.g.txn(ctx, []clientv3.Cmp{clientv3.Compare(clientv3.ModRevision(key), "=", modRev)},
-		[]clientv3.Op{clientv3.OpPut(key, encode(own), clientv3.WithLease(clientv3.LeaseID(own.Lease)))},
+		[]clientv3.Op{clientv3.OpPut(key, encodeSess(own), clientv3.WithLease(clientv3.LeaseID(own.Lease)))},
 		[]clientv3.Op{clientv3.OpGet(key)}, true)
 	if errors.Is(err, rpctypes.ErrLeaseNotFound) {
 		return sessRec{}, 0, 0, time.Time{}, false, fmt.Errorf("%w: promoting a session: its lease ran out before etcd wrote its record", lock.ErrUnavailable)
@@ -1114,8 +1114,7 @@ func (b *Backend) sweepOnce() {
 			return
 		}
 		if len(resp.Kvs) > 0 {
-			var sr sessRec
-			if jsonUnmarshal(resp.Kvs[0].Value, &sr) == nil && sr.Lease == o.lease {
+			if sr, err := decodeSess(resp.Kvs[0].Value); err == nil && sr.Lease == o.lease {
 				continue // alive
 			}
 		}

@@ -377,8 +377,8 @@ func (t *tx) session(node string) (lease, home int64, err error) {
 	if err != nil || v == nil {
 		return 0, 0, err
 	}
-	var s sessRec
-	if err := jsonUnmarshal(v, &s); err != nil {
+	s, err := decodeSess(v)
+	if err != nil {
 		return 0, 0, err
 	}
 	return s.Lease, s.Home, nil

@@ -259,8 +259,11 @@ func (w *watcher) list(ctx context.Context) (int64, error) {
 	err = w.page(ctx, b.n.sessions(), rev, func(kv *mvccpb.KeyValue) {
 		keep(kv)
 		node, ok := b.n.parseNode(string(kv.Key))
-		var s sessRec
-		if !ok || jsonUnmarshal(kv.Value, &s) != nil {
+		if !ok {
+			return
+		}
+		s, err := decodeSess(kv.Value)
+		if err != nil {
 			return
 		}
 		sessions[node] = &sessInfo{lease: s.Lease, home: s.Home, modRev: kv.ModRevision, created: kv.CreateRevision, dropped: revID(rev+1) - 1}
@@ -656,8 +659,8 @@ func (w *watcher) apply(evs []*clientv3.Event, rev int64) {
 				}
 				continue
 			}
-			var sr sessRec
-			if jsonUnmarshal(ev.Kv.Value, &sr) != nil {
+			sr, err := decodeSess(ev.Kv.Value)
+			if err != nil {
 				continue
 			}
 			if s := w.sessions[node]; s != nil && s.lease == sr.Lease {
