@@ -272,6 +272,17 @@ func (c *Cluster) Restart(i int) {
 	}
 }
 
+// Pid is the process id of member i, 0 when it does not run.
+func (c *Cluster) Pid(i int) int {
+	if !c.Running(i) {
+		return 0
+	}
+	m := c.members[i]
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.cmd.Process.Pid
+}
+
 // Running reports whether member i's process runs.
 func (c *Cluster) Running(i int) bool {
 	m := c.members[i]

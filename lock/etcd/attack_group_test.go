@@ -219,19 +219,22 @@ func TestAttackGroupResumeMidRevision(t *testing.T) {
 	}
 	a.g.hold.Store(&hold)
 	done := make(chan error, groupFlight+2)
-	lockKey := func(res, node string) {
-		r, err := a.TryLock(ctx, lock.LockRequest{Type: lock.Pull, Resource: res, Node: node, Lease: lock.LeaseSession})
+	lockKey := func(res, node string, lease lock.Lease) {
+		r, err := a.TryLock(ctx, lock.LockRequest{Type: lock.Pull, Resource: res, Node: node, Lease: lease})
 		if err == nil && !r.Acquired {
 			err = fmt.Errorf("%s on %s: %+v", node, res, r)
 		}
 		done <- err
 	}
+	// The plugs hold with TTL leases: a plug's first session-leased hold
+	// would give its session a lease, and such calls go one request at a
+	// time (grouper.take).
 	for i := range groupFlight {
-		go lockKey(resource("plug"), fmt.Sprint("plug", i))
+		go lockKey(resource("plug"), fmt.Sprint("plug", i), lock.LeaseTTL)
 		kit.WaitFor(t, "a request slot to be held", func() bool { return held.Load() == int32(i+1) })
 	}
-	go lockKey(resource("k1"), "n")
-	go lockKey(resource("k2"), "n")
+	go lockKey(resource("k1"), "n", lock.LeaseSession)
+	go lockKey(resource("k2"), "n", lock.LeaseSession)
 	kit.WaitFor(t, "n's calls to wait for a request", func() bool {
 		a.g.mu.Lock()
 		defer a.g.mu.Unlock()

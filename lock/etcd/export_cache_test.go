@@ -94,3 +94,9 @@ func HoldRequestsForTest(b *Backend, d time.Duration) {
 // GroupedRequestsForTest is the number of b's requests that carried more
 // than one transaction.
 func GroupedRequestsForTest(b *Backend) uint64 { return b.g.grouped.Load() }
+
+// WriteRequestsForTest is how many write requests the grouper sent, and
+// the transactions they carried.
+func WriteRequestsForTest(b *Backend) (requests, txns uint64) {
+	return b.g.requests.Load(), b.g.txns.Load()
+}

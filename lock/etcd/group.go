@@ -56,7 +56,9 @@ import (
 // session) share requests only with each other: etcd refuses a whole
 // request that puts a key with a lease it no longer has, and then each is
 // sent again alone. They are not held back by the keepalives' lag: their
-// leases were granted already and would run out while they waited.
+// leases were granted already and would run out while they waited. One
+// request of them is in flight at a time, a second only with a full group
+// (take): a fleet opening together shares requests of up to groupMax.
 
 const (
 	// groupMax bounds the transactions of one request, hence the
@@ -191,6 +193,9 @@ type grouper struct {
 
 	mu sync.Mutex
 	q  []*pending
+	// leasedFlying counts the requests of leased transactions in flight
+	// (take), those etcd has not answered within their stall not counted.
+	leasedFlying int
 
 	// hold, when set (tests), runs before each request is sent.
 	hold atomic.Pointer[func()]
@@ -248,10 +253,15 @@ func (g *grouper) do(ctx context.Context, p *pending, leased bool) (*pending, er
 	p.leased = leased
 	g.mu.Lock()
 	g.q = append(g.q, p)
+	// A leased transaction that must wait for the one in flight (take)
+	// wakes no runner: landed does.
+	wake := !leased || g.leasedFlying == 0 || g.countLeased() >= groupMax
 	g.mu.Unlock()
-	select {
-	case g.signal <- struct{}{}:
-	default: // as many signals wait as requests can go: one will take p
+	if wake {
+		select {
+		case g.signal <- struct{}{}:
+		default: // as many signals wait as requests can go: one will take p
+		}
 	}
 	select {
 	case <-p.ready:
@@ -307,12 +317,16 @@ func (g *grouper) run(runner int) {
 			}
 			if ordered, ok := order(group); ok {
 				g.dispatch(ordered, stall)
-				continue
+			} else {
+				// joins keeps a group free of cycles; were there one,
+				// the request would not be as if serial: each goes
+				// alone.
+				for _, p := range group {
+					g.dispatch([]*pending{p}, stall)
+				}
 			}
-			// joins keeps a group free of cycles; were there one, the
-			// request would not be as if serial: each goes alone.
-			for _, p := range group {
-				g.dispatch([]*pending{p}, stall)
+			if group[0].leased {
+				g.landed()
 			}
 		}
 	}
@@ -334,6 +348,43 @@ func (g *grouper) firstLeased() int {
 		}
 	}
 	return -1
+}
+
+// firstUnleased is firstLeased for the first transaction that is not
+// leased; g.mu held.
+func (g *grouper) firstUnleased() int {
+	for i, p := range g.q {
+		if !p.leased {
+			return i
+		}
+	}
+	return -1
+}
+
+// countLeased is how many leased transactions the queue holds; g.mu held.
+func (g *grouper) countLeased() int {
+	n := 0
+	for _, p := range g.q {
+		if p.leased {
+			n++
+		}
+	}
+	return n
+}
+
+// landed notes that a request of leased transactions was answered, or
+// stalled (dispatch, which returns at the first): the next one may go.
+func (g *grouper) landed() {
+	g.mu.Lock()
+	g.leasedFlying--
+	more := len(g.q) > 0
+	g.mu.Unlock()
+	if more {
+		select {
+		case g.signal <- struct{}{}:
+		default:
+		}
+	}
 }
 
 func (g *grouper) hasLeased() bool {
@@ -394,13 +445,25 @@ func (g *grouper) admit(runner int) (time.Duration, bool, bool) {
 }
 
 // take removes from the queue the oldest transaction and every later one
-// that may join it, in the order the request must list them.
+// that may join it, in the order the request must list them. Leased
+// transactions (sessions made or moved, mostly) go one request at a time,
+// a second only with a full group: a fleet opening together then shares
+// requests of up to groupMax, not of what arrived within half a round
+// trip, and etcd and the servers spend less per session
+// (docs/BENCHMARKS.md, "The opening's CPU, session by session"), while the
+// other slot still serves the lock calls.
 func (g *grouper) take(leasedOnly bool) []*pending {
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	leasedOK := g.leasedFlying == 0 || g.countLeased() >= groupMax
 	h := 0
-	if leasedOnly {
+	switch {
+	case leasedOnly && !leasedOK:
+		return nil
+	case leasedOnly:
 		h = g.firstLeased()
+	case !leasedOK:
+		h = g.firstUnleased()
 	}
 	if h < 0 || h >= len(g.q) {
 		return nil
@@ -425,6 +488,9 @@ func (g *grouper) take(leasedOnly bool) []*pending {
 	g.q = rest
 	for _, p := range group {
 		p.taken = true
+	}
+	if group[0].leased {
+		g.leasedFlying++
 	}
 	if len(g.q) > 0 {
 		select {
@@ -513,7 +579,19 @@ func order(group []*pending) (out []*pending, ok bool) {
 // which the request goes on alone and its slot takes the next one.
 func (g *grouper) dispatch(group []*pending, stall time.Duration) {
 	if h := g.hold.Load(); h != nil {
+		// A request held here (tests) is not sent yet, and does not keep
+		// the other leased transactions waiting (take): one sent holds
+		// them up to its stall at most.
+		leased := group[0].leased
+		if leased {
+			g.landed()
+		}
 		(*h)()
+		if leased {
+			g.mu.Lock()
+			g.leasedFlying++
+			g.mu.Unlock()
+		}
 	}
 	done := make(chan struct{})
 	g.b.wg.Add(1) // this runner counts too: Close's Wait has not returned

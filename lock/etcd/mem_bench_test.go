@@ -16,6 +16,7 @@ import (
 
 	"golang.org/x/sync/errgroup"
 
+	"github.com/dlock/dlock/internal/bench"
 	"github.com/dlock/dlock/internal/etcdtest"
 	"github.com/dlock/dlock/lock"
 	"github.com/dlock/dlock/lock/etcd"
@@ -261,9 +262,9 @@ func TestMemoryBenchmarksRun(t *testing.T) {
 // BenchmarkSessionsOpen opens b.N sessions on one server, 64 at once, as
 // a fleet's streams reach it, on an etcd of its own process, and reports
 // the server's CPU per session (getrusage: every goroutine of this
-// process, the benchmark's own included; etcd's not), which a fleet's
-// opening spends on every server (docs/BENCHMARKS.md, "Fleet scale on
-// etcd"). Run it with -benchtime 10000x -count 6.
+// process, the benchmark's own included) and etcd's, which a fleet's
+// opening spends (docs/BENCHMARKS.md, "Fleet scale on etcd"). Run it with
+// -benchtime 10000x -count 6.
 func BenchmarkSessionsOpen(b *testing.B) {
 	c := etcdtest.StartCluster(b, 1)
 	cfg := etcd.DefaultConfig()
@@ -281,6 +282,12 @@ func BenchmarkSessionsOpen(b *testing.B) {
 			}
 		}
 	})
+	etcdCPU := bench.ProcCPU(c.Pid(0))
+	etcdBefore, err := etcdCPU()
+	if err != nil {
+		b.Fatal(err)
+	}
+	reqs0, txns0 := etcd.WriteRequestsForTest(be)
 	before := cpuTime(b)
 	b.ReportAllocs()
 	b.ResetTimer()
@@ -298,6 +305,13 @@ func BenchmarkSessionsOpen(b *testing.B) {
 	}
 	b.StopTimer()
 	b.ReportMetric(float64((cpuTime(b)-before).Microseconds())/float64(b.N), "cpu-µs/session")
+	etcdAfter, err := etcdCPU()
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.ReportMetric(float64((etcdAfter-etcdBefore).Microseconds())/float64(b.N), "etcd-cpu-µs/session")
+	reqs, txns := etcd.WriteRequestsForTest(be)
+	b.ReportMetric(float64(txns-txns0)/float64(max(1, reqs-reqs0)), "txns/request")
 }
 
 // cpuTime is the CPU time this process has used, user and system.
