@@ -111,6 +111,12 @@ func memNode(i int) string { return fmt.Sprintf("mem-node-%d", i) }
 // memoryServer starts an etcd of its own and one server on it, with the
 // session streams of nodes nodes open.
 func memoryServer(b *testing.B, nodes int) (*etcd.Backend, *memStreams) {
+	_, be := ownServer(b)
+	return be, openStreams(b, be, nodes)
+}
+
+// ownServer starts an etcd member process of its own and one server on it.
+func ownServer(b *testing.B) (*etcdtest.Cluster, *etcd.Backend) {
 	c := etcdtest.StartCluster(b, 1)
 	cfg := etcd.DefaultConfig()
 	cfg.Prefix = "/mem/"
@@ -119,7 +125,7 @@ func memoryServer(b *testing.B, nodes int) (*etcd.Backend, *memStreams) {
 		b.Fatal(err)
 	}
 	b.Cleanup(func() { be.Close() })
-	return be, openStreams(b, be, nodes)
+	return c, be
 }
 
 // memStreams drains session streams as a server does, through Notify and
@@ -266,14 +272,7 @@ func TestMemoryBenchmarksRun(t *testing.T) {
 // opening spends (docs/BENCHMARKS.md, "Fleet scale on etcd"). Run it with
 // -benchtime 10000x -count 6.
 func BenchmarkSessionsOpen(b *testing.B) {
-	c := etcdtest.StartCluster(b, 1)
-	cfg := etcd.DefaultConfig()
-	cfg.Prefix = "/open/"
-	be, err := etcd.New(b.Context(), c.Client(b), cfg)
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() { be.Close() })
+	c, be := ownServer(b)
 	all := make([]lock.Stream, b.N)
 	b.Cleanup(func() {
 		for _, st := range all {
