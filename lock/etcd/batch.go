@@ -286,18 +286,19 @@ func (b *Backend) batchErr(ctx context.Context, err error) error {
 // txSnap is what a call changed in a transaction, to undo a call that
 // failed or must wait for the next batch.
 type txSnap struct {
-	rec   keyRec
-	x     *trans
-	ops   int
-	recOp int
+	rec    keyRec
+	x      *trans
+	ops    int
+	recOp  int
+	leased bool
 }
 
 func (t *tx) snapshot() txSnap {
-	return txSnap{rec: t.rec, x: t.x, ops: len(t.ops), recOp: t.recOp}
+	return txSnap{rec: t.rec, x: t.x, ops: len(t.ops), recOp: t.recOp, leased: t.leased}
 }
 
 func (t *tx) restore(s txSnap) {
-	t.rec, t.x, t.recOp = s.rec, s.x, s.recOp
+	t.rec, t.x, t.recOp, t.leased = s.rec, s.x, s.recOp, s.leased
 	t.ops = t.ops[:s.ops]
 	if t.recOp >= 0 {
 		t.rec.X = t.x

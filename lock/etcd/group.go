@@ -205,8 +205,9 @@ type grouper struct {
 	mu sync.Mutex
 	q  []*pending
 	// leasedFlying counts the requests of leased transactions in flight
-	// (take), those etcd has not answered within their stall not counted.
-	leasedFlying int
+	// (take), those etcd has not answered within their stall not counted;
+	// nLeased the leased transactions in q.
+	leasedFlying, nLeased int
 
 	// hold, when set (tests), runs before each request is sent.
 	hold atomic.Pointer[func()]
@@ -264,9 +265,12 @@ func (g *grouper) do(ctx context.Context, p *pending, leased bool) (*pending, er
 	p.leased = leased
 	g.mu.Lock()
 	g.q = append(g.q, p)
+	if leased {
+		g.nLeased++
+	}
 	// A leased transaction that must wait for the one in flight (take)
 	// wakes no runner: landed does.
-	wake := !leased || g.leasedFlying == 0 || g.countLeased() >= groupMax
+	wake := !leased || g.leasedFlying == 0 || g.nLeased >= groupMax
 	g.mu.Unlock()
 	if wake {
 		select {
@@ -281,6 +285,9 @@ func (g *grouper) do(ctx context.Context, p *pending, leased bool) (*pending, er
 		g.mu.Lock()
 		if !p.taken {
 			g.q = removePending(g.q, p)
+			if p.leased {
+				g.nLeased--
+			}
 		}
 		g.mu.Unlock()
 		return nil, g.b.etcdErr("transaction", ctx.Err())
@@ -305,7 +312,7 @@ func (g *grouper) run(runner int) {
 		case <-g.b.ctx.Done():
 			g.mu.Lock()
 			q := g.q
-			g.q = nil
+			g.q, g.nLeased = nil, 0
 			for _, p := range q {
 				p.taken = true
 			}
@@ -370,17 +377,6 @@ func (g *grouper) firstUnleased() int {
 		}
 	}
 	return -1
-}
-
-// countLeased is how many leased transactions the queue holds; g.mu held.
-func (g *grouper) countLeased() int {
-	n := 0
-	for _, p := range g.q {
-		if p.leased {
-			n++
-		}
-	}
-	return n
 }
 
 // landed notes that a request of leased transactions was answered, or
@@ -466,7 +462,7 @@ func (g *grouper) admit(runner int) (time.Duration, bool, bool) {
 func (g *grouper) take(leasedOnly bool) []*pending {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	leasedOK := g.leasedFlying == 0 || g.countLeased() >= groupMax
+	leasedOK := g.leasedFlying == 0 || g.nLeased >= groupMax
 	h := 0
 	switch {
 	case leasedOnly && !leasedOK:
@@ -502,6 +498,7 @@ func (g *grouper) take(leasedOnly bool) []*pending {
 	}
 	if group[0].leased {
 		g.leasedFlying++
+		g.nLeased -= len(group)
 	}
 	if len(g.q) > 0 {
 		select {
