@@ -23,11 +23,21 @@ import (
 // leased transactions wait for the leased request in flight, which counts
 // until answered or for its stall at most.
 
-// leasedPut is a leased transaction (its lane only: the put carries no
-// lease) that puts key if it is absent.
+// leasedPut is a patient leased transaction, as a session put on the home
+// lease is (txnHomed; its lane only: the put carries no lease), or a plain
+// one, that puts key if it is absent.
 func leasedPut(ctx context.Context, g *grouper, key string, leased bool) error {
-	_, ok, err := g.commit(ctx, []clientv3.Cmp{clientv3.Compare(clientv3.CreateRevision(key), "=", 0)},
-		[]clientv3.Op{clientv3.OpPut(key, "v")}, leased)
+	cmps := []clientv3.Cmp{clientv3.Compare(clientv3.CreateRevision(key), "=", 0)}
+	ops := []clientv3.Op{clientv3.OpPut(key, "v")}
+	var ok bool
+	var err error
+	if leased {
+		var resp *pb.TxnResponse
+		_, resp, err = g.txnHomed(ctx, cmps, ops, nil)
+		ok = err == nil && resp.Succeeded
+	} else {
+		_, ok, err = g.commit(ctx, cmps, ops, false)
+	}
 	if err == nil && !ok {
 		err = fmt.Errorf("%s: a guard failed", key)
 	}
@@ -131,7 +141,7 @@ func TestAttackLeasedQueuedCallEnds(t *testing.T) {
 	kit.WaitFor(t, "an empty queue and no leased request in flight", func() bool {
 		b.g.mu.Lock()
 		defer b.g.mu.Unlock()
-		return len(b.g.q) == 0 && b.g.leasedFlying == 0 && b.g.nLeased == 0
+		return len(b.g.q) == 0 && b.g.leasedFlying == 0 && b.g.nLeased == 0 && b.g.nUrgent == 0
 	})
 }
 
@@ -264,6 +274,6 @@ func TestAttackLeasedStress(t *testing.T) {
 	kit.WaitFor(t, "an empty queue and no leased request in flight", func() bool {
 		b.g.mu.Lock()
 		defer b.g.mu.Unlock()
-		return len(b.g.q) == 0 && b.g.leasedFlying == 0 && b.g.nLeased == 0
+		return len(b.g.q) == 0 && b.g.leasedFlying == 0 && b.g.nLeased == 0 && b.g.nUrgent == 0
 	})
 }

@@ -56,8 +56,10 @@ import (
 // session) share requests only with each other: etcd refuses a whole
 // request that puts a key with a lease it no longer has, and then each is
 // sent again alone. They are not held back by the keepalives' lag: their
-// leases were granted already and would run out while they waited. One
-// request of them is in flight at a time, a second only with a full group
+// leases were granted already and would run out while they waited. Those
+// that put a session on this server's home lease (txnHomed), which stands
+// as long as the server does, go one request at a time, a second only
+// with a full group or with a transaction of a lease just granted waiting
 // (take): a fleet opening together shares requests of up to groupMax.
 
 const (
@@ -145,8 +147,9 @@ type pending struct {
 	bytes  int
 	alone  bool
 	// leased: an operation puts a key with a lease granted by the call;
-	// the transaction shares a request only with others such.
-	leased bool
+	// the transaction shares a request only with others such. patient: that
+	// lease is this server's home lease (txnHomed), not one just granted.
+	leased, patient bool
 
 	ready chan struct{} // closed with the outcome
 	taken bool          // in a request: its outcome is etcd's, not the caller's
@@ -206,8 +209,9 @@ type grouper struct {
 	q  []*pending
 	// leasedFlying counts the requests of leased transactions in flight
 	// (take), those etcd has not answered within their stall not counted;
-	// nLeased the leased transactions in q.
-	leasedFlying, nLeased int
+	// nLeased the leased transactions in q, nUrgent those of them not
+	// patient.
+	leasedFlying, nLeased, nUrgent int
 
 	// hold, when set (tests), runs before each request is sent.
 	hold atomic.Pointer[func()]
@@ -261,16 +265,27 @@ func (g *grouper) txn(ctx context.Context, cmps []clientv3.Cmp, then, els []clie
 	return p.rev, p.resp, nil
 }
 
+// txnHomed is txn for a transaction that puts a session on this server's
+// home lease (putHomed): leased, and patient, which lets it wait for a
+// fuller request (take).
+func (g *grouper) txnHomed(ctx context.Context, cmps []clientv3.Cmp, then, els []clientv3.Op) (int64, *pb.TxnResponse, error) {
+	p := newPending(cmps, then, els)
+	p.patient = true
+	p, err := g.do(ctx, p, true)
+	if err != nil {
+		return 0, nil, err
+	}
+	return p.rev, p.resp, nil
+}
+
 func (g *grouper) do(ctx context.Context, p *pending, leased bool) (*pending, error) {
 	p.leased = leased
 	g.mu.Lock()
 	g.q = append(g.q, p)
-	if leased {
-		g.nLeased++
-	}
-	// A leased transaction that must wait for the one in flight (take)
-	// wakes no runner: landed does.
-	wake := !leased || g.leasedFlying == 0 || g.nLeased >= groupMax
+	g.count(p, 1)
+	// A patient transaction that must wait for the leased request in
+	// flight (take) wakes no runner: landed does.
+	wake := !leased || !p.patient || g.leasedFlying == 0 || g.nLeased >= groupMax
 	g.mu.Unlock()
 	if wake {
 		select {
@@ -285,9 +300,7 @@ func (g *grouper) do(ctx context.Context, p *pending, leased bool) (*pending, er
 		g.mu.Lock()
 		if !p.taken {
 			g.q = removePending(g.q, p)
-			if p.leased {
-				g.nLeased--
-			}
+			g.count(p, -1)
 		}
 		g.mu.Unlock()
 		return nil, g.b.etcdErr("transaction", ctx.Err())
@@ -312,7 +325,7 @@ func (g *grouper) run(runner int) {
 		case <-g.b.ctx.Done():
 			g.mu.Lock()
 			q := g.q
-			g.q, g.nLeased = nil, 0
+			g.q, g.nLeased, g.nUrgent = nil, 0, 0
 			for _, p := range q {
 				p.taken = true
 			}
@@ -377,6 +390,17 @@ func (g *grouper) firstUnleased() int {
 		}
 	}
 	return -1
+}
+
+// count adds d to the counts of leased transactions queued, for p; g.mu
+// held.
+func (g *grouper) count(p *pending, d int) {
+	if p.leased {
+		g.nLeased += d
+		if !p.patient {
+			g.nUrgent += d
+		}
+	}
 }
 
 // landed notes that a request of leased transactions was answered, or
@@ -453,16 +477,17 @@ func (g *grouper) admit(runner int) (time.Duration, bool, bool) {
 
 // take removes from the queue the oldest transaction and every later one
 // that may join it, in the order the request must list them. Leased
-// transactions (sessions made or moved, mostly) go one request at a time,
-// a second only with a full group: a fleet opening together then shares
-// requests of up to groupMax, not of what arrived within half a round
-// trip, and etcd and the servers spend less per session
+// transactions go one request at a time, a second only with a full group
+// or when one of them is not patient (its lease was just granted, and
+// runs out while it waits): sessions made or moved together, on the home
+// lease, then share requests of up to groupMax, not of what arrived within
+// half a round trip, and etcd and the servers spend less per session
 // (docs/BENCHMARKS.md, "The opening's CPU, session by session"), while the
 // other slot still serves the lock calls.
 func (g *grouper) take(leasedOnly bool) []*pending {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	leasedOK := g.leasedFlying == 0 || g.nLeased >= groupMax
+	leasedOK := g.leasedFlying == 0 || g.nLeased >= groupMax || g.nUrgent > 0
 	h := 0
 	switch {
 	case leasedOnly && !leasedOK:
@@ -498,7 +523,9 @@ func (g *grouper) take(leasedOnly bool) []*pending {
 	}
 	if group[0].leased {
 		g.leasedFlying++
-		g.nLeased -= len(group)
+		for _, p := range group {
+			g.count(p, -1)
+		}
 	}
 	if len(g.q) > 0 {
 		select {

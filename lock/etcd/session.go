@@ -368,9 +368,9 @@ func (s *sessions) putHomed(ctx context.Context, key string, guard clientv3.Cmp,
 			return sessRec{}, 0, 0, false, err
 		}
 		rec = sessRec{Lease: id, Home: home}
-		rev, tr, err := b.g.txn(ctx, []clientv3.Cmp{guard},
+		rev, tr, err := b.g.txnHomed(ctx, []clientv3.Cmp{guard},
 			[]clientv3.Op{clientv3.OpPut(key, encodeSess(rec), clientv3.WithLease(clientv3.LeaseID(home)))},
-			[]clientv3.Op{clientv3.OpGet(key)}, true)
+			[]clientv3.Op{clientv3.OpGet(key)})
 		if errors.Is(err, rpctypes.ErrLeaseNotFound) {
 			// The home lease ran out (etcd did not hear from this
 			// server for a grace, or is a TTL behind).
