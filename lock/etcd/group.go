@@ -258,11 +258,7 @@ func (g *grouper) commit(ctx context.Context, cmps []clientv3.Cmp, ops []clientv
 // txn is commit with els run when a guard fails (reads only): it returns
 // the request's revision and etcd's answer to the transaction.
 func (g *grouper) txn(ctx context.Context, cmps []clientv3.Cmp, then, els []clientv3.Op, leased bool) (int64, *pb.TxnResponse, error) {
-	p, err := g.do(ctx, newPending(cmps, then, els), leased)
-	if err != nil {
-		return 0, nil, err
-	}
-	return p.rev, p.resp, nil
+	return answer(g.do(ctx, newPending(cmps, then, els), leased))
 }
 
 // txnHomed is txn for a transaction that puts a session on this server's
@@ -271,7 +267,11 @@ func (g *grouper) txn(ctx context.Context, cmps []clientv3.Cmp, then, els []clie
 func (g *grouper) txnHomed(ctx context.Context, cmps []clientv3.Cmp, then, els []clientv3.Op) (int64, *pb.TxnResponse, error) {
 	p := newPending(cmps, then, els)
 	p.patient = true
-	p, err := g.do(ctx, p, true)
+	return answer(g.do(ctx, p, true))
+}
+
+// answer is txn's outcome of p.
+func answer(p *pending, err error) (int64, *pb.TxnResponse, error) {
 	if err != nil {
 		return 0, nil, err
 	}
@@ -370,22 +370,11 @@ func (g *grouper) pressure(now time.Time) (pressure, time.Duration) {
 	return pressureOf(lag, every), lag
 }
 
-// firstLeased is the index in the queue of its first leased transaction,
-// -1 without one; g.mu held.
-func (g *grouper) firstLeased() int {
+// first is the index in the queue of its first transaction that is leased
+// or not, as asked; -1 without one. g.mu held.
+func (g *grouper) first(leased bool) int {
 	for i, p := range g.q {
-		if p.leased {
-			return i
-		}
-	}
-	return -1
-}
-
-// firstUnleased is firstLeased for the first transaction that is not
-// leased; g.mu held.
-func (g *grouper) firstUnleased() int {
-	for i, p := range g.q {
-		if !p.leased {
+		if p.leased == leased {
 			return i
 		}
 	}
@@ -421,7 +410,7 @@ func (g *grouper) landed() {
 func (g *grouper) hasLeased() bool {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	return g.firstLeased() >= 0
+	return g.nLeased > 0
 }
 
 func (g *grouper) queued() bool {
@@ -493,9 +482,9 @@ func (g *grouper) take(leasedOnly bool) []*pending {
 	case leasedOnly && !leasedOK:
 		return nil
 	case leasedOnly:
-		h = g.firstLeased()
+		h = g.first(true)
 	case !leasedOK:
-		h = g.firstUnleased()
+		h = g.first(false)
 	}
 	if h < 0 || h >= len(g.q) {
 		return nil

@@ -1,8 +1,6 @@
 package etcd
 
 import (
-	"encoding/json"
-	"fmt"
 	"math"
 	"strconv"
 )
@@ -85,8 +83,8 @@ func decodeSess(b []byte) (sessRec, error) {
 		return r, nil
 	}
 	var r sessRec
-	if err := json.Unmarshal(b, &r); err != nil {
-		return sessRec{}, fmt.Errorf("etcd backend: a record that is not ours: %w", err)
+	if err := jsonUnmarshal(b, &r); err != nil {
+		return sessRec{}, err
 	}
 	return r, nil
 }
