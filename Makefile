@@ -37,6 +37,7 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzRecordMatchesJSON$$' $(call fuzzfor,5000x) ./lock/etcd
 	$(GO) test -run '^$$' -fuzz '^FuzzHoldingForms$$' $(call fuzzfor,5000x) ./lock/etcd
 	$(GO) test -run '^$$' -fuzz '^FuzzSessionMatchesJSON$$' $(call fuzzfor,20000x) ./lock/etcd
+	$(GO) test -run '^$$' -fuzz '^FuzzStreamHeadMatchesNetHTTP$$' $(call fuzzfor,200000x) ./internal/rawhttp
 
 # deps installs, as root, what some tests run for real: Debian's containerd,
 # runc and docker-registry (three containerd daemons sharing one store; the

@@ -14,6 +14,7 @@ import (
 	"net/http"
 	"net/url"
 	"strconv"
+	"strings"
 	"time"
 )
 
@@ -182,7 +183,8 @@ func ioReadFull(r *bufio.Reader, p []byte) (int, error) {
 // Stream is a node's session stream read over its own connection.
 type Stream struct {
 	conn net.Conn
-	resp *http.Response
+	resp *http.Response // nil until Header, when head is set
+	head []byte         // the answer's head, when the lean path read it
 	r    *bufio.Reader
 	ev   Event
 }
@@ -190,20 +192,35 @@ type Stream struct {
 // OpenSubscribe opens node's session stream: the connection and the 200
 // answer, whose body is the stream.
 func (d Dialer) OpenSubscribe(base, node string) (net.Conn, *http.Response, error) {
-	return d.openSubscribe(base, node, "")
+	c, br, err := d.request(base, node, "")
+	if err != nil {
+		return nil, nil, err
+	}
+	resp, err := http.ReadResponse(br, nil)
+	if err != nil {
+		c.Close()
+		return nil, nil, err
+	}
+	if resp.StatusCode != http.StatusOK {
+		c.Close()
+		return nil, nil, fmt.Errorf("subscribe: %s", resp.Status)
+	}
+	return c, resp, nil
 }
 
-func (d Dialer) openSubscribe(base, node, lastEventID string) (net.Conn, *http.Response, error) {
-	c, resp, _, err := d.open(base, node, lastEventID)
-	return c, resp, err
-}
+// streamBufSize is a stream's read buffer. The events dlock sends are a
+// few hundred bytes; ReadEvent reads a longer line across reads. A load
+// generator holds one buffer a node, and a page each (4 KiB) was a page
+// fault each for 10,000 fresh nodes (docs/BENCHMARKS.md, "The load
+// generator's share").
+const streamBufSize = 512
 
-// open is openSubscribe, and also returns the reader the answer was read
-// from, which holds what of the stream came with it.
-func (d Dialer) open(base, node, lastEventID string) (net.Conn, *http.Response, *bufio.Reader, error) {
+// request dials base and sends node's GET /subscribe; the answer is to be
+// read from the reader it returns.
+func (d Dialer) request(base, node, lastEventID string) (net.Conn, *bufio.Reader, error) {
 	c, host, err := d.dial(base)
 	if err != nil {
-		return nil, nil, nil, err
+		return nil, nil, err
 	}
 	req := make([]byte, 0, 256)
 	req = append(req, "GET /subscribe?node_id="...)
@@ -218,19 +235,9 @@ func (d Dialer) open(base, node, lastEventID string) (net.Conn, *http.Response, 
 	req = append(req, "\r\n"...)
 	if _, err := c.Write(req); err != nil {
 		c.Close()
-		return nil, nil, nil, err
+		return nil, nil, err
 	}
-	br := bufio.NewReaderSize(c, 4096)
-	resp, err := http.ReadResponse(br, nil)
-	if err != nil {
-		c.Close()
-		return nil, nil, nil, err
-	}
-	if resp.StatusCode != http.StatusOK {
-		c.Close()
-		return nil, nil, nil, fmt.Errorf("subscribe: %s", resp.Status)
-	}
-	return c, resp, br, nil
+	return c, bufio.NewReaderSize(c, streamBufSize), nil
 }
 
 // Subscribe opens node's session stream and reads up to its subscribed event.
@@ -243,17 +250,35 @@ func (d Dialer) Subscribe(base, node string) (*Stream, error) {
 // up to its subscribed event; the events after lastEventID follow it. An
 // empty lastEventID opens the stream as Subscribe does.
 func (d Dialer) Resume(base, node, lastEventID string) (*Stream, error) {
-	c, resp, br, err := d.open(base, node, lastEventID)
+	c, br, err := d.request(base, node, lastEventID)
 	if err != nil {
 		return nil, err
 	}
-	// A stream's body is the rest of the connection: read from br itself,
-	// not through a second buffer, unless it is framed (chunked).
-	r := br
-	if len(resp.TransferEncoding) > 0 || resp.ContentLength >= 0 {
-		r = bufio.NewReaderSize(resp.Body, 4096)
+	s := &Stream{conn: c, r: br}
+	if n, ok := peekHead(br); ok {
+		// The usual answer: 200 and the stream unframed after it. Its
+		// header is parsed only if asked for (Header).
+		s.head = make([]byte, n)
+		copy(s.head, mustPeek(br, n))
+		br.Discard(n)
+	} else {
+		resp, err := http.ReadResponse(br, nil)
+		if err != nil {
+			c.Close()
+			return nil, err
+		}
+		if resp.StatusCode != http.StatusOK {
+			c.Close()
+			return nil, fmt.Errorf("subscribe: %s", resp.Status)
+		}
+		s.resp = resp
+		// A stream's body is the rest of the connection: read from br
+		// itself, not through a second buffer, unless it is framed
+		// (chunked).
+		if len(resp.TransferEncoding) > 0 || resp.ContentLength >= 0 {
+			s.r = bufio.NewReaderSize(resp.Body, streamBufSize)
+		}
 	}
-	s := &Stream{conn: c, resp: resp, r: r}
 	for {
 		name, _, err := s.Next()
 		if err != nil {
@@ -264,6 +289,111 @@ func (d Dialer) Resume(base, node, lastEventID string) (*Stream, error) {
 			return s, nil
 		}
 	}
+}
+
+// mustPeek is br.Peek(n) of bytes peekHead found buffered.
+func mustPeek(br *bufio.Reader, n int) []byte {
+	b, _ := br.Peek(n)
+	return b
+}
+
+// peekHead waits for an answer's head in br and reports its length if it
+// is the answer a stream usually has: "HTTP/1.1 200", and header lines
+// that say nothing of the body's framing, so the stream is the rest of the
+// connection. It consumes nothing: for any other head (or one longer than
+// br's buffer, or a read that fails) the caller reads the answer with
+// net/http, which gives the reason. leanHead decides, held to
+// http.ReadResponse by FuzzStreamHeadMatchesNetHTTP.
+func peekHead(br *bufio.Reader) (int, bool) {
+	for want := 1; want <= br.Size(); {
+		if _, err := br.Peek(want); err != nil {
+			return 0, false
+		}
+		b, _ := br.Peek(br.Buffered())
+		if n, complete, ok := leanHead(b); !ok {
+			return 0, false
+		} else if complete {
+			return n, true
+		}
+		want = len(b) + 1
+	}
+	return 0, false
+}
+
+// leanHead reads b, the start of an answer. With complete, the head is
+// b[:n] (through its blank line) and ok says whether http.ReadResponse
+// would read it as a 200 whose body is the rest of the connection; without
+// it, ok says whether it still may. It accepts a strict subset of what
+// net/http does: CRLF line ends, header names of token characters, values
+// of visible ASCII, spaces and tabs, and no Content-Length,
+// Transfer-Encoding or continuation lines.
+func leanHead(b []byte) (n int, complete, ok bool) {
+	const status = "HTTP/1.1 200 "
+	line, rest, found := bytes.Cut(b, []byte("\r\n"))
+	if !found {
+		line = bytes.TrimSuffix(line, []byte("\r"))
+		if len(line) < len(status) {
+			return 0, false, strings.HasPrefix(status, string(line))
+		}
+		return 0, false, bytes.HasPrefix(line, []byte(status)) && visible(line[len(status):], false)
+	}
+	if !bytes.HasPrefix(line, []byte(status)) || !visible(line[len(status):], false) {
+		return 0, false, false
+	}
+	n = len(line) + 2
+	for {
+		line, rest, found = bytes.Cut(rest, []byte("\r\n"))
+		if !found {
+			line = bytes.TrimSuffix(line, []byte("\r"))
+			return 0, false, len(line) == 0 || headerLine(line, true)
+		}
+		n += len(line) + 2
+		if len(line) == 0 {
+			return n, true, true
+		}
+		if !headerLine(line, false) {
+			return 0, false, false
+		}
+	}
+}
+
+// headerLine reports whether line is a header line leanHead takes: a name
+// of token characters, a colon, a value of visible ASCII, spaces and tabs;
+// not Content-Length nor Transfer-Encoding. With partial, line may be cut
+// short anywhere.
+func headerLine(line []byte, partial bool) bool {
+	name, value, found := bytes.Cut(line, []byte(":"))
+	if len(name) == 0 || !token(name) {
+		return false
+	}
+	if !found {
+		return partial
+	}
+	if bytes.EqualFold(name, []byte("Content-Length")) || bytes.EqualFold(name, []byte("Transfer-Encoding")) {
+		return false
+	}
+	return visible(value, true)
+}
+
+// token reports whether b is all token characters (RFC 9110, 5.6.2).
+func token(b []byte) bool {
+	for _, c := range b {
+		if c >= 0x80 || !strings.ContainsRune("!#$%&'*+-.^_`|~", rune(c)) && !('0' <= c && c <= '9' || 'a' <= c && c <= 'z' || 'A' <= c && c <= 'Z') {
+			return false
+		}
+	}
+	return true
+}
+
+// visible reports whether b is all visible ASCII and spaces (and tabs,
+// with tabs).
+func visible(b []byte, tabs bool) bool {
+	for _, c := range b {
+		if (c < 0x20 || c > 0x7e) && !(tabs && c == '\t') {
+			return false
+		}
+	}
+	return true
 }
 
 // Next returns the next event's name and data, skipping pings. data is
@@ -287,7 +417,18 @@ func (s *Stream) Line() (line []byte, err error) {
 }
 
 // Header is the header of the stream's 200 answer (Dlock-Ping-Ms, …).
-func (s *Stream) Header() http.Header { return s.resp.Header }
+func (s *Stream) Header() http.Header {
+	if s.resp == nil {
+		// leanHead took the head only if net/http reads it
+		// (FuzzStreamHeadMatchesNetHTTP): no error here.
+		resp, err := http.ReadResponse(bufio.NewReader(bytes.NewReader(s.head)), nil)
+		if err != nil {
+			return http.Header{}
+		}
+		s.resp = resp
+	}
+	return s.resp.Header
+}
 
 // ID is the id of the last event Next returned ("" if it had none): what
 // a reopened stream sends as Last-Event-ID.
@@ -307,7 +448,12 @@ type Event struct {
 	Data []byte
 	// Retry is the reconnection delay the event carried, "" if none.
 	Retry string
+	long  []byte // a line longer than the reader's buffer
 }
+
+// MaxEventLine bounds a line ReadEvent reads: a stream that sends a longer
+// one is broken, not a reason to hold its bytes.
+const MaxEventLine = 1 << 20
 
 // ReadEvent reads the next event of a Server-Sent Events stream into ev,
 // skipping comments (the server's pings). It is the one parser of the
@@ -320,7 +466,16 @@ func ReadEvent(r *bufio.Reader, ev *Event) error {
 	for {
 		line, err := r.ReadSlice('\n')
 		if errors.Is(err, bufio.ErrBufferFull) {
-			return fmt.Errorf("rawhttp: an event line over %d bytes", r.Size())
+			// A line longer than r's buffer: gathered in ev's own.
+			ev.long = append(ev.long[:0], line...)
+			for errors.Is(err, bufio.ErrBufferFull) && len(ev.long) <= MaxEventLine {
+				line, err = r.ReadSlice('\n')
+				ev.long = append(ev.long, line...)
+			}
+			if len(ev.long) > MaxEventLine {
+				return fmt.Errorf("rawhttp: an event line over %d bytes", MaxEventLine)
+			}
+			line = ev.long
 		}
 		if err != nil {
 			return err
