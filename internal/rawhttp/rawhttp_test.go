@@ -127,12 +127,15 @@ func TestStreamLeanHead(t *testing.T) {
 	}
 }
 
-// FuzzStreamHeadMatchesNetHTTP holds leanHead to net/http: a head it takes, http.ReadResponse
-// reads as a 200 of the same length whose body is the rest of the
-// connection, and a head it might still take is one whose every complete
-// line it takes.
+// FuzzStreamHeadMatchesNetHTTP holds leanHead to net/http: a head it
+// takes, http.ReadResponse reads as a 200 of the same length whose body is
+// the rest of the connection; and where it waits for more bytes, net/http
+// too would need more (peekHead never waits on a peer that has said all
+// it will).
 func FuzzStreamHeadMatchesNetHTTP(f *testing.F) {
 	f.Add([]byte(serverHead + "id: 1\n\n"))
+	f.Add([]byte(serverHead[:60]))
+	f.Add([]byte("HTTP/1.1 200 \r\nA:\r\nB: c\td\r\n\r\n"))
 	f.Add([]byte("HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"))
 	f.Add([]byte("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"))
 	f.Add([]byte("HTTP/1.1 200 OK\r\nA: b\r\n c\r\n\r\n"))
@@ -142,6 +145,13 @@ func FuzzStreamHeadMatchesNetHTTP(f *testing.F) {
 		if !complete {
 			if n != 0 {
 				t.Fatalf("incomplete with n = %d", n)
+			}
+			if lean {
+				// A peer that has sent b and waits: net/http too must
+				// want more than b to decide.
+				if err := readStarving(b); err != errStarved {
+					t.Fatalf("leanHead waits for more after %q; net/http decided: %v", b, err)
+				}
 			}
 			return
 		}
@@ -165,4 +175,36 @@ func FuzzStreamHeadMatchesNetHTTP(f *testing.F) {
 			t.Fatalf("body %q, %v; want %q", body, err, b[n:])
 		}
 	})
+}
+
+// errStarved is a read past what the peer has sent: on a connection, a
+// read that waits.
+var errStarved = errors.New("starved")
+
+// readStarving reads an answer's head from b with net/http, as from a peer
+// that has sent b and waits: errStarved if net/http read past b. A reader's
+// error would not do: bufio.Reader.ReadLine hands a line cut short by one
+// back as a whole line.
+func readStarving(b []byte) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			if r != errStarved {
+				panic(r)
+			}
+			err = errStarved
+		}
+	}()
+	_, err = http.ReadResponse(bufio.NewReader(starving{bytes.NewReader(b)}), nil)
+	return err
+}
+
+// starving reads r, then panics with errStarved where a connection would
+// wait.
+type starving struct{ r *bytes.Reader }
+
+func (s starving) Read(p []byte) (int, error) {
+	if s.r.Len() == 0 {
+		panic(errStarved)
+	}
+	return s.r.Read(p)
 }
