@@ -31,6 +31,43 @@ import (
 // rest of its life. The loop answers no request that net/http would frame
 // differently: FuzzLeanMatchesNetHTTP holds it to http.ReadRequest.
 
+// The lean loop's buffers are pooled, as net/http's are: a connection that
+// opens a stream gives its socket to the hub after one request, and on the
+// etcd backend, where no event loop reads requests, each such connection
+// allocated 8 KiB for that one request (docs/BENCHMARKS.md, "The lean
+// loop's buffers, pooled"). A request's head and body are views of br,
+// valid until it is answered (request.head), as an event loop's are of its
+// one buffer.
+var (
+	leanReaders = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, leanBufSize) }}
+	leanWriters = sync.Pool{New: func() any { return bufio.NewWriterSize(nil, leanBufSize) }}
+)
+
+func getLeanReader(r io.Reader) *bufio.Reader {
+	br := leanReaders.Get().(*bufio.Reader)
+	br.Reset(r)
+	return br
+}
+
+// putLeanReader pools br, which nothing reads any more.
+func putLeanReader(br *bufio.Reader) {
+	br.Reset(nil)
+	leanReaders.Put(br)
+}
+
+func getLeanWriter(w io.Writer) *bufio.Writer {
+	bw := leanWriters.Get().(*bufio.Writer)
+	bw.Reset(w)
+	return bw
+}
+
+// putLeanWriter pools bw, which nothing writes any more; what it holds
+// unwritten (a connection that failed) is dropped.
+func putLeanWriter(bw *bufio.Writer) {
+	bw.Reset(nil)
+	leanWriters.Put(bw)
+}
+
 // leanBufSize is the lean loop's read buffer: a request (head and body) that
 // does not fit goes to net/http.
 const leanBufSize = 4096
@@ -59,7 +96,9 @@ type handover struct {
 // to net/http through pass.
 func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server, ho handover) {
 	passed := false
+	var br *bufio.Reader // nil until the loop serves requests
 	var bw *bufio.Writer // nil until the loop serves requests
+	brLent := false      // br went to net/http with the connection
 	serving := false     // a request was read and is not answered yet
 	var rq request       // the request being served
 	defer func() {
@@ -73,9 +112,17 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server, ho
 			} else if serving && bw != nil {
 				s.answerPanic(lc, bw)
 			}
+			// Its buffers go to the collector, not back to the pools.
+			br, bw = nil, nil
 		}
 		if !passed {
 			lc.Close()
+		}
+		if br != nil && !brLent {
+			putLeanReader(br)
+		}
+		if bw != nil {
+			putLeanWriter(bw)
 		}
 		s.trackLean(lc, false, false)
 	}()
@@ -101,14 +148,14 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server, ho
 	if len(ho.in) > 0 {
 		src = &prefixReader{b: ho.in, r: lc}
 	}
-	br := bufio.NewReaderSize(src, leanBufSize)
+	br = getLeanReader(src)
 	if len(ho.in) > 0 {
 		// All of it in br at once, as passedConn expects.
 		if _, err := br.Peek(len(ho.in)); err != nil {
 			return
 		}
 	}
-	bw = bufio.NewWriterSize(lc, leanBufSize)
+	bw = getLeanWriter(lc)
 	if len(ho.out) > 0 {
 		_ = lc.SetWriteDeadline(time.Now().Add(s.writeTimeout))
 		if _, err := lc.Write(ho.out); err != nil {
@@ -176,6 +223,7 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server, ho
 			// net/http sets its own deadlines, but only those it is
 			// configured for: ours must not linger.
 			_ = lc.SetDeadline(time.Time{})
+			brLent = true
 			var pc net.Conn = &passedConn{Conn: lc.Conn, r: br, peer: lc.peer}
 			if tc, ok := lc.Conn.(*tls.Conn); ok {
 				pc = passedTLSConn{passedConn: pc.(*passedConn), tc: tc}
