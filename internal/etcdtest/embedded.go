@@ -116,6 +116,15 @@ func startEmbedded(o Options, logPath string) (*Server, error) {
 		cfg.AutoCompactionMode = o.AutoCompactionMode
 		cfg.AutoCompactionRetention = o.AutoCompactionRetention
 	}
+	// No purging of old snapshot and WAL files: etcd reads their
+	// directories every 30 s and exits the process (zap's Fatal, into
+	// this server's log file: a test binary that ends with "exit status
+	// 1" and nothing else) when a read fails, and tests of this process
+	// take every free descriptor for a moment (server's
+	// TestHubPollAttackNoDescriptorForSlowWrite). A test's etcd lives
+	// too short to need the purge.
+	cfg.MaxSnapFiles = 0
+	cfg.MaxWalFiles = 0
 	// No HTTP/JSON gateway: tests speak gRPC through clientv3, and the
 	// gateway is a gRPC client inside the server that nothing here uses.
 	cfg.EnableGRPCGateway = false
