@@ -43,31 +43,6 @@ var (
 	leanWriters = sync.Pool{New: func() any { return bufio.NewWriterSize(nil, leanBufSize) }}
 )
 
-func getLeanReader(r io.Reader) *bufio.Reader {
-	br := leanReaders.Get().(*bufio.Reader)
-	br.Reset(r)
-	return br
-}
-
-// putLeanReader pools br, which nothing reads any more.
-func putLeanReader(br *bufio.Reader) {
-	br.Reset(nil)
-	leanReaders.Put(br)
-}
-
-func getLeanWriter(w io.Writer) *bufio.Writer {
-	bw := leanWriters.Get().(*bufio.Writer)
-	bw.Reset(w)
-	return bw
-}
-
-// putLeanWriter pools bw, which nothing writes any more; what it holds
-// unwritten (a connection that failed) is dropped.
-func putLeanWriter(bw *bufio.Writer) {
-	bw.Reset(nil)
-	leanWriters.Put(bw)
-}
-
 // leanBufSize is the lean loop's read buffer: a request (head and body) that
 // does not fit goes to net/http.
 const leanBufSize = 4096
@@ -98,7 +73,6 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server, ho
 	passed := false
 	var br *bufio.Reader // nil until the loop serves requests
 	var bw *bufio.Writer // nil until the loop serves requests
-	brLent := false      // br went to net/http with the connection
 	serving := false     // a request was read and is not answered yet
 	var rq request       // the request being served
 	defer func() {
@@ -118,11 +92,15 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server, ho
 		if !passed {
 			lc.Close()
 		}
-		if br != nil && !brLent {
-			putLeanReader(br)
+		// Back to the pools, empty: what bw holds unwritten (a connection
+		// that failed) is dropped.
+		if br != nil {
+			br.Reset(nil)
+			leanReaders.Put(br)
 		}
 		if bw != nil {
-			putLeanWriter(bw)
+			bw.Reset(nil)
+			leanWriters.Put(bw)
 		}
 		s.trackLean(lc, false, false)
 	}()
@@ -148,14 +126,16 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server, ho
 	if len(ho.in) > 0 {
 		src = &prefixReader{b: ho.in, r: lc}
 	}
-	br = getLeanReader(src)
+	br = leanReaders.Get().(*bufio.Reader)
+	br.Reset(src)
 	if len(ho.in) > 0 {
 		// All of it in br at once, as passedConn expects.
 		if _, err := br.Peek(len(ho.in)); err != nil {
 			return
 		}
 	}
-	bw = getLeanWriter(lc)
+	bw = leanWriters.Get().(*bufio.Writer)
+	bw.Reset(lc)
 	if len(ho.out) > 0 {
 		_ = lc.SetWriteDeadline(time.Now().Add(s.writeTimeout))
 		if _, err := lc.Write(ho.out); err != nil {
@@ -223,8 +203,8 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server, ho
 			// net/http sets its own deadlines, but only those it is
 			// configured for: ours must not linger.
 			_ = lc.SetDeadline(time.Time{})
-			brLent = true
 			var pc net.Conn = &passedConn{Conn: lc.Conn, r: br, peer: lc.peer}
+			br = nil // net/http reads it now: not pooled
 			if tc, ok := lc.Conn.(*tls.Conn); ok {
 				pc = passedTLSConn{passedConn: pc.(*passedConn), tc: tc}
 			}

@@ -196,16 +196,25 @@ func (d Dialer) OpenSubscribe(base, node string) (net.Conn, *http.Response, erro
 	if err != nil {
 		return nil, nil, err
 	}
-	resp, err := http.ReadResponse(br, nil)
+	resp, err := streamAnswer(c, br)
 	if err != nil {
-		c.Close()
 		return nil, nil, err
 	}
-	if resp.StatusCode != http.StatusOK {
-		c.Close()
-		return nil, nil, fmt.Errorf("subscribe: %s", resp.Status)
-	}
 	return c, resp, nil
+}
+
+// streamAnswer reads the answer to a GET /subscribe from br with net/http:
+// a 200, or an error, c closed.
+func streamAnswer(c net.Conn, br *bufio.Reader) (*http.Response, error) {
+	resp, err := http.ReadResponse(br, nil)
+	if err == nil && resp.StatusCode != http.StatusOK {
+		err = fmt.Errorf("subscribe: %s", resp.Status)
+	}
+	if err != nil {
+		c.Close()
+		return nil, err
+	}
+	return resp, nil
 }
 
 // streamBufSize is a stream's read buffer. The events dlock sends are a
@@ -255,21 +264,15 @@ func (d Dialer) Resume(base, node, lastEventID string) (*Stream, error) {
 		return nil, err
 	}
 	s := &Stream{conn: c, r: br}
-	if n, ok := peekHead(br); ok {
+	if head, ok := peekHead(br); ok {
 		// The usual answer: 200 and the stream unframed after it. Its
 		// header is parsed only if asked for (Header).
-		s.head = make([]byte, n)
-		copy(s.head, mustPeek(br, n))
-		br.Discard(n)
+		s.head = bytes.Clone(head)
+		br.Discard(len(head))
 	} else {
-		resp, err := http.ReadResponse(br, nil)
+		resp, err := streamAnswer(c, br)
 		if err != nil {
-			c.Close()
 			return nil, err
-		}
-		if resp.StatusCode != http.StatusOK {
-			c.Close()
-			return nil, fmt.Errorf("subscribe: %s", resp.Status)
 		}
 		s.resp = resp
 		// A stream's body is the rest of the connection: read from br
@@ -291,33 +294,27 @@ func (d Dialer) Resume(base, node, lastEventID string) (*Stream, error) {
 	}
 }
 
-// mustPeek is br.Peek(n) of bytes peekHead found buffered.
-func mustPeek(br *bufio.Reader, n int) []byte {
-	b, _ := br.Peek(n)
-	return b
-}
-
-// peekHead waits for an answer's head in br and reports its length if it
-// is the answer a stream usually has: "HTTP/1.1 200", and header lines
+// peekHead waits for an answer's head in br and returns it (valid until
+// br is read) if it is the answer a stream usually has: "HTTP/1.1 200", and header lines
 // that say nothing of the body's framing, so the stream is the rest of the
 // connection. It consumes nothing: for any other head (or one longer than
 // br's buffer, or a read that fails) the caller reads the answer with
 // net/http, which gives the reason. leanHead decides, held to
 // http.ReadResponse by FuzzStreamHeadMatchesNetHTTP.
-func peekHead(br *bufio.Reader) (int, bool) {
+func peekHead(br *bufio.Reader) ([]byte, bool) {
 	for want := 1; want <= br.Size(); {
 		if _, err := br.Peek(want); err != nil {
-			return 0, false
+			return nil, false
 		}
 		b, _ := br.Peek(br.Buffered())
 		if n, complete, ok := leanHead(b); !ok {
-			return 0, false
+			return nil, false
 		} else if complete {
-			return n, true
+			return b[:n], true
 		}
 		want = len(b) + 1
 	}
-	return 0, false
+	return nil, false
 }
 
 // leanHead reads b, the start of an answer. With complete, the head is

@@ -111,12 +111,12 @@ func TestStreamLeanHead(t *testing.T) {
 		}
 	}()
 	br := bufio.NewReaderSize(client, streamBufSize)
-	n, ok := peekHead(br)
-	if !ok || n != len(serverHead) {
-		t.Fatalf("peekHead: %d, %v; want %d, true", n, ok, len(serverHead))
+	head, ok := peekHead(br)
+	if !ok || string(head) != serverHead {
+		t.Fatalf("peekHead: %q, %v; want the server's head, true", head, ok)
 	}
-	s := &Stream{conn: client, r: br, head: []byte(serverHead)}
-	br.Discard(n)
+	s := &Stream{conn: client, r: br, head: bytes.Clone(head)}
+	br.Discard(len(head))
 	for _, want := range []string{"subscribed", "x"} {
 		if name, _, err := s.Next(); err != nil || name != want {
 			t.Fatalf("event %q, %v; want %q", name, err, want)

@@ -283,9 +283,9 @@ func (g *grouper) do(ctx context.Context, p *pending, leased bool) (*pending, er
 	g.mu.Lock()
 	g.q = append(g.q, p)
 	g.count(p, 1)
-	// A patient transaction that must wait for the leased request in
-	// flight (take) wakes no runner: landed does.
-	wake := !leased || !p.patient || g.leasedFlying == 0 || g.nLeased >= groupMax
+	// A patient transaction (leased, on the home lease) that must wait for
+	// the leased request in flight (take) wakes no runner: landed does.
+	wake := !p.patient || g.leasedFlying == 0 || g.nLeased >= groupMax
 	g.mu.Unlock()
 	if wake {
 		select {
