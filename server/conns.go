@@ -91,7 +91,74 @@ func (s *Server) Serve(ln net.Listener, hs *http.Server) error {
 			lc.Close()
 			continue
 		}
-		go s.serveLean(lc, pass, hs, handover{})
+		s.startLean(leanJob{lc, pass, hs})
+	}
+}
+
+// leanJob is a new connection for the lean loop.
+type leanJob struct {
+	lc   *leanConn
+	pass *passListener
+	hs   *http.Server
+}
+
+// maxLeanIdle bounds the lean goroutines kept waiting for a connection,
+// and leanIdleTimeout how long one waits before it ends: what a burst of
+// connections leaves behind goes once the burst is over.
+const (
+	maxLeanIdle     = 128
+	leanIdleTimeout = 10 * time.Second
+)
+
+// startLean serves j's connection from a lean goroutine that waits for
+// one, or a new one. A goroutine starts with a small stack that the
+// backend's calls grow, copying it; on etcd, where every connection has a
+// goroutine of its own (no event loop), that copying was 9 % of a profile
+// of the server while it opened 10,000 streams (docs/BENCHMARKS.md, "Lean
+// goroutines, reused"). A goroutine that served one connection keeps its
+// grown stack for the next.
+func (s *Server) startLean(j leanJob) {
+	select {
+	case s.leanJobs <- j:
+		return
+	default:
+	}
+	// Counted while it lives: the connection's count (trackLean) is
+	// held, so this Add never starts from zero while Close waits.
+	s.leanWG.Add(1)
+	s.leanWorkers.Add(1)
+	go s.leanWorker(j)
+}
+
+// leanWorker serves j, then the connections startLean hands it, until
+// the server closes or enough others wait.
+func (s *Server) leanWorker(j leanJob) {
+	defer s.leanWG.Done()
+	defer s.leanWorkers.Add(-1)
+	var idle *time.Timer
+	for {
+		s.serveLean(j.lc, j.pass, j.hs, handover{})
+		if s.leanIdle.Add(1) > maxLeanIdle {
+			s.leanIdle.Add(-1)
+			return
+		}
+		if idle == nil {
+			idle = time.NewTimer(s.leanIdleFor)
+		} else {
+			idle.Reset(s.leanIdleFor)
+		}
+		select {
+		case j = <-s.leanJobs:
+			s.leanIdle.Add(-1)
+			idle.Stop()
+		case <-idle.C:
+			s.leanIdle.Add(-1)
+			return
+		case <-s.closed:
+			s.leanIdle.Add(-1)
+			idle.Stop()
+			return
+		}
 	}
 }
 

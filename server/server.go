@@ -138,6 +138,13 @@ type Server struct {
 	// lean connections unfinished: none is taken after it.
 	forced bool
 	leanWG sync.WaitGroup
+	// leanJobs hands a new connection to a lean goroutine waiting for
+	// one (leanWorker); leanWorkers counts those goroutines, leanIdle
+	// those of them waiting.
+	leanJobs    chan leanJob
+	leanWorkers atomic.Int32
+	leanIdle    atomic.Int32
+	leanIdleFor time.Duration // how long one waits before it ends
 	// The event loop's pollers (poller.go), started by the first
 	// connection they take; guarded by mu.
 	eventLoop  bool
@@ -174,6 +181,8 @@ func New(b lock.Backend, opts Options) *Server {
 		maxConns:     opts.MaxConns,
 		epoch:        []string{info.Epoch},
 		closed:       make(chan struct{}),
+		leanJobs:     make(chan leanJob),
+		leanIdleFor:  leanIdleTimeout,
 		tokens:       opts.Tokens,
 		certs:        opts.TLS,
 		eventLoop:    opts.EventLoop,

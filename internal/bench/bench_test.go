@@ -4,6 +4,7 @@ import (
 	"context"
 	"os"
 	"os/exec"
+	"strings"
 	"testing"
 	"time"
 
@@ -43,6 +44,11 @@ func TestMemory(t *testing.T) {
 	r, err = OpenSessions(context.Background(), srv.URL(), Options{}.Dialer, 50)
 	if err != nil || r.RSSMiB <= 0 {
 		t.Fatalf("open sessions: %+v %v", r, err)
+	}
+	// The server's CPU was read (its /metrics, in steps of 10 ms, may
+	// say none was used by 50 streams), and this process's counted.
+	if strings.Contains(r.Note, "server CPU unknown") || r.ServerCPUPerOp < 0 || r.BenchCPUPerOp <= 0 {
+		t.Fatalf("open sessions' CPU: %+v", r)
 	}
 }
 

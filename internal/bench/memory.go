@@ -212,13 +212,18 @@ func HeldSessionLocks(ctx context.Context, base string, d rawhttp.Dialer, n, nod
 }
 
 // OpenSessions (idle-sessions) opens n session streams, keeps them open
-// while it reads the server's resident memory, then closes them.
+// while it reads the server's resident memory, then closes them. It
+// reports the server's CPU time per stream opened, and this process's:
+// on a machine the nodes and the server share, the time to open them all
+// is theirs together, and a server with cores of its own opens as many
+// a second as one core has its CPU time per stream.
 func OpenSessions(ctx context.Context, base string, d rawhttp.Dialer, n int) (Result, error) {
 	id := runID()
 	before, err := ServerRSS(base, d)
 	if err != nil {
 		return Result{}, err
 	}
+	cpu := startCPU(MetricsCPU(base, d))
 	start := time.Now()
 	streams, err := openIdle(ctx, base, d, n, "idle-"+id)
 	defer closeStreams(streams)
@@ -226,11 +231,13 @@ func OpenSessions(ctx context.Context, base string, d rawhttp.Dialer, n int) (Re
 		return Result{}, err
 	}
 	elapsed := time.Since(start)
+	cpu.stop()
 	after, err := ServerRSS(base, d)
 	if err != nil {
 		return Result{}, err
 	}
 	r := memoryResult(Result{Scenario: "idle-sessions", System: "dlock", Concurrency: 64, Ops: int64(n), Seconds: elapsed.Seconds(), Unit: "session open"}, before, after)
 	r.Note = fmt.Sprintf("%d idle session streams open: server RSS %.1f MiB, %.1f MiB empty: %.0f B per session", n, after, before, r.RSSBytesPerOp)
+	cpu.report(&r)
 	return r, nil
 }

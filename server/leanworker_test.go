@@ -1,0 +1,85 @@
+package server
+
+import (
+	"net"
+	"testing"
+	"time"
+
+	"github.com/dlock/dlock/internal/dlocktest/kit"
+)
+
+// TestLeanGoroutinesReused: without the event loop, each connection is
+// served by a lean goroutine; one that has served a connection serves the
+// next (its stack, grown by the first, is not grown again).
+func TestLeanGoroutinesReused(t *testing.T) {
+	e := newEnvWith(t, envConfig{goroutines: true})
+	addr := e.ts.Listener.Addr().String()
+	for i := range 20 {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		kit.WaitFor(t, "the connection accepted", func() bool { return e.srv.conns.Load() == 1 })
+		c.Close()
+		kit.WaitFor(t, "its goroutine waiting for the next", func() bool {
+			return e.srv.conns.Load() == 0 && e.srv.leanIdle.Load() == 1
+		})
+		if n := e.srv.leanWorkers.Load(); n != 1 {
+			t.Fatalf("connection %d: %d lean goroutines, want the one reused", i, n)
+		}
+	}
+}
+
+// TestLeanGoroutinesIdleBounded: after a burst of connections, at most
+// maxLeanIdle goroutines stay to wait for more; the others end. Close ends
+// those that wait (goleak checks the package's goroutines at its end).
+func TestLeanGoroutinesIdleBounded(t *testing.T) {
+	e := newEnvWith(t, envConfig{goroutines: true})
+	addr := e.ts.Listener.Addr().String()
+	const n = maxLeanIdle + 20
+	conns := make([]net.Conn, 0, n)
+	for range n {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		conns = append(conns, c)
+	}
+	kit.WaitFor(t, "every connection accepted", func() bool { return e.srv.conns.Load() == n })
+	// Every connection is open and idle in its own goroutine.
+	if w := e.srv.leanWorkers.Load(); w != n {
+		t.Fatalf("%d lean goroutines for %d open connections", w, n)
+	}
+	for _, c := range conns {
+		c.Close()
+	}
+	kit.WaitFor(t, "the goroutines past the bound gone", func() bool {
+		return e.srv.conns.Load() == 0 && e.srv.leanWorkers.Load() == maxLeanIdle && e.srv.leanIdle.Load() == maxLeanIdle
+	})
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	kit.WaitFor(t, "the next connection taken by one waiting", func() bool {
+		return e.srv.conns.Load() == 1 && e.srv.leanIdle.Load() == maxLeanIdle-1
+	})
+	if w := e.srv.leanWorkers.Load(); w != maxLeanIdle {
+		t.Fatalf("%d lean goroutines, want the %d that waited", w, maxLeanIdle)
+	}
+}
+
+// TestLeanGoroutinesIdleEnd: a lean goroutine that waits for a connection
+// for leanIdleFor ends.
+func TestLeanGoroutinesIdleEnd(t *testing.T) {
+	e := newEnvWith(t, envConfig{goroutines: true, prep: func(s *Server) { s.leanIdleFor = 20 * time.Millisecond }})
+	c, err := net.Dial("tcp", e.ts.Listener.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	kit.WaitFor(t, "the connection accepted", func() bool { return e.srv.conns.Load() == 1 })
+	c.Close()
+	kit.WaitFor(t, "the idle goroutine gone", func() bool {
+		return e.srv.conns.Load() == 0 && e.srv.leanWorkers.Load() == 0 && e.srv.leanIdle.Load() == 0
+	})
+}
