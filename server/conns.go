@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"runtime"
 	"runtime/debug"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -116,13 +117,23 @@ const (
 // goroutine of its own (no event loop), that copying was 9 % of a profile
 // of the server while it opened 10,000 streams (docs/BENCHMARKS.md, "Lean
 // goroutines, reused"). A goroutine that served one connection keeps its
-// grown stack for the next.
+// grown stack for the next. The one that waited least takes it: handed
+// out in turn, a steady trickle of connections would keep every waiting
+// goroutine from its timeout.
 func (s *Server) startLean(j leanJob) {
-	select {
-	case s.leanJobs <- j:
+	s.leanMu.Lock()
+	if n := len(s.leanWaiting); n > 0 {
+		// The one that waited least: its stack is the likeliest to be
+		// grown still, and those that wait longer end.
+		w := s.leanWaiting[n-1]
+		s.leanWaiting[n-1] = nil
+		s.leanWaiting = s.leanWaiting[:n-1]
+		s.leanIdle.Add(-1)
+		s.leanMu.Unlock()
+		w <- j // buffered, and it waits for it: never blocks
 		return
-	default:
 	}
+	s.leanMu.Unlock()
 	// Counted while it lives: the connection's count (trackLean) is
 	// held, so this Add never starts from zero while Close waits.
 	s.leanWG.Add(1)
@@ -135,30 +146,43 @@ func (s *Server) startLean(j leanJob) {
 func (s *Server) leanWorker(j leanJob) {
 	defer s.leanWG.Done()
 	defer s.leanWorkers.Add(-1)
+	jobs := make(chan leanJob, 1)
 	var idle *time.Timer
 	for {
 		s.serveLean(j.lc, j.pass, j.hs, handover{})
-		if s.leanIdle.Add(1) > maxLeanIdle {
-			s.leanIdle.Add(-1)
+		j = leanJob{}
+		s.leanMu.Lock()
+		if len(s.leanWaiting) >= maxLeanIdle || s.closing.Load() {
+			s.leanMu.Unlock()
 			return
 		}
+		s.leanWaiting = append(s.leanWaiting, jobs)
+		s.leanIdle.Add(1)
+		s.leanMu.Unlock()
 		if idle == nil {
 			idle = time.NewTimer(s.leanIdleFor)
 		} else {
 			idle.Reset(s.leanIdleFor)
 		}
 		select {
-		case j = <-s.leanJobs:
-			s.leanIdle.Add(-1)
+		case j = <-jobs:
 			idle.Stop()
+			continue
 		case <-idle.C:
-			s.leanIdle.Add(-1)
-			return
 		case <-s.closed:
-			s.leanIdle.Add(-1)
 			idle.Stop()
+		}
+		s.leanMu.Lock()
+		i := slices.Index(s.leanWaiting, jobs)
+		if i >= 0 {
+			s.leanWaiting = slices.Delete(s.leanWaiting, i, i+1)
+			s.leanIdle.Add(-1)
+		}
+		s.leanMu.Unlock()
+		if i >= 0 {
 			return
 		}
+		j = <-jobs // startLean took it as it ended: serve what it sent
 	}
 }
 

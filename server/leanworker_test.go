@@ -45,11 +45,9 @@ func TestLeanGoroutinesIdleBounded(t *testing.T) {
 		}
 		conns = append(conns, c)
 	}
-	kit.WaitFor(t, "every connection accepted", func() bool { return e.srv.conns.Load() == n })
-	// Every connection is open and idle in its own goroutine.
-	if w := e.srv.leanWorkers.Load(); w != n {
-		t.Fatalf("%d lean goroutines for %d open connections", w, n)
-	}
+	kit.WaitFor(t, "every connection accepted, each in its own goroutine", func() bool {
+		return e.srv.conns.Load() == n && e.srv.leanWorkers.Load() == n
+	})
 	for _, c := range conns {
 		c.Close()
 	}
@@ -82,4 +80,40 @@ func TestLeanGoroutinesIdleEnd(t *testing.T) {
 	kit.WaitFor(t, "the idle goroutine gone", func() bool {
 		return e.srv.conns.Load() == 0 && e.srv.leanWorkers.Load() == 0 && e.srv.leanIdle.Load() == 0
 	})
+}
+
+// TestLeanGoroutinesTrickle: after a burst, connections that come one at a
+// time go to the goroutine that waited least, and the others the burst
+// left end. (Handed out in turn, each would get a connection before its
+// timeout, and all would stay.)
+func TestLeanGoroutinesTrickle(t *testing.T) {
+	e := newEnvWith(t, envConfig{goroutines: true, prep: func(s *Server) { s.leanIdleFor = 300 * time.Millisecond }})
+	addr := e.ts.Listener.Addr().String()
+	const burst = 20
+	var cs []net.Conn
+	for range burst {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cs = append(cs, c)
+	}
+	kit.WaitFor(t, "the burst accepted", func() bool { return e.srv.conns.Load() == burst && e.srv.leanWorkers.Load() == burst })
+	for _, c := range cs {
+		c.Close()
+	}
+	kit.WaitFor(t, "the burst over", func() bool { return e.srv.conns.Load() == 0 && e.srv.leanIdle.Load() == burst })
+	deadline := time.Now().Add(kit.Patience)
+	for n := 0; e.srv.leanWorkers.Load() > 1; n++ {
+		if time.Now().After(deadline) {
+			t.Fatalf("after %d connections one at a time, %d lean goroutines of the burst's %d remain", n, e.srv.leanWorkers.Load(), burst)
+		}
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		kit.WaitFor(t, "the connection accepted", func() bool { return e.srv.conns.Load() == 1 })
+		c.Close()
+		kit.WaitFor(t, "the connection served", func() bool { return e.srv.conns.Load() == 0 && e.srv.leanIdle.Load() >= 1 })
+	}
 }

@@ -138,10 +138,11 @@ type Server struct {
 	// lean connections unfinished: none is taken after it.
 	forced bool
 	leanWG sync.WaitGroup
-	// leanJobs hands a new connection to a lean goroutine waiting for
-	// one (leanWorker); leanWorkers counts those goroutines, leanIdle
-	// those of them waiting.
-	leanJobs    chan leanJob
+	// leanWaiting are the lean goroutines waiting for a connection
+	// (leanWorker), each by the channel startLean hands it one on;
+	// leanWorkers counts the lean goroutines, leanIdle those waiting.
+	leanMu      sync.Mutex
+	leanWaiting []chan leanJob // guarded by leanMu; the last waited least
 	leanWorkers atomic.Int32
 	leanIdle    atomic.Int32
 	leanIdleFor time.Duration // how long one waits before it ends
@@ -181,7 +182,6 @@ func New(b lock.Backend, opts Options) *Server {
 		maxConns:     opts.MaxConns,
 		epoch:        []string{info.Epoch},
 		closed:       make(chan struct{}),
-		leanJobs:     make(chan leanJob),
 		leanIdleFor:  leanIdleTimeout,
 		tokens:       opts.Tokens,
 		certs:        opts.TLS,
