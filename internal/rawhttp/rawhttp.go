@@ -16,6 +16,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"golang.org/x/net/http/httpguts"
 )
 
 // Dialer opens connections to a dlock server with its transport and
@@ -375,7 +377,7 @@ func headerLine(line []byte, partial bool) bool {
 // token reports whether b is all token characters (RFC 9110, 5.6.2).
 func token(b []byte) bool {
 	for _, c := range b {
-		if c >= 0x80 || !strings.ContainsRune("!#$%&'*+-.^_`|~", rune(c)) && !('0' <= c && c <= '9' || 'a' <= c && c <= 'z' || 'A' <= c && c <= 'Z') {
+		if !httpguts.IsTokenRune(rune(c)) {
 			return false
 		}
 	}
