@@ -92,15 +92,17 @@ func (s *Server) Serve(ln net.Listener, hs *http.Server) error {
 			lc.Close()
 			continue
 		}
-		s.startLean(leanJob{lc, pass, hs})
+		s.startLean(leanJob{lc: lc, pass: pass, hs: hs})
 	}
 }
 
-// leanJob is a new connection for the lean loop.
+// leanJob is a connection for the lean loop: a new one, or one an event
+// loop hands over with ho's bytes (poller.handTo).
 type leanJob struct {
 	lc   *leanConn
 	pass *passListener
 	hs   *http.Server
+	ho   handover
 }
 
 // maxLeanIdle bounds the lean goroutines kept waiting for a connection,
@@ -128,7 +130,6 @@ func (s *Server) startLean(j leanJob) {
 		w := s.leanWaiting[n-1]
 		s.leanWaiting[n-1] = nil
 		s.leanWaiting = s.leanWaiting[:n-1]
-		s.leanIdle.Add(-1)
 		s.leanMu.Unlock()
 		w <- j // buffered, and it waits for it: never blocks
 		return
@@ -149,7 +150,7 @@ func (s *Server) leanWorker(j leanJob) {
 	jobs := make(chan leanJob, 1)
 	var idle *time.Timer
 	for {
-		s.serveLean(j.lc, j.pass, j.hs, handover{})
+		s.serveLean(j.lc, j.pass, j.hs, j.ho)
 		j = leanJob{}
 		s.leanMu.Lock()
 		if len(s.leanWaiting) >= maxLeanIdle || s.closing.Load() {
@@ -157,7 +158,6 @@ func (s *Server) leanWorker(j leanJob) {
 			return
 		}
 		s.leanWaiting = append(s.leanWaiting, jobs)
-		s.leanIdle.Add(1)
 		s.leanMu.Unlock()
 		if idle == nil {
 			idle = time.NewTimer(s.leanIdleFor)
@@ -176,7 +176,6 @@ func (s *Server) leanWorker(j leanJob) {
 		i := slices.Index(s.leanWaiting, jobs)
 		if i >= 0 {
 			s.leanWaiting = slices.Delete(s.leanWaiting, i, i+1)
-			s.leanIdle.Add(-1)
 		}
 		s.leanMu.Unlock()
 		if i >= 0 {

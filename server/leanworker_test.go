@@ -22,7 +22,7 @@ func TestLeanGoroutinesReused(t *testing.T) {
 		kit.WaitFor(t, "the connection accepted", func() bool { return e.srv.conns.Load() == 1 })
 		c.Close()
 		kit.WaitFor(t, "its goroutine waiting for the next", func() bool {
-			return e.srv.conns.Load() == 0 && e.srv.leanIdle.Load() == 1
+			return e.srv.conns.Load() == 0 && e.srv.leanWaitingLen() == 1
 		})
 		if n := e.srv.leanWorkers.Load(); n != 1 {
 			t.Fatalf("connection %d: %d lean goroutines, want the one reused", i, n)
@@ -52,7 +52,7 @@ func TestLeanGoroutinesIdleBounded(t *testing.T) {
 		c.Close()
 	}
 	kit.WaitFor(t, "the goroutines past the bound gone", func() bool {
-		return e.srv.conns.Load() == 0 && e.srv.leanWorkers.Load() == maxLeanIdle && e.srv.leanIdle.Load() == maxLeanIdle
+		return e.srv.conns.Load() == 0 && e.srv.leanWorkers.Load() == maxLeanIdle && e.srv.leanWaitingLen() == maxLeanIdle
 	})
 	c, err := net.Dial("tcp", addr)
 	if err != nil {
@@ -60,7 +60,7 @@ func TestLeanGoroutinesIdleBounded(t *testing.T) {
 	}
 	defer c.Close()
 	kit.WaitFor(t, "the next connection taken by one waiting", func() bool {
-		return e.srv.conns.Load() == 1 && e.srv.leanIdle.Load() == maxLeanIdle-1
+		return e.srv.conns.Load() == 1 && e.srv.leanWaitingLen() == maxLeanIdle-1
 	})
 	if w := e.srv.leanWorkers.Load(); w != maxLeanIdle {
 		t.Fatalf("%d lean goroutines, want the %d that waited", w, maxLeanIdle)
@@ -78,7 +78,7 @@ func TestLeanGoroutinesIdleEnd(t *testing.T) {
 	kit.WaitFor(t, "the connection accepted", func() bool { return e.srv.conns.Load() == 1 })
 	c.Close()
 	kit.WaitFor(t, "the idle goroutine gone", func() bool {
-		return e.srv.conns.Load() == 0 && e.srv.leanWorkers.Load() == 0 && e.srv.leanIdle.Load() == 0
+		return e.srv.conns.Load() == 0 && e.srv.leanWorkers.Load() == 0 && e.srv.leanWaitingLen() == 0
 	})
 }
 
@@ -102,7 +102,7 @@ func TestLeanGoroutinesTrickle(t *testing.T) {
 	for _, c := range cs {
 		c.Close()
 	}
-	kit.WaitFor(t, "the burst over", func() bool { return e.srv.conns.Load() == 0 && e.srv.leanIdle.Load() == burst })
+	kit.WaitFor(t, "the burst over", func() bool { return e.srv.conns.Load() == 0 && e.srv.leanWaitingLen() == burst })
 	deadline := time.Now().Add(kit.Patience)
 	for n := 0; e.srv.leanWorkers.Load() > 1; n++ {
 		if time.Now().After(deadline) {
@@ -114,6 +114,40 @@ func TestLeanGoroutinesTrickle(t *testing.T) {
 		}
 		kit.WaitFor(t, "the connection accepted", func() bool { return e.srv.conns.Load() == 1 })
 		c.Close()
-		kit.WaitFor(t, "the connection served", func() bool { return e.srv.conns.Load() == 0 && e.srv.leanIdle.Load() >= 1 })
+		kit.WaitFor(t, "the connection served", func() bool { return e.srv.conns.Load() == 0 && e.srv.leanWaitingLen() >= 1 })
+	}
+}
+
+// leanWaitingLen is the number of lean goroutines waiting for a connection.
+func (s *Server) leanWaitingLen() int32 {
+	s.leanMu.Lock()
+	defer s.leanMu.Unlock()
+	return int32(len(s.leanWaiting))
+}
+
+// TestLeanGoroutinesTakeHandOvers: a connection the event loop hands to
+// the lean loop (here, half a request) goes to a lean goroutine as a new
+// one does, and one that served such a connection serves the next.
+func TestLeanGoroutinesTakeHandOvers(t *testing.T) {
+	e := newEnvWith(t, envConfig{})
+	addr := e.ts.Listener.Addr().String()
+	for i := range 3 {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := c.Write([]byte("POST /lock HTTP/1.1\r\nHost: x\r\n")); err != nil {
+			t.Fatal(err)
+		}
+		kit.WaitFor(t, "the half request handed to a lean goroutine", func() bool {
+			return e.srv.conns.Load() == 1 && e.srv.leanWorkers.Load() == 1 && e.srv.leanWaitingLen() == 0
+		})
+		c.Close()
+		kit.WaitFor(t, "its goroutine waiting for the next", func() bool {
+			return e.srv.conns.Load() == 0 && e.srv.leanWaitingLen() == 1
+		})
+		if n := e.srv.leanWorkers.Load(); n != 1 {
+			t.Fatalf("hand-over %d: %d lean goroutines, want the one reused", i, n)
+		}
 	}
 }

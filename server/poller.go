@@ -335,8 +335,8 @@ func (p *poller) openStream(pc *pollConn, req leanRequest, data []byte) {
 	}()
 }
 
-// handOver moves a connection from the poller to a goroutine of its own in
-// the lean loop, with ho's bytes.
+// handOver moves a connection from the poller to a goroutine of the lean
+// loop (startLean) for the rest of its life, with ho's bytes.
 func (p *poller) handOver(pc *pollConn, ho handover) {
 	if !p.remove(pc) {
 		return
@@ -388,7 +388,7 @@ func (p *poller) handTo(pc *pollConn, ho handover) {
 		lc.Close()
 		return
 	}
-	go p.s.serveLean(lc, pc.pass, pc.hs, ho)
+	p.s.startLean(leanJob{lc: lc, pass: pc.pass, hs: pc.hs, ho: ho})
 }
 
 // writeOwed writes b to the non-blocking descriptor fd, waiting in

@@ -140,11 +140,10 @@ type Server struct {
 	leanWG sync.WaitGroup
 	// leanWaiting are the lean goroutines waiting for a connection
 	// (leanWorker), each by the channel startLean hands it one on;
-	// leanWorkers counts the lean goroutines, leanIdle those waiting.
+	// leanWorkers counts the lean goroutines, waiting or not.
 	leanMu      sync.Mutex
 	leanWaiting []chan leanJob // guarded by leanMu; the last waited least
 	leanWorkers atomic.Int32
-	leanIdle    atomic.Int32
 	leanIdleFor time.Duration // how long one waits before it ends
 	// The event loop's pollers (poller.go), started by the first
 	// connection they take; guarded by mu.
