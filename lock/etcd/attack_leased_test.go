@@ -28,15 +28,14 @@ import (
 // one, that puts key if it is absent.
 func leasedPut(ctx context.Context, g *grouper, key string, leased bool) error {
 	cmps := []clientv3.Cmp{clientv3.Compare(clientv3.CreateRevision(key), "=", 0)}
-	ops := []clientv3.Op{clientv3.OpPut(key, "v")}
 	var ok bool
 	var err error
 	if leased {
 		var resp *pb.TxnResponse
-		_, resp, err = g.txnHomed(ctx, cmps, ops, nil)
+		_, resp, err = g.txnHomed(ctx, cmps, key, "v", 0, nil)
 		ok = err == nil && resp.Succeeded
 	} else {
-		_, ok, err = g.commit(ctx, cmps, ops, false)
+		_, ok, err = g.commit(ctx, cmps, []clientv3.Op{clientv3.OpPut(key, "v")}, false)
 	}
 	if err == nil && !ok {
 		err = fmt.Errorf("%s: a guard failed", key)

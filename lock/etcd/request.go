@@ -32,7 +32,7 @@ func groupRequest(group []*pending) (*pb.TxnRequest, bool) {
 // txnRequest is p's transaction as a request of its own, or nested in a
 // group's.
 func txnRequest(p *pending) (*pb.TxnRequest, bool) {
-	if p.leased {
+	if p.leased && !p.madeLeased {
 		return nil, false // a put's lease cannot be read from its Op
 	}
 	t := &pb.TxnRequest{Compare: make([]*pb.Compare, len(p.cmps))}
@@ -40,35 +40,37 @@ func txnRequest(p *pending) (*pb.TxnRequest, bool) {
 		t.Compare[j] = p.cmps[j].GetCompare() // read only, as the request is sent
 	}
 	var ok bool
-	if t.Success, ok = requestOps(p.ops); !ok {
+	if t.Success, ok = requestOps(p.ops, p.lease); !ok {
 		return nil, false
 	}
-	if t.Failure, ok = requestOps(p.els); !ok {
+	if t.Failure, ok = requestOps(p.els, 0); !ok {
 		return nil, false
 	}
 	return t, true
 }
 
-func requestOps(ops []clientv3.Op) ([]*pb.RequestOp, bool) {
+// requestOps is ops as clientv3 sends them, every put attaching lease (0:
+// none).
+func requestOps(ops []clientv3.Op, lease int64) ([]*pb.RequestOp, bool) {
 	out := make([]*pb.RequestOp, len(ops))
 	for i, op := range ops {
 		var ok bool
-		if out[i], ok = requestOp(op); !ok {
+		if out[i], ok = requestOp(op, lease); !ok {
 			return nil, false
 		}
 	}
 	return out, true
 }
 
-// requestOp is op as clientv3 sends it, for a put without a lease (a
-// group's leased transactions go through clientv3), a delete, and a range
-// read without a sort order, whose fields clientv3.Op shows. The ops this
-// package makes of each kind are checked against clientv3's request in
-// TestGroupRequestAsClientv3.
-func requestOp(op clientv3.Op) (*pb.RequestOp, bool) {
+// requestOp is op as clientv3 sends it, for a put (attaching lease, which
+// clientv3.Op does not show: the caller knows it, txnLeased), a delete,
+// and a range read without a sort order, whose fields clientv3.Op shows.
+// The ops this package makes of each kind are checked against clientv3's
+// request in TestGroupRequestAsClientv3.
+func requestOp(op clientv3.Op, lease int64) (*pb.RequestOp, bool) {
 	switch {
 	case op.IsPut():
-		r := &pb.PutRequest{Key: op.KeyBytes(), Value: op.ValueBytes(), PrevKv: op.IsPrevKV()}
+		r := &pb.PutRequest{Key: op.KeyBytes(), Value: op.ValueBytes(), PrevKv: op.IsPrevKV(), Lease: lease}
 		return &pb.RequestOp{Request: &pb.RequestOp_RequestPut{RequestPut: r}}, true
 	case op.IsDelete():
 		r := &pb.DeleteRangeRequest{Key: op.KeyBytes(), RangeEnd: op.RangeBytes(), PrevKv: op.IsPrevKV()}

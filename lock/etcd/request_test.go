@@ -82,6 +82,33 @@ func TestGroupRequestAsClientv3(t *testing.T) {
 		t.Fatalf("txnRequest made\n%v\nclientv3 makes\n%v", r, one.got)
 	}
 
+	// The transactions of txnLeased: their one put attaches its lease, and
+	// a group of them (sessions put on the home lease) is made as clientv3
+	// makes it, lease and all.
+	homed := []*pending{
+		newLeasedPending(cmps[:1], "/p/s/x", `{"l":"7","h":"5"}`, 0x5, els[:1]),
+		newLeasedPending(cmps[1:2], "/p/s/y", `{"l":"7"}`, 0x7fffffffffffffff, nil),
+		newLeasedPending(nil, "/p/s/z", "", 0, els[:1]),
+	}
+	for _, p := range homed {
+		p.leased = true
+	}
+	wantHomed := &capture{}
+	nestedHomed := []clientv3.Op{
+		clientv3.OpTxn(cmps[:1], []clientv3.Op{clientv3.OpPut("/p/s/x", `{"l":"7","h":"5"}`, clientv3.WithLease(0x5))}, els[:1]),
+		clientv3.OpTxn(cmps[1:2], []clientv3.Op{clientv3.OpPut("/p/s/y", `{"l":"7"}`, clientv3.WithLease(0x7fffffffffffffff))}, nil),
+		clientv3.OpTxn(nil, []clientv3.Op{clientv3.OpPut("/p/s/z", "")}, els[:1]),
+	}
+	if _, err := clientv3.NewKVFromKVClient(wantHomed, nil).Txn(context.Background()).Then(nestedHomed...).Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if req, ok := groupRequest(homed); !ok || !proto.Equal(req, wantHomed.got) {
+		t.Fatalf("groupRequest made of leased puts (%v)\n%v\nclientv3 makes\n%v", ok, req, wantHomed.got)
+	}
+	if req := wantHomed.got.Success[0].GetRequestTxn().Success[0].GetRequestPut(); req.Lease != 0x5 {
+		t.Fatalf("clientv3's put attaches lease %x, want 5: the comparison above would not see a lost lease", req.Lease)
+	}
+
 	for _, odd := range []*pending{
 		newPending(nil, []clientv3.Op{clientv3.OpGet("/p/q/", clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend))}, nil),
 		newPending(nil, []clientv3.Op{clientv3.OpTxn(nil, nil, nil)}, nil),

@@ -368,9 +368,7 @@ func (s *sessions) putHomed(ctx context.Context, key string, guard clientv3.Cmp,
 			return sessRec{}, 0, 0, false, err
 		}
 		rec = sessRec{Lease: id, Home: home}
-		rev, tr, err := b.g.txnHomed(ctx, []clientv3.Cmp{guard},
-			[]clientv3.Op{clientv3.OpPut(key, encodeSess(rec), clientv3.WithLease(clientv3.LeaseID(home)))},
-			[]clientv3.Op{clientv3.OpGet(key)})
+		rev, tr, err := b.g.txnHomed(ctx, []clientv3.Cmp{guard}, key, encodeSess(rec), home, []clientv3.Op{clientv3.OpGet(key)})
 		if errors.Is(err, rpctypes.ErrLeaseNotFound) {
 			// The home lease ran out (etcd did not hear from this
 			// server for a grace, or is a TTL behind).
@@ -531,9 +529,8 @@ func (s *sessions) promote(ctx context.Context, node string, seen sessRec, modRe
 	}
 	key := b.n.session(node)
 	own := sessRec{Lease: seen.Lease}
-	rev, tr, err := b.g.txn(ctx, []clientv3.Cmp{clientv3.Compare(clientv3.ModRevision(key), "=", modRev)},
-		[]clientv3.Op{clientv3.OpPut(key, encodeSess(own), clientv3.WithLease(clientv3.LeaseID(own.Lease)))},
-		[]clientv3.Op{clientv3.OpGet(key)}, true)
+	rev, tr, err := b.g.txnLeased(ctx, []clientv3.Cmp{clientv3.Compare(clientv3.ModRevision(key), "=", modRev)},
+		key, encodeSess(own), own.Lease, []clientv3.Op{clientv3.OpGet(key)})
 	if errors.Is(err, rpctypes.ErrLeaseNotFound) {
 		return sessRec{}, 0, 0, time.Time{}, false, fmt.Errorf("%w: promoting a session: its lease ran out before etcd wrote its record", lock.ErrUnavailable)
 	}
