@@ -421,10 +421,14 @@ func (st *hubStream) writeNow(b []byte) (int, error) {
 	return n, errors.Join(err, werr)
 }
 
-// writeFD writes as much of b as the non-blocking socket fd takes.
+// writeFD writes as much of b as the non-blocking socket fd takes. It
+// never waits, so it does not tell the scheduler it might (rawIO): told,
+// the scheduler's monitor takes the writer's processor away from a write
+// that runs long, as one on loopback does that runs the reader's TCP input
+// too, and another thread is woken to run what waits.
 func writeFD(fd int, b []byte) (n int, err error) {
 	for n < len(b) {
-		m, err := unix.Write(fd, b[n:])
+		m, err := rawIO(unix.SYS_WRITE, fd, b[n:])
 		if err == unix.EINTR {
 			continue
 		}
