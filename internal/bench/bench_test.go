@@ -2,6 +2,7 @@ package bench
 
 import (
 	"context"
+	"crypto/tls"
 	"os"
 	"os/exec"
 	"strings"
@@ -9,6 +10,7 @@ import (
 	"time"
 
 	"github.com/dlock/dlock/internal/dlocktest"
+	"github.com/dlock/dlock/internal/rawhttp"
 	"go.uber.org/goleak"
 )
 
@@ -49,6 +51,37 @@ func TestMemory(t *testing.T) {
 	// say none was used by 50 streams), and this process's counted.
 	if strings.Contains(r.Note, "server CPU unknown") || r.ServerCPUPerOp < 0 || r.BenchCPUPerOp <= 0 {
 		t.Fatalf("open sessions' CPU: %+v", r)
+	}
+}
+
+// TestOpenSessionsCredentials: the sessions are opened with the dialer's
+// token, by the load generator's own opener over plain HTTP and through
+// crypto/tls over HTTPS; every one reaches the server.
+func TestOpenSessionsCredentials(t *testing.T) {
+	tokens := map[string]string{"0p3rat0r-0p3rat0r-0p3rat0r": "*"}
+	pki := dlocktest.NewPKI(t)
+	for _, c := range []struct {
+		name string
+		auth *dlocktest.Auth
+		d    rawhttp.Dialer
+	}{
+		{"http", &dlocktest.Auth{Tokens: tokens}, rawhttp.Dialer{Token: "0p3rat0r-0p3rat0r-0p3rat0r"}},
+		{"https", &dlocktest.Auth{Tokens: tokens, PKI: pki}, rawhttp.Dialer{Token: "0p3rat0r-0p3rat0r-0p3rat0r", TLS: &tls.Config{RootCAs: pki.Pool}}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			srv := dlocktest.Start(t, dlocktest.Options{Auth: c.auth})
+			r, err := OpenSessions(context.Background(), srv.URL(), c.d, 40)
+			if err != nil || r.Ops != 40 {
+				t.Fatalf("open sessions: %+v %v", r, err)
+			}
+			if c.d.TLS != nil {
+				return
+			}
+			// The opener's own requests carry the token: without it, 401.
+			if _, err := (rawhttp.Dialer{}).OpenIdle(context.Background(), srv.URL(), 1, 1, func(int) string { return "x" }); err == nil || !strings.Contains(err.Error(), "401") {
+				t.Fatalf("a stream opened without the token: %v, want 401", err)
+			}
+		})
 	}
 }
 

@@ -3,7 +3,9 @@ package bench
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -225,8 +227,15 @@ func OpenSessions(ctx context.Context, base string, d rawhttp.Dialer, n int) (Re
 	}
 	cpu := startCPU(MetricsCPU(base, d))
 	start := time.Now()
-	streams, err := openIdle(ctx, base, d, n, "idle-"+id)
-	defer closeStreams(streams)
+	prefix := "idle-" + id + "-"
+	idle, err := d.OpenIdle(ctx, base, n, 64, func(i int) string { return prefix + strconv.Itoa(i) })
+	if errors.Is(err, rawhttp.ErrNotPlain) {
+		var streams []*rawhttp.Stream
+		streams, err = openIdle(ctx, base, d, n, "idle-"+id)
+		defer closeStreams(streams)
+	} else if idle != nil {
+		defer idle.Close()
+	}
 	if err != nil {
 		return Result{}, err
 	}

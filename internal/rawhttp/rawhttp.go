@@ -233,22 +233,27 @@ func (d Dialer) request(base, node, lastEventID string) (net.Conn, *bufio.Reader
 	if err != nil {
 		return nil, nil, err
 	}
-	req := make([]byte, 0, 256)
-	req = append(req, "GET /subscribe?node_id="...)
-	req = append(req, url.QueryEscape(node)...)
-	req = append(req, " HTTP/1.1\r\nHost: "...)
-	req = append(req, host...)
-	req = append(req, "\r\n"...)
-	req = append(req, d.authLine()...)
-	if lastEventID != "" {
-		req = append(req, "Last-Event-ID: "+lastEventID+"\r\n"...)
-	}
-	req = append(req, "\r\n"...)
+	req := appendRequest(make([]byte, 0, 256), host, node, lastEventID, d.authLine())
 	if _, err := c.Write(req); err != nil {
 		c.Close()
 		return nil, nil, err
 	}
 	return c, bufio.NewReaderSize(c, streamBufSize), nil
+}
+
+// appendRequest appends node's GET /subscribe to host, with auth (an
+// Authorization line, or "") and lastEventID (or "").
+func appendRequest(req []byte, host, node, lastEventID, auth string) []byte {
+	req = append(req, "GET /subscribe?node_id="...)
+	req = append(req, url.QueryEscape(node)...)
+	req = append(req, " HTTP/1.1\r\nHost: "...)
+	req = append(req, host...)
+	req = append(req, "\r\n"...)
+	req = append(req, auth...)
+	if lastEventID != "" {
+		req = append(req, "Last-Event-ID: "+lastEventID+"\r\n"...)
+	}
+	return append(req, "\r\n"...)
 }
 
 // Subscribe opens node's session stream and reads up to its subscribed event.
