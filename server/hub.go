@@ -43,6 +43,11 @@ type hub struct {
 	// it must not get one); nil: every stream has a reader goroutine.
 	poll      *hubPoll
 	pollTried bool // the poller was started, or could not be
+
+	// pingDue are the streams the pinger looks at in each of its turns
+	// (pinger), pingTurn the next turn's: every stream is in one.
+	pingDue  [pingTurns][]*hubStream
+	pingTurn int
 }
 
 // Stream states, guarded by hub.mu.
@@ -78,7 +83,7 @@ type hubStream struct {
 	// Guarded by hub.mu.
 	state    uint8
 	again    bool   // woken while busy: look again when the write is done
-	ping     bool   // quiet for half the ping interval: write a ping
+	ping     bool   // quiet for the ping interval but a turn (pinger): write a ping
 	ending   bool   // shut: nothing more is written, its reader or the poller will end it
 	closed   bool   // ended: released, out of the hub
 	counted  bool   // fd carries the connection's count in Server.conns
@@ -203,6 +208,10 @@ func (h *hub) startOn(conn net.Conn, fd int, src source, first []byte, revoked c
 		polled = h.pollSet() != nil && h.poll.take(st, tc, counted)
 	}
 	h.all[st] = struct{}{}
+	// Looked at pingTurns turns from now, a whole interval: quiet since
+	// now, it is pinged then.
+	last := (h.pingTurn + pingTurns - 1) % pingTurns
+	h.pingDue[last] = append(h.pingDue[last], st)
 	st.state = streamQueued
 	h.queue = append(h.queue, st)
 	h.wake.Signal()
@@ -623,30 +632,65 @@ func (st *hubStream) end() {
 	h.s.openStreams.Done()
 }
 
-// pinger marks the streams quiet for half the ping interval every half
-// interval, so that none is quiet for longer than the interval.
+// pingTurns is how many turns the pinger takes an interval.
+const pingTurns = 8
+
+// pinger marks for a ping each stream that has been quiet for all but a
+// turn of the ping interval, so that none is quiet for longer than the
+// interval and none is pinged much sooner. It takes pingTurns turns an
+// interval, and each turn looks only at the streams due in it: each
+// stream is in one turn's list, the one in which it will have been quiet
+// long enough unless it writes meanwhile (then it moves on, when looked
+// at). Marking the streams quiet for half the interval every half
+// interval, as it did, pinged a new stream after half an interval, and
+// pinged every stream in one of two bursts an interval: at 10,000
+// streams, 5,000 writes ahead of any event queued behind them, and a
+// ping for every stream opened in a fleet's first second
+// (docs/BENCHMARKS.md, "Pings in eight turns").
 func (h *hub) pinger() {
-	t := time.NewTicker(max(h.s.ping/2, time.Millisecond))
+	turn := max(h.s.ping/pingTurns, time.Millisecond)
+	t := time.NewTicker(turn)
 	defer t.Stop()
+	var spare []*hubStream
 	for {
 		select {
 		case <-t.C:
 		case <-h.s.drained.Done():
 			return
 		}
-		quiet := h.now() - int64(h.s.ping/2)
+		// Pinged: quiet since due or before, the interval but a turn.
+		due := h.now() - int64(h.s.ping-turn)
 		h.mu.Lock()
-		for st := range h.all {
-			if st.lastWrite.Load() > quiet {
+		k := h.pingTurn
+		h.pingTurn = (k + 1) % pingTurns
+		l := h.pingDue[k]
+		h.pingDue[k] = spare
+		queued := false
+		for _, st := range l {
+			if st.closed {
+				continue // out of the hub: dropped from the lists
+			}
+			if w := st.lastWrite.Load(); w > due {
+				// Written since: due the interval but a turn after that
+				// write, as many turns on (at least one, at most all).
+				d := int((w - due + int64(turn) - 1) / int64(turn))
+				j := (k + min(max(d, 1), pingTurns)) % pingTurns
+				h.pingDue[j] = append(h.pingDue[j], st)
 				continue
 			}
 			st.ping = true
 			if st.state == streamIdle {
 				st.state = streamQueued
 				h.queue = append(h.queue, st)
+				queued = true
 			}
+			h.pingDue[k] = append(h.pingDue[k], st) // an interval on
 		}
-		h.wake.Broadcast()
+		clear(l)
+		spare = l[:0]
+		if queued {
+			h.wake.Broadcast()
+		}
 		h.mu.Unlock()
 	}
 }
