@@ -9,7 +9,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"net/url"
 
 	"golang.org/x/sys/unix"
 )
@@ -51,16 +50,12 @@ const maxOpenAnswer = 4096
 // did (docs/BENCHMARKS.md, "The load generator's share, again"). On an
 // error every stream it opened is closed.
 func (d Dialer) OpenIdle(ctx context.Context, base string, n, conc int, name func(i int) string) (*Idle, error) {
-	u, err := url.Parse(base)
-	if err != nil || u.Host == "" || (u.Scheme != "http" && u.Scheme != "https") {
-		return nil, fmt.Errorf("rawhttp: %q is not an http:// or https:// URL", base)
+	u, addr, err := parseBase(base)
+	if err != nil {
+		return nil, err
 	}
 	if u.Scheme != "http" {
 		return nil, ErrNotPlain
-	}
-	addr := u.Host
-	if u.Port() == "" {
-		addr = net.JoinHostPort(u.Hostname(), "80")
 	}
 	ta, err := net.ResolveTCPAddr("tcp", addr)
 	if err != nil {

@@ -35,13 +35,9 @@ type Dialer struct {
 // completing the TLS handshake of an https:// base, so that a refused
 // certificate is an error here rather than on the first request.
 func (d Dialer) dial(base string) (net.Conn, string, error) {
-	u, err := url.Parse(base)
-	if err != nil || u.Host == "" || (u.Scheme != "http" && u.Scheme != "https") {
-		return nil, "", fmt.Errorf("rawhttp: %q is not an http:// or https:// URL", base)
-	}
-	addr := u.Host
-	if u.Port() == "" {
-		addr = net.JoinHostPort(u.Hostname(), map[string]string{"http": "80", "https": "443"}[u.Scheme])
+	u, addr, err := parseBase(base)
+	if err != nil {
+		return nil, "", err
 	}
 	// Without TCP keepalive, which Go's dialer sets with four system
 	// calls a connection: a load generator's connections live for one
@@ -66,6 +62,20 @@ func (d Dialer) dial(base string) (net.Conn, string, error) {
 		return nil, "", fmt.Errorf("rawhttp: TLS handshake with %s: %w", addr, err)
 	}
 	return tc, u.Host, nil
+}
+
+// parseBase reads base, "http://host[:port]" or "https://host[:port]", and
+// gives the host:port to dial.
+func parseBase(base string) (u *url.URL, addr string, err error) {
+	u, err = url.Parse(base)
+	if err != nil || u.Host == "" || (u.Scheme != "http" && u.Scheme != "https") {
+		return nil, "", fmt.Errorf("rawhttp: %q is not an http:// or https:// URL", base)
+	}
+	addr = u.Host
+	if u.Port() == "" {
+		addr = net.JoinHostPort(u.Hostname(), map[string]string{"http": "80", "https": "443"}[u.Scheme])
+	}
+	return u, addr, nil
 }
 
 // authLine is the Authorization header line of every request, "" without
