@@ -45,9 +45,14 @@ type hub struct {
 	pollTried bool // the poller was started, or could not be
 
 	// pingDue are the streams the pinger looks at in each of its turns
-	// (pinger), pingTurn the next turn's: every stream is in one.
+	// (pinger), pingTurn the next turn's: every stream in all is on one
+	// list, and an ended one on none (end).
 	pingDue  [pingTurns][]*hubStream
 	pingTurn int
+	// turns is the pinger's turns an interval: pingTurns, fewer under
+	// 8 ms, so that a turn is a millisecond at least and the turns still
+	// make the interval.
+	turns int
 }
 
 // Stream states, guarded by hub.mu.
@@ -91,6 +96,10 @@ type hubStream struct {
 	out      []byte // bytes to write before any event: the header and first
 
 	lastWrite atomic.Int64 // h.now() at the last write
+
+	// pingSlot, pingIdx: where st is in h.pingDue (guarded by hub.mu),
+	// for end to take it off in one step.
+	pingSlot, pingIdx int32
 }
 
 // source is what an event stream writes: a lock feed's items, encoded
@@ -114,6 +123,7 @@ type source interface {
 func newHub(s *Server) *hub {
 	h := &hub{s: s, all: make(map[*hubStream]struct{}), epoch: time.Now()}
 	h.wake = sync.NewCond(&h.mu)
+	h.turns = max(1, min(pingTurns, int(s.ping/time.Millisecond)))
 	return h
 }
 
@@ -208,10 +218,9 @@ func (h *hub) startOn(conn net.Conn, fd int, src source, first []byte, revoked c
 		polled = h.pollSet() != nil && h.poll.take(st, tc, counted)
 	}
 	h.all[st] = struct{}{}
-	// Looked at pingTurns turns from now, a whole interval: quiet since
+	// Looked at h.turns turns from now, a whole interval: quiet since
 	// now, it is pinged then.
-	last := (h.pingTurn + pingTurns - 1) % pingTurns
-	h.pingDue[last] = append(h.pingDue[last], st)
+	h.schedule((h.pingTurn+h.turns-1)%h.turns, st)
 	st.state = streamQueued
 	h.queue = append(h.queue, st)
 	h.wake.Signal()
@@ -613,6 +622,17 @@ func (st *hubStream) end() {
 		_ = unix.Shutdown(int(st.fd), unix.SHUT_RDWR)
 	}
 	st.letGo()
+	if _, ok := h.all[st]; ok {
+		// Off the pinger's list now, not at its turn: a stream that
+		// ended holds its feed, connection and release, and a fleet that
+		// reconnects would leave an interval's worth of them behind.
+		l := h.pingDue[st.pingSlot]
+		i, last := st.pingIdx, len(l)-1
+		l[i] = l[last]
+		l[i].pingIdx = i
+		l[last] = nil
+		h.pingDue[st.pingSlot] = l[:last]
+	}
 	delete(h.all, st)
 	if h.stopped && len(h.all) == 0 {
 		h.wake.Broadcast()
@@ -648,7 +668,7 @@ const pingTurns = 8
 // ping for every stream opened in a fleet's first second
 // (docs/BENCHMARKS.md, "Pings in eight turns").
 func (h *hub) pinger() {
-	turn := max(h.s.ping/pingTurns, time.Millisecond)
+	turn := max(h.s.ping/time.Duration(h.turns), time.Millisecond)
 	t := time.NewTicker(turn)
 	defer t.Stop()
 	var spare []*hubStream
@@ -662,20 +682,16 @@ func (h *hub) pinger() {
 		due := h.now() - int64(h.s.ping-turn)
 		h.mu.Lock()
 		k := h.pingTurn
-		h.pingTurn = (k + 1) % pingTurns
+		h.pingTurn = (k + 1) % h.turns
 		l := h.pingDue[k]
 		h.pingDue[k] = spare
 		queued := false
 		for _, st := range l {
-			if st.closed {
-				continue // out of the hub: dropped from the lists
-			}
 			if w := st.lastWrite.Load(); w > due {
 				// Written since: due the interval but a turn after that
 				// write, as many turns on (at least one, at most all).
 				d := int((w - due + int64(turn) - 1) / int64(turn))
-				j := (k + min(max(d, 1), pingTurns)) % pingTurns
-				h.pingDue[j] = append(h.pingDue[j], st)
+				h.schedule((k+min(max(d, 1), h.turns))%h.turns, st)
 				continue
 			}
 			st.ping = true
@@ -684,7 +700,7 @@ func (h *hub) pinger() {
 				h.queue = append(h.queue, st)
 				queued = true
 			}
-			h.pingDue[k] = append(h.pingDue[k], st) // an interval on
+			h.schedule(k, st) // an interval on
 		}
 		clear(l)
 		spare = l[:0]
@@ -693,6 +709,12 @@ func (h *hub) pinger() {
 		}
 		h.mu.Unlock()
 	}
+}
+
+// schedule puts st on turn j's list; h.mu held.
+func (h *hub) schedule(j int, st *hubStream) {
+	st.pingSlot, st.pingIdx = int32(j), int32(len(h.pingDue[j]))
+	h.pingDue[j] = append(h.pingDue[j], st)
 }
 
 // stop ends every stream at once, and the hub once they have ended: the

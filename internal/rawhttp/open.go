@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"strconv"
 
 	"golang.org/x/sys/unix"
 )
@@ -48,8 +49,12 @@ const maxOpenAnswer = 4096
 // it cost six more system calls and two wake-ups each, and the load
 // generator, on the server's cores, spent two thirds of the CPU the server
 // did (docs/BENCHMARKS.md, "The load generator's share, again"). On an
-// error every stream it opened is closed.
+// error every stream it opened is closed. A host name is resolved once, to
+// one address (IPv4 first), where net.Dial would try each in turn.
 func (d Dialer) OpenIdle(ctx context.Context, base string, n, conc int, name func(i int) string) (*Idle, error) {
+	if n < 0 {
+		return nil, fmt.Errorf("rawhttp: %d streams to open", n)
+	}
 	u, addr, err := parseBase(base)
 	if err != nil {
 		return nil, err
@@ -70,6 +75,15 @@ func (d Dialer) OpenIdle(ctx context.Context, base string, n, conc int, name fun
 		domain = unix.AF_INET6
 		s := &unix.SockaddrInet6{Port: ta.Port}
 		copy(s.Addr[:], ta.IP.To16())
+		if ta.Zone != "" {
+			if i, err := strconv.ParseUint(ta.Zone, 10, 32); err == nil {
+				s.ZoneId = uint32(i)
+			} else if ifi, err := net.InterfaceByName(ta.Zone); err == nil {
+				s.ZoneId = uint32(ifi.Index)
+			} else {
+				return nil, fmt.Errorf("rawhttp: the zone of %s: %w", addr, err)
+			}
+		}
 		sa = s
 	}
 	epfd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
@@ -197,6 +211,11 @@ func (o *opener) serve(fd int, op *opening, events uint32) (done bool, err error
 	for {
 		if len(op.got) == cap(op.got) {
 			if len(op.got) >= maxOpenAnswer {
+				// What came may have it whole, or be an error answer
+				// that says why, with more behind it.
+				if done, err := opened(op.got); done || err != nil {
+					return done, err
+				}
 				return false, fmt.Errorf("no subscribed event in the first %d bytes", maxOpenAnswer)
 			}
 			op.got = append(op.got, make([]byte, 512)...)[:len(op.got)]

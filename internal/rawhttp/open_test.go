@@ -34,7 +34,13 @@ type fakeServer struct {
 
 func newFakeServer(t *testing.T, step int, answer func(node string) (string, bool)) *fakeServer {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	return newFakeServerOn(t, "127.0.0.1:0", step, answer)
+}
+
+// newFakeServerOn is newFakeServer listening on addr.
+func newFakeServerOn(t *testing.T, addr string, step int, answer func(node string) (string, bool)) *fakeServer {
+	t.Helper()
+	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -312,5 +318,49 @@ func TestOpenIdleCanceled(t *testing.T) {
 	}
 	if got := s.clientFDs(t); got != 0 {
 		t.Fatalf("%d sockets to the server left open", got)
+	}
+}
+
+// TestOpenIdleLongAnswers: what comes past the first 4 KiB is read for
+// what it says: a subscribed event whole with more behind it in the same
+// burst is a stream open, and a long error answer its status.
+func TestOpenIdleLongAnswers(t *testing.T) {
+	s := newFakeServer(t, 1<<20, func(node string) (string, bool) {
+		if node == nodeName(1) {
+			return "HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/html\r\nContent-Length: 5000\r\n\r\n" + strings.Repeat("x", 5000), true
+		}
+		return serverHead + "id: 1\nevent: subscribed\ndata: {}\n\n" + strings.Repeat(": ping\n\n", 600), true
+	})
+	idle, err := Dialer{}.OpenIdle(context.Background(), s.base(), 1, 1, nodeName)
+	if err != nil || idle.Len() != 1 {
+		t.Fatalf("OpenIdle of a stream with 4.8 KB after its event: %v", err)
+	}
+	idle.Close()
+	if _, err := (Dialer{}).OpenIdle(context.Background(), s.base(), 2, 1, nodeName); err == nil || !strings.Contains(err.Error(), "502") {
+		t.Fatalf("OpenIdle of a long 502: %v, want the 502", err)
+	}
+}
+
+// TestOpenIdleIPv6: streams open to an IPv6 loopback server; none asked
+// for is none opened, and a negative count is an error.
+func TestOpenIdleIPv6(t *testing.T) {
+	ln, err := net.Listen("tcp", "[::1]:0")
+	if err != nil {
+		t.Skipf("SKIPPED LOUDLY: no IPv6 loopback here: %v", err)
+	}
+	ln.Close()
+	s := newFakeServerOn(t, "[::1]:0", 1<<20, func(string) (string, bool) {
+		return serverHead + "event: subscribed\ndata: {}\n\n", true
+	})
+	idle, err := Dialer{}.OpenIdle(context.Background(), s.base(), 5, 10, nodeName)
+	if err != nil || idle.Len() != 5 {
+		t.Fatalf("OpenIdle over IPv6: %v", err)
+	}
+	idle.Close()
+	if idle, err := (Dialer{}).OpenIdle(context.Background(), s.base(), 0, 10, nodeName); err != nil || idle.Len() != 0 {
+		t.Fatalf("OpenIdle of none: %v", err)
+	}
+	if _, err := (Dialer{}).OpenIdle(context.Background(), s.base(), -1, 10, nodeName); err == nil {
+		t.Fatal("OpenIdle of -1 streams: no error")
 	}
 }

@@ -117,5 +117,10 @@ func TestGroupRequestAsClientv3(t *testing.T) {
 		if _, ok := groupRequest([]*pending{group[1], odd}); ok {
 			t.Errorf("groupRequest made a request of %v, whose kind it does not make", odd.ops)
 		}
+		// Beside a leased put whose lease it knows, too: the group is
+		// clientv3's, which carries both leases.
+		if _, ok := groupRequest([]*pending{homed[0], odd}); ok {
+			t.Errorf("groupRequest made a request of %v beside a put of known lease", odd.ops)
+		}
 	}
 }
