@@ -97,12 +97,14 @@ func (s *Server) Serve(ln net.Listener, hs *http.Server) error {
 }
 
 // leanJob is a connection for the lean loop: a new one, or one an event
-// loop hands over with ho's bytes (poller.handTo).
+// loop hands over with ho's bytes (poller.handTo); or, with run, a
+// stream's opening an event loop hands over (poller.openStream).
 type leanJob struct {
 	lc   *leanConn
 	pass *passListener
 	hs   *http.Server
 	ho   handover
+	run  func()
 }
 
 // maxLeanIdle bounds the lean goroutines kept waiting for a connection,
@@ -150,7 +152,11 @@ func (s *Server) leanWorker(j leanJob) {
 	jobs := make(chan leanJob, 1)
 	var idle *time.Timer
 	for {
-		s.serveLean(j.lc, j.pass, j.hs, j.ho)
+		if j.run != nil {
+			j.run()
+		} else {
+			s.serveLean(j.lc, j.pass, j.hs, j.ho)
+		}
 		j = leanJob{}
 		s.leanMu.Lock()
 		if len(s.leanWaiting) >= maxLeanIdle || s.closing.Load() {

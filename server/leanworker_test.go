@@ -1,6 +1,7 @@
 package server
 
 import (
+	"fmt"
 	"net"
 	"testing"
 	"time"
@@ -148,6 +149,25 @@ func TestLeanGoroutinesTakeHandOvers(t *testing.T) {
 		})
 		if n := e.srv.leanWorkers.Load(); n != 1 {
 			t.Fatalf("hand-over %d: %d lean goroutines, want the one reused", i, n)
+		}
+	}
+}
+
+// TestLeanGoroutinesOpenStreams: a stream the event loop reads the request
+// of is opened by a lean goroutine, which then waits for the next and
+// opens that one too.
+func TestLeanGoroutinesOpenStreams(t *testing.T) {
+	e := newEnvWith(t, envConfig{})
+	for i := range 3 {
+		s := e.subscribe(fmt.Sprintf("node_id=n%d", i), "")
+		if f := s.Next(t); f.Event != "subscribed" {
+			t.Fatalf("stream %d: %+v, want subscribed", i, f)
+		}
+		kit.WaitFor(t, "the goroutine that opened it waiting for the next", func() bool {
+			return e.srv.leanWaitingLen() == 1
+		})
+		if n := e.srv.leanWorkers.Load(); n != 1 {
+			t.Fatalf("stream %d: %d lean goroutines, want the one reused", i, n)
 		}
 	}
 }

@@ -293,8 +293,8 @@ func (p *poller) serve(pc *pollConn, buf, out, scratch []byte) (_, _ []byte) {
 
 // openStream opens the event stream of req, a /subscribe at the start of
 // data, the bytes read from pc and not answered, all earlier answers
-// written: a goroutine of its own opens it (the backend may wait, and the
-// loop never does) and gives the hub pc's socket itself. Handed over to
+// written: a lean goroutine opens it (the backend may wait, and the loop
+// never does) and gives the hub pc's socket itself. Handed over to
 // the lean loop, the socket went through a connection of Go's netpoller,
 // which the hub then took it out of again: a third of the system calls of
 // a session's opening (docs/DESIGN.md, "Event streams"). A stream that
@@ -305,34 +305,38 @@ func (p *poller) openStream(pc *pollConn, req leanRequest, data []byte) {
 	}
 	req.head = clone(req.head) // they are the loop's buffers
 	rest := clone(data[req.size:])
+	// A lean goroutine, reused as the lean loop's are (startLean): it
+	// grew its stack on a stream's opening already.
+	p.s.startLean(leanJob{run: func() { p.serveStream(pc, req, rest) }})
+}
+
+// serveStream opens the stream of req, read from pc, whose socket the
+// poller let go of; rest is what pc sent after req.
+func (p *poller) serveStream(pc *pollConn, req leanRequest, rest []byte) {
 	s := p.s
-	s.leanWG.Add(1) // the loop holds one: never from zero
-	go func() {
-		defer s.leanWG.Done()
-		var ho handover
-		rq := request{method: http.MethodGet, path: req.path, head: req.head, conn: pc, query: req.query, take: &streamConn{fd: pc.fd}}
-		func() {
-			defer func() {
-				if r := recover(); r != nil {
-					s.panicked(r, pc.remote.String())
-					if rq.took {
-						return // the socket is the hub's, or closed
-					}
-					status, body := s.errorAnswer(errPanicked, nil)
-					ho = handover{out: appendLeanAnswer(nil, status, body, s.epoch[0], true), close: true}
+	var ho handover
+	rq := request{method: http.MethodGet, path: req.path, head: req.head, conn: pc, query: req.query, take: &streamConn{fd: pc.fd}}
+	func() {
+		defer func() {
+			if r := recover(); r != nil {
+				s.panicked(r, pc.remote.String())
+				if rq.took {
+					return // the socket is the hub's, or closed
 				}
-			}()
-			status, body := s.serveRequest(&rq, nil)
-			if rq.took {
-				return
+				status, body := s.errorAnswer(errPanicked, nil)
+				ho = handover{out: appendLeanAnswer(nil, status, body, s.epoch[0], true), close: true}
 			}
-			closing := req.close || s.closing.Load()
-			ho = handover{in: rest, out: appendLeanAnswer(nil, status, body, s.epoch[0], closing), close: closing}
 		}()
-		if ho.out != nil {
-			p.handTo(pc, ho)
+		status, body := s.serveRequest(&rq, nil)
+		if rq.took {
+			return
 		}
+		closing := req.close || s.closing.Load()
+		ho = handover{in: rest, out: appendLeanAnswer(nil, status, body, s.epoch[0], closing), close: closing}
 	}()
+	if ho.out != nil {
+		p.handTo(pc, ho)
+	}
 }
 
 // handOver moves a connection from the poller to a goroutine of the lean
