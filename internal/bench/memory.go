@@ -227,11 +227,11 @@ func OpenSessions(ctx context.Context, base string, d rawhttp.Dialer, n int) (Re
 	}
 	cpu := startCPU(MetricsCPU(base, d))
 	start := time.Now()
-	prefix := "idle-" + id + "-"
-	idle, err := d.OpenIdle(ctx, base, n, 64, func(i int) string { return prefix + strconv.Itoa(i) })
+	prefix := "idle-" + id
+	idle, err := d.OpenIdle(ctx, base, n, 64, func(i int) string { return prefix + "-" + strconv.Itoa(i) })
 	if errors.Is(err, rawhttp.ErrNotPlain) {
 		var streams []*rawhttp.Stream
-		streams, err = openIdle(ctx, base, d, n, "idle-"+id)
+		streams, err = openIdle(ctx, base, d, n, prefix)
 		defer closeStreams(streams)
 	} else if idle != nil {
 		defer idle.Close()
