@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"strconv"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -39,6 +40,11 @@ var ErrNotPlain = errors.New("rawhttp: OpenIdle opens plain http:// streams only
 // subscribed event: dlock's servers send a head and the event in a few
 // hundred bytes.
 const maxOpenAnswer = 4096
+
+// openPatience bounds how long OpenIdle waits for one stream's subscribed
+// event: a server that takes connections and never answers is an error,
+// not a load generator that waits for ever. A variable for the tests.
+var openPatience = 30 * time.Second
 
 // OpenIdle opens n session streams at base, of the nodes name(0) …
 // name(n-1), at most conc connecting at once, and returns them once each
@@ -119,14 +125,16 @@ type opener struct {
 
 // opening is a stream connecting, or waiting for its subscribed event.
 type opening struct {
-	i     int
-	wrote bool
-	got   []byte
+	i      int
+	wrote  bool
+	got    []byte
+	giveUp time.Time // openPatience after it started
 }
 
 func (o *opener) run(ctx context.Context, n, conc int, idle *Idle) error {
 	events := make([]unix.EpollEvent, 128)
 	next := 0
+	var looked time.Time
 	for idle.Len() < n {
 		for len(o.open) < conc && next < n {
 			if err := o.start(next); err != nil {
@@ -136,6 +144,15 @@ func (o *opener) run(ctx context.Context, n, conc int, idle *Idle) error {
 		}
 		if err := ctx.Err(); err != nil {
 			return err
+		}
+		// At most conc openings, looked at every 100 ms at most.
+		if now := time.Now(); now.Sub(looked) >= 100*time.Millisecond {
+			looked = now
+			for _, op := range o.open {
+				if now.After(op.giveUp) {
+					return fmt.Errorf("rawhttp: the stream of %s: no subscribed event within %v", o.name(op.i), openPatience)
+				}
+			}
 		}
 		k, err := unix.EpollWait(o.epfd, events, 100)
 		if err == unix.EINTR {
@@ -181,7 +198,7 @@ func (o *opener) start(i int) error {
 		unix.Close(fd)
 		return fmt.Errorf("rawhttp: epoll_ctl: %w", err)
 	}
-	o.open[fd] = &opening{i: i}
+	o.open[fd] = &opening{i: i, giveUp: time.Now().Add(openPatience)}
 	return nil
 }
 

@@ -13,6 +13,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 )
 
 // fakeServer answers every GET /subscribe on 127.0.0.1 with answer(node),
@@ -362,5 +363,21 @@ func TestOpenIdleIPv6(t *testing.T) {
 	}
 	if _, err := (Dialer{}).OpenIdle(context.Background(), s.base(), -1, 10, nodeName); err == nil {
 		t.Fatal("OpenIdle of -1 streams: no error")
+	}
+}
+
+// TestOpenIdlePatience: a server that takes the connections and never
+// answers is an error once openPatience has passed, naming the stream, and
+// nothing stays open.
+func TestOpenIdlePatience(t *testing.T) {
+	defer func(p time.Duration) { openPatience = p }(openPatience)
+	openPatience = 300 * time.Millisecond
+	s := newFakeServer(t, 1, func(string) (string, bool) { return "", true })
+	_, err := Dialer{}.OpenIdle(context.Background(), s.base(), 3, 3, nodeName)
+	if err == nil || !strings.Contains(err.Error(), "no subscribed event within") {
+		t.Fatalf("OpenIdle of a server that never answers: %v, want its patience's error", err)
+	}
+	if got := s.clientFDs(t); got != 0 {
+		t.Fatalf("%d sockets to the server left open", got)
 	}
 }
