@@ -45,6 +45,9 @@ func (s *Server) Serve(ln net.Listener, hs *http.Server) error {
 	errc := make(chan error, 1)
 	go func() { errc <- hs.Serve(pass) }()
 	defer pass.Close()
+	if lf := s.rawListener(ln, ka); lf != nil {
+		return s.serveRaw(lf, ln, pass, hs, ka, errc)
+	}
 	var delay time.Duration
 	for {
 		c, err := ln.Accept()
@@ -331,10 +334,13 @@ func (s *Server) stopLean() {
 	for _, p := range s.pollers {
 		p.wake()
 	}
-	passes, lns := s.passes, s.listeners
+	passes, lns, raws := s.passes, s.listeners, s.rawListeners
 	s.mu.Unlock()
 	for _, ln := range lns {
 		ln.Close()
+	}
+	for _, lf := range raws {
+		lf.Close() // wakes serveRaw
 	}
 	for _, p := range passes {
 		p.Close()
@@ -393,16 +399,22 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	return nil
 }
 
-// pollerFor returns the event loop's poller (poller.go) for a new
-// connection, or nil: without Options.EventLoop, over TLS (the lean loop
-// reads through crypto/tls), for a connection that is not plain TCP, or
-// once the server closes. The pollers start with the first plain-TCP
-// connection: one for every two CPUs, each one goroutine that serves many
-// connections, which leaves CPU for the rest of the server and the system.
+// pollerFor returns the event loop's poller (poller.go) for a connection
+// of Go's Accept, or nil: without Options.EventLoop, over TLS (the lean
+// loop reads through crypto/tls), or for a connection that is not plain
+// TCP.
 func (s *Server) pollerFor(c net.Conn) *poller {
 	if _, ok := c.(*net.TCPConn); !ok || !s.eventLoop || s.certs != nil {
 		return nil
 	}
+	return s.poller()
+}
+
+// poller returns an event loop's poller, in turn, or nil once the server
+// closes or when epoll is not there to use. The pollers start when first
+// asked for: one for every two CPUs, each one goroutine that serves many
+// connections, which leaves CPU for the rest of the server and the system.
+func (s *Server) poller() *poller {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.pollers == nil && !s.closing.Load() {

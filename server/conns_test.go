@@ -101,9 +101,19 @@ func TestAcceptErrorsRetried(t *testing.T) {
 }
 
 // TestMaxConns: past MaxConns a new connection is answered 503 overloaded
-// with Retry-After and closed; once one closes, connections are taken again.
+// with Retry-After and closed; once one closes, connections are taken
+// again. The same from Go's Accept and from the raw accept loop.
 func TestMaxConns(t *testing.T) {
-	e := newEnvWith(t, envConfig{opts: Options{MaxConns: 2}})
+	for _, goAccept := range []bool{false, true} {
+		t.Run(fmt.Sprintf("goAccept=%v", goAccept), func(t *testing.T) { testMaxConns(t, goAccept) })
+	}
+}
+
+func testMaxConns(t *testing.T, goAccept bool) {
+	e := newEnvWith(t, envConfig{opts: Options{MaxConns: 2}, goAccept: goAccept})
+	if !goAccept {
+		e.waitRawListening()
+	}
 	held := []net.Conn{e.dial(), e.dial()}
 	for _, c := range held {
 		if r := exchange(t, c, rawPost("/cancel", smuggleLock)); r.StatusCode != 200 {

@@ -13,7 +13,7 @@ import (
 // served by a lean goroutine; one that has served a connection serves the
 // next (its stack, grown by the first, is not grown again).
 func TestLeanGoroutinesReused(t *testing.T) {
-	e := newEnvWith(t, envConfig{goroutines: true})
+	e := newEnvWith(t, envConfig{goroutines: true, goAccept: true})
 	addr := e.ts.Listener.Addr().String()
 	for i := range 20 {
 		c, err := net.Dial("tcp", addr)
@@ -35,7 +35,7 @@ func TestLeanGoroutinesReused(t *testing.T) {
 // maxLeanIdle goroutines stay to wait for more; the others end. Close ends
 // those that wait (goleak checks the package's goroutines at its end).
 func TestLeanGoroutinesIdleBounded(t *testing.T) {
-	e := newEnvWith(t, envConfig{goroutines: true})
+	e := newEnvWith(t, envConfig{goroutines: true, goAccept: true})
 	addr := e.ts.Listener.Addr().String()
 	const n = maxLeanIdle + 20
 	conns := make([]net.Conn, 0, n)
@@ -71,7 +71,7 @@ func TestLeanGoroutinesIdleBounded(t *testing.T) {
 // TestLeanGoroutinesIdleEnd: a lean goroutine that waits for a connection
 // for leanIdleFor ends.
 func TestLeanGoroutinesIdleEnd(t *testing.T) {
-	e := newEnvWith(t, envConfig{goroutines: true, prep: func(s *Server) { s.leanIdleFor = 20 * time.Millisecond }})
+	e := newEnvWith(t, envConfig{goroutines: true, goAccept: true, prep: func(s *Server) { s.leanIdleFor = 20 * time.Millisecond }})
 	c, err := net.Dial("tcp", e.ts.Listener.Addr().String())
 	if err != nil {
 		t.Fatal(err)
@@ -88,7 +88,7 @@ func TestLeanGoroutinesIdleEnd(t *testing.T) {
 // left end. (Handed out in turn, each would get a connection before its
 // timeout, and all would stay.)
 func TestLeanGoroutinesTrickle(t *testing.T) {
-	e := newEnvWith(t, envConfig{goroutines: true, prep: func(s *Server) { s.leanIdleFor = 300 * time.Millisecond }})
+	e := newEnvWith(t, envConfig{goroutines: true, goAccept: true, prep: func(s *Server) { s.leanIdleFor = 300 * time.Millisecond }})
 	addr := e.ts.Listener.Addr().String()
 	const burst = 20
 	var cs []net.Conn

@@ -37,6 +37,9 @@ func Listen(ctx context.Context, addr string, ping, deadPeer time.Duration) (net
 					{unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, idle},
 					{unix.IPPROTO_TCP, unix.TCP_KEEPCNT, count},
 					{unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, userTimeout},
+					// As Go's Accept sets it on each connection; the raw
+					// accept loop (accept.go) sets nothing.
+					{unix.IPPROTO_TCP, unix.TCP_NODELAY, 1},
 				} {
 					if serr = unix.SetsockoptInt(int(fd), o.level, o.opt, o.v); serr != nil {
 						return

@@ -34,7 +34,9 @@ import (
 //
 // The poller calls the backend itself: a call that waited would hold up
 // every connection of the poller. Hence the option, for backends that
-// never wait.
+// never wait. Without it a poller answers nothing: it holds the
+// connections of the raw accept loop (accept.go) until their first
+// request, opens streams, and hands every other request over.
 
 // maxPollEvents is the most connections one epoll_wait returns.
 const maxPollEvents = 256
@@ -133,18 +135,26 @@ func (p *poller) adopt(c net.Conn, pass *passListener, hs *http.Server, ka *net.
 	if !ok {
 		return false
 	}
-	pc := &pollConn{fd: fd, remote: tc.RemoteAddr(), pass: pass, hs: hs, ka: ka, idle: idleTimeout(hs)}
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	// Registered before c lets go of the socket: a poller closed since
-	// just now, or an epoll set that takes no more (ENOSPC at
-	// max_user_watches, ENOMEM), leaves c to a goroutine of its own.
-	ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(fd)}
-	if p.closed || unix.EpollCtl(p.epfd, unix.EPOLL_CTL_ADD, fd, &ev) != nil {
+	if !p.adoptFD(fd, tc.RemoteAddr(), pass, hs, ka) {
 		unix.Close(fd)
 		return false
 	}
 	tc.Close() // the socket stays open through fd
+	return true
+}
+
+// adoptFD takes the non-blocking descriptor fd of a new connection from
+// remote into the poller, or reports false and leaves fd open: a poller
+// closed since just now, or an epoll set that takes no more (ENOSPC at
+// max_user_watches, ENOMEM).
+func (p *poller) adoptFD(fd int, remote net.Addr, pass *passListener, hs *http.Server, ka *net.KeepAliveConfig) bool {
+	pc := &pollConn{fd: fd, remote: remote, pass: pass, hs: hs, ka: ka, idle: idleTimeout(hs)}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(fd)}
+	if p.closed || unix.EpollCtl(p.epfd, unix.EPOLL_CTL_ADD, fd, &ev) != nil {
+		return false
+	}
 	pc.last = time.Since(p.start)
 	if fd >= len(p.conns) {
 		p.conns = append(p.conns, make([]*pollConn, fd+1-len(p.conns))...)
@@ -256,6 +266,9 @@ func (p *poller) serve(pc *pollConn, buf, out, scratch []byte) (_, _ []byte) {
 		if req.stream {
 			stream = req // its socket goes to the hub (openStream)
 			break
+		}
+		if !p.s.eventLoop {
+			break // the backend's calls may wait: the lean loop runs them
 		}
 		rq := request{method: http.MethodPost, path: req.path, head: req.head, body: req.body, conn: pc}
 		status, body := p.s.serveRequest(&rq, scratch)

@@ -15,6 +15,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -63,6 +64,8 @@ type Options struct {
 	// for less CPU per request. Set it only for a backend whose TryLock,
 	// Unlock and Cancel never wait, as memory.Backend without a RefStore:
 	// one that waited would hold up every connection of its loop.
+	// Without it, a listener of Listen still puts new connections in an
+	// event loop (accept.go), which answers none of their requests.
 	EventLoop bool
 }
 
@@ -131,9 +134,12 @@ type Server struct {
 	closing   atomic.Bool
 	closed    chan struct{}
 	listeners []net.Listener
-	passes    []*passListener
-	https     []*http.Server
-	leanConns map[*leanConn]struct{}
+	// rawListeners are the duplicates the raw accept loops accept on
+	// (accept.go), closed with the listeners.
+	rawListeners []*os.File
+	passes       []*passListener
+	https        []*http.Server
+	leanConns    map[*leanConn]struct{}
 	// forced is set when Shutdown's context ended and it closed the
 	// lean connections unfinished: none is taken after it.
 	forced bool

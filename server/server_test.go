@@ -131,6 +131,7 @@ type envConfig struct {
 	opts       Options                         // PingInterval defaults to 50 ms
 	prep       func(*Server)                   // called before serving
 	wrap       func(net.Listener) net.Listener // wraps the listener Serve gets
+	goAccept   bool                            // net.Listen's listener: Go's Accept, not the raw accept loop
 	idle       time.Duration                   // the http.Server's IdleTimeout
 }
 
@@ -166,6 +167,16 @@ func newEnvWith(t testing.TB, ec envConfig) *env {
 	ts := httptest.NewUnstartedServer(srv)
 	ts.Config.IdleTimeout = ec.idle
 	if !ec.serial {
+		if !ec.goAccept {
+			// As dlock serve listens: the raw accept loop (accept.go)
+			// takes it.
+			ts.Listener.Close()
+			l, err := Listen(context.Background(), "127.0.0.1:0", DefaultPingInterval, DefaultDeadPeer)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ts.Listener = l
+		}
 		ln := ts.Listener
 		if ec.wrap != nil {
 			ln = ec.wrap(ln)
