@@ -121,14 +121,7 @@ func (s *Server) serveRaw(lf *os.File, ln net.Listener, pass *passListener, hs *
 			continue
 		}
 		// EMFILE, ENFILE, ENOBUFS...: as Serve's Go accept loop.
-		delay = min(max(2*delay, 5*time.Millisecond), time.Second)
-		s.metrics.acceptErrors.Inc()
-		s.log.Warn("accept failed; retrying", "err", aerr, "delay", delay)
-		t := time.NewTimer(delay)
-		select {
-		case <-t.C:
-		case <-s.closed:
-			t.Stop()
+		if !s.backOff(&delay, aerr) {
 			return http.ErrServerClosed
 		}
 	}

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"net"
 	"net/http"
-	"os"
 	"strings"
 	"testing"
 	"time"
@@ -202,33 +201,8 @@ func TestRawAcceptListenerClosedUnder(t *testing.T) {
 func TestRawAcceptOutOfDescriptors(t *testing.T) {
 	e := newEnv(t, nil)
 	e.waitRawListening()
-	var lim unix.Rlimit
-	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
-		t.Fatal(err)
-	}
-	low := lim
-	low.Cur = uint64(openFDs(t) + 64)
-	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &low); err != nil {
-		t.Fatal(err)
-	}
-	var fillers []*os.File
-	restore := func() {
-		for _, f := range fillers {
-			f.Close()
-		}
-		fillers = nil
-		_ = unix.Setrlimit(unix.RLIMIT_NOFILE, &lim)
-	}
-	t.Cleanup(restore)
-	for {
-		f, err := os.Open("/dev/null")
-		if err != nil {
-			break
-		}
-		fillers = append(fillers, f)
-	}
-	fillers[len(fillers)-1].Close() // the client's socket
-	fillers = fillers[:len(fillers)-1]
+	starved := starveFDs(t)
+	starved.fill(1) // the client's socket
 	c, err := net.Dial("tcp", e.addr())
 	if err != nil {
 		t.Fatal(err)
@@ -238,7 +212,7 @@ func TestRawAcceptOutOfDescriptors(t *testing.T) {
 	kit.WaitFor(t, "accept to fail for want of a descriptor", func() bool {
 		return testutil.ToFloat64(e.srv.metrics.acceptErrors) >= 1
 	})
-	restore()
+	starved.restore()
 	if r := exchange(t, c, rawPost("/lock", smuggleLock)); r.StatusCode != 200 {
 		t.Fatalf("the connection accepted after the failures: %d", r.StatusCode)
 	}

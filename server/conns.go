@@ -63,14 +63,7 @@ func (s *Server) Serve(ln net.Listener, hs *http.Server) error {
 			if errors.Is(err, net.ErrClosed) {
 				return err
 			}
-			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
-			s.metrics.acceptErrors.Inc()
-			s.log.Warn("accept failed; retrying", "err", err, "delay", delay)
-			t := time.NewTimer(delay)
-			select {
-			case <-t.C:
-			case <-s.closed:
-				t.Stop()
+			if !s.backOff(&delay, err) {
 				return http.ErrServerClosed
 			}
 			continue
@@ -96,6 +89,23 @@ func (s *Server) Serve(ln net.Listener, hs *http.Server) error {
 			continue
 		}
 		s.startLean(leanJob{lc: lc, pass: pass, hs: hs})
+	}
+}
+
+// backOff counts and logs a failed accept, and waits delay, which it
+// doubles from 5 ms to 1 s, before the next; false if the server closed
+// meanwhile.
+func (s *Server) backOff(delay *time.Duration, err error) bool {
+	*delay = min(max(2**delay, 5*time.Millisecond), time.Second)
+	s.metrics.acceptErrors.Inc()
+	s.log.Warn("accept failed; retrying", "err", err, "delay", *delay)
+	t := time.NewTimer(*delay)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-s.closed:
+		return false
 	}
 }
 

@@ -475,42 +475,19 @@ func TestHubPollAttackNoDescriptorForSlowWrite(t *testing.T) {
 	client, server := tcpPair(t)
 	_ = client.(*net.TCPConn).SetReadBuffer(4096)
 	_ = server.(*net.TCPConn).SetWriteBuffer(4096)
-	var lim unix.Rlimit
-	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
-		t.Fatal(err)
-	}
 	// The stream's own descriptor (the poller's duplicate) and a few
 	// for the runtime; none for the write's duplicate once the fillers
 	// below took the rest.
-	low := lim
-	low.Cur = uint64(openFDs(t) + 64)
-	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &low); err != nil {
-		t.Fatal(err)
-	}
-	var fillers []*os.File
-	restore := func() {
-		for _, f := range fillers {
-			f.Close()
-		}
-		fillers = nil
-		_ = unix.Setrlimit(unix.RLIMIT_NOFILE, &lim)
-	}
-	t.Cleanup(restore)
+	starved := starveFDs(t)
 	f := newFakeFeed()
 	f.offer(strings.Repeat("x", 1<<20))
 	gate := f.hold() // the writer waits in fill, after the poller took the socket
 	released := e.startRaw(server, f.source(), "HEAD\n\n")
 	<-gate.in
-	for {
-		fl, err := os.Open("/dev/null")
-		if err != nil {
-			break
-		}
-		fillers = append(fillers, fl)
-	}
+	starved.fill(0)
 	close(gate.out)
 	kit.WaitFor(t, "the stream to end", func() bool { return released.Load() == 1 })
-	restore()
+	starved.restore()
 	waitClosed(t, client, "a stream whose write found no descriptor")
 }
 

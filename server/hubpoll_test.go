@@ -72,6 +72,54 @@ func (e *env) waitStreams(n int) {
 	})
 }
 
+// fdStarver holds the process's descriptor limit at what was open when
+// it began and 64 more, and takes every descriptor left when told to
+// (fill), as a process out of them (EMFILE).
+type fdStarver struct {
+	lim     unix.Rlimit
+	fillers []*os.File
+}
+
+// starveFDs lowers the limit; the test's end restores it.
+func starveFDs(t *testing.T) *fdStarver {
+	t.Helper()
+	s := &fdStarver{}
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &s.lim); err != nil {
+		t.Fatal(err)
+	}
+	low := s.lim
+	low.Cur = uint64(openFDs(t) + 64)
+	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &low); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.restore)
+	return s
+}
+
+// fill takes every descriptor left but spare.
+func (s *fdStarver) fill(spare int) {
+	for {
+		f, err := os.Open("/dev/null")
+		if err != nil {
+			break
+		}
+		s.fillers = append(s.fillers, f)
+	}
+	for ; spare > 0 && len(s.fillers) > 0; spare-- {
+		s.fillers[len(s.fillers)-1].Close()
+		s.fillers = s.fillers[:len(s.fillers)-1]
+	}
+}
+
+// restore frees the descriptors and the limit.
+func (s *fdStarver) restore() {
+	for _, f := range s.fillers {
+		f.Close()
+	}
+	s.fillers = nil
+	_ = unix.Setrlimit(unix.RLIMIT_NOFILE, &s.lim)
+}
+
 // openFDs is the number of this process's open descriptors.
 func openFDs(t testing.TB) int {
 	t.Helper()
