@@ -101,13 +101,8 @@ func (s *Server) serveRaw(lf *os.File, ln net.Listener, pass *passListener, hs *
 			}
 			return true
 		})
-		if s.closing.Load() {
-			return http.ErrServerClosed
-		}
-		select {
-		case err := <-errc:
+		if err := s.ended(errc); err != nil {
 			return err
-		default:
 		}
 		switch {
 		case errors.Is(err, os.ErrDeadlineExceeded):

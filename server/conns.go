@@ -52,13 +52,8 @@ func (s *Server) Serve(ln net.Listener, hs *http.Server) error {
 	for {
 		c, err := ln.Accept()
 		if err != nil {
-			if s.closing.Load() {
-				return http.ErrServerClosed
-			}
-			select {
-			case err := <-errc:
+			if err := s.ended(errc); err != nil {
 				return err
-			default:
 			}
 			if errors.Is(err, net.ErrClosed) {
 				return err
@@ -89,6 +84,20 @@ func (s *Server) Serve(ln net.Listener, hs *http.Server) error {
 			continue
 		}
 		s.startLean(leanJob{lc: lc, pass: pass, hs: hs})
+	}
+}
+
+// ended is why Serve ends, if it must: the server closed, or the
+// net/http server behind it (errc) ended.
+func (s *Server) ended(errc <-chan error) error {
+	if s.closing.Load() {
+		return http.ErrServerClosed
+	}
+	select {
+	case err := <-errc:
+		return err
+	default:
+		return nil
 	}
 }
 
