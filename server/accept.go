@@ -1,11 +1,12 @@
 package server
 
 import (
-	"errors"
 	"net"
 	"net/http"
 	"os"
 	"strconv"
+	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 	"unsafe"
@@ -19,73 +20,106 @@ import (
 // duplicate, an epoll_ctl and a close to take it out again. A session's
 // opening is one connection for one request, so on etcd, where a session
 // costs the server most, that was a tenth of its CPU (docs/BENCHMARKS.md,
-// "The raw accept loop"). Here, for a plain-TCP listener that carries its
-// own keepalive (Listen), Serve accepts with accept4(2) on a duplicate of
+// "The raw accept loop"). Here, for a listener of Listen, Serve accepts with accept4(2) on a duplicate of
 // the listening socket and puts each connection straight into an event
 // loop's epoll set (poller.adoptFD); Go's netpoller never holds it unless
 // the connection goes to the lean loop. The accepted sockets inherit
 // TCP_NODELAY and the keepalive from the listening socket (Listen).
 
-// acceptCheck is how often the raw accept loop, idle, looks whether its
-// listener was closed under it rather than through the Server: only then
-// would nothing wake it.
-var acceptCheck = time.Second
+// listener is Listen's: a TCP listener whose Close also closes the
+// duplicates the raw accept loop accepts on, so that nothing is accepted
+// after it returns and the port is free.
+type listener struct {
+	*net.TCPListener
+	closed atomic.Bool // set before the duplicates close
+	mu     sync.Mutex  // guards dups
+	dups   map[*os.File]struct{}
+}
 
-// rawListener is a duplicate of ln's socket for the raw accept loop, or
-// nil when ln is not for it: not plain TCP, over TLS, without an event
-// loop to put connections in, or without TCP_NODELAY and a keepalive on
-// the listening socket (Listen sets both), which its connections inherit
-// from the moment they are made. Go's Accept would set them on each one.
-func (s *Server) rawListener(ln net.Listener, ka *net.KeepAliveConfig) *os.File {
-	tl, ok := ln.(*net.TCPListener)
-	if !ok || ka == nil || s.certs != nil {
+// Close closes l and its duplicates. A duplicate's close waits for an
+// accept loop inside it to leave, which it does once it sees closed.
+func (l *listener) Close() error {
+	l.mu.Lock()
+	l.closed.Store(true)
+	dups := l.dups
+	l.dups = nil
+	l.mu.Unlock()
+	for f := range dups {
+		f.Close()
+	}
+	return l.TCPListener.Close()
+}
+
+// dup is a duplicate of l's socket, closed with l; nil once l is closed
+// or when no descriptor is left for it.
+func (l *listener) dup() *os.File {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closed.Load() {
 		return nil
 	}
-	rc, err := tl.SyscallConn()
+	rc, err := l.SyscallConn()
 	if err != nil {
 		return nil
 	}
-	fd, nodelay := -1, 0
+	fd := -1
 	if cerr := rc.Control(func(s uintptr) {
-		if nodelay, err = unix.GetsockoptInt(int(s), unix.IPPROTO_TCP, unix.TCP_NODELAY); err == nil && nodelay != 0 {
-			fd, err = unix.FcntlInt(s, unix.F_DUPFD_CLOEXEC, 0)
-		}
-	}); cerr != nil || err != nil || fd < 0 {
+		fd, err = unix.FcntlInt(s, unix.F_DUPFD_CLOEXEC, 0)
+	}); cerr != nil || err != nil {
 		return nil
 	}
-	if s.poller() == nil {
-		unix.Close(fd)
-		return nil
-	}
-	// Non-blocking as ln's is (the flag is the socket's, shared by the
+	// Non-blocking as l's is (the flag is the socket's, shared by the
 	// duplicate), so os.NewFile puts it in Go's netpoller, where the
 	// loop waits for connections without a thread.
-	return os.NewFile(uintptr(fd), "listener")
+	f := os.NewFile(uintptr(fd), "listener")
+	if l.dups == nil {
+		l.dups = make(map[*os.File]struct{})
+	}
+	l.dups[f] = struct{}{}
+	return f
 }
 
-// serveRaw is Serve's accept loop on lf, a duplicate of ln (rawListener).
-// It returns when the server closes (stopLean closes lf), when ln is
-// closed (seen within acceptCheck), or when hs's Serve ends.
-func (s *Server) serveRaw(lf *os.File, ln net.Listener, pass *passListener, hs *http.Server, ka *net.KeepAliveConfig, errc <-chan error) error {
-	defer lf.Close()
-	s.mu.Lock()
-	if s.closing.Load() {
-		s.mu.Unlock()
-		return http.ErrServerClosed
+// release closes f, a duplicate of l's socket that an accept loop is done
+// with.
+func (l *listener) release(f *os.File) {
+	l.mu.Lock()
+	delete(l.dups, f)
+	l.mu.Unlock()
+	f.Close()
+}
+
+// rawListener is ln for the raw accept loop, and a duplicate of its
+// socket to accept on; nil when ln is not for it: not Listen's (whose
+// connections inherit TCP_NODELAY and the keepalive from the listening
+// socket, from the moment the kernel makes them; Go's Accept sets them
+// on each one), over TLS, closed, or with no event loop to put
+// connections in.
+func (s *Server) rawListener(ln net.Listener, ka *net.KeepAliveConfig) (*listener, *os.File) {
+	l, ok := ln.(*listener)
+	if !ok || ka == nil || s.certs != nil || s.poller() == nil {
+		return nil, nil
 	}
-	s.rawListeners = append(s.rawListeners, lf)
-	s.mu.Unlock()
+	f := l.dup()
+	if f == nil {
+		return nil, nil
+	}
+	return l, f
+}
+
+// serveRaw is Serve's accept loop on lf, a duplicate of l's socket. It
+// returns when the server closes (which closes l), when l is closed, or
+// when hs's Serve ends.
+func (s *Server) serveRaw(l *listener, lf *os.File, pass *passListener, hs *http.Server, ka *net.KeepAliveConfig, errc <-chan error) error {
+	defer l.release(lf)
 	rc, err := lf.SyscallConn()
 	if err != nil {
 		return err
 	}
-	lnc, _ := ln.(syscall.Conn).SyscallConn() // a *net.TCPListener's: no error
 	var delay time.Duration
 	for {
 		var aerr error
-		_ = lf.SetReadDeadline(time.Now().Add(acceptCheck))
 		err := rc.Read(func(fd uintptr) bool {
-			for !s.closing.Load() {
+			for !s.closing.Load() && !l.closed.Load() {
 				nfd, remote, err := accept(int(fd))
 				switch err {
 				case nil:
@@ -104,15 +138,10 @@ func (s *Server) serveRaw(lf *os.File, ln net.Listener, pass *passListener, hs *
 		if err := s.ended(errc); err != nil {
 			return err
 		}
-		switch {
-		case errors.Is(err, os.ErrDeadlineExceeded):
-			if lnc.Control(func(uintptr) {}) != nil {
-				return net.ErrClosed // ln was closed under the Server
-			}
-			continue
-		case err != nil:
-			return err
-		case aerr == nil:
+		if err != nil || l.closed.Load() {
+			return net.ErrClosed // l was closed under the Server
+		}
+		if aerr == nil {
 			continue
 		}
 		// EMFILE, ENFILE, ENOBUFS...: as Serve's Go accept loop.
@@ -152,7 +181,7 @@ func (s *Server) takeFD(fd int, remote net.Addr, pass *passListener, hs *http.Se
 	if tc, ok := c.(*net.TCPConn); ok {
 		_ = tc.SetKeepAliveConfig(*ka) // net.FileConn set Go's
 	}
-	lc := &leanConn{Conn: &trackedConn{Conn: c, open: &s.conns}}
+	lc := &leanConn{Conn: &trackedConn{Conn: c, open: &s.conns}, remote: remote}
 	if !s.trackLean(lc, true, false) {
 		lc.Close()
 		return
@@ -186,10 +215,7 @@ func tcpAddr(rsa *unix.RawSockaddrAny) *net.TCPAddr {
 		a := (*unix.RawSockaddrInet6)(unsafe.Pointer(rsa))
 		addr := &net.TCPAddr{IP: append(net.IP(nil), a.Addr[:]...), Port: int(port(a.Port))}
 		if a.Scope_id != 0 {
-			addr.Zone = strconv.Itoa(int(a.Scope_id))
-			if ifi, err := net.InterfaceByIndex(int(a.Scope_id)); err == nil {
-				addr.Zone = ifi.Name
-			}
+			addr.Zone = zoneName(int(a.Scope_id))
 		}
 		return addr
 	}
@@ -200,4 +226,21 @@ func tcpAddr(rsa *unix.RawSockaddrAny) *net.TCPAddr {
 func port(p uint16) uint16 {
 	b := (*[2]byte)(unsafe.Pointer(&p))
 	return uint16(b[0])<<8 | uint16(b[1])
+}
+
+// zones are the names of interfaces by index, as Go's Accept names an
+// IPv6 link-local peer's zone: asking the kernel (a netlink dump of every
+// interface) for each such connection would cost more than the accept.
+var zones sync.Map // int → string
+
+func zoneName(i int) string {
+	if name, ok := zones.Load(i); ok {
+		return name.(string)
+	}
+	name := strconv.Itoa(i)
+	if ifi, err := net.InterfaceByIndex(i); err == nil {
+		name = ifi.Name
+	}
+	zones.Store(i, name)
+	return name
 }

@@ -45,8 +45,8 @@ func (s *Server) Serve(ln net.Listener, hs *http.Server) error {
 	errc := make(chan error, 1)
 	go func() { errc <- hs.Serve(pass) }()
 	defer pass.Close()
-	if lf := s.rawListener(ln, ka); lf != nil {
-		return s.serveRaw(lf, ln, pass, hs, ka, errc)
+	if l, lf := s.rawListener(ln, ka); l != nil {
+		return s.serveRaw(l, lf, pass, hs, ka, errc)
 	}
 	var delay time.Duration
 	for {
@@ -353,13 +353,10 @@ func (s *Server) stopLean() {
 	for _, p := range s.pollers {
 		p.wake()
 	}
-	passes, lns, raws := s.passes, s.listeners, s.rawListeners
+	passes, lns := s.passes, s.listeners
 	s.mu.Unlock()
 	for _, ln := range lns {
 		ln.Close()
-	}
-	for _, lf := range raws {
-		lf.Close() // wakes serveRaw
 	}
 	for _, p := range passes {
 		p.Close()

@@ -527,7 +527,7 @@ func (st *hubStream) letGo() {
 // remote is st's peer address, for a log line.
 func (st *hubStream) remote() string {
 	if st.conn != nil {
-		return st.conn.RemoteAddr().String()
+		return addrOf(st.conn.RemoteAddr())
 	}
 	sa, err := unix.Getpeername(int(st.fd))
 	if err != nil {

@@ -53,6 +53,27 @@ type leanConn struct {
 	idle atomic.Bool // waiting for the next request
 	// peer is the client certificate of a TLS connection (auth.go).
 	peer *auth.Peer
+	// remote is the peer's address as accepted, for a connection an
+	// event loop hands over or the raw accept loop passes on: it goes
+	// through net.FileConn, which gives none for a socket whose peer
+	// has reset it already.
+	remote net.Addr
+}
+
+// RemoteAddr is the peer's address as accepted.
+func (c *leanConn) RemoteAddr() net.Addr {
+	if c.remote != nil {
+		return c.remote
+	}
+	return c.Conn.RemoteAddr()
+}
+
+// addrOf is a for a log line; "?" for none.
+func addrOf(a net.Addr) string {
+	if a == nil {
+		return "?"
+	}
+	return a.String()
 }
 
 // leanPaths are the paths the lean loop answers, all POSTs with a core
@@ -80,7 +101,7 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server, ho
 			// As net/http does: log, keep serving the others; this
 			// connection's request gets an answer, and then it closes.
 			// A stream that took the connection has it: no answer then.
-			s.panicked(p, lc.RemoteAddr().String())
+			s.panicked(p, addrOf(lc.RemoteAddr()))
 			if rq.took {
 				passed = true
 			} else if serving && bw != nil {
@@ -203,7 +224,7 @@ func (s *Server) serveLean(lc *leanConn, pass *passListener, hs *http.Server, ho
 			// net/http sets its own deadlines, but only those it is
 			// configured for: ours must not linger.
 			_ = lc.SetDeadline(time.Time{})
-			var pc net.Conn = &passedConn{Conn: lc.Conn, r: br, peer: lc.peer}
+			var pc net.Conn = &passedConn{Conn: lc.Conn, r: br, peer: lc.peer, remote: lc.RemoteAddr()}
 			br = nil // net/http reads it now: not pooled
 			if tc, ok := lc.Conn.(*tls.Conn); ok {
 				pc = passedTLSConn{passedConn: pc.(*passedConn), tc: tc}
@@ -731,9 +752,12 @@ func (l *passListener) Addr() net.Addr { return l.addr }
 // passedConn gives net/http the bytes the lean loop had read, then the rest.
 type passedConn struct {
 	net.Conn
-	r    *bufio.Reader
-	peer *auth.Peer // the client certificate, over TLS
+	r      *bufio.Reader
+	peer   *auth.Peer // the client certificate, over TLS
+	remote net.Addr   // leanConn's
 }
+
+func (c *passedConn) RemoteAddr() net.Addr { return c.remote }
 
 func (c *passedConn) Read(p []byte) (int, error) {
 	if c.r != nil {
@@ -768,7 +792,7 @@ func (s *Server) handshake(lc *leanConn, tc *tls.Conn) (h2, ok bool) {
 	peer, err := s.certs.Handshake(context.Background(), tc)
 	if err != nil {
 		s.am.handshakeErrors.Inc()
-		s.log.Debug("TLS handshake failed", "remote", tc.RemoteAddr().String(), "err", err)
+		s.log.Debug("TLS handshake failed", "remote", addrOf(tc.RemoteAddr()), "err", err)
 		return false, false
 	}
 	_ = tc.SetDeadline(time.Time{})

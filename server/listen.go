@@ -52,5 +52,9 @@ func Listen(ctx context.Context, addr string, ping, deadPeer time.Duration) (net
 			return serr
 		},
 	}
-	return lc.Listen(ctx, "tcp", addr)
+	ln, err := lc.Listen(ctx, "tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	return &listener{TCPListener: ln.(*net.TCPListener)}, nil
 }

@@ -31,7 +31,7 @@ func newMetrics(reg *prometheus.Registry, m lock.Backend) *metrics {
 	}
 	mt.refused = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "dlock_connections_refused_total",
-		Help: "Connections answered 503 overloaded and closed: --max-conns were open.",
+		Help: "Connections answered 503 overloaded and closed: --max-conns were open, or no file descriptor was left to serve the request an event loop had read.",
 	})
 	mt.acceptErrors = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "dlock_accept_errors_total",

@@ -371,8 +371,15 @@ func (p *poller) handTo(pc *pollConn, ho handover) {
 		// No descriptor to spare (EMFILE) for the duplicate. The requests
 		// whose answers are in ho.out have run: those answers still go
 		// out, through f, within the write timeout, from a goroutine of
-		// their own; then the connection closes.
+		// their own; then the connection closes. A request read and not
+		// run (ho.in: without Options.EventLoop, every connection's
+		// first) is answered 503 overloaded, which the client may retry,
+		// rather than dropped unanswered.
 		p.s.log.Warn("an event loop could not hand a connection over; it is closed after the answers it owes", "remote", pc.remote.String(), "err", err)
+		if len(ho.in) > 0 && !ho.close {
+			p.s.metrics.refused.Inc()
+			ho.out = append(ho.out, p.s.overloaded...)
+		}
 		p.s.leanWG.Add(1) // the loop holds one: never from zero
 		go func() {
 			defer p.s.leanWG.Done()
@@ -400,7 +407,7 @@ func (p *poller) handTo(pc *pollConn, ho handover) {
 	if tc, ok := c.(*net.TCPConn); ok && pc.ka != nil {
 		_ = tc.SetKeepAliveConfig(*pc.ka) // net.FileConn set Go's
 	}
-	lc := &leanConn{Conn: &trackedConn{Conn: c, open: &p.s.conns}}
+	lc := &leanConn{Conn: &trackedConn{Conn: c, open: &p.s.conns}, remote: pc.remote}
 	if !p.s.trackLean(lc, true, true) {
 		lc.Close()
 		return

@@ -15,7 +15,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"os"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -134,12 +133,9 @@ type Server struct {
 	closing   atomic.Bool
 	closed    chan struct{}
 	listeners []net.Listener
-	// rawListeners are the duplicates the raw accept loops accept on
-	// (accept.go), closed with the listeners.
-	rawListeners []*os.File
-	passes       []*passListener
-	https        []*http.Server
-	leanConns    map[*leanConn]struct{}
+	passes    []*passListener
+	https     []*http.Server
+	leanConns map[*leanConn]struct{}
 	// forced is set when Shutdown's context ended and it closed the
 	// lean connections unfinished: none is taken after it.
 	forced bool
@@ -356,7 +352,7 @@ func (rq *request) remoteAddr() string {
 	if rq.r != nil {
 		return rq.r.RemoteAddr
 	}
-	return rq.conn.RemoteAddr().String()
+	return addrOf(rq.conn.RemoteAddr())
 }
 
 // tlsState is the connection's TLS state, nil without TLS.
