@@ -14,14 +14,18 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"runtime"
 	"strings"
+	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/dlock/dlock/internal/dlocktest/kit"
 	"github.com/dlock/dlock/lock/memory"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	"golang.org/x/sys/unix"
 )
 
 // reset closes c with a RST (SO_LINGER 0).
@@ -313,4 +317,354 @@ func TestRawAcceptAttackCloseDuringFlood(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestRawAcceptAttackShutdownBoundedWhenHandOverHasNoDescriptor: Shutdown
+// "stops the server within ctx whatever clients do". A connection the
+// event loop could not hand over (EMFILE) writes what it owes from a
+// goroutine of its own (poller.handTo), in poll(2), for up to the write
+// timeout; Shutdown waits for it. A client that pipelined and never reads
+// held Shutdown for the whole write timeout, whatever its ctx: now
+// Shutdown's forced close shuts that socket down, which wakes the poll.
+func TestRawAcceptAttackShutdownBoundedWhenHandOverHasNoDescriptor(t *testing.T) {
+	failed := make(chan struct{}, 1)
+	fileConn = func(f *os.File) (net.Conn, error) {
+		// The socket full for good, as a client that reads nothing
+		// leaves it in the end (the client's kernel here still takes
+		// a few KiB more, by collapsing its queue): the test fills it
+		// the rest of the way, so the answers owed cannot be written.
+		if rc, err := f.SyscallConn(); err == nil {
+			_ = rc.Control(func(fd uintptr) {
+				junk := make([]byte, 4096)
+				for {
+					if _, err := unix.Write(int(fd), junk); err != nil {
+						if err == unix.EAGAIN {
+							pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLOUT}}
+							if n, _ := unix.Poll(pfd, 200); n > 0 {
+								continue
+							}
+						}
+						return
+					}
+				}
+			})
+		}
+		select {
+		case failed <- struct{}{}:
+		default:
+		}
+		return nil, syscall.EMFILE
+	}
+	t.Cleanup(func() { fileConn = net.FileConn })
+	const writeTimeout = time.Minute
+	// The dead-peer timeout (TCP_USER_TIMEOUT) ended such a connection
+	// after 3 s too, and with it the wait: longer here, so that only
+	// Shutdown can.
+	e := newEnvWith(t, envConfig{opts: Options{ReadTimeout: time.Hour, WriteTimeout: writeTimeout}, deadPeer: 2 * time.Minute})
+	e.waitRawListening()
+	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
+		return rc.Control(func(fd uintptr) { _ = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF, 4096) })
+	}}
+	c, err := d.Dial("tcp", e.addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	kit.WaitFor(t, "the connection in the event loop", func() bool { p, _ := e.pollerConns(); return p == 1 })
+	e.srv.mu.Lock()
+	for _, p := range e.srv.pollers {
+		p.mu.Lock()
+		for _, pc := range p.conns {
+			if pc != nil {
+				_ = unix.SetsockoptInt(pc.fd, unix.SOL_SOCKET, unix.SO_SNDBUF, 4096)
+			}
+		}
+		p.mu.Unlock()
+	}
+	e.srv.mu.Unlock()
+	// Pipelined /cancel requests, never read: the answers fill both
+	// socket buffers and the loop must hand the connection over.
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		// Each request 256 bytes, 16 a write: the loop's 4 KiB reads end
+		// between requests, and it hands over only for a full socket.
+		one := ""
+		for pad := 0; len(one) < 256; pad++ {
+			one = rawPost("/lock", fmt.Sprintf(`{"type":"pull","resource_id":"k%s","node_id":"a"}`, strings.Repeat("x", pad)))
+		}
+		if len(one) != 256 {
+			panic(len(one))
+		}
+		req := strings.Repeat(one, 16)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			_ = c.SetWriteDeadline(time.Now().Add(50 * time.Millisecond))
+			if _, err := io.WriteString(c, req); err != nil {
+				var ne net.Error
+				if errors.As(err, &ne) && ne.Timeout() {
+					continue
+				}
+				return
+			}
+		}
+	}()
+	defer func() { close(stop); c.Close(); wg.Wait() }()
+	select {
+	case <-failed:
+	case <-time.After(kit.Patience):
+		t.Fatal("the event loop never handed the connection over")
+	}
+	e.shutdownWithin(t, 4*time.Second, "a hand-over with no descriptor, its answers owed to a client that reads nothing")
+}
+
+// TestRawAcceptAttackShutdownAnswersArrivedFirstRequest: without
+// Options.EventLoop, every new connection of the raw accept loop waits in
+// an event loop with its first request unread. A request that has arrived
+// whole (it is in the server's socket) before Shutdown is called is not
+// "between requests" (docs/DESIGN.md, "When a server closes a
+// connection"): it is answered, with Connection: close. The event loop,
+// woken by stopLean, closed every connection it held without reading
+// them, and the client saw its connection reset with no answer.
+//
+// Deterministic: one poller (GOMAXPROCS 2), held inside a hand-over
+// (fileConn) while the second connection's request arrives and Shutdown
+// begins.
+func TestRawAcceptAttackShutdownAnswersArrivedFirstRequest(t *testing.T) {
+	prev := runtime.GOMAXPROCS(2) // one event loop
+	defer runtime.GOMAXPROCS(prev)
+	entered := make(chan struct{})
+	release := make(chan struct{})
+	var first atomic.Bool
+	fileConn = func(f *os.File) (net.Conn, error) {
+		if first.CompareAndSwap(false, true) {
+			close(entered)
+			<-release
+		}
+		return net.FileConn(f)
+	}
+	t.Cleanup(func() { fileConn = net.FileConn })
+	e := newEnvWith(t, envConfig{goroutines: true})
+	e.waitRawListening()
+	runtime.GOMAXPROCS(prev)
+	e.srv.mu.Lock()
+	np := len(e.srv.pollers)
+	e.srv.mu.Unlock()
+	if np != 1 {
+		t.Fatalf("%d event loops, want 1", np)
+	}
+
+	c1 := e.dial()
+	if _, err := io.WriteString(c1, rawPost("/cancel", smuggleLock)); err != nil {
+		t.Fatal(err)
+	}
+	<-entered // the loop is in c1's hand-over
+
+	c2 := e.dial()
+	req := rawPost("/lock", smuggleLock)
+	if _, err := io.WriteString(c2, req); err != nil {
+		t.Fatal(err)
+	}
+	kit.WaitFor(t, "c2's whole request in its socket, in the event loop", func() bool {
+		e.srv.mu.Lock()
+		defer e.srv.mu.Unlock()
+		for _, p := range e.srv.pollers {
+			p.mu.Lock()
+			for _, pc := range p.conns {
+				if pc != nil {
+					n, err := unix.IoctlGetInt(pc.fd, unix.SIOCINQ)
+					if err == nil && n == len(req) {
+						p.mu.Unlock()
+						return true
+					}
+				}
+			}
+			p.mu.Unlock()
+		}
+		return false
+	})
+
+	done := make(chan error, 1)
+	go func() { done <- e.srv.Shutdown(context.Background()) }()
+	kit.WaitFor(t, "Shutdown to begin", func() bool { return e.srv.closing.Load() })
+	close(release)
+
+	// c1's request was read: answered (trackLean lets a handed-over
+	// connection in while closing).
+	if r, err := http.ReadResponse(bufio.NewReader(c1), nil); err != nil {
+		t.Errorf("c1 (read before Shutdown, then handed over): %v", err)
+	} else {
+		bodyOf(r)
+	}
+	r, err := http.ReadResponse(bufio.NewReader(c2), nil)
+	if err := <-done; err != nil {
+		t.Errorf("Shutdown: %v", err)
+	}
+	if err != nil {
+		t.Fatalf("c2's request had arrived before Shutdown was called, and got no answer: %v (held: %d)", err, e.m.Stats().Held)
+	}
+	body := bodyOf(r)
+	if r.StatusCode != 200 || !r.Close {
+		t.Fatalf("c2: %d close=%v %s", r.StatusCode, r.Close, body)
+	}
+}
+
+// TestRawAcceptAttackListenerAbuse: one listener of Listen, Served twice at once by
+// a server without the event loop, clients connecting throughout, then
+// Close called twice concurrently by its owner and Shutdown by the server:
+// both Serves return, nothing stays counted, the port is free, and every
+// descriptor comes back.
+func TestRawAcceptAttackListenerAbuse(t *testing.T) {
+	m, err := memory.New(context.Background(), memory.DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	before := openFDs(t)
+	srv := New(m, Options{})
+	ln, err := Listen(context.Background(), "127.0.0.1:0", time.Second, 3*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	served := make(chan error, 2)
+	for range 2 {
+		go func() { served <- srv.Serve(ln, &http.Server{Handler: srv}) }()
+	}
+	l := ln.(*listener)
+	kit.WaitFor(t, "two raw accept loops", func() bool {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		return len(l.dups) == 2
+	})
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	var ok, conns atomic.Int64
+	for i := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				c, err := net.Dial("tcp", addr)
+				if err != nil {
+					continue
+				}
+				conns.Add(1)
+				_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+				switch i % 3 {
+				case 0: // a whole request, the answer read
+					fmt.Fprint(c, rawPost("/cancel", smuggleLock))
+					if r, err := http.ReadResponse(bufio.NewReader(c), nil); err == nil {
+						bodyOf(r)
+						ok.Add(1)
+					}
+				case 1: // half a request
+					fmt.Fprint(c, "POST /lock HTTP/1.1\r\nHost: x\r\n")
+				case 2: // a stream
+					fmt.Fprint(c, "GET /subscribe?node_id=n HTTP/1.1\r\nHost: x\r\n\r\n")
+				}
+				c.Close()
+			}
+		}()
+	}
+	kit.WaitFor(t, "a flood", func() bool { return ok.Load() > 100 && conns.Load() > 300 })
+	var cw sync.WaitGroup
+	for range 2 {
+		cw.Add(1)
+		go func() { defer cw.Done(); ln.Close() }()
+	}
+	cw.Wait()
+	if l2, err := net.Listen("tcp", addr); err != nil {
+		t.Errorf("port still bound after Close returned: %v", err)
+	} else {
+		l2.Close()
+	}
+	for range 2 {
+		if err := <-served; !errors.Is(err, net.ErrClosed) {
+			t.Errorf("Serve: %v", err)
+		}
+	}
+	close(stop)
+	wg.Wait()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	if err := srv.Shutdown(ctx); err != nil {
+		t.Logf("Shutdown: %v", err)
+	}
+	kit.WaitFor(t, "no connection counted", func() bool { return srv.conns.Load() == 0 })
+	kit.Await(t, "every descriptor back", func() error {
+		if got := openFDs(t); got > before {
+			return fmt.Errorf("%d descriptors open, %d before", got, before)
+		}
+		return nil
+	})
+}
+
+// TestRawAcceptAttackShutdownDuringFloodNoEventLoop: Shutdown with a short context
+// while clients flood a server without the event loop, many of them
+// sending half a request and holding it: Shutdown returns within about its
+// context, and nothing stays counted.
+func TestRawAcceptAttackShutdownDuringFloodNoEventLoop(t *testing.T) {
+	e := newEnvWith(t, envConfig{goroutines: true, opts: Options{ReadTimeout: time.Hour, WriteTimeout: time.Hour}})
+	e.waitRawListening()
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	var n atomic.Int64
+	var mu sync.Mutex
+	var held []net.Conn
+	for i := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				c, err := net.Dial("tcp", e.addr())
+				if err != nil {
+					continue
+				}
+				n.Add(1)
+				if i%2 == 0 {
+					fmt.Fprint(c, "POST /lock HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+				}
+				mu.Lock()
+				held = append(held, c)
+				mu.Unlock()
+			}
+		}()
+	}
+	defer func() {
+		mu.Lock()
+		for _, c := range held {
+			c.Close()
+		}
+		mu.Unlock()
+	}()
+	kit.WaitFor(t, "a flood", func() bool { return n.Load() > 300 })
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	err := e.srv.Shutdown(ctx)
+	took := time.Since(start)
+	close(stop)
+	wg.Wait()
+	t.Logf("Shutdown: %v after %v, %d connections", err, took.Round(time.Millisecond), n.Load())
+	if took > 3*time.Second {
+		t.Fatalf("Shutdown with a 300 ms context took %v", took)
+	}
+	kit.WaitFor(t, "no connection counted", func() bool { return e.srv.conns.Load() == 0 })
 }

@@ -363,6 +363,30 @@ func (s *Server) stopLean() {
 	}
 }
 
+// owe registers fd, a connection whose owed answers a goroutine of its
+// own writes without a net.Conn (poller.handTo), for Shutdown to cut
+// short when its context ends; false when it has already: write nothing.
+func (s *Server) owe(fd int) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.forced {
+		return false
+	}
+	if s.owing == nil {
+		s.owing = make(map[int]struct{})
+	}
+	s.owing[fd] = struct{}{}
+	return true
+}
+
+// paid takes fd out of owing before it is closed: its number may be
+// another file's after.
+func (s *Server) paid(fd int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.owing, fd)
+}
+
 // Close stops Serve: its listeners close, idle lean connections close, and
 // the others finish the request they serve first; it waits for them. Call
 // it after Drain and before http.Server.Shutdown, which finishes the
@@ -396,6 +420,11 @@ func (s *Server) Shutdown(ctx context.Context) error {
 		s.forced = true
 		for lc := range s.leanConns {
 			lc.Close()
+		}
+		// A shut-down socket wakes the poll(2) its writer waits in,
+		// and fails the writes and reads after it.
+		for fd := range s.owing {
+			_ = unix.Shutdown(fd, unix.SHUT_RDWR)
 		}
 		s.mu.Unlock()
 		<-streams // they end at once, their connections closed

@@ -197,11 +197,12 @@ func (p *poller) run() {
 			p.closeAll(err != unix.EBADF)
 			return
 		}
+		now := time.Since(p.start)
 		if p.s.closing.Load() {
+			p.serveArrived(events, buf, now)
 			p.closeAll(true)
 			return
 		}
-		now := time.Since(p.start)
 		for _, ev := range events[:max(n, 0)] {
 			p.mu.Lock()
 			pc := p.get(int(ev.Fd))
@@ -224,6 +225,35 @@ func (p *poller) run() {
 		if now-yielded >= 5*time.Millisecond {
 			yielded = now
 			runtime.Gosched()
+		}
+	}
+}
+
+// serveArrived serves, as the server closes, the connections whose
+// requests have arrived: they are not between requests, and closed
+// unread they would get a reset for an answer (docs/DESIGN.md, "When a
+// server closes a connection"). Without Options.EventLoop every new
+// connection waits here for its first request. Each one served leaves the
+// loop (answered with Connection: close, or handed over, which a closing
+// server still takes), so a few rounds see them all.
+func (p *poller) serveArrived(events []unix.EpollEvent, buf []byte, now time.Duration) {
+	var out, scratch []byte
+	for range 64 {
+		n, err := unix.EpollWait(p.epfd, events, 0)
+		if err != nil || n == 0 {
+			return
+		}
+		for _, ev := range events[:n] {
+			p.mu.Lock()
+			pc := p.get(int(ev.Fd))
+			p.mu.Unlock()
+			if pc != nil {
+				pc.last = now
+				out, scratch = p.serve(pc, buf, out[:0], scratch[:0])
+			}
+		}
+		if n < len(events) {
+			return
 		}
 	}
 }
@@ -381,9 +411,10 @@ func (p *poller) handTo(pc *pollConn, ho handover) {
 			ho.out = append(ho.out, p.s.overloaded...)
 		}
 		p.s.leanWG.Add(1) // the loop holds one: never from zero
+		owed := p.s.owe(pc.fd)
 		go func() {
 			defer p.s.leanWG.Done()
-			if rc, err := f.SyscallConn(); err == nil && len(ho.out) > 0 {
+			if rc, err := f.SyscallConn(); err == nil && len(ho.out) > 0 && owed {
 				_ = rc.Write(func(fd uintptr) bool {
 					writeOwed(int(fd), ho.out, time.Now().Add(p.s.writeTimeout))
 					return true
@@ -398,6 +429,7 @@ func (p *poller) handTo(pc *pollConn, ho handover) {
 					return true
 				})
 			}
+			p.s.paid(pc.fd)
 			f.Close()
 			p.s.conns.Add(-1)
 		}()

@@ -139,6 +139,10 @@ type Server struct {
 	// forced is set when Shutdown's context ended and it closed the
 	// lean connections unfinished: none is taken after it.
 	forced bool
+	// owing are the descriptors of connections an event loop could not
+	// hand over, whose owed answers are written without a net.Conn
+	// (poller.handTo): Shutdown's forced close reaches them through it.
+	owing  map[int]struct{}
 	leanWG sync.WaitGroup
 	// leanWaiting are the lean goroutines waiting for a connection
 	// (leanWorker), each by the channel startLean hands it one on;

@@ -132,6 +132,7 @@ type envConfig struct {
 	prep       func(*Server)                   // called before serving
 	wrap       func(net.Listener) net.Listener // wraps the listener Serve gets
 	goAccept   bool                            // net.Listen's listener: Go's Accept, not the raw accept loop
+	deadPeer   time.Duration                   // Listen's; DefaultDeadPeer if zero
 	idle       time.Duration                   // the http.Server's IdleTimeout
 }
 
@@ -171,7 +172,11 @@ func newEnvWith(t testing.TB, ec envConfig) *env {
 			// As dlock serve listens: the raw accept loop (accept.go)
 			// takes it.
 			ts.Listener.Close()
-			l, err := Listen(context.Background(), "127.0.0.1:0", DefaultPingInterval, DefaultDeadPeer)
+			deadPeer := DefaultDeadPeer
+			if ec.deadPeer > 0 {
+				deadPeer = ec.deadPeer
+			}
+			l, err := Listen(context.Background(), "127.0.0.1:0", DefaultPingInterval, deadPeer)
 			if err != nil {
 				t.Fatal(err)
 			}

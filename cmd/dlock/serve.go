@@ -105,7 +105,7 @@ func serveFlags(fs *pflag.FlagSet) *serveConfig {
 	fs.StringVar(&c.dataDir, "data-dir", defaultDataDir(), "directory of durable state, one server each: the token ceiling, and references with refcount=server (\"\": none; tokens then rest on the wall clock)")
 	fs.TextVar(&c.logLevel, "log-level", slog.LevelInfo, "log level: debug, info, warn or error")
 	fs.StringVar(&c.debug, "debug-listen", "", "serve Go's pprof profiles on this address (e.g. 127.0.0.1:6060); off by default")
-	fs.BoolVar(&c.eventLoop, "event-loop", true, "serve plain-TCP keep-alive connections from one event loop (epoll) instead of a goroutine each; always off with --refcount=server, whose unlocks may wait for the disk")
+	fs.BoolVar(&c.eventLoop, "event-loop", true, "answer plain-TCP keep-alive connections' requests from one event loop (epoll) instead of a goroutine each; always off with --refcount=server, whose unlocks may wait for the disk, and on etcd (off, the loop still holds new connections until their first request)")
 	fs.IntVar(&c.conns.max, "max-conns", 0, fmt.Sprintf("most open client connections; past it a new one is answered 503 overloaded (0: the open-file limit minus %d, at most %d)", connsReserve, maxConnsCap))
 	fs.DurationVar(&c.conns.read, "read-timeout", server.DefaultReadTimeout, "time a request's headers and body have to arrive")
 	fs.DurationVar(&c.conns.write, "write-timeout", server.DefaultWriteTimeout, "longest a write (an answer or an event) waits for a client that does not read")
