@@ -23,10 +23,34 @@ import (
 	"time"
 
 	"github.com/dlock/dlock/internal/dlocktest/kit"
-	"github.com/dlock/dlock/lock/memory"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"golang.org/x/sys/unix"
 )
+
+// flood dials addr from workers goroutines as fast as it can and hands
+// each connection made to each, with the worker's number; stop ends the
+// flood and waits for it.
+func flood(addr string, workers int, each func(worker int, c net.Conn)) (stop func()) {
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	for i := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-done:
+					return
+				default:
+				}
+				if c, err := net.Dial("tcp", addr); err == nil {
+					each(i, c)
+				}
+			}
+		}()
+	}
+	return func() { close(done); wg.Wait() }
+}
 
 // reset closes c with a RST (SO_LINGER 0).
 func reset(t *testing.T, c net.Conn) {
@@ -103,16 +127,7 @@ func TestRawAcceptAttackResetThenPanic(t *testing.T) {
 }
 
 func resetThenPanicChild(t *testing.T) {
-	e := newEnvWith(t, envConfig{goroutines: true, prep: func(s *Server) {
-		rt := s.routes["/cancel"]
-		core := rt.core
-		rt.core = func(ctx context.Context, body, buf []byte) (int, []byte) {
-			if strings.Contains(string(body), "boom") {
-				panic("boom")
-			}
-			return core(ctx, body, buf)
-		}
-	}})
+	e := newEnvWith(t, envConfig{goroutines: true, prep: panicOnBoom})
 	e.waitRawListening()
 	// No seam: on loopback the client's RST nearly always reaches the
 	// socket before the event loop hands it over (about 295 times in
@@ -226,22 +241,15 @@ func TestRawAcceptAttackFloodPastMaxConns(t *testing.T) {
 // TestRawAcceptAttackIPv6: a listener of Listen on [::1] takes the raw accept loop
 // and serves, in both modes.
 func TestRawAcceptAttackIPv6(t *testing.T) {
+	if l, err := net.Listen("tcp", "[::1]:0"); err != nil {
+		t.Skipf("SKIPPED LOUDLY: no IPv6 loopback here: %v", err)
+	} else {
+		l.Close()
+	}
 	for _, l := range loops {
 		t.Run(l.name, func(t *testing.T) {
-			m, err := memory.New(context.Background(), memory.DefaultConfig())
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer m.Close()
-			srv := New(m, Options{EventLoop: !l.goroutines})
-			ln, err := Listen(context.Background(), "[::1]:0", time.Second, 3*time.Second)
-			if err != nil {
-				t.Skipf("SKIPPED LOUDLY: no IPv6 loopback here: %v", err)
-			}
-			served := make(chan error, 1)
-			go func() { served <- srv.Serve(ln, &http.Server{Handler: srv}) }()
+			srv, ln, served := listenAndServe(t, Options{EventLoop: !l.goroutines}, "[::1]:0", 1)
 			defer func() { srv.Close(); <-served }()
-			kit.WaitFor(t, "the raw accept loop", func() bool { return rawAccepting(ln) })
 			c, err := net.Dial("tcp", ln.Addr().String())
 			if err != nil {
 				t.Fatal(err)
@@ -261,51 +269,20 @@ func TestRawAcceptAttackIPv6(t *testing.T) {
 func TestRawAcceptAttackCloseDuringFlood(t *testing.T) {
 	for _, l := range loops {
 		t.Run(l.name, func(t *testing.T) {
-			m, err := memory.New(context.Background(), memory.DefaultConfig())
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer m.Close()
-			srv := New(m, Options{EventLoop: !l.goroutines})
-			ln, err := Listen(context.Background(), "127.0.0.1:0", time.Second, 3*time.Second)
-			if err != nil {
-				t.Fatal(err)
-			}
+			srv, ln, served := listenAndServe(t, Options{EventLoop: !l.goroutines}, "127.0.0.1:0", 1)
 			addr := ln.Addr().String()
-			served := make(chan error, 1)
-			go func() { served <- srv.Serve(ln, &http.Server{Handler: srv}) }()
-			kit.WaitFor(t, "the raw accept loop", func() bool { return rawAccepting(ln) })
-			stop := make(chan struct{})
-			flooding := make(chan struct{})
 			var accepted atomic.Int64
-			for range 8 {
-				go func() {
-					defer func() { flooding <- struct{}{} }()
-					for {
-						select {
-						case <-stop:
-							return
-						default:
-						}
-						c, err := net.Dial("tcp", addr)
-						if err != nil {
-							continue
-						}
-						accepted.Add(1)
-						fmt.Fprint(c, rawPost("/cancel", smuggleLock))
-						c.Close()
-					}
-				}()
-			}
+			stop := flood(addr, 8, func(_ int, c net.Conn) {
+				accepted.Add(1)
+				fmt.Fprint(c, rawPost("/cancel", smuggleLock))
+				c.Close()
+			})
 			kit.WaitFor(t, "a flood", func() bool { return accepted.Load() > 200 })
 			srv.Close()
 			if err := <-served; !errors.Is(err, http.ErrServerClosed) {
 				t.Errorf("Serve: %v", err)
 			}
-			close(stop)
-			for range 8 {
-				<-flooding
-			}
+			stop()
 			if l2, err := net.Listen("tcp", addr); err != nil {
 				t.Errorf("port still bound after Close and Serve returned: %v", err)
 			} else {
@@ -362,26 +339,9 @@ func TestRawAcceptAttackShutdownBoundedWhenHandOverHasNoDescriptor(t *testing.T)
 	// Shutdown can.
 	e := newEnvWith(t, envConfig{opts: Options{ReadTimeout: time.Hour, WriteTimeout: writeTimeout}, deadPeer: 2 * time.Minute})
 	e.waitRawListening()
-	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
-		return rc.Control(func(fd uintptr) { _ = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF, 4096) })
-	}}
-	c, err := d.Dial("tcp", e.addr())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.Close() })
+	c := e.dialSmallReceive()
 	kit.WaitFor(t, "the connection in the event loop", func() bool { p, _ := e.pollerConns(); return p == 1 })
-	e.srv.mu.Lock()
-	for _, p := range e.srv.pollers {
-		p.mu.Lock()
-		for _, pc := range p.conns {
-			if pc != nil {
-				_ = unix.SetsockoptInt(pc.fd, unix.SOL_SOCKET, unix.SO_SNDBUF, 4096)
-			}
-		}
-		p.mu.Unlock()
-	}
-	e.srv.mu.Unlock()
+	e.shrinkPolledSendBuffers()
 	// Pipelined /cancel requests, never read: the answers fill both
 	// socket buffers and the loop must hand the connection over.
 	stop := make(chan struct{})
@@ -521,63 +481,27 @@ func TestRawAcceptAttackShutdownAnswersArrivedFirstRequest(t *testing.T) {
 // both Serves return, nothing stays counted, the port is free, and every
 // descriptor comes back.
 func TestRawAcceptAttackListenerAbuse(t *testing.T) {
-	m, err := memory.New(context.Background(), memory.DefaultConfig())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close()
 	before := openFDs(t)
-	srv := New(m, Options{})
-	ln, err := Listen(context.Background(), "127.0.0.1:0", time.Second, 3*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	srv, ln, served := listenAndServe(t, Options{}, "127.0.0.1:0", 2)
 	addr := ln.Addr().String()
-	served := make(chan error, 2)
-	for range 2 {
-		go func() { served <- srv.Serve(ln, &http.Server{Handler: srv}) }()
-	}
-	l := ln.(*listener)
-	kit.WaitFor(t, "two raw accept loops", func() bool {
-		l.mu.Lock()
-		defer l.mu.Unlock()
-		return len(l.dups) == 2
-	})
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
 	var ok, conns atomic.Int64
-	for i := range 8 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				c, err := net.Dial("tcp", addr)
-				if err != nil {
-					continue
-				}
-				conns.Add(1)
-				_ = c.SetDeadline(time.Now().Add(5 * time.Second))
-				switch i % 3 {
-				case 0: // a whole request, the answer read
-					fmt.Fprint(c, rawPost("/cancel", smuggleLock))
-					if r, err := http.ReadResponse(bufio.NewReader(c), nil); err == nil {
-						bodyOf(r)
-						ok.Add(1)
-					}
-				case 1: // half a request
-					fmt.Fprint(c, "POST /lock HTTP/1.1\r\nHost: x\r\n")
-				case 2: // a stream
-					fmt.Fprint(c, "GET /subscribe?node_id=n HTTP/1.1\r\nHost: x\r\n\r\n")
-				}
-				c.Close()
+	stop := flood(addr, 8, func(i int, c net.Conn) {
+		conns.Add(1)
+		_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+		switch i % 3 {
+		case 0: // a whole request, the answer read
+			fmt.Fprint(c, rawPost("/cancel", smuggleLock))
+			if r, err := http.ReadResponse(bufio.NewReader(c), nil); err == nil {
+				bodyOf(r)
+				ok.Add(1)
 			}
-		}()
-	}
+		case 1: // half a request
+			fmt.Fprint(c, "POST /lock HTTP/1.1\r\nHost: x\r\n")
+		case 2: // a stream
+			fmt.Fprint(c, "GET /subscribe?node_id=n HTTP/1.1\r\nHost: x\r\n\r\n")
+		}
+		c.Close()
+	})
 	kit.WaitFor(t, "a flood", func() bool { return ok.Load() > 100 && conns.Load() > 300 })
 	var cw sync.WaitGroup
 	for range 2 {
@@ -595,8 +519,7 @@ func TestRawAcceptAttackListenerAbuse(t *testing.T) {
 			t.Errorf("Serve: %v", err)
 		}
 	}
-	close(stop)
-	wg.Wait()
+	stop()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
 	if err := srv.Shutdown(ctx); err != nil {
@@ -618,35 +541,18 @@ func TestRawAcceptAttackListenerAbuse(t *testing.T) {
 func TestRawAcceptAttackShutdownDuringFloodNoEventLoop(t *testing.T) {
 	e := newEnvWith(t, envConfig{goroutines: true, opts: Options{ReadTimeout: time.Hour, WriteTimeout: time.Hour}})
 	e.waitRawListening()
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
 	var n atomic.Int64
 	var mu sync.Mutex
 	var held []net.Conn
-	for i := range 8 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				c, err := net.Dial("tcp", e.addr())
-				if err != nil {
-					continue
-				}
-				n.Add(1)
-				if i%2 == 0 {
-					fmt.Fprint(c, "POST /lock HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
-				}
-				mu.Lock()
-				held = append(held, c)
-				mu.Unlock()
-			}
-		}()
-	}
+	stop := flood(e.addr(), 8, func(i int, c net.Conn) {
+		n.Add(1)
+		if i%2 == 0 {
+			fmt.Fprint(c, "POST /lock HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+		}
+		mu.Lock()
+		held = append(held, c)
+		mu.Unlock()
+	})
 	defer func() {
 		mu.Lock()
 		for _, c := range held {
@@ -660,8 +566,7 @@ func TestRawAcceptAttackShutdownDuringFloodNoEventLoop(t *testing.T) {
 	start := time.Now()
 	err := e.srv.Shutdown(ctx)
 	took := time.Since(start)
-	close(stop)
-	wg.Wait()
+	stop()
 	t.Logf("Shutdown: %v after %v, %d connections", err, took.Round(time.Millisecond), n.Load())
 	if took > 3*time.Second {
 		t.Fatalf("Shutdown with a 300 ms context took %v", took)

@@ -17,23 +17,44 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// rawAccepting reports whether a raw accept loop (accept.go) accepts on
-// ln.
-func rawAccepting(ln net.Listener) bool {
+// rawLoops counts the raw accept loops (accept.go) that accept on ln.
+func rawLoops(ln net.Listener) int {
 	l, ok := ln.(*listener)
 	if !ok {
-		return false
+		return 0
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return len(l.dups) == 1
+	return len(l.dups)
+}
+
+// listenAndServe serves a fresh memory server with opts on a listener of
+// Listen at addr, from serves goroutines, once their raw accept loops
+// accept; served gets what each Serve returns.
+func listenAndServe(t *testing.T, opts Options, addr string, serves int) (srv *Server, ln net.Listener, served chan error) {
+	t.Helper()
+	m, err := memory.New(context.Background(), memory.DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m.Close() })
+	srv = New(m, opts)
+	if ln, err = Listen(context.Background(), addr, time.Second, 3*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	served = make(chan error, serves)
+	for range serves {
+		go func() { served <- srv.Serve(ln, &http.Server{Handler: srv}) }()
+	}
+	kit.WaitFor(t, "the raw accept loops", func() bool { return rawLoops(ln) == serves })
+	return srv, ln, served
 }
 
 // waitRawListening waits until Serve has taken the raw accept loop for
 // its listener: without it, the tests below would test Go's Accept.
 func (e *env) waitRawListening() {
 	e.t.Helper()
-	kit.WaitFor(e.t, "Serve in the raw accept loop", func() bool { return rawAccepting(e.ts.Listener) })
+	kit.WaitFor(e.t, "Serve in the raw accept loop", func() bool { return rawLoops(e.ts.Listener) == 1 })
 }
 
 // polledFD is the descriptor of the one connection an event loop holds,
@@ -168,20 +189,8 @@ func TestRawAcceptAddresses(t *testing.T) {
 // through the Server, takes nothing more once Close returns, frees its
 // port, and ends Serve with net.ErrClosed.
 func TestRawAcceptListenerClosedUnder(t *testing.T) {
-	m, err := memory.New(context.Background(), memory.DefaultConfig())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close()
-	srv := New(m, Options{EventLoop: true})
+	srv, ln, served := listenAndServe(t, Options{EventLoop: true}, "127.0.0.1:0", 1)
 	defer srv.Close()
-	ln, err := Listen(context.Background(), "127.0.0.1:0", time.Second, 3*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	served := make(chan error, 1)
-	go func() { served <- srv.Serve(ln, &http.Server{Handler: srv}) }()
-	kit.WaitFor(t, "the raw accept loop", func() bool { return rawAccepting(ln) })
 	ln.Close()
 	if c, err := net.Dial("tcp", ln.Addr().String()); err == nil {
 		c.Close()
@@ -200,7 +209,7 @@ func TestRawAcceptListenerClosedUnder(t *testing.T) {
 	case <-time.After(kit.Patience):
 		t.Fatal("Serve did not return after its listener closed")
 	}
-	if rawAccepting(ln) {
+	if rawLoops(ln) != 0 {
 		t.Fatal("the closed listener keeps a duplicate")
 	}
 }

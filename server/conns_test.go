@@ -320,17 +320,20 @@ func TestPanicRecovered(t *testing.T) {
 	}
 }
 
-func testPanicRecovered(t *testing.T, goroutines bool) {
-	e := newEnvWith(t, envConfig{goroutines: goroutines, prep: func(s *Server) {
-		rt := s.routes["/cancel"]
-		core := rt.core
-		rt.core = func(ctx context.Context, body, buf []byte) (int, []byte) {
-			if strings.Contains(string(body), "boom") {
-				panic("boom")
-			}
-			return core(ctx, body, buf)
+// panicOnBoom makes s's /cancel panic for a resource named boom.
+func panicOnBoom(s *Server) {
+	rt := s.routes["/cancel"]
+	core := rt.core
+	rt.core = func(ctx context.Context, body, buf []byte) (int, []byte) {
+		if strings.Contains(string(body), "boom") {
+			panic("boom")
 		}
-	}})
+		return core(ctx, body, buf)
+	}
+}
+
+func testPanicRecovered(t *testing.T, goroutines bool) {
+	e := newEnvWith(t, envConfig{goroutines: goroutines, prep: panicOnBoom})
 	boom := `{"type":"pull","resource_id":"boom","node_id":"a"}`
 	for _, raw := range []string{
 		rawPost("/cancel", boom), // the lean loop

@@ -149,16 +149,7 @@ func TestPollerByteAtATime(t *testing.T) {
 // after a hand-over to net/http, mid-request; the server closes it for
 // Connection: close, or for a panic. It ends at 0, never below.
 func TestPollerConnCountExact(t *testing.T) {
-	e := pollerEnv(t, envConfig{prep: func(s *Server) {
-		rt := s.routes["/cancel"]
-		core := rt.core
-		rt.core = func(ctx context.Context, body, buf []byte) (int, []byte) {
-			if strings.Contains(string(body), "boom") {
-				panic("boom")
-			}
-			return core(ctx, body, buf)
-		}
-	}})
+	e := pollerEnv(t, envConfig{prep: panicOnBoom})
 	base := e.srv.conns.Load()
 	var cs []net.Conn
 	// In the event loop, between requests.

@@ -31,6 +31,38 @@ func (e *env) pollerConns() (polled, goroutines int) {
 	return polled, len(e.srv.leanConns)
 }
 
+// dialSmallReceive connects with a small receive buffer, set before it
+// connects: a few dozen answers fill it. The connection is closed after
+// the test.
+func (e *env) dialSmallReceive() net.Conn {
+	e.t.Helper()
+	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
+		return rc.Control(func(fd uintptr) { _ = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF, 4096) })
+	}}
+	c, err := d.Dial("tcp", e.addr())
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	e.t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// shrinkPolledSendBuffers makes the send buffer of every connection the
+// event loops hold small: a client that reads nothing fills it soon.
+func (e *env) shrinkPolledSendBuffers() {
+	e.srv.mu.Lock()
+	defer e.srv.mu.Unlock()
+	for _, p := range e.srv.pollers {
+		p.mu.Lock()
+		for _, pc := range p.conns {
+			if pc != nil {
+				_ = unix.SetsockoptInt(pc.fd, unix.SOL_SOCKET, unix.SO_SNDBUF, 4096)
+			}
+		}
+		p.mu.Unlock()
+	}
+}
+
 // TestEventLoopHandsOver: the event loop holds a connection between
 // requests, without a goroutine; a request that arrives in two parts
 // moves the connection to a goroutine of its own, which answers it and
@@ -152,30 +184,13 @@ func TestEventLoopHandOverWithoutDescriptor(t *testing.T) {
 	// Small socket buffers at both ends, the client's set before it
 	// connects: a few dozen answers fill them, and the event loop must
 	// hand the connection over with answers it could not write.
-	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
-		return rc.Control(func(fd uintptr) { _ = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF, 4096) })
-	}}
-	c, err := d.Dial("tcp", e.addr())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.Close() })
+	c := e.dialSmallReceive()
 	_ = c.SetDeadline(time.Now().Add(kit.Patience))
 	if r := exchange(t, c, rawPost("/cancel", smuggleLock)); r.StatusCode != 200 {
 		t.Fatal(r.StatusCode)
 	}
 	kit.WaitFor(t, "the connection in the event loop", func() bool { p, _ := e.pollerConns(); return p == 1 })
-	e.srv.mu.Lock()
-	for _, p := range e.srv.pollers {
-		p.mu.Lock()
-		for _, pc := range p.conns {
-			if pc != nil {
-				_ = unix.SetsockoptInt(pc.fd, unix.SOL_SOCKET, unix.SO_SNDBUF, 4096)
-			}
-		}
-		p.mu.Unlock()
-	}
-	e.srv.mu.Unlock()
+	e.shrinkPolledSendBuffers()
 	// Locks on distinct keys, each request 256 bytes and written 16 at a
 	// time, so that the event loop's reads (4 KiB) end between requests.
 	const n = 4000
