@@ -1,8 +1,10 @@
 package server
 
 import (
+	"encoding/binary"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"strconv"
 	"sync"
@@ -163,7 +165,7 @@ func (s *Server) takeFD(fd int, remote net.Addr, pass *passListener, hs *http.Se
 		}
 	}
 	f := os.NewFile(uintptr(fd), "")
-	c, err := fileConn(f)
+	c, err := fileTCPConn(f, ka)
 	f.Close()
 	if err != nil {
 		// No descriptor to spare for Go's copy: the connection closes,
@@ -178,15 +180,8 @@ func (s *Server) takeFD(fd int, remote net.Addr, pass *passListener, hs *http.Se
 		s.refuse(c)
 		return
 	}
-	if tc, ok := c.(*net.TCPConn); ok {
-		_ = tc.SetKeepAliveConfig(*ka) // net.FileConn set Go's
-	}
 	lc := &leanConn{Conn: &trackedConn{Conn: c, open: &s.conns}, remote: remote}
-	if !s.trackLean(lc, true, false) {
-		lc.Close()
-		return
-	}
-	s.startLean(leanJob{lc: lc, pass: pass, hs: hs})
+	s.startConn(leanJob{lc: lc, pass: pass, hs: hs}, false)
 }
 
 // accept is accept4(2) on the non-blocking listening socket lfd: a
@@ -207,25 +202,27 @@ func accept(lfd int) (int, net.Addr, error) {
 // tcpAddr is an accepted connection's peer address as Go's Accept gives
 // it.
 func tcpAddr(rsa *unix.RawSockaddrAny) *net.TCPAddr {
+	var ap netip.AddrPort
 	switch rsa.Addr.Family {
 	case unix.AF_INET:
 		a := (*unix.RawSockaddrInet4)(unsafe.Pointer(rsa))
-		return &net.TCPAddr{IP: append(net.IP(nil), a.Addr[:]...), Port: int(port(a.Port))}
+		ap = netip.AddrPortFrom(netip.AddrFrom4(a.Addr), port(a.Port))
 	case unix.AF_INET6:
 		a := (*unix.RawSockaddrInet6)(unsafe.Pointer(rsa))
-		addr := &net.TCPAddr{IP: append(net.IP(nil), a.Addr[:]...), Port: int(port(a.Port))}
+		ip := netip.AddrFrom16(a.Addr)
 		if a.Scope_id != 0 {
-			addr.Zone = zoneName(int(a.Scope_id))
+			ip = ip.WithZone(zoneName(int(a.Scope_id)))
 		}
-		return addr
+		ap = netip.AddrPortFrom(ip, port(a.Port))
+	default:
+		return &net.TCPAddr{}
 	}
-	return &net.TCPAddr{}
+	return net.TCPAddrFromAddrPort(ap)
 }
 
-// port is a port in network byte order, as the kernel gives it.
+// port is a port as the kernel gives it, in network byte order.
 func port(p uint16) uint16 {
-	b := (*[2]byte)(unsafe.Pointer(&p))
-	return uint16(b[0])<<8 | uint16(b[1])
+	return binary.BigEndian.Uint16((*[2]byte)(unsafe.Pointer(&p))[:])
 }
 
 // zones are the names of interfaces by index, as Go's Accept names an

@@ -432,22 +432,12 @@ func TestRawAcceptAttackShutdownAnswersArrivedFirstRequest(t *testing.T) {
 		t.Fatal(err)
 	}
 	kit.WaitFor(t, "c2's whole request in its socket, in the event loop", func() bool {
-		e.srv.mu.Lock()
-		defer e.srv.mu.Unlock()
-		for _, p := range e.srv.pollers {
-			p.mu.Lock()
-			for _, pc := range p.conns {
-				if pc != nil {
-					n, err := unix.IoctlGetInt(pc.fd, unix.SIOCINQ)
-					if err == nil && n == len(req) {
-						p.mu.Unlock()
-						return true
-					}
-				}
-			}
-			p.mu.Unlock()
-		}
-		return false
+		arrived := false
+		e.eachPolled(func(pc *pollConn) {
+			n, err := unix.IoctlGetInt(pc.fd, unix.SIOCINQ)
+			arrived = arrived || (err == nil && n == len(req))
+		})
+		return arrived
 	})
 
 	done := make(chan error, 1)

@@ -62,20 +62,11 @@ func (e *env) waitRawListening() {
 func (e *env) polledFD() (fd int, remote string) {
 	e.t.Helper()
 	kit.WaitFor(e.t, "one connection in an event loop", func() bool {
-		e.srv.mu.Lock()
-		defer e.srv.mu.Unlock()
-		fd = -1
 		n := 0
-		for _, p := range e.srv.pollers {
-			p.mu.Lock()
-			for _, pc := range p.conns {
-				if pc != nil {
-					fd, remote = pc.fd, pc.remote.String()
-					n++
-				}
-			}
-			p.mu.Unlock()
-		}
+		e.eachPolled(func(pc *pollConn) {
+			fd, remote = pc.fd, pc.remote.String()
+			n++
+		})
 		return n == 1
 	})
 	return fd, remote

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"os"
 	"runtime"
 	"runtime/debug"
 	"slices"
@@ -78,13 +79,33 @@ func (s *Server) Serve(ln net.Listener, hs *http.Server) error {
 			// (serveLean), never in this accept loop.
 			conn = tls.Server(conn, s.certs.Config())
 		}
-		lc := &leanConn{Conn: conn}
-		if !s.trackLean(lc, true, false) {
-			lc.Close()
-			continue
-		}
-		s.startLean(leanJob{lc: lc, pass: pass, hs: hs})
+		s.startConn(leanJob{lc: &leanConn{Conn: conn}, pass: pass, hs: hs}, false)
 	}
+}
+
+// startConn serves j's connection, counted in s.conns, from a lean
+// goroutine; handedOver as trackLean's. A server that closes takes it no
+// more: it is closed.
+func (s *Server) startConn(j leanJob, handedOver bool) {
+	if !s.trackLean(j.lc, true, handedOver) {
+		j.lc.Close()
+		return
+	}
+	s.startLean(j)
+}
+
+// fileTCPConn is a connection of Go's netpoller on a duplicate of f's
+// socket, with ka, the listener's keepalive (listenerKeepAlive): without
+// it, net.FileConn gives the socket Go's.
+func fileTCPConn(f *os.File, ka *net.KeepAliveConfig) (net.Conn, error) {
+	c, err := fileConn(f)
+	if err != nil {
+		return nil, err
+	}
+	if tc, ok := c.(*net.TCPConn); ok && ka != nil {
+		_ = tc.SetKeepAliveConfig(*ka)
+	}
+	return c, nil
 }
 
 // ended is why Serve ends, if it must: the server closed, or the

@@ -203,16 +203,7 @@ func (p *poller) run() {
 			p.closeAll(true)
 			return
 		}
-		for _, ev := range events[:max(n, 0)] {
-			p.mu.Lock()
-			pc := p.get(int(ev.Fd))
-			p.mu.Unlock()
-			if pc == nil {
-				continue // the eventfd, or a connection closed in this batch
-			}
-			pc.last = now
-			out, scratch = p.serve(pc, buf, out[:0], scratch[:0])
-		}
+		out, scratch = p.serveReady(events[:max(n, 0)], now, buf, out, scratch)
 		if now >= nextSweep {
 			swept = now
 			p.sweep(now)
@@ -243,19 +234,27 @@ func (p *poller) serveArrived(events []unix.EpollEvent, buf []byte, now time.Dur
 		if err != nil || n == 0 {
 			return
 		}
-		for _, ev := range events[:n] {
-			p.mu.Lock()
-			pc := p.get(int(ev.Fd))
-			p.mu.Unlock()
-			if pc != nil {
-				pc.last = now
-				out, scratch = p.serve(pc, buf, out[:0], scratch[:0])
-			}
-		}
+		out, scratch = p.serveReady(events[:n], now, buf, out, scratch)
 		if n < len(events) {
 			return
 		}
 	}
+}
+
+// serveReady serves the connections epoll reported in events. out and
+// scratch are the loop's buffers, returned for the next round.
+func (p *poller) serveReady(events []unix.EpollEvent, now time.Duration, buf, out, scratch []byte) (_, _ []byte) {
+	for _, ev := range events {
+		p.mu.Lock()
+		pc := p.get(int(ev.Fd))
+		p.mu.Unlock()
+		if pc == nil {
+			continue // the eventfd, or a connection closed in this batch
+		}
+		pc.last = now
+		out, scratch = p.serve(pc, buf, out[:0], scratch[:0])
+	}
+	return out, scratch
 }
 
 // serve reads what one connection sent and answers it. out and scratch
@@ -396,7 +395,7 @@ func (p *poller) handOver(pc *pollConn, ho handover) {
 // its own.
 func (p *poller) handTo(pc *pollConn, ho handover) {
 	f := os.NewFile(uintptr(pc.fd), "")
-	c, err := fileConn(f) // a duplicate, in Go's netpoller
+	c, err := fileTCPConn(f, pc.ka)
 	if err != nil {
 		// No descriptor to spare (EMFILE) for the duplicate. The requests
 		// whose answers are in ho.out have run: those answers still go
@@ -436,15 +435,8 @@ func (p *poller) handTo(pc *pollConn, ho handover) {
 		return
 	}
 	f.Close()
-	if tc, ok := c.(*net.TCPConn); ok && pc.ka != nil {
-		_ = tc.SetKeepAliveConfig(*pc.ka) // net.FileConn set Go's
-	}
 	lc := &leanConn{Conn: &trackedConn{Conn: c, open: &p.s.conns}, remote: pc.remote}
-	if !p.s.trackLean(lc, true, true) {
-		lc.Close()
-		return
-	}
-	p.s.startLean(leanJob{lc: lc, pass: pc.pass, hs: pc.hs, ho: ho})
+	p.s.startConn(leanJob{lc: lc, pass: pc.pass, hs: pc.hs, ho: ho}, true)
 }
 
 // writeOwed writes b to the non-blocking descriptor fd, waiting in

@@ -50,13 +50,21 @@ func (e *env) dialSmallReceive() net.Conn {
 // shrinkPolledSendBuffers makes the send buffer of every connection the
 // event loops hold small: a client that reads nothing fills it soon.
 func (e *env) shrinkPolledSendBuffers() {
+	e.eachPolled(func(pc *pollConn) {
+		_ = unix.SetsockoptInt(pc.fd, unix.SOL_SOCKET, unix.SO_SNDBUF, 4096)
+	})
+}
+
+// eachPolled calls f on every connection the event loops hold, under
+// their locks.
+func (e *env) eachPolled(f func(pc *pollConn)) {
 	e.srv.mu.Lock()
 	defer e.srv.mu.Unlock()
 	for _, p := range e.srv.pollers {
 		p.mu.Lock()
 		for _, pc := range p.conns {
 			if pc != nil {
-				_ = unix.SetsockoptInt(pc.fd, unix.SOL_SOCKET, unix.SO_SNDBUF, 4096)
+				f(pc)
 			}
 		}
 		p.mu.Unlock()
