@@ -91,6 +91,18 @@ func TestServeSurvivesEMFILE(t *testing.T) {
 		waitErr = cmd.Wait()
 		close(exited)
 	}()
+	// The address is logged before Serve starts, and Serve opens
+	// descriptors of its own (an event loop's epoll set and eventfd, a
+	// duplicate of the listening socket): counted before them, the limit
+	// would leave the server one descriptor, enough to accept a
+	// connection and never to hand one to a goroutine. An answer says
+	// Serve runs.
+	warm := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
+	if resp, err := warm.Get("http://" + addr + "/healthz"); err != nil {
+		t.Fatalf("before lowering the limit: %v", err)
+	} else {
+		resp.Body.Close()
+	}
 	pid := cmd.Process.Pid
 	fds, err := os.ReadDir("/proc/" + strconv.Itoa(pid) + "/fd")
 	if err != nil {
