@@ -177,6 +177,33 @@ func TestAttackLeasedCloseWhileQueued(t *testing.T) {
 	t.Logf("Close and its calls took %v", time.Since(start))
 }
 
+// TestAttackGroupQueuedAfterClose: a transaction that reaches the grouper
+// after Close (its call began before) ends with ErrClosed, though its
+// caller's context never ends: the runners that end the queue's
+// transactions at Close have left. TestAttackLeasedCloseWhileQueued lost
+// this race in CI, when a goroutine of its own queued after Close.
+func TestAttackGroupQueuedAfterClose(t *testing.T) {
+	b := newHeldBackend(t, &holdEtcd{marker: "/never-", release: make(chan struct{})})
+	if err := b.Close(); err != nil {
+		t.Fatal(err)
+	}
+	for _, leased := range []bool{true, false} {
+		errc := make(chan error, 1)
+		go func() { errc <- leasedPut(context.Background(), b.g, b.n.p+"/late", leased) }()
+		select {
+		case err := <-errc:
+			if !errors.Is(err, lock.ErrClosed) {
+				t.Errorf("leased %v, queued after Close: %v, want %v", leased, err, lock.ErrClosed)
+			}
+		case <-time.After(kit.Patience):
+			t.Fatalf("leased %v, queued after Close: still waits %v later", leased, kit.Patience)
+		}
+	}
+	if b.g.queued() {
+		t.Error("a transaction queued after Close stays in the queue")
+	}
+}
+
 // TestAttackLeasedStress: leased and plain transactions, some with short
 // contexts, while the keepalives' lag moves between none, slow and held
 // and some requests are held before they are sent: every call returns

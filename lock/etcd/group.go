@@ -325,6 +325,23 @@ func (g *grouper) do(ctx context.Context, p *pending, leased bool) (*pending, er
 		}
 		g.mu.Unlock()
 		return nil, g.b.etcdErr("transaction", ctx.Err())
+	case <-g.b.ctx.Done():
+		// The runners end what is queued when the backend closes (run);
+		// p may have been queued after they left, and a caller's context
+		// may never end. One taken is in a request made with the
+		// backend's context, which has ended: its outcome comes soon.
+		g.mu.Lock()
+		taken := p.taken
+		if !taken {
+			g.q = removePending(g.q, p)
+			g.count(p, -1)
+		}
+		g.mu.Unlock()
+		if !taken {
+			return nil, lock.ErrClosed
+		}
+		<-p.ready
+		return p, p.err
 	}
 }
 
