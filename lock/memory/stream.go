@@ -195,5 +195,12 @@ func (m *Backend) Subscribe(ctx context.Context, req lock.SubscribeRequest) (loc
 		}
 		m.obs.add(*observe, st)
 	}
+	// Close may have gone through the tables before st was in them (it
+	// checked closed above, before Close began): nothing else would end
+	// st, and its reader would wait on it for ever.
+	if m.closed.Load() {
+		st.Close()
+		return nil, lock.Subscription{}, lock.ErrClosed
+	}
 	return st, sub, nil
 }
