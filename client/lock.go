@@ -622,7 +622,10 @@ func (c *Client) watch(k lock.Key, token uint64, tried bool, sent time.Time, ms 
 		old.cancel(ErrLockLost) // the grant it named was replaced by another token's
 	}
 	c.held[k] = h
-	if !c.monitor {
+	// Not once Close has begun (under c.mu, as here): its Wait may be
+	// under way, and a goroutine added then would outlive it. The hold's
+	// context, made of the Client's, has ended already.
+	if !c.monitor && !c.closed {
 		c.monitor = true
 		c.wg.Go(c.watchHolds)
 	}

@@ -43,6 +43,15 @@ func (c *Client) ensureSession(ctx context.Context) *session {
 	s := c.sess
 	if s == nil {
 		s = &session{c: c, tried: make(chan struct{}), changed: make(chan struct{})}
+		if c.closed {
+			// Close has begun (under c.mu, as here) and may be in its
+			// Wait: no goroutine starts. A stream that is never up
+			// makes a wait poll, as for a server out of reach.
+			s.lastErr = ErrClosed
+			close(s.tried)
+			c.mu.Unlock()
+			return s
+		}
 		c.sess = s
 		c.wg.Go(s.run)
 	}

@@ -81,10 +81,13 @@ type Store struct {
 	// stops a call there, between two of its steps.
 	testHook func(step string, lost <-chan struct{})
 
-	// background retries of unlocks that failed inside containerd's calls
-	ctx    context.Context
-	cancel context.CancelFunc
-	wg     sync.WaitGroup
+	// background retries of unlocks that failed inside containerd's calls;
+	// none starts once closing is set (under mu), so that each is added to
+	// wg before Close waits for it.
+	ctx     context.Context
+	cancel  context.CancelFunc
+	wg      sync.WaitGroup
+	closing bool
 }
 
 var _ content.Store = (*Store)(nil)
@@ -199,6 +202,9 @@ func prepareRoot(root *os.Root, ingestRel string) error {
 
 // Close stops background work. It does not close the client.
 func (s *Store) Close() error {
+	s.mu.Lock()
+	s.closing = true
+	s.mu.Unlock()
 	s.cancel()
 	s.wg.Wait()
 	s.open.close()
@@ -496,6 +502,11 @@ func (s *Store) unlock(ctx context.Context, req client.Request, token uint64, op
 	cancel()
 	if err == nil || !retryableUnlock(err) {
 		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closing {
+		return // retries end with the store: s.ctx has ended
 	}
 	s.wg.Go(func() {
 		for wait := 100 * time.Millisecond; ; wait = min(2*wait, 5*time.Second) {
