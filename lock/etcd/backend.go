@@ -257,6 +257,11 @@ func (b *Backend) Close() error {
 		return lock.ErrClosed
 	}
 	b.cancel()
+	// currentRev starts its reader, if b.ctx had not ended, under revMu:
+	// one started before this has been added to wg before Wait below.
+	b.s.revMu.Lock()
+	//lint:ignore SA2001 a barrier, not a critical section
+	b.s.revMu.Unlock()
 	b.s.closeAll()
 	b.vw.stop()
 	b.w.mu.Lock()
