@@ -364,10 +364,11 @@ func (c *Client) authorize(req *http.Request) {
 	}
 }
 
-// Close stops the session stream and the held-lock monitor, and closes the
-// idle connections of the default ShortClient and LongClient. It does not
-// unlock anything: held locks are released by the server when the session's
-// grace or their ttl runs out.
+// Close stops the session stream and the held-lock monitor, ends every call
+// that waits with ErrClosed (a Lock or Acquire in line leaves it first),
+// and closes the idle connections of the default ShortClient and
+// LongClient. It does not unlock anything: held locks are released by the
+// server when the session's grace or their ttl runs out.
 func (c *Client) Close() error {
 	if err := c.init(); err != nil && !errors.Is(err, ErrClosed) {
 		return err

@@ -7,6 +7,7 @@ import (
 
 	"github.com/dlock/dlock/api"
 	"github.com/dlock/dlock/internal/dlocktest"
+	"github.com/dlock/dlock/internal/dlocktest/kit"
 )
 
 // TestCloseBegunStartsNoGoroutine: once Close has marked the Client closed
@@ -46,4 +47,53 @@ func TestCloseBegunStartsNoGoroutine(t *testing.T) {
 		t.Fatalf("after Close began: a session stream started %v, the holds' monitor started %v", sess != nil, monitor)
 	}
 	c.wg.Wait() // nothing to wait for; goleak (TestMain) finds a goroutine started anyway
+}
+
+// TestCloseEndsWaits: Close ends the calls that wait, with ErrClosed: a
+// Lock queued behind another node's hold, which leaves the line (else
+// the node would be granted the key with nobody to release it), and a
+// Lock of the same key waiting behind it for this Client's turn.
+func TestCloseEndsWaits(t *testing.T) {
+	srv := dlocktest.Start(t, dlocktest.Options{})
+	a := newClient(t, srv, "a")
+	b := newClient(t, srv, "b")
+	if r, err := a.Lock(t.Context(), pull); err != nil || !r.Acquired {
+		t.Fatalf("a: %+v %v", r, err)
+	}
+	errs := make(chan error, 2)
+	go func() {
+		_, err := b.Lock(t.Context(), pull)
+		errs <- err
+	}()
+	srv.WaitQueued(t, pull.key(), 1)
+	go func() {
+		_, err := b.Lock(t.Context(), pull)
+		errs <- err
+	}()
+	kit.WaitFor(t, "b's second Lock waiting for its turn in b", func() bool {
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		g := b.gates[pull.key()]
+		return g != nil && g.users == 2
+	})
+	if err := b.Close(); err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		select {
+		case err := <-errs:
+			if !errors.Is(err, ErrClosed) {
+				t.Errorf("a Lock waiting at Close: %v, want %v", err, ErrClosed)
+			}
+		case <-time.After(kit.Patience):
+			t.Fatalf("a Lock still waits %v after Close", kit.Patience)
+		}
+	}
+	st, err := a.Status(t.Context(), pull.Type, pull.Resource)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.QueueLength != 0 {
+		t.Fatalf("b closed, still %d in line behind a: %+v", st.QueueLength, st)
+	}
 }

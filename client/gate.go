@@ -35,15 +35,18 @@ func (g *gate) count() uint64 {
 	return n
 }
 
-// acquire waits for the key's turn in this client. skipped reports that a
-// previous holder in this client succeeded while the caller waited.
-func (g *gate) acquire(ctx context.Context) (skipped bool, err error) {
+// acquire waits for the key's turn in this client, until ctx ends or the
+// client closes (closed). skipped reports that a previous holder in this
+// client succeeded while the caller waited.
+func (g *gate) acquire(ctx context.Context, closed <-chan struct{}) (skipped bool, err error) {
 	before := g.count()
 	select {
 	case g.slot <- struct{}{}:
 		return g.count() != before, nil
 	case <-ctx.Done():
 		return false, context.Cause(ctx)
+	case <-closed:
+		return false, ErrClosed
 	}
 }
 

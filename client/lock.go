@@ -294,7 +294,7 @@ func (c *Client) Lock(ctx context.Context, req Request) (Result, error) {
 	}
 	k := req.key()
 	g := c.gate(k)
-	skipped, err := g.acquire(ctx)
+	skipped, err := g.acquire(ctx, c.ctx.Done())
 	if err != nil {
 		c.putGate(k)
 		return Result{}, err
@@ -370,6 +370,9 @@ func (c *Client) waitTurn(ctx context.Context, req Request, leave bool) (res api
 	skip := func(by string) (api.LockResponse, time.Time, string, error) {
 		return api.LockResponse{Skip: true}, sent, by, nil
 	}
+	if c.ctx.Err() != nil {
+		return res, sent, "", ErrClosed // closed while it waited for its turn (gate)
+	}
 	s := c.ensureSession(ctx)
 	w := c.addWaiter(k)
 	defer c.removeWaiter(k, w)
@@ -427,6 +430,15 @@ func (c *Client) waitTurn(ctx context.Context, req Request, leave bool) (res api
 			}
 		case <-ctx.Done():
 			return res, sent, "", abandon(ctx, k)
+		case <-c.ctx.Done():
+			// Closed: the caller waits no more. A Lock or Acquire leaves
+			// the line, or the node would be granted the key with nobody
+			// to release it, and hold up every node behind it until its
+			// session's grace ran out; an Await's caller leaves it.
+			if leave {
+				c.cancelWait(k)
+			}
+			return res, sent, "", ErrClosed
 		}
 		if !relock {
 			continue
@@ -477,7 +489,8 @@ func (c *Client) lockFailed(k lock.Key, err error) error {
 
 // cancelWait sends /cancel for k, best effort.
 func (c *Client) cancelWait(k lock.Key) {
-	cctx, cancel := context.WithTimeout(c.ctx, c.RequestTimeout)
+	// Not ended by Close: a wait that Close ended leaves the line too.
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(c.ctx), c.RequestTimeout)
 	defer cancel()
 	var res api.CancelResponse
 	err := c.call(cctx, "POST", "/cancel", nil, api.KeyRequest{Type: k.Type.String(), ResourceID: k.Resource, NodeID: c.Node}, &res)
