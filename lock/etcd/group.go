@@ -302,6 +302,13 @@ func answer(p *pending, err error) (int64, *pb.TxnResponse, error) {
 func (g *grouper) do(ctx context.Context, p *pending, leased bool) (*pending, error) {
 	p.leased = leased
 	g.mu.Lock()
+	// The runners end what is queued when the backend closes (run), under
+	// g.mu, and leave: a transaction queued after that would wait on its
+	// caller's context alone, which may never end.
+	if g.b.ctx.Err() != nil {
+		g.mu.Unlock()
+		return nil, lock.ErrClosed
+	}
 	g.q = append(g.q, p)
 	g.count(p, 1)
 	// A patient transaction (leased, on the home lease) that must wait for
@@ -325,23 +332,6 @@ func (g *grouper) do(ctx context.Context, p *pending, leased bool) (*pending, er
 		}
 		g.mu.Unlock()
 		return nil, g.b.etcdErr("transaction", ctx.Err())
-	case <-g.b.ctx.Done():
-		// The runners end what is queued when the backend closes (run);
-		// p may have been queued after they left, and a caller's context
-		// may never end. One taken is in a request made with the
-		// backend's context, which has ended: its outcome comes soon.
-		g.mu.Lock()
-		taken := p.taken
-		if !taken {
-			g.q = removePending(g.q, p)
-			g.count(p, -1)
-		}
-		g.mu.Unlock()
-		if !taken {
-			return nil, lock.ErrClosed
-		}
-		<-p.ready
-		return p, p.err
 	}
 }
 
