@@ -2,6 +2,7 @@ package client
 
 import (
 	"errors"
+	"net/http"
 	"testing"
 	"time"
 
@@ -95,5 +96,56 @@ func TestCloseEndsWaits(t *testing.T) {
 	}
 	if st.QueueLength != 0 {
 		t.Fatalf("b closed, still %d in line behind a: %+v", st.QueueLength, st)
+	}
+}
+
+// TestCloseEndsWaitsServerSilent: the /cancel a Lock ended by Close sends
+// goes to a server that never answers it; the Lock still returns
+// ErrClosed, after RequestTimeout, not when the server lets go.
+func TestCloseEndsWaitsServerSilent(t *testing.T) {
+	release := make(chan struct{})
+	defer close(release)
+	cancels := make(chan struct{}, 16)
+	srv := dlocktest.Start(t, dlocktest.Options{Wrap: func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path == "/cancel" {
+				cancels <- struct{}{}
+				select {
+				case <-release:
+				case <-r.Context().Done():
+				}
+				return // no answer: the connection closes
+			}
+			next.ServeHTTP(w, r)
+		})
+	}})
+	a := newClient(t, srv, "a")
+	b := newClient(t, srv, "b")
+	b.RequestTimeout = 200 * time.Millisecond
+	b.MaxRetries = -1
+	if r, err := a.Lock(t.Context(), pull); err != nil || !r.Acquired {
+		t.Fatalf("a: %+v %v", r, err)
+	}
+	errc := make(chan error, 1)
+	go func() {
+		_, err := b.Lock(t.Context(), pull)
+		errc <- err
+	}()
+	srv.WaitQueued(t, pull.key(), 1)
+	if err := b.Close(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-errc:
+		if !errors.Is(err, ErrClosed) {
+			t.Fatalf("a Lock waiting at Close, its /cancel unanswered: %v, want %v", err, ErrClosed)
+		}
+	case <-time.After(kit.Patience):
+		t.Fatalf("a Lock whose /cancel the server never answers still waits %v after Close", kit.Patience)
+	}
+	select {
+	case <-cancels:
+	default:
+		t.Fatal("no /cancel reached the server")
 	}
 }
